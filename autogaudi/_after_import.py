@@ -1,0 +1,67 @@
+"""Run a callback right after a module finishes importing, without importing it first.
+
+autogaudi must not import torch in a process that never does (``AUTOGAUDI=1 python -c pass``),
+so patching waits for the user's own ``import torch``. wrapt's ``when_imported`` would do this, but
+importing wrapt costs 110-150 ms here (it pulls in asyncio and importlib.metadata) against a
+start-up budget of 20 ms for every Python process under ``AUTOGAUDI=1``; this one-shot finder costs
+nothing until torch is imported, and wrapt is loaded only then, when patching starts.
+"""
+from __future__ import annotations
+
+import sys
+
+
+class _NotifyingLoader:
+    """Delegates to the real loader and reports the module once it has executed successfully."""
+
+    def __init__(self, loader, on_loaded):
+        self._loader = loader
+        self._on_loaded = on_loaded
+
+    def __getattr__(self, name):
+        return getattr(self._loader, name)
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        self._loader.exec_module(module)
+        # The module should look exactly as if nobody had watched it being imported.
+        module.__loader__ = self._loader
+        if getattr(module, "__spec__", None) is not None:
+            module.__spec__.loader = self._loader
+        self._on_loaded(module)
+
+
+class _ImportWatcher:
+    """A meta-path finder that only ever answers for one module name, and only once."""
+
+    def __init__(self, name: str, on_loaded):
+        self.name = name
+        self.on_loaded = on_loaded
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != self.name:
+            return None
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+        for finder in sys.meta_path:
+            find_spec = getattr(finder, "find_spec", None)
+            spec = find_spec(fullname, path, target) if find_spec else None
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+            spec.loader = _NotifyingLoader(spec.loader, self.on_loaded)
+        return spec
+
+
+def call_after_import(name: str, on_loaded) -> None:
+    """Call ``on_loaded(module)`` now if ``name`` is imported, else right after its import."""
+    module = sys.modules.get(name)
+    if module is not None:
+        on_loaded(module)
+        return
+    if not any(isinstance(f, _ImportWatcher) and f.name == name for f in sys.meta_path):
+        sys.meta_path.insert(0, _ImportWatcher(name, on_loaded))

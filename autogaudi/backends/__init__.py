@@ -1,0 +1,31 @@
+"""Backend detection: HPU, then CUDA, then CPU, unless the ``device`` option names one."""
+from __future__ import annotations
+
+from autogaudi.backends import cpu, cuda, hpu
+from autogaudi.backends.base import Backend, MemoryStats
+
+__all__ = ["Backend", "MemoryStats", "select"]
+
+PROBES = {"hpu": hpu.probe, "cuda": cuda.probe, "cpu": cpu.probe}
+
+
+def select(device: str) -> Backend:
+    """The backend to optimize for; its ``reason`` records why, including what was ruled out.
+
+    A requested device that is not usable falls back to detection (the run goes on) and the reason
+    says so, since failing the user's run over a setting of ours would be worse.
+    """
+    ruled_out = []
+    order = list(PROBES) if device == "auto" else [device] + [name for name in PROBES if name != device]
+    for name in order:
+        try:
+            found = PROBES[name]()
+        except Exception as error:  # a broken driver or bridge install rules the backend out
+            found = f"probe failed: {error!r}"
+        if isinstance(found, Backend):
+            if ruled_out:
+                found.reason += "; " + "; ".join(ruled_out)
+            return found
+        prefix = "requested " if name == device else ""
+        ruled_out.append(f"{prefix}{name}: {found}")
+    raise AssertionError("the CPU backend is always available")

@@ -1,0 +1,79 @@
+"""What a backend offers the optimization units, and the torch-native defaults CUDA and CPU share."""
+from __future__ import annotations
+
+import torch
+
+GB = 1024 ** 3
+
+
+class MemoryStats:
+    """Bytes: in use now, peak in use, and the total the device (or machine) offers."""
+
+    __slots__ = ("allocated", "max_allocated", "total")
+
+    def __init__(self, allocated: int, max_allocated: int, total: int):
+        self.allocated = allocated
+        self.max_allocated = max_allocated
+        self.total = total
+
+    def as_dict(self) -> dict:
+        return {
+            "memory_allocated_gb": round(self.allocated / GB, 3),
+            "max_memory_allocated_gb": round(self.max_allocated / GB, 3),
+            "total_memory_available_gb": round(self.total / GB, 3),
+        }
+
+    def format(self) -> str:
+        return (f"mem {self.allocated / GB:.2f} GB (peak {self.max_allocated / GB:.2f} GB"
+                f" of {self.total / GB:.1f} GB)")
+
+
+class Backend:
+    """The primitives units build on. ``reason`` says why this backend was chosen."""
+
+    name = ""
+    device_type = ""
+    is_lazy = False
+    pin_memory_device = None  # None: pinning memory does nothing for this backend
+    # torch.optim classes with a fused kernel on this backend (torch >= 2.4 for CPU).
+    FUSED_TORCH_OPTIMIZERS = ("Adam", "AdamW", "SGD")
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+    def device_name(self) -> str:
+        raise NotImplementedError
+
+    def mark_step(self) -> None:
+        """Flush queued work (HPU lazy mode); nothing to do on eager backends."""
+
+    def synchronize(self) -> None:
+        """Wait until the device has finished the work issued so far."""
+
+    def memory_stats(self):
+        """A :class:`MemoryStats`, or None where the backend cannot tell."""
+        return None
+
+    def capture_graphs(self, module):
+        """Return ``module`` set up to replay captured graphs, cutting per-step host overhead."""
+        return torch.compile(module)
+
+    def fused_optimizer(self, optimizer_class, params, hyperparameters: dict):
+        """A fused equivalent of ``optimizer_class(params, **hyperparameters)``, or None.
+
+        The user's hyperparameters are passed through unchanged; only ``fused=True`` is added.
+        """
+        if optimizer_class.__name__ not in self.FUSED_TORCH_OPTIMIZERS:
+            return None
+        return optimizer_class(params, **hyperparameters, fused=True)
+
+    def fused_clip_norm(self, parameters, max_norm: float):
+        """A reusable ``clip(parameters) -> total_norm`` for L2 clipping, or None (use torch's)."""
+        return None
+
+    def fused_sdpa(self):
+        """A fused scaled-dot-product attention with FusedSDPA's signature, or None."""
+        return None
+
+    def describe(self) -> dict:
+        return {"name": self.name, "device": self.device_name(), "lazy": self.is_lazy, "reason": self.reason}

@@ -1,0 +1,33 @@
+"""The CUDA backend: torch's own fused kernels and CUDA graphs (via torch.compile)."""
+from __future__ import annotations
+
+import torch
+
+from autogaudi.backends.base import Backend, MemoryStats
+
+
+class CudaBackend(Backend):
+    name = "cuda"
+    device_type = "cuda"
+    pin_memory_device = "cuda"
+
+    def device_name(self) -> str:
+        return torch.cuda.get_device_name()
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize()
+
+    def memory_stats(self):
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        return MemoryStats(torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated(), total)
+
+    def capture_graphs(self, module):
+        # "reduce-overhead" is torch.compile's CUDA-graphs mode: replay instead of re-launching.
+        return torch.compile(module, mode="reduce-overhead")
+
+
+def probe():
+    """A CudaBackend if a CUDA device is usable, else the reason it is not."""
+    if not torch.cuda.is_available():
+        return "torch.cuda.is_available() is False"
+    return CudaBackend(f"{torch.cuda.device_count()} CUDA device(s), torch CUDA {torch.version.cuda}")

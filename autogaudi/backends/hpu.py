@@ -1,0 +1,95 @@
+"""The Intel Gaudi backend, written against the documented ``habana_frameworks.torch`` API.
+
+No Gaudi was available while this was written: it follows ``shared/docs/hpu-api.md`` and is
+exercised against the API-faithful test double in ``tests/hpu_double``. Everything keys off
+``is_lazy()``: lazy mode (``PT_HPU_LAZY_MODE=1``, the default up to Gaudi software 1.19) queues ops
+until ``mark_step()`` and captures graphs with ``ModuleCacher``; eager mode (the default since)
+has no step marks and compiles with ``torch.compile(backend="hpu_backend")``.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+
+import torch
+
+from autogaudi.backends.base import Backend, MemoryStats
+
+# torch.optim arguments the Gaudi fused optimizers do not have, with the value that means "unused".
+_UNSUPPORTED_UNLESS = {"amsgrad": False, "maximize": False, "foreach": None, "capturable": False,
+                       "differentiable": False, "fused": None, "decoupled_weight_decay": False}
+_FUSED_ARGUMENTS = {
+    "FusedAdamW": ("lr", "betas", "eps", "weight_decay"),
+    "FusedSGD": ("lr", "momentum", "weight_decay", "dampening", "nesterov"),
+}
+
+
+class HpuBackend(Backend):
+    name = "hpu"
+    device_type = "hpu"
+    pin_memory_device = "hpu"
+
+    def __init__(self, reason: str, core, hpu, lazy: bool):
+        super().__init__(reason)
+        self._core = core
+        self._hpu = hpu
+        self.is_lazy = lazy
+
+    def device_name(self) -> str:
+        return self._hpu.get_device_name()
+
+    def mark_step(self) -> None:
+        if self.is_lazy:
+            self._core.mark_step()
+
+    def synchronize(self) -> None:
+        self._hpu.synchronize()
+
+    def memory_stats(self):
+        stats = self._hpu.memory_stats()
+        return MemoryStats(stats["InUse"], stats["MaxInUse"], stats["Limit"])
+
+    def capture_graphs(self, module, max_graphs: int = 10):
+        if self.is_lazy:
+            # The Gaudi guide's training API; it must wrap the model before DDP does.
+            return self._hpu.ModuleCacher(max_graphs=max_graphs)(model=module, inplace=True)
+        return torch.compile(module, backend="hpu_backend")
+
+    def fused_optimizer(self, optimizer_class, params, hyperparameters: dict):
+        fused_name = {"AdamW": "FusedAdamW", "SGD": "FusedSGD"}.get(optimizer_class.__name__)
+        if optimizer_class.__name__ == "Adam" and hyperparameters.get("weight_decay", 0) == 0:
+            fused_name = "FusedAdamW"  # without weight decay Adam and AdamW are the same update
+        if fused_name is None:
+            return None
+        for argument, unused in _UNSUPPORTED_UNLESS.items():
+            if hyperparameters.get(argument, unused) != unused:
+                return None
+        optimizers = importlib.import_module("habana_frameworks.torch.hpex.optimizers")
+        # Every value is passed explicitly: FusedAdamW's own defaults (eps 1e-6, weight_decay 0.0)
+        # differ from torch.optim.AdamW's, and the user's run must not change because of that.
+        supported = {key: hyperparameters[key] for key in _FUSED_ARGUMENTS[fused_name] if key in hyperparameters}
+        return getattr(optimizers, fused_name)(params, **supported)
+
+    def fused_clip_norm(self, parameters, max_norm: float):
+        normalization = importlib.import_module("habana_frameworks.torch.hpex.normalization")
+        return normalization.FusedClipNorm(parameters, max_norm).clip_norm
+
+    def fused_sdpa(self):
+        return importlib.import_module("habana_frameworks.torch.hpex.kernels").FusedSDPA
+
+
+def probe():
+    """An HpuBackend if the Gaudi bridge is installed and sees a device, else the reason not."""
+    if importlib.util.find_spec("habana_frameworks") is None:
+        return "habana_frameworks.torch is not installed (it comes with Intel's Gaudi software)"
+    core = importlib.import_module("habana_frameworks.torch.core")  # registers torch.hpu
+    hpu = importlib.import_module("habana_frameworks.torch.hpu")
+    if not hpu.is_available():
+        return "habana_frameworks.torch is installed but hpu.is_available() is False"
+    lazy = bool(core.is_lazy())
+    reason = f"{hpu.device_count()} Gaudi device(s), {'lazy' if lazy else 'eager'} mode"
+    if os.environ.get("PT_HPU_GPU_MIGRATION") == "1" or "habana_frameworks.torch.gpu_migration" in sys.modules:
+        reason += "; GPU migration layer active (torch.cuda calls run on HPU)"
+    return HpuBackend(reason, core, hpu, lazy)

@@ -1,0 +1,186 @@
+"""One typed set of options shared by the launcher, ``enable(**kwargs)`` and the environment.
+
+Each option is declared once below; the CLI flags, the ``AUTOGAUDI_*`` environment variables, the
+``--help`` text and the docs are all derived from that declaration, so they cannot drift apart.
+Precedence is kwargs > CLI > environment > defaults: the launcher writes the CLI flags into the
+environment (so child processes such as torchrun workers inherit them), and ``enable(**kwargs)``
+overlays its keywords on whatever the environment says.
+
+This module is imported by the ``AUTOGAUDI=1`` bootstrap of every Python process, so it avoids
+``typing``/``dataclasses`` and imports nothing heavy.
+"""
+from __future__ import annotations
+
+import os
+
+from autogaudi.errors import OptionsError
+from autogaudi.registry import UNIT_NAMES
+
+DEVICES = ("auto", "hpu", "cuda", "cpu")
+ENV_PREFIX = "AUTOGAUDI_"
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off", "")
+
+
+def _choices(name: str, valid) -> str:
+    return f"valid choices for {name}: {', '.join(valid)}"
+
+
+def parse_bool(name: str, value) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise OptionsError(f"{name}={value!r} is not a boolean; {_choices(name, ('1', '0', 'true', 'false'))}")
+
+
+def _parse_device(name: str, value) -> str:
+    text = str(value).strip().lower()
+    if text not in DEVICES:
+        raise OptionsError(f"{name}={value!r} is not a device; {_choices(name, DEVICES)}")
+    return text
+
+
+def _parse_units(name: str, value) -> tuple:
+    if value is None:
+        return ()
+    items = value.split(",") if isinstance(value, str) else list(value)
+    units = tuple(dict.fromkeys(str(item).strip() for item in items if str(item).strip()))
+    unknown = [unit for unit in units if unit not in UNIT_NAMES]
+    if unknown:
+        raise OptionsError(
+            f"{name}: unknown optimization unit(s) {', '.join(unknown)}; {_choices(name, UNIT_NAMES)}"
+        )
+    return units
+
+
+def _parse_optional_units(name: str, value):
+    return None if value is None or value == "" else _parse_units(name, value)
+
+
+def _parse_count(name: str, value) -> int:
+    try:
+        number = -1 if isinstance(value, bool) else int(value if isinstance(value, int) else str(value).strip())
+    except ValueError:
+        number = -1
+    if number < 0:
+        raise OptionsError(f"{name}={value!r} must be a whole number >= 0")
+    return number
+
+
+def _parse_path(name: str, value):
+    if value is None or str(value).strip() == "":
+        return None
+    return os.fspath(value)
+
+
+class Option:
+    """One setting: its name, default, parser and help line; flag and env names derive from it."""
+
+    __slots__ = ("name", "default", "parse", "help", "metavar")
+
+    def __init__(self, name, default, parse, help, metavar=None):
+        self.name = name
+        self.default = default
+        self.parse = parse
+        self.help = help
+        self.metavar = metavar
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def is_switch(self) -> bool:
+        return self.parse is parse_bool
+
+    def to_env(self, value) -> str:
+        """The environment spelling of a parsed value (inverse of ``parse``)."""
+        if isinstance(value, bool):
+            return "1" if value else "0"
+        if isinstance(value, tuple):
+            return ",".join(value)
+        return "" if value is None else str(value)
+
+
+OPTIONS: tuple = (
+    Option("device", "auto", _parse_device,
+           "backend to optimize for: auto detects hpu, then cuda, then cpu", "{" + ",".join(DEVICES) + "}"),
+    Option("disable", (), _parse_units,
+           "comma-separated optimization units to switch off", "UNIT,..."),
+    Option("only", None, _parse_optional_units,
+           "comma-separated optimization units to consider; all others are switched off", "UNIT,..."),
+    Option("report", None, _parse_path,
+           "also write the exit report as JSON to this path", "PATH"),
+    Option("log_every", 0, _parse_count,
+           "print a progress line every N optimizer steps (0: never)", "N"),
+    Option("warmup_steps", 3, _parse_count,
+           "steps excluded from the timing figures (compilation, caches)", "N"),
+    Option("quiet", False, parse_bool,
+           "do not print the exit report (the JSON report is still written)"),
+)
+OPTIONS_BY_NAME = {option.name: option for option in OPTIONS}
+
+
+class Options:
+    """Resolved, validated, immutable settings for one process."""
+
+    __slots__ = tuple(OPTIONS_BY_NAME)
+
+    def __init__(self, **values):
+        unknown = sorted(set(values) - set(OPTIONS_BY_NAME))
+        if unknown:
+            raise OptionsError(
+                f"unknown option(s) {', '.join(unknown)}; {_choices('options', OPTIONS_BY_NAME)}"
+            )
+        for option in OPTIONS:
+            value = values.get(option.name, option.default)
+            object.__setattr__(self, option.name, option.parse(option.name, value))
+
+    def __setattr__(self, name, value):
+        raise AttributeError("Options are immutable; use replace()")
+
+    @classmethod
+    def from_env(cls, environ=None) -> "Options":
+        environ = os.environ if environ is None else environ
+        values = {}
+        for option in OPTIONS:
+            if option.env in environ:
+                try:
+                    values[option.name] = option.parse(option.env, environ[option.env])
+                except OptionsError as error:
+                    raise OptionsError(f"environment: {error}") from None
+        return cls(**values)
+
+    def replace(self, **changes) -> "Options":
+        return Options(**{**self.as_dict(), **changes})
+
+    def as_dict(self) -> dict:
+        return {option.name: getattr(self, option.name) for option in OPTIONS}
+
+    def env_overrides(self, names) -> dict:
+        """Environment variables that carry the named options to child processes."""
+        return {OPTIONS_BY_NAME[name].env: OPTIONS_BY_NAME[name].to_env(getattr(self, name)) for name in names}
+
+    def unit_switched_off(self, unit: str):
+        """Why the options switch ``unit`` off, or None when they leave it on."""
+        if unit in self.disable:
+            return f"switched off by {OPTIONS_BY_NAME['disable'].flag} / {OPTIONS_BY_NAME['disable'].env}"
+        if self.only is not None and unit not in self.only:
+            return f"not listed in {OPTIONS_BY_NAME['only'].flag} / {OPTIONS_BY_NAME['only'].env}"
+        return None
+
+    def __eq__(self, other):
+        return isinstance(other, Options) and self.as_dict() == other.as_dict()
+
+    __hash__ = None
+
+    def __repr__(self):
+        return "Options(" + ", ".join(f"{k}={v!r}" for k, v in self.as_dict().items()) + ")"

@@ -1,0 +1,91 @@
+"""What autogaudi did in this process: applied / skipped / failed per unit, why, and the figures.
+
+The same content is printed as a table on stderr at exit (rank 0 only) and written as JSON when the
+``report`` option names a path, so a person and a script read the same facts.
+"""
+from __future__ import annotations
+
+import json
+
+from autogaudi._version import __version__
+
+APPLIED, SKIPPED, FAILED = "applied", "skipped", "failed"
+
+
+class UnitRow:
+    """One unit's line in the report."""
+
+    def __init__(self, name: str, summary: str):
+        self.name = name
+        self.summary = summary
+        self.status = SKIPPED
+        self.targets: tuple = ()
+        self.reason = ""
+        self.figures: dict = {}
+        self.notes: list = []
+
+    def set(self, status: str, reason: str = "") -> None:
+        self.status = status
+        self.reason = reason
+
+    def as_dict(self) -> dict:
+        return {"name": self.name, "summary": self.summary, "status": self.status,
+                "targets": list(self.targets), "reason": self.reason,
+                "figures": dict(self.figures), "notes": list(self.notes)}
+
+
+class Report:
+    def __init__(self, *, torch_version, enabled_by, active, backend, options, steps, memory, units):
+        self.torch_version = torch_version
+        self.enabled_by = enabled_by
+        self.active = active
+        self.backend = backend
+        self.options = options
+        self.steps = steps
+        self.memory = memory
+        self.units = units
+
+    @classmethod
+    def not_started(cls, options) -> "Report":
+        return cls(torch_version=None, enabled_by=[], active=False, backend=None,
+                   options=options.as_dict() if options is not None else None,
+                   steps={}, memory=None, units=[])
+
+    def unit(self, name: str) -> dict:
+        return next(row for row in self.units if row["name"] == name)
+
+    def as_dict(self) -> dict:
+        return {"autogaudi": __version__, "torch": self.torch_version, "enabled_by": list(self.enabled_by),
+                "active": self.active, "backend": self.backend, "options": self.options,
+                "steps": self.steps, "memory": self.memory, "units": self.units}
+
+    def to_json(self) -> str:
+        return json.dumps(self.as_dict(), indent=2, default=str)
+
+    def format(self) -> str:
+        if self.backend is None:
+            return f"autogaudi {__version__}: enabled, waiting for torch to be imported\n"
+        backend = self.backend
+        lines = [f"autogaudi {__version__} report (torch {self.torch_version}"
+                 f"{'' if self.active else ', disabled since'})",
+                 f"  backend  {backend['name']}: {backend['device']} ({backend['reason']})",
+                 f"  steps    {_format_steps(self.steps)}"]
+        if self.memory:
+            lines.append("  memory   " + ", ".join(f"{k} {v}" for k, v in self.memory.items()))
+        width = max([len(row["name"]) for row in self.units] + [4])
+        lines.append(f"  {'unit'.ljust(width)}  {'status':<8} reason")
+        for row in self.units:
+            detail = row["reason"]
+            if row["figures"]:
+                detail += (" | " if detail else "") + ", ".join(f"{k}={v}" for k, v in row["figures"].items())
+            lines.append(f"  {row['name'].ljust(width)}  {row['status']:<8} {detail}")
+            lines.extend(f"  {''.ljust(width)}  {'':<8} note: {note}" for note in row["notes"])
+        return "\n".join(lines) + "\n"
+
+
+def _format_steps(steps: dict) -> str:
+    text = f"{steps.get('optimizer_steps', 0)} optimizer steps, {steps.get('backward_passes', 0)} backward passes"
+    if "steps_per_s" in steps:
+        text += (f"; {steps['steps_per_s']} steps/s over {steps['timed_steps']} steps"
+                 f" after {steps['warmup_steps']} warm-up")
+    return text

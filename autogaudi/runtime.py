@@ -1,0 +1,125 @@
+"""The one process-wide guard behind ``python -m autogaudi``, ``enable()`` and ``AUTOGAUDI=1``.
+
+All three entry points land in :func:`enable_with_source`, so autogaudi is configured once per
+process however many of them fire (the launcher's process also has ``AUTOGAUDI=1`` and the ``.pth``
+file; a script under the launcher may call ``enable()`` too). Nothing heavy happens here: the
+session that detects the backend and applies the units starts when torch is imported, or at once
+if it already is.
+"""
+from __future__ import annotations
+
+import atexit
+import sys
+import threading
+
+from autogaudi._after_import import call_after_import
+from autogaudi.options import Options
+
+# Sources that mean "the user asked for autogaudi in this very process": the exit report is printed
+# for them even if no training step was seen. Environment-only processes (workers, helpers) print
+# it only once they have trained, so DataLoader or compile workers stay silent.
+EXPLICIT_SOURCES = ("launcher", "enable")
+
+
+class _Runtime:
+    def __init__(self):
+        self.lock = threading.RLock()
+        self.options = None  # Options while enabled, None while disabled
+        self.sources = []  # the entry points that enabled autogaudi, in order (for the report)
+        self.session = None  # the live Session once torch is imported
+        self.last_session = None  # kept after disable() so report() still answers
+        self.exit_hook_registered = False
+
+
+_STATE = _Runtime()
+
+
+def enable(**options) -> None:
+    """Switch autogaudi on in this process; keywords override the environment (see ``--help``).
+
+    Calling it again with the same options does nothing; with different options it reapplies every
+    unit under the new ones. Raises :class:`autogaudi.OptionsError` for an unknown option, unit
+    name or bad value, before anything is patched.
+    """
+    enable_with_source(options, "enable")
+
+
+def enable_with_source(overrides: dict, source: str) -> None:
+    with _STATE.lock:
+        base = _STATE.options if _STATE.options is not None else Options.from_env()
+        options = base.replace(**overrides) if overrides else base
+        if source not in _STATE.sources:
+            _STATE.sources.append(source)
+        if _STATE.options is not None:
+            if options == _STATE.options:
+                return
+            _stop_session()
+        _STATE.options = options
+        if not _STATE.exit_hook_registered:
+            atexit.register(_report_at_exit)
+            _STATE.exit_hook_registered = True
+    call_after_import("torch", _on_torch_imported)
+
+
+def disable() -> None:
+    """Undo everything autogaudi changed: every patched attribute is the original object again."""
+    with _STATE.lock:
+        _stop_session()
+        _STATE.options = None
+
+
+def is_enabled() -> bool:
+    return _STATE.options is not None
+
+
+def active_options():
+    """The options in force, or None while autogaudi is disabled."""
+    return _STATE.options
+
+
+def report():
+    """The report of the current session (or the last one after ``disable()``).
+
+    ``print(autogaudi.report())`` shows the table; ``.as_dict()`` gives the JSON form. Before torch
+    is imported there is nothing to report yet and the result says so.
+    """
+    from autogaudi.report import Report
+
+    with _STATE.lock:
+        session = _STATE.session or _STATE.last_session
+        return session.report() if session is not None else Report.not_started(_STATE.options)
+
+
+def _on_torch_imported(_torch_module) -> None:
+    # Runs inside the user's `import torch`: whatever goes wrong here must not break that import.
+    with _STATE.lock:
+        if _STATE.options is None or _STATE.session is not None:
+            return
+        try:
+            from autogaudi.session import Session
+
+            session = Session(_STATE.options, tuple(_STATE.sources))
+            session.start()
+        except Exception as error:
+            sys.stderr.write(f"autogaudi: could not start, running plain PyTorch: {error!r}\n")
+            return
+        _STATE.session = session
+
+
+def _stop_session() -> None:
+    session, _STATE.session = _STATE.session, None
+    if session is not None:
+        session.stop()
+        _STATE.last_session = session
+
+
+def _report_at_exit() -> None:
+    with _STATE.lock:
+        session = _STATE.session or _STATE.last_session
+        if session is None:
+            return
+        try:
+            explicit = any(source in EXPLICIT_SOURCES for source in _STATE.sources)
+            session.finish(explicit=explicit)
+        except Exception as error:  # never turn a clean exit into a crash
+            sys.stderr.write(f"autogaudi: could not write the report: {error!r}\n")

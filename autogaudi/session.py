@@ -1,0 +1,111 @@
+"""One activation of autogaudi in a process, from torch's import until ``disable()`` or exit.
+
+The session picks the backend, starts watching training steps, and walks the registry: each unit
+is skipped (switched off by an option, or it does not apply here, with the reason), applied, or
+failed (its ``apply()`` raised: it is reverted at once). A unit that breaks later, at run time,
+is reverted then and the user's run continues. ``stop()`` reverts every applied unit in reverse.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+
+import torch
+
+from autogaudi import backends
+from autogaudi.ranks import is_rank_zero
+from autogaudi.registry import UNITS
+from autogaudi.report import APPLIED, FAILED, SKIPPED, Report, UnitRow
+from autogaudi.steps import TrainingSteps
+from autogaudi.unit import warn
+
+
+class Session:
+    def __init__(self, options, sources: tuple):
+        self.options = options
+        self.sources = sources
+        self.backend = None
+        self.steps = None
+        self.active = False
+        self.applied: list = []  # units in force, in the order they were applied
+        self.rows = {info.name: UnitRow(info.name, info.summary) for info in UNITS}
+
+    def start(self) -> None:
+        self.backend = backends.select(self.options.device)
+        self.steps = TrainingSteps(self.backend, self.options)
+        self.steps.install()
+        self.active = True
+        for info in UNITS:
+            self._start_unit(info)
+
+    def _start_unit(self, info) -> None:
+        row = self.rows[info.name]
+        switched_off = self.options.unit_switched_off(info.name)
+        if switched_off:
+            row.set(SKIPPED, switched_off)
+            return
+        try:
+            module_name, class_name = info.module.split(":")
+            unit = getattr(importlib.import_module(module_name), class_name)(self, info)
+            row.targets = unit.targets
+            reason = unit.skip_reason()
+        except Exception as error:
+            row.set(FAILED, f"could not load: {error!r}")
+            return
+        if reason:
+            row.set(SKIPPED, reason)
+            return
+        try:
+            unit.apply()
+        except Exception as error:
+            self._revert(unit)
+            row.set(FAILED, f"apply() raised {error!r}; reverted")
+            return
+        row.set(APPLIED, unit.reason)
+        self.applied.append(unit)
+
+    def unit_failed_at_run_time(self, unit, error: Exception) -> None:
+        if unit not in self.applied:
+            return
+        self.applied.remove(unit)
+        self._revert(unit)
+        self.rows[unit.name].set(FAILED, f"raised {error!r} at run time; reverted, the run went on without it")
+        warn(f"{unit.name} raised {error!r}; it is switched off and the run goes on without it")
+
+    def _revert(self, unit) -> None:
+        self.steps.forget(unit)
+        try:
+            unit.revert()
+        except Exception as error:
+            unit.notes.append(f"revert() raised {error!r}")
+        self.rows[unit.name].figures.update(unit.figures)
+        self.rows[unit.name].notes.extend(unit.notes)
+        unit.notes.clear()
+
+    def stop(self) -> None:
+        while self.applied:
+            self._revert(self.applied.pop())
+        self.steps.uninstall()
+        self.active = False
+
+    def report(self) -> Report:
+        for unit in self.applied:
+            self.rows[unit.name].figures.update(unit.figures)
+        memory = self.backend.memory_stats()
+        return Report(
+            torch_version=torch.__version__, enabled_by=self.sources, active=self.active,
+            backend=self.backend.describe(), options=self.options.as_dict(), steps=self.steps.figures(),
+            memory=memory.as_dict() if memory else None, units=[row.as_dict() for row in self.rows.values()],
+        )
+
+    def finish(self, explicit: bool) -> None:
+        """At exit: print and write the report, on rank 0, if autogaudi was asked for or trained."""
+        if not (explicit or self.steps.trained) or not is_rank_zero():
+            return
+        report = self.report()
+        if self.options.report:
+            with open(self.options.report, "w", encoding="utf-8") as handle:
+                handle.write(report.to_json())
+        if not self.options.quiet:
+            sys.stderr.write(report.format())
+            sys.stderr.flush()

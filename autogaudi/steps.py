@@ -1,0 +1,100 @@
+"""Where the training steps are: every backward pass and every optimizer step, seen once.
+
+Several units need the same two moments (HPU step marks, throughput, the step profiler), so the
+session watches them once and hands them out: ``torch.autograd.backward`` is wrapped (``loss.backward()``
+and ``scaler.scale(loss).backward()`` both go through it), and optimizer steps come from torch's
+own ``register_optimizer_step_post_hook``, which fires for every optimizer, including
+``GradScaler.step`` and ``step(closure)``. Listeners are units; a listener that raises fails only
+its own unit. Timing reads the clock at step boundaries and adds no device synchronisation.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from autogaudi.ranks import is_rank_zero
+from autogaudi.unit import warn, wrap_attribute
+
+
+class TrainingSteps:
+    def __init__(self, backend, options):
+        self.backend = backend
+        self.options = options
+        self.backwards = 0
+        self.optimizer_steps = 0
+        self._after_backward_listeners: list = []
+        self._after_step_listeners: list = []
+        self._undo: list = []
+        self._timed_from = None  # (step number, clock) once warm-up is over
+        self._last_step_clock = None
+
+    @property
+    def trained(self) -> bool:
+        return self.backwards > 0 or self.optimizer_steps > 0
+
+    def install(self) -> None:
+        self._undo.append(wrap_attribute(torch.autograd, "backward", self._backward))
+        handle = register_optimizer_step_post_hook(self._after_optimizer_step)
+        self._undo.append(handle.remove)
+
+    def uninstall(self) -> None:
+        while self._undo:
+            self._undo.pop()()
+
+    def after_backward(self, unit, listener) -> None:
+        self._after_backward_listeners.append((unit, listener))
+
+    def after_optimizer_step(self, unit, listener) -> None:
+        self._after_step_listeners.append((unit, listener))
+
+    def forget(self, unit) -> None:
+        """Drop a unit's listeners (it was reverted)."""
+        for listeners in (self._after_backward_listeners, self._after_step_listeners):
+            listeners[:] = [(owner, fn) for owner, fn in listeners if owner is not unit]
+
+    def _backward(self, wrapped, instance, args, kwargs):
+        result = wrapped(*args, **kwargs)
+        self.backwards += 1
+        self._notify(self._after_backward_listeners)
+        return result
+
+    def _after_optimizer_step(self, optimizer, args, kwargs) -> None:
+        self.optimizer_steps += 1
+        self._notify(self._after_step_listeners, optimizer)
+        now = time.perf_counter()
+        self._last_step_clock = now
+        if self.optimizer_steps == self.options.warmup_steps + 1:
+            self._timed_from = (self.optimizer_steps, now)
+        every = self.options.log_every
+        if every and self.optimizer_steps % every == 0 and is_rank_zero():
+            self._log_progress()
+
+    def _notify(self, listeners, *args) -> None:
+        for unit, listener in tuple(listeners):
+            with unit.fail_open():
+                listener(*args)
+
+    def figures(self) -> dict:
+        """Counts and the steady-state rate (steps after warm-up, between step boundaries)."""
+        figures = {"backward_passes": self.backwards, "optimizer_steps": self.optimizer_steps}
+        if self._timed_from is not None and self.optimizer_steps > self._timed_from[0]:
+            first_step, first_clock = self._timed_from
+            seconds = self._last_step_clock - first_clock
+            figures["steps_per_s"] = round((self.optimizer_steps - first_step) / seconds, 3)
+            figures["timed_steps"] = self.optimizer_steps - first_step
+        figures["warmup_steps"] = self.options.warmup_steps
+        return figures
+
+    def _log_progress(self) -> None:
+        # The only place that waits for the device, and only every `log_every` steps.
+        self.backend.synchronize()
+        line = f"step {self.optimizer_steps}"
+        rate = self.figures().get("steps_per_s")
+        if rate is not None:
+            line += f" | {rate:.2f} steps/s"
+        memory = self.backend.memory_stats()
+        if memory:
+            line += f" | {memory.format()}"
+        warn(line)

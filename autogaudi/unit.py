@@ -1,0 +1,111 @@
+"""What every optimization unit is: targets, when it applies, apply(), revert(), and fail-open.
+
+A unit never hand-rolls attribute swaps: it patches through :meth:`Unit.wrap` (a wrapt
+``FunctionWrapper``) or registers a torch hook and hands the handle to :meth:`Unit.on_revert`.
+Both record how to undo themselves, so :meth:`Unit.revert` restores every attribute to the very
+object it was (identity, not equality), in reverse order. When a unit's own code raises at run time
+it is reverted and reported as failed while the user's call goes on unpatched; the user's own
+exceptions are never caught (the wrapped call always runs outside the unit's ``try``).
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+
+import wrapt
+
+ALL_BACKENDS = ("hpu", "cuda", "cpu")
+
+
+def wrap_attribute(owner, attribute: str, wrapper):
+    """Replace ``owner.attribute`` by a wrapt wrapper; return a function that puts it back.
+
+    ``wrapper(wrapped, instance, args, kwargs)`` follows wrapt's convention. The undo restores the
+    original object only while the attribute is still our wrapper: if somebody wrapped it again
+    after us, unwrapping would drop their patch, so it is left alone and the undo says so.
+    """
+    namespace = vars(owner)
+    owned = attribute in namespace
+    original = namespace[attribute] if owned else getattr(owner, attribute)
+    patched = wrapt.FunctionWrapper(original, wrapper)
+    setattr(owner, attribute, patched)
+
+    def undo():
+        if vars(owner).get(attribute) is not patched:
+            return f"{_dotted(owner, attribute)} was replaced after autogaudi patched it; left as is"
+        if owned:
+            setattr(owner, attribute, original)
+        else:
+            delattr(owner, attribute)
+        return None
+
+    return undo
+
+
+def _dotted(owner, attribute: str) -> str:
+    prefix = getattr(owner, "__module__", None) if isinstance(owner, type) else None
+    name = getattr(owner, "__qualname__", None) or getattr(owner, "__name__", repr(owner))
+    return ".".join(part for part in (prefix, name, attribute) if part)
+
+
+class Unit:
+    """Base class of an optimization unit; one subclass per module in ``autogaudi.optimizations``.
+
+    Subclasses set ``targets`` (what they patch or hook, for the report and the undo tests) and
+    ``backends`` (where they can apply), may refine :meth:`skip_reason`, and implement
+    :meth:`apply`. ``self.figures`` collects what the unit measured, for the report.
+    """
+
+    targets: tuple = ()
+    backends: tuple = ALL_BACKENDS
+
+    def __init__(self, session, info):
+        self.session = session
+        self.name = info.name
+        self.summary = info.summary
+        self.reason = ""  # why it applied the way it did, for the report
+        self.figures: dict = {}
+        self.notes: list = []
+        self._undo: list = []
+
+    @property
+    def backend(self):
+        return self.session.backend
+
+    @property
+    def options(self):
+        return self.session.options
+
+    def skip_reason(self):
+        """Why this unit does not apply to this run, or None when it does."""
+        if self.backend.name not in self.backends:
+            return f"applies on {'/'.join(self.backends)} only; this run is on {self.backend.name}"
+        return None
+
+    def apply(self) -> None:
+        raise NotImplementedError
+
+    def revert(self) -> None:
+        while self._undo:
+            note = self._undo.pop()()
+            if note:
+                self.notes.append(note)
+
+    def wrap(self, owner, attribute: str, wrapper) -> None:
+        self._undo.append(wrap_attribute(owner, attribute, wrapper))
+
+    def on_revert(self, undo) -> None:
+        """Register how to undo something done outside :meth:`wrap` (e.g. ``handle.remove``)."""
+        self._undo.append(undo)
+
+    @contextlib.contextmanager
+    def fail_open(self):
+        """Run unit code; if it raises, revert the unit, report it failed, and carry on."""
+        try:
+            yield
+        except Exception as error:
+            self.session.unit_failed_at_run_time(self, error)
+
+
+def warn(message: str) -> None:
+    sys.stderr.write(f"autogaudi: {message}\n")
