@@ -132,7 +132,7 @@ def _run(code, module):
         traceback = error.__traceback__
         while traceback is not None and traceback.tb_frame.f_code.co_filename == __file__:
             traceback = traceback.tb_next
-        sys.excepthook(type(error), error, traceback)
+        sys.excepthook(type(error), error.with_traceback(traceback), traceback)
         if isinstance(error, KeyboardInterrupt):
             _exit_like_python_on_interrupt()
         return 1

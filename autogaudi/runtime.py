@@ -83,7 +83,7 @@ def report():
     ``print(autogaudi.report())`` shows the table; ``.as_dict()`` gives the JSON form. Before torch
     is imported there is nothing to report yet and the result says so.
     """
-    from autogaudi.report import Report
+    from autogaudi.reporting import Report
 
     with _STATE.lock:
         session = _STATE.session or _STATE.last_session

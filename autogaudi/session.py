@@ -15,7 +15,7 @@ import torch
 from autogaudi import backends
 from autogaudi.ranks import is_rank_zero
 from autogaudi.registry import UNITS
-from autogaudi.report import APPLIED, FAILED, SKIPPED, Report, UnitRow
+from autogaudi.reporting import APPLIED, FAILED, SKIPPED, Report, UnitRow
 from autogaudi.steps import TrainingSteps
 from autogaudi.unit import warn
 

@@ -82,6 +82,8 @@ class Report:
             lines.extend(f"  {''.ljust(width)}  {'':<8} note: {note}" for note in row["notes"])
         return "\n".join(lines) + "\n"
 
+    __str__ = format
+
 
 def _format_steps(steps: dict) -> str:
     text = f"{steps.get('optimizer_steps', 0)} optimizer steps, {steps.get('backward_passes', 0)} backward passes"

@@ -1,0 +1,43 @@
+"""Shared fixtures: subprocess runner, the HPU test double, and a guaranteed disable() after each test."""
+import importlib
+import sys
+
+import pytest
+import torch
+
+import autogaudi
+from tests.helpers import HPU_DOUBLE
+
+@pytest.fixture(autouse=True)
+def autogaudi_disabled_after_test():
+    yield
+    autogaudi.disable()
+
+
+def _forget_hpu_double():
+    for name in [name for name in sys.modules if name == "habana_frameworks" or name.startswith("habana_frameworks.")]:
+        del sys.modules[name]
+    if hasattr(torch, "hpu"):
+        delattr(torch, "hpu")
+    sys.modules.pop("torch.hpu", None)
+
+
+@pytest.fixture
+def hpu_double(monkeypatch):
+    """Make the Gaudi bridge double importable; call the result with lazy=True/False to load it.
+
+    Returns the double's call record module (habana_frameworks.torch._calls).
+    """
+    monkeypatch.syspath_prepend(str(HPU_DOUBLE))
+
+    def load(lazy=True):
+        _forget_hpu_double()
+        monkeypatch.setenv("PT_HPU_LAZY_MODE", "1" if lazy else "0")
+        importlib.import_module("habana_frameworks.torch")
+        calls = importlib.import_module("habana_frameworks.torch._calls")
+        calls.reset()
+        return calls
+
+    yield load
+    autogaudi.disable()
+    _forget_hpu_double()

@@ -1,0 +1,1 @@
+from habana_frameworks.torch.hpex import kernels, normalization, optimizers  # noqa: F401

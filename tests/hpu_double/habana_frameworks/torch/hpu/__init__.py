@@ -1,0 +1,146 @@
+"""habana_frameworks.torch.hpu (torch.hpu once loaded): device, memory, streams, and, in lazy mode
+only, the HPU-graph API. One Gaudi 2 device with 96 GiB is simulated; the memory figures come from
+the double's MEMORY table so tests can set them."""
+import contextlib
+
+from habana_frameworks.torch._calls import MEMORY, record
+from habana_frameworks.torch.utils.internal import is_lazy
+
+
+def is_available():
+    return True
+
+
+def device_count():
+    return 1
+
+
+def current_device():
+    return 0
+
+
+def set_device(device):
+    record("set_device", device=device)
+
+
+def init():
+    record("init")
+
+
+def get_device_name(device=None):
+    return "GAUDI2"
+
+
+def synchronize():
+    record("synchronize")
+
+
+def is_bf16_supported():
+    return True
+
+
+_DYNAMIC_SHAPES = [True]
+
+
+def enable_dynamic_shape():
+    _DYNAMIC_SHAPES[0] = True
+
+
+def disable_dynamic_shape():
+    _DYNAMIC_SHAPES[0] = False
+
+
+def get_dynamic_shape_status():
+    return _DYNAMIC_SHAPES[0]
+
+
+_RECOMPUTE_SDP = [False]
+
+
+def enable_recompute_sdp(enable):
+    _RECOMPUTE_SDP[0] = bool(enable)
+
+
+def recompute_sdp_enabled():
+    return _RECOMPUTE_SDP[0]
+
+
+@contextlib.contextmanager
+def sdp_kernel(enable_recompute=True):
+    previous = _RECOMPUTE_SDP[0]
+    _RECOMPUTE_SDP[0] = enable_recompute
+    try:
+        yield
+    finally:
+        _RECOMPUTE_SDP[0] = previous
+
+
+def memory_stats(device=None):
+    return dict(MEMORY)
+
+
+def memory_allocated(device=None):
+    return MEMORY["InUse"]
+
+
+def max_memory_allocated(device=None):
+    return MEMORY["MaxInUse"]
+
+
+def memory_reserved(device=None):
+    return MEMORY["Limit"]
+
+
+def reset_peak_memory_stats(device=None):
+    MEMORY["MaxInUse"] = MEMORY["InUse"]
+
+
+def mem_get_info(device=None):
+    return MEMORY["Limit"] - MEMORY["InUse"], MEMORY["Limit"]
+
+
+def memory_summary(device=None):
+    return "\n".join(f"{key}: {value}" for key, value in MEMORY.items())
+
+
+class Stream:
+    def __init__(self, device=None, priority=0):
+        self.device = device
+        self.priority = priority
+
+    def synchronize(self):
+        record("stream_synchronize")
+
+
+_DEFAULT_STREAM = Stream()
+
+
+def default_stream(device=None):
+    return _DEFAULT_STREAM
+
+
+def current_stream(device=None):
+    return _DEFAULT_STREAM
+
+
+@contextlib.contextmanager
+def stream(s):
+    yield s
+
+
+class Event:
+    def __init__(self, enable_timing=False):
+        self.enable_timing = enable_timing
+
+    def record(self, stream=None):
+        record("event_record")
+
+    def synchronize(self):
+        record("event_synchronize")
+
+
+from habana_frameworks.torch.hpu import metrics  # noqa: E402,F401
+
+if is_lazy():
+    from habana_frameworks.torch.hpu.graphs import (  # noqa: E402,F401
+        HPUGraph, ModuleCacher, graph, make_graphed_callables, wrap_in_hpu_graph)

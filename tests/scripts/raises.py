@@ -1,0 +1,5 @@
+def inner():
+    raise ValueError("raised by the user's script")
+
+
+inner()
