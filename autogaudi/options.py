@@ -19,7 +19,7 @@ from autogaudi.registry import UNIT_NAMES
 DEVICES = ("auto", "hpu", "cuda", "cpu")
 ENV_PREFIX = "AUTOGAUDI_"
 _TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off", "")
+_FALSE = ("", "0", "false", "no", "off")
 
 
 def _choices(name: str, valid) -> str:

@@ -114,8 +114,9 @@ def _stop_session() -> None:
 
 
 def _report_at_exit() -> None:
+    # Only a session still enabled reports: after disable() the user has opted out.
     with _STATE.lock:
-        session = _STATE.session or _STATE.last_session
+        session = _STATE.session
         if session is None:
             return
         try:

@@ -65,7 +65,9 @@ class Backend:
         """
         if optimizer_class.__name__ not in self.FUSED_TORCH_OPTIMIZERS:
             return None
-        return optimizer_class(params, **hyperparameters, fused=True)
+        if hyperparameters.get("foreach") or hyperparameters.get("differentiable"):
+            return None  # torch refuses fused=True together with these
+        return optimizer_class(params, **{**hyperparameters, "foreach": None, "fused": True})
 
     def fused_clip_norm(self, parameters, max_norm: float):
         """A reusable ``clip(parameters) -> total_norm`` for L2 clipping, or None (use torch's)."""

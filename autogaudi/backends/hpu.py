@@ -19,7 +19,7 @@ from autogaudi.backends.base import Backend, MemoryStats
 
 # torch.optim arguments the Gaudi fused optimizers do not have, with the value that means "unused".
 _UNSUPPORTED_UNLESS = {"amsgrad": False, "maximize": False, "foreach": None, "capturable": False,
-                       "differentiable": False, "fused": None, "decoupled_weight_decay": False}
+                       "differentiable": False, "fused": None}
 _FUSED_ARGUMENTS = {
     "FusedAdamW": ("lr", "betas", "eps", "weight_decay"),
     "FusedSGD": ("lr", "momentum", "weight_decay", "dampening", "nesterov"),
@@ -58,9 +58,13 @@ class HpuBackend(Backend):
         return torch.compile(module, backend="hpu_backend")
 
     def fused_optimizer(self, optimizer_class, params, hyperparameters: dict):
-        fused_name = {"AdamW": "FusedAdamW", "SGD": "FusedSGD"}.get(optimizer_class.__name__)
-        if optimizer_class.__name__ == "Adam" and hyperparameters.get("weight_decay", 0) == 0:
-            fused_name = "FusedAdamW"  # without weight decay Adam and AdamW are the same update
+        name = optimizer_class.__name__
+        if name in ("Adam", "AdamW"):
+            # FusedAdamW decays weights the AdamW way; Adam's L2 decay is the same only at zero.
+            decoupled = name == "AdamW" or hyperparameters.get("decoupled_weight_decay", False)
+            fused_name = "FusedAdamW" if decoupled or hyperparameters.get("weight_decay", 0) == 0 else None
+        else:
+            fused_name = {"SGD": "FusedSGD"}.get(name)
         if fused_name is None:
             return None
         for argument, unused in _UNSUPPORTED_UNLESS.items():

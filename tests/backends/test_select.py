@@ -1,0 +1,128 @@
+"""Backend detection and primitives: plain CPU for real, HPU against the API-faithful double."""
+import pytest
+import torch
+
+from autogaudi import backends
+from autogaudi.backends.base import GB
+
+
+def test_cpu_is_chosen_here_and_the_reason_names_what_was_ruled_out():
+    backend = backends.select("auto")
+    assert backend.name == "cpu" and not backend.is_lazy
+    assert "hpu: habana_frameworks.torch is not installed" in backend.reason
+    assert "cuda: torch.cuda.is_available() is False" in backend.reason
+    memory = backend.memory_stats()
+    assert 0 < memory.allocated <= memory.max_allocated < memory.total
+
+
+def test_a_requested_device_that_is_missing_falls_back_with_the_reason():
+    backend = backends.select("cuda")
+    assert backend.name == "cpu"
+    assert backend.reason.startswith("always available; requested cuda: torch.cuda.is_available() is False")
+
+
+def test_cpu_fused_optimizer_keeps_the_users_hyperparameters_and_numerics():
+    torch.manual_seed(0)
+    plain_model = torch.nn.Linear(16, 4)
+    fused_model = torch.nn.Linear(16, 4)
+    fused_model.load_state_dict(plain_model.state_dict())
+    hyper = dict(lr=0.01, betas=(0.8, 0.99), eps=1e-7, weight_decay=0.05)
+    plain = torch.optim.AdamW(plain_model.parameters(), **hyper)
+    fused = backends.select("cpu").fused_optimizer(torch.optim.AdamW, fused_model.parameters(), hyper)
+    assert fused.defaults["fused"] is True
+    assert {k: fused.defaults[k] for k in hyper} == hyper
+    for _ in range(20):
+        batch = torch.randn(8, 16)
+        for model, optimizer in ((plain_model, plain), (fused_model, fused)):
+            model(batch).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    torch.testing.assert_close(fused_model.weight, plain_model.weight, rtol=1e-5, atol=1e-6)
+    assert backends.select("cpu").fused_optimizer(torch.optim.Adadelta, fused_model.parameters(), {}) is None
+
+
+def test_hpu_lazy_mode_against_the_double(hpu_double):
+    calls = hpu_double(lazy=True)
+    import habana_frameworks.torch._calls as record
+
+    record.MEMORY.update(InUse=2 * GB, MaxInUse=3 * GB)
+    backend = backends.select("auto")
+    assert (backend.name, backend.is_lazy, backend.device_name()) == ("hpu", True, "GAUDI2")
+    assert backend.reason == "1 Gaudi device(s), lazy mode"
+    assert backend.pin_memory_device == "hpu"
+    assert torch.hpu.get_device_name() == "GAUDI2"  # the bridge registered torch.hpu
+    backend.mark_step()
+    backend.synchronize()
+    assert calls.names() == ["mark_step", "synchronize"]
+    assert backend.memory_stats().as_dict() == {
+        "memory_allocated_gb": 2.0, "max_memory_allocated_gb": 3.0, "total_memory_available_gb": 96.0}
+    model = torch.nn.Linear(2, 2)
+    assert backend.capture_graphs(model) is model
+    assert calls.names()[-1] == "module_cacher"
+
+
+def test_hpu_eager_mode_has_no_marks_and_compiles(hpu_double, monkeypatch):
+    calls = hpu_double(lazy=False)
+    backend = backends.select("hpu")
+    assert (backend.name, backend.is_lazy) == ("hpu", False)
+    assert backend.reason == "1 Gaudi device(s), eager mode"
+    backend.mark_step()
+    assert calls.names() == []
+    compiled = []
+    monkeypatch.setattr(torch, "compile", lambda module, **kwargs: compiled.append(kwargs) or module)
+    backend.capture_graphs(torch.nn.Linear(2, 2))
+    assert compiled == [{"backend": "hpu_backend"}]
+
+
+def test_hpu_fused_adamw_gets_torchs_values_not_its_own_defaults(hpu_double):
+    hpu_double(lazy=True)
+    backend = backends.select("hpu")
+    params = [torch.nn.Parameter(torch.ones(3))]
+    defaults = torch.optim.AdamW(params).defaults  # eps 1e-8, weight_decay 1e-2
+    fused = backend.fused_optimizer(torch.optim.AdamW, params, defaults)
+    assert type(fused).__name__ == "FusedAdamW"
+    assert (fused.defaults["eps"], fused.defaults["weight_decay"]) == (1e-8, 1e-2)
+    assert backend.fused_optimizer(torch.optim.AdamW, params, {**defaults, "amsgrad": True}) is None
+    assert backend.fused_optimizer(torch.optim.Adam, params, torch.optim.Adam(params, weight_decay=0.1).defaults) is None
+    assert type(backend.fused_optimizer(torch.optim.SGD, params, torch.optim.SGD(params, lr=0.1).defaults)).__name__ == "FusedSGD"
+
+
+def test_hpu_fused_adamw_matches_torch_adamw_numerically(hpu_double):
+    hpu_double(lazy=True)
+    backend = backends.select("hpu")
+    torch.manual_seed(0)
+    reference = torch.nn.Linear(8, 2)
+    fused_model = torch.nn.Linear(8, 2)
+    fused_model.load_state_dict(reference.state_dict())
+    plain = torch.optim.AdamW(reference.parameters(), lr=0.01)
+    fused = backend.fused_optimizer(torch.optim.AdamW, fused_model.parameters(), plain.defaults)
+    for _ in range(25):
+        batch = torch.randn(4, 8)
+        for model, optimizer in ((reference, plain), (fused_model, fused)):
+            model(batch).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    torch.testing.assert_close(fused_model.weight, reference.weight, rtol=1e-5, atol=1e-6)
+    assert isinstance(fused.state[fused_model.weight]["step"], int)  # a bridge quirk the double keeps
+
+
+def test_hpu_fused_clip_norm_and_sdpa_match_torch(hpu_double):
+    calls = hpu_double(lazy=True)
+    backend = backends.select("hpu")
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+    b.load_state_dict(a.state_dict())
+    batch = torch.randn(4, 8)
+    for model in (a, b):
+        model(batch).pow(2).sum().backward()
+    expected = torch.nn.utils.clip_grad_norm_(a.parameters(), 0.5)
+    clip = backend.fused_clip_norm(list(b.parameters()), 0.5)
+    total = clip(list(b.parameters()))
+    torch.testing.assert_close(total, expected)
+    torch.testing.assert_close(b.weight.grad, a.weight.grad)
+    q, k, v = (torch.randn(2, 4, 16, 8) for _ in range(3))
+    out = backend.fused_sdpa().apply(q, k, v, None, 0.0, True)
+    torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
+    assert calls.names() == ["FusedClipNorm", "FusedClipNorm.clip_norm", "FusedSDPA.apply"]
+    with pytest.raises(RuntimeError, match="float32 and bfloat16 only"):
+        backend.fused_sdpa().apply(q.half(), k.half(), v.half())

@@ -1,0 +1,68 @@
+"""AUTOGAUDI=1 without the launcher: the .pth file, the sitecustomize bootstrap, and child processes."""
+import json
+
+from autogaudi._paths import bootstrap_dir
+from tests.helpers import SCRIPTS, clean_env, run_python
+
+PROBE = ("import json, sys; import autogaudi.runtime as r; "
+         "print(json.dumps({'torch': 'torch' in sys.modules, 'enabled': r.is_enabled(), 'sources': r._STATE.sources}))")
+
+
+def probe(env):
+    result = run_python("-c", PROBE, env=env)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_env_var_enables_without_importing_torch():
+    assert probe(clean_env(AUTOGAUDI="1")) == {"torch": False, "enabled": True, "sources": ["pth"]}
+
+
+def test_unset_or_zero_does_nothing():
+    for env in (clean_env(), clean_env(AUTOGAUDI="0"), clean_env(AUTOGAUDI="false")):
+        result = run_python("-c", "import sys; print('autogaudi' in sys.modules)", env=env)
+        assert result.stdout.strip() == "False"
+
+
+def test_bad_env_values_stop_the_process_with_the_valid_choices():
+    result = run_python("-c", "print('ran')", env=clean_env(AUTOGAUDI="banana"))
+    assert (result.returncode, result.stdout) == (2, "")
+    assert "AUTOGAUDI='banana' is not a boolean" in result.stderr
+    result = run_python("-c", "print('ran')", env=clean_env(AUTOGAUDI="1", AUTOGAUDI_DEVICE="tpu"))
+    assert (result.returncode, result.stdout) == (2, "")
+    assert "valid choices for AUTOGAUDI_DEVICE: auto, hpu, cuda, cpu" in result.stderr
+
+
+def test_sitecustomize_bootstrap_and_pth_enable_once():
+    seen = probe(clean_env(AUTOGAUDI="1", PYTHONPATH=bootstrap_dir()))
+    assert seen == {"torch": False, "enabled": True, "sources": ["pth", "sitecustomize"]}
+
+
+def test_users_own_sitecustomize_still_runs_in_children(tmp_path):
+    user_site = tmp_path / "site"
+    user_site.mkdir()
+    (user_site / "sitecustomize.py").write_text("import os\nos.environ['USER_SITECUSTOMIZE'] = 'ran'\n")
+    child = ("import json, os, sys, sitecustomize, autogaudi; print(json.dumps("
+             "[os.environ.get('USER_SITECUSTOMIZE'), sitecustomize.__file__, autogaudi.is_enabled()]))")
+    script = tmp_path / "parent.py"
+    script.write_text(f"import subprocess, sys\nsubprocess.run([sys.executable, '-c', {child!r}], check=True)\n")
+    result = run_python("-m", "autogaudi", "--quiet", script, env=clean_env(PYTHONPATH=user_site))
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == ["ran", str(user_site / "sitecustomize.py"), True]
+
+
+def test_env_only_process_reports_once_it_has_trained():
+    trained = run_python(SCRIPTS / "train_tiny.py", env=clean_env(AUTOGAUDI="1"))
+    assert trained.returncode == 0, trained.stderr
+    assert "autogaudi 0.1.0 report" in trained.stderr and "10 optimizer steps" in trained.stderr
+    # A helper process (a DataLoader or compile worker, say) that never trains stays silent.
+    idle = run_python(SCRIPTS / "train_tiny.py", env=clean_env(AUTOGAUDI="1", TRAIN="0"))
+    assert (idle.returncode, idle.stderr) == (0, "")
+
+
+def test_pth_file_and_options_agree_on_what_means_off():
+    from autogaudi.options import _FALSE
+    from tests.helpers import REPO
+
+    line = (REPO / "autogaudi.pth").read_text()
+    assert repr(_FALSE).replace("'", '"') in line

@@ -1,0 +1,48 @@
+"""The exit report: table on stderr, JSON on request, quiet, rank 0 only; the launcher always reports."""
+import json
+
+from tests.helpers import SCRIPTS, clean_env, run_python
+
+
+def test_launcher_prints_the_table_and_writes_json(tmp_path):
+    path = tmp_path / "report.json"
+    result = run_python("-m", "autogaudi", "--report", path, SCRIPTS / "train_tiny.py")
+    assert result.returncode == 0, result.stderr
+    plain = run_python(SCRIPTS / "train_tiny.py")
+    assert result.stdout == plain.stdout  # the report never touches the script's own output
+    report = json.loads(path.read_text())
+    assert report["backend"]["name"] == "cpu"
+    assert report["enabled_by"] == ["launcher"]
+    assert report["steps"]["optimizer_steps"] == 10
+    assert report["steps"]["timed_steps"] == 6 and report["steps"]["steps_per_s"] > 0
+    row = {unit["name"]: unit for unit in report["units"]}["step_marks"]
+    assert row["status"] == "skipped" and "hpu only" in row["reason"]
+    assert "cuda: torch.cuda.is_available() is False" in report["backend"]["reason"]
+    for line in ("backend  cpu:", "10 optimizer steps, 10 backward passes", "step_marks  skipped"):
+        assert line in result.stderr
+
+
+def test_quiet_keeps_stderr_clean_but_still_writes_json(tmp_path):
+    path = tmp_path / "report.json"
+    result = run_python("-m", "autogaudi", "--quiet", "--report", path, SCRIPTS / "train_tiny.py")
+    assert (result.returncode, result.stderr) == (0, "")
+    assert json.loads(path.read_text())["options"]["quiet"] is True
+
+
+def test_launcher_reports_even_without_training():
+    result = run_python("-m", "autogaudi", SCRIPTS / "train_tiny.py", env=clean_env(TRAIN="0"))
+    assert "0 optimizer steps" in result.stderr
+
+
+def test_only_rank_zero_reports(tmp_path):
+    path = tmp_path / "report.json"
+    result = run_python("-m", "autogaudi", "--report", path, SCRIPTS / "train_tiny.py", env=clean_env(RANK="1"))
+    assert (result.returncode, result.stderr) == (0, "")
+    assert not path.exists()
+
+
+def test_log_every_prints_progress_lines():
+    result = run_python("-m", "autogaudi", "--log-every", "5", "--quiet", SCRIPTS / "train_tiny.py")
+    progress = [line for line in result.stderr.splitlines() if line.startswith("autogaudi: step")]
+    assert [line.split(" | ")[0] for line in progress] == ["autogaudi: step 5", "autogaudi: step 10"]
+    assert "steps/s" in progress[1] and "mem" in progress[1]

@@ -1,0 +1,81 @@
+"""The process-wide guard: every ordering of import, enable and disable, each in a fresh process."""
+import json
+
+import pytest
+import torch
+
+import autogaudi
+from tests.helpers import SCRIPTS, clean_env, run_python
+
+PATCHED_ONCE = {"depth": 1, "post_hooks": 1}
+UNPATCHED = {"depth": 0, "post_hooks": 0}
+
+
+def scenario(name, *launcher, env=None):
+    result = run_python(*launcher, SCRIPTS / "guard_matrix.py", name, env=env)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.splitlines()[-1])
+
+
+def test_torch_imported_first_enable_twice_disable_enable_again():
+    seen = scenario("torch_first")
+    assert seen["enabled_twice"] == PATCHED_ONCE
+    assert seen["disabled"] == UNPATCHED
+    assert seen["identity_restored"] is True
+    assert seen["enabled_again"] == PATCHED_ONCE
+    assert seen["identity_restored_again"] is True
+
+
+def test_enable_before_torch_defers_until_torch_is_imported():
+    seen = scenario("enable_first")
+    assert seen["torch_loaded_by_enable"] is False
+    assert "waiting for torch to be imported" in seen["report_before_torch"]
+    assert seen["after_import"] == PATCHED_ONCE
+    assert seen["disabled"] == UNPATCHED
+    assert seen["plain_function"] == "function"
+
+
+def test_enable_with_new_options_reapplies_once():
+    seen = scenario("reconfigure")
+    assert seen == {"after": PATCHED_ONCE, "log_every": 5}
+
+
+@pytest.mark.slow
+def test_launcher_env_and_enable_together_patch_once_with_cli_over_env():
+    env = clean_env(AUTOGAUDI="1", AUTOGAUDI_LOG_EVERY="3")
+    seen = scenario("everything_at_once", "-m", "autogaudi", "--quiet", "--log-every", "4", env=env)
+    assert seen == {"after": PATCHED_ONCE, "log_every": 4}
+    seen = scenario("everything_at_once", "-m", "autogaudi", "--quiet", env=env)
+    assert seen == {"after": PATCHED_ONCE, "log_every": 3}
+
+
+def test_keyword_options_win_over_the_environment(monkeypatch):
+    monkeypatch.setenv("AUTOGAUDI_LOG_EVERY", "3")
+    monkeypatch.setenv("AUTOGAUDI_WARMUP_STEPS", "2")
+    autogaudi.enable(log_every=9)
+    options = autogaudi.active_options()
+    assert (options.log_every, options.warmup_steps) == (9, 2)
+
+
+def test_bad_keyword_raises_before_anything_is_patched():
+    original = torch.autograd.backward
+    with pytest.raises(autogaudi.OptionsError, match="valid choices for options: device, disable"):
+        autogaudi.enable(devise="cpu")
+    with pytest.raises(autogaudi.OptionsError, match="valid choices for only: step_marks"):
+        autogaudi.enable(only=["step_marks", "warp_drive"])
+    assert not autogaudi.is_enabled()
+    assert torch.autograd.backward is original
+
+
+def test_report_still_answers_after_disable():
+    autogaudi.enable()
+    model = torch.nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(5):
+        model(torch.ones(2, 3)).sum().backward()
+        optimizer.step()
+    autogaudi.disable()
+    report = autogaudi.report().as_dict()  # still answers after disable()
+    assert report["active"] is False
+    assert report["steps"]["optimizer_steps"] == report["steps"]["backward_passes"] == 5
+    assert report["backend"]["name"] == "cpu"

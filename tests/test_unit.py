@@ -1,0 +1,106 @@
+"""The unit contract: exact undo through wrapt, fail-open in apply() and at run time, user errors untouched."""
+import types
+
+import pytest
+import torch
+
+import autogaudi
+from autogaudi.optimizations.step_marks import StepMarks
+from autogaudi.unit import wrap_attribute
+
+
+def passthrough(wrapped, instance, args, kwargs):
+    return wrapped(*args, **kwargs)
+
+
+def test_wrap_attribute_restores_the_identical_object():
+    namespace = types.SimpleNamespace(function=lambda x: x + 1)
+    module = types.ModuleType("m")
+    module.function = namespace.function
+    undo = wrap_attribute(module, "function", passthrough)
+    assert module.function is not namespace.function and module.function(1) == 2
+    assert undo() is None
+    assert module.function is namespace.function
+
+
+def test_wrap_attribute_on_an_inherited_method_removes_the_override():
+    class Base:
+        def step(self):
+            return "base"
+
+    class Child(Base):
+        pass
+
+    undo = wrap_attribute(Child, "step", lambda wrapped, instance, args, kwargs: "wrapped " + wrapped())
+    assert Child().step() == "wrapped base" and "step" in vars(Child)
+    undo()
+    assert "step" not in vars(Child) and Child.step is Base.step
+
+
+def test_undo_leaves_a_later_patch_alone():
+    module = types.ModuleType("m")
+    module.function = original = lambda: 1
+    undo = wrap_attribute(module, "function", passthrough)
+    module.function = theirs = lambda: 2
+    assert "was replaced after autogaudi patched it" in undo()
+    assert module.function is theirs and module.function is not original
+
+
+def train(steps=5, seed=0):
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for _ in range(steps):
+        loss = model(torch.randn(8, 4)).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_unit_whose_apply_raises_is_reported_failed_and_reverted(hpu_double, monkeypatch):
+    hpu_double(lazy=True)
+
+    def broken_apply(self):
+        self.session.steps.after_backward(self, self._mark)
+        raise RuntimeError("injected apply failure")
+
+    monkeypatch.setattr(StepMarks, "apply", broken_apply)
+    expected = train()
+    autogaudi.enable(device="hpu")
+    assert train() == expected
+    row = autogaudi.report().unit("step_marks")
+    assert row["status"] == "failed" and "injected apply failure" in row["reason"]
+    assert row["figures"] == {}
+
+
+def test_unit_that_breaks_at_run_time_is_reverted_and_the_run_goes_on(hpu_double, monkeypatch, capsys):
+    calls = hpu_double(lazy=True)
+    expected = train()
+    autogaudi.enable(device="hpu")
+    import habana_frameworks.torch.core as htcore
+
+    def broken_mark_step(*args, **kwargs):
+        raise RuntimeError("injected run-time failure")
+
+    monkeypatch.setattr(htcore, "mark_step", broken_mark_step)
+    assert train() == expected
+    row = autogaudi.report().unit("step_marks")
+    assert row["status"] == "failed" and "injected run-time failure" in row["reason"]
+    assert "step_marks raised RuntimeError('injected run-time failure')" in capsys.readouterr().err
+    assert calls.names() == []  # nothing was marked after the failure
+
+
+def test_user_exceptions_propagate_unchanged():
+    def backward_without_grad():
+        torch.ones(2).sum().backward()
+
+    with pytest.raises(RuntimeError) as plain:
+        backward_without_grad()
+    autogaudi.enable()
+    with pytest.raises(RuntimeError) as patched:
+        backward_without_grad()
+    assert type(patched.value) is type(plain.value) and str(patched.value) == str(plain.value)
+    assert autogaudi.report().as_dict()["steps"]["backward_passes"] == 0
