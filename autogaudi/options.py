@@ -116,7 +116,7 @@ OPTIONS: tuple = (
     Option("disable", (), _parse_units,
            "comma-separated optimization units to switch off", "UNIT,..."),
     Option("only", None, _parse_optional_units,
-           "comma-separated optimization units to consider; all others are switched off", "UNIT,..."),
+           "comma-separated optimization units to consider, all others switched off (default: all)", "UNIT,..."),
     Option("report", None, _parse_path,
            "also write the exit report as JSON to this path", "PATH"),
     Option("log_every", 0, _parse_count,

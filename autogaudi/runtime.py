@@ -8,9 +8,9 @@ if it already is.
 """
 from __future__ import annotations
 
+import _thread
 import atexit
 import sys
-import threading
 
 from autogaudi._after_import import call_after_import
 from autogaudi.options import Options
@@ -23,7 +23,7 @@ EXPLICIT_SOURCES = ("launcher", "enable")
 
 class _Runtime:
     def __init__(self):
-        self.lock = threading.RLock()
+        self.lock = _thread.RLock()  # not `threading`: its import costs ~5 ms at every start-up
         self.options = None  # Options while enabled, None while disabled
         self.sources = []  # the entry points that enabled autogaudi, in order (for the report)
         self.session = None  # the live Session once torch is imported
