@@ -30,6 +30,7 @@ from autogaudi.options import OPTIONS, Options
 from autogaudi.registry import UNITS
 
 PROG = "python -m autogaudi"
+_replaced_main_modules = []  # the launcher's own __main__, kept alive after the script replaces it
 _VALUE_FLAGS = {option.flag for option in OPTIONS if not option.is_switch}
 
 
@@ -118,7 +119,7 @@ def run_as_main(target: str, args: list, is_module: bool):
         sys.stderr.write(f"{sys.executable}: {problem.message}\n")
         return problem.status
     sys.argv = [target if not is_module else module.__file__, *args]
-    _run.launcher_main = sys.modules.get("__main__")  # keep our own module alive
+    _replaced_main_modules.append(sys.modules.get("__main__"))
     sys.modules["__main__"] = module
     return _run(code, module)
 

@@ -10,8 +10,10 @@ exceptions are never caught (the wrapped call always runs outside the unit's ``t
 from __future__ import annotations
 
 import contextlib
+import re
 import sys
 
+import torch
 import wrapt
 
 ALL_BACKENDS = ("hpu", "cuda", "cpu")
@@ -42,6 +44,11 @@ def wrap_attribute(owner, attribute: str, wrapper):
     return undo
 
 
+def torch_version() -> tuple:
+    """(major, minor) of the running torch, e.g. (2, 13) for "2.13.0+cpu"."""
+    return tuple(int(part) for part in re.findall(r"\d+", torch.__version__)[:2])
+
+
 def _dotted(owner, attribute: str) -> str:
     prefix = getattr(owner, "__module__", None) if isinstance(owner, type) else None
     name = getattr(owner, "__qualname__", None) or getattr(owner, "__name__", repr(owner))
@@ -58,6 +65,7 @@ class Unit:
 
     targets: tuple = ()
     backends: tuple = ALL_BACKENDS
+    min_torch: tuple = (2, 4)  # the oldest torch whose APIs the unit relies on
 
     def __init__(self, session, info):
         self.session = session
@@ -80,6 +88,8 @@ class Unit:
         """Why this unit does not apply to this run, or None when it does."""
         if self.backend.name not in self.backends:
             return f"applies on {'/'.join(self.backends)} only; this run is on {self.backend.name}"
+        if torch_version() < self.min_torch:
+            return f"needs torch >= {'.'.join(map(str, self.min_torch))}; this is {torch.__version__}"
         return None
 
     def apply(self) -> None:

@@ -104,3 +104,11 @@ def test_user_exceptions_propagate_unchanged():
         backward_without_grad()
     assert type(patched.value) is type(plain.value) and str(patched.value) == str(plain.value)
     assert autogaudi.report().as_dict()["steps"]["backward_passes"] == 0
+
+
+def test_units_too_new_for_this_torch_are_skipped_with_the_reason(hpu_double, monkeypatch):
+    hpu_double(lazy=True)
+    monkeypatch.setattr(StepMarks, "min_torch", (99, 0))
+    autogaudi.enable(device="hpu")
+    row = autogaudi.report().unit("step_marks")
+    assert row["status"] == "skipped" and row["reason"].startswith("needs torch >= 99.0; this is 2.")
