@@ -14,9 +14,10 @@ from __future__ import annotations
 import os
 
 from autogaudi.errors import OptionsError
-from autogaudi.registry import UNIT_NAMES
+from autogaudi.registry import OPT_IN_UNITS, UNIT_NAMES
 
 DEVICES = ("auto", "hpu", "cuda", "cpu")
+SDPA_RECOMPUTE = ("auto", "on", "off")
 ENV_PREFIX = "AUTOGAUDI_"
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("", "0", "false", "no", "off")
@@ -37,11 +38,14 @@ def parse_bool(name: str, value) -> bool:
     raise OptionsError(f"{name}={value!r} is not a boolean; {_choices(name, ('1', '0', 'true', 'false'))}")
 
 
-def _parse_device(name: str, value) -> str:
-    text = str(value).strip().lower()
-    if text not in DEVICES:
-        raise OptionsError(f"{name}={value!r} is not a device; {_choices(name, DEVICES)}")
-    return text
+def _choice(valid):
+    def parse(name: str, value) -> str:
+        text = str(value).strip().lower()
+        if text not in valid:
+            raise OptionsError(f"{name}={value!r} is not one of them; {_choices(name, valid)}")
+        return text
+
+    return parse
 
 
 def _parse_units(name: str, value) -> tuple:
@@ -111,12 +115,18 @@ class Option:
 
 
 OPTIONS: tuple = (
-    Option("device", "auto", _parse_device,
+    Option("device", "auto", _choice(DEVICES),
            "backend to optimize for: auto detects hpu, then cuda, then cpu", "{" + ",".join(DEVICES) + "}"),
     Option("disable", (), _parse_units,
            "comma-separated optimization units to switch off", "UNIT,..."),
     Option("only", None, _parse_optional_units,
            "comma-separated optimization units to consider, all others switched off (default: all)", "UNIT,..."),
+    Option("force", (), _parse_units,
+           "comma-separated units to switch on where they are off by default (opt-in: "
+           + ", ".join(OPT_IN_UNITS) + ")", "UNIT,..."),
+    Option("sdpa_recompute", "auto", _choice(SDPA_RECOMPUTE),
+           "HPU FusedSDPA recompute mode (saves memory, costs time): auto leaves the bridge's default",
+           "{" + ",".join(SDPA_RECOMPUTE) + "}"),
     Option("report", None, _parse_path,
            "also write the exit report as JSON to this path", "PATH"),
     Option("log_every", 0, _parse_count,
@@ -175,6 +185,8 @@ class Options:
             return f"switched off by {OPTIONS_BY_NAME['disable'].flag} / {OPTIONS_BY_NAME['disable'].env}"
         if self.only is not None and unit not in self.only:
             return f"not listed in {OPTIONS_BY_NAME['only'].flag} / {OPTIONS_BY_NAME['only'].env}"
+        if unit in OPT_IN_UNITS and unit not in self.force:
+            return f"opt-in: switch on with {OPTIONS_BY_NAME['force'].flag} {unit}"
         return None
 
     def __eq__(self, other):

@@ -8,15 +8,17 @@ from __future__ import annotations
 
 
 class UnitInfo:
-    """A unit's name, one-line summary and ``"package.module:Class"``; a plain class, not a
-    NamedTuple, because importing ``typing`` would cost every ``AUTOGAUDI=1`` process ~8 ms."""
+    """A unit's name, one-line summary, ``"package.module:Class"``, and whether it is opt-in
+    (off unless named in ``--force``, for units with a cost the user must accept). A plain class,
+    not a NamedTuple: importing ``typing`` would cost every ``AUTOGAUDI=1`` process ~8 ms."""
 
-    __slots__ = ("name", "summary", "module")
+    __slots__ = ("name", "summary", "module", "opt_in")
 
-    def __init__(self, name: str, summary: str, module: str):
+    def __init__(self, name: str, summary: str, module: str, opt_in: bool = False):
         self.name = name
         self.summary = summary
         self.module = module
+        self.opt_in = opt_in
 
 
 UNITS: tuple[UnitInfo, ...] = (
@@ -25,6 +27,33 @@ UNITS: tuple[UnitInfo, ...] = (
         "HPU lazy mode: mark_step() after every backward and every optimizer step",
         "autogaudi.optimizations.step_marks:StepMarks",
     ),
+    UnitInfo(
+        "pipelining_fwd_bwd",
+        "HPU lazy mode, opt-in: one more mark_step() before backward, overlapping graph build and run",
+        "autogaudi.optimizations.pipelining_fwd_bwd:PipeliningFwdBwd",
+        opt_in=True,
+    ),
+    UnitInfo(
+        "fused_optimizer",
+        "Adam/AdamW/SGD run as one fused kernel per step (HPU: hpex fused optimizers; else fused=True)",
+        "autogaudi.optimizations.fused_optimizer:FusedOptimizer",
+    ),
+    UnitInfo(
+        "fused_clip_norm",
+        "HPU: clip_grad_norm_ (L2) through hpex FusedClipNorm, built once per parameter set",
+        "autogaudi.optimizations.fused_clip_norm:FusedClipNormUnit",
+    ),
+    UnitInfo(
+        "fused_sdpa",
+        "HPU: scaled_dot_product_attention through hpex FusedSDPA (also inside nn.MultiheadAttention)",
+        "autogaudi.optimizations.fused_sdpa:FusedSdpa",
+    ),
+    UnitInfo(
+        "non_blocking_copy",
+        "host-to-accelerator copies of pinned tensors with non_blocking=True",
+        "autogaudi.optimizations.non_blocking_copy:NonBlockingCopy",
+    ),
 )
 
 UNIT_NAMES: tuple[str, ...] = tuple(unit.name for unit in UNITS)
+OPT_IN_UNITS: tuple[str, ...] = tuple(unit.name for unit in UNITS if unit.opt_in)

@@ -1,6 +1,6 @@
 """Where the training steps are: every backward pass and every optimizer step, seen once.
 
-Several units need the same two moments (HPU step marks, throughput, the step profiler), so the
+Several units need the same moments (HPU step marks, throughput, the step profiler), so the
 session watches them once and hands them out: ``torch.autograd.backward`` is wrapped (``loss.backward()``
 and ``scaler.scale(loss).backward()`` both go through it), and optimizer steps come from torch's
 own ``register_optimizer_step_post_hook``, which fires for every optimizer, including
@@ -24,6 +24,7 @@ class TrainingSteps:
         self.options = options
         self.backwards = 0
         self.optimizer_steps = 0
+        self._before_backward_listeners: list = []
         self._after_backward_listeners: list = []
         self._after_step_listeners: list = []
         self._undo: list = []
@@ -43,6 +44,9 @@ class TrainingSteps:
         while self._undo:
             self._undo.pop()()
 
+    def before_backward(self, unit, listener) -> None:
+        self._before_backward_listeners.append((unit, listener))
+
     def after_backward(self, unit, listener) -> None:
         self._after_backward_listeners.append((unit, listener))
 
@@ -51,10 +55,12 @@ class TrainingSteps:
 
     def forget(self, unit) -> None:
         """Drop a unit's listeners (it was reverted)."""
-        for listeners in (self._after_backward_listeners, self._after_step_listeners):
+        for listeners in (self._before_backward_listeners, self._after_backward_listeners,
+                          self._after_step_listeners):
             listeners[:] = [(owner, fn) for owner, fn in listeners if owner is not unit]
 
     def _backward(self, wrapped, instance, args, kwargs):
+        self._notify(self._before_backward_listeners)
         result = wrapped(*args, **kwargs)
         self.backwards += 1
         self._notify(self._after_backward_listeners)

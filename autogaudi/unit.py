@@ -66,6 +66,7 @@ class Unit:
     targets: tuple = ()
     backends: tuple = ALL_BACKENDS
     min_torch: tuple = (2, 4)  # the oldest torch whose APIs the unit relies on
+    why_not_elsewhere = ""  # why the other backends do not need it, for the report
 
     def __init__(self, session, info):
         self.session = session
@@ -87,7 +88,8 @@ class Unit:
     def skip_reason(self):
         """Why this unit does not apply to this run, or None when it does."""
         if self.backend.name not in self.backends:
-            return f"applies on {'/'.join(self.backends)} only; this run is on {self.backend.name}"
+            reason = f"applies on {'/'.join(self.backends)} only; this run is on {self.backend.name}"
+            return f"{reason}: {self.why_not_elsewhere}" if self.why_not_elsewhere else reason
         if torch_version() < self.min_torch:
             return f"needs torch >= {'.'.join(map(str, self.min_torch))}; this is {torch.__version__}"
         return None

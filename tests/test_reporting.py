@@ -18,7 +18,7 @@ def test_launcher_prints_the_table_and_writes_json(tmp_path):
     row = {unit["name"]: unit for unit in report["units"]}["step_marks"]
     assert row["status"] == "skipped" and "hpu only" in row["reason"]
     assert "cuda: torch.cuda.is_available() is False" in report["backend"]["reason"]
-    for line in ("backend  cpu:", "10 optimizer steps, 10 backward passes", "step_marks  skipped"):
+    for line in ("backend  cpu:", "10 optimizer steps, 10 backward passes", "step_marks          skipped"):
         assert line in result.stderr
 
 

@@ -1,4 +1,5 @@
 """The unit contract: exact undo through wrapt, fail-open in apply() and at run time, user errors untouched."""
+import importlib
 import types
 
 import pytest
@@ -6,6 +7,7 @@ import torch
 
 import autogaudi
 from autogaudi.optimizations.step_marks import StepMarks
+from autogaudi.registry import UNITS
 from autogaudi.unit import wrap_attribute
 
 
@@ -60,26 +62,59 @@ def train(steps=5, seed=0):
     return losses
 
 
-def test_unit_whose_apply_raises_is_reported_failed_and_reverted(hpu_double, monkeypatch):
-    hpu_double(lazy=True)
+def attention_workload(steps=4):
+    """A step touching every unit's targets: attention, clip_grad_norm_, AdamW, backward, step."""
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.0, batch_first=True)
+    optimizer = torch.optim.AdamW(layer.parameters(), lr=1e-3)
+    losses = []
+    for _ in range(steps):
+        loss = layer(torch.randn(3, 5, 16)).pow(2).mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(layer.parameters(), 0.5)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
 
-    def broken_apply(self):
-        self.session.steps.after_backward(self, self._mark)
+
+PATCHABLE = {
+    "scaled_dot_product_attention": lambda: torch.nn.functional.scaled_dot_product_attention,
+    "clip_grad_norm_": lambda: torch.nn.utils.clip_grad_norm_,
+    "AdamW.__init__": lambda: vars(torch.optim.AdamW)["__init__"],
+    "backward": lambda: torch.autograd.backward,
+    "Tensor.to": lambda: torch.Tensor.to,
+}
+
+
+@pytest.mark.parametrize("unit", [info for info in UNITS], ids=lambda info: info.name)
+def test_unit_whose_apply_raises_is_reverted_and_reported(hpu_double, monkeypatch, unit):
+    hpu_double(lazy=True)
+    expected = attention_workload()
+    originals = {name: get() for name, get in PATCHABLE.items()}
+    module_name, class_name = unit.module.split(":")
+    unit_class = getattr(importlib.import_module(module_name), class_name)
+    real_apply = unit_class.apply
+
+    def apply_then_raise(self):
+        real_apply(self)  # patches really installed, then the failure: all of it must be undone
         raise RuntimeError("injected apply failure")
 
-    monkeypatch.setattr(StepMarks, "apply", broken_apply)
-    expected = train()
-    autogaudi.enable(device="hpu")
-    assert train() == expected
-    row = autogaudi.report().unit("step_marks")
-    assert row["status"] == "failed" and "injected apply failure" in row["reason"]
-    assert row["figures"] == {}
+    monkeypatch.setattr(unit_class, "apply", apply_then_raise)
+    autogaudi.enable(device="hpu", only=unit.name, force=unit.name)
+    torch.testing.assert_close(attention_workload(), expected, rtol=1e-6, atol=1e-7)
+    row = autogaudi.report().unit(unit.name)
+    assert row["status"] == "failed"
+    assert row["reason"] == "apply() raised RuntimeError('injected apply failure'); reverted"
+    autogaudi.disable()
+    still_patched = [name for name, get in PATCHABLE.items() if get() is not originals[name]]
+    assert still_patched == []
 
 
 def test_unit_that_breaks_at_run_time_is_reverted_and_the_run_goes_on(hpu_double, monkeypatch, capsys):
     calls = hpu_double(lazy=True)
     expected = train()
-    autogaudi.enable(device="hpu")
+    autogaudi.enable(device="hpu", only="step_marks")
     import habana_frameworks.torch.core as htcore
 
     def broken_mark_step(*args, **kwargs):
@@ -109,6 +144,6 @@ def test_user_exceptions_propagate_unchanged():
 def test_units_too_new_for_this_torch_are_skipped_with_the_reason(hpu_double, monkeypatch):
     hpu_double(lazy=True)
     monkeypatch.setattr(StepMarks, "min_torch", (99, 0))
-    autogaudi.enable(device="hpu")
+    autogaudi.enable(device="hpu", only="step_marks")
     row = autogaudi.report().unit("step_marks")
     assert row["status"] == "skipped" and row["reason"].startswith("needs torch >= 99.0; this is 2.")

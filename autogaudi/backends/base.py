@@ -58,16 +58,19 @@ class Backend:
         """Return ``module`` set up to replay captured graphs, cutting per-step host overhead."""
         return torch.compile(module)
 
-    def fused_optimizer(self, optimizer_class, params, hyperparameters: dict):
-        """A fused equivalent of ``optimizer_class(params, **hyperparameters)``, or None.
-
-        The user's hyperparameters are passed through unchanged; only ``fused=True`` is added.
-        """
+    def fused_optimizer_refusal(self, optimizer_class, hyperparameters: dict):
+        """Why ``optimizer_class(**hyperparameters)`` has no fused equivalent here, or None."""
         if optimizer_class.__name__ not in self.FUSED_TORCH_OPTIMIZERS:
-            return None
-        if hyperparameters.get("foreach") or hyperparameters.get("differentiable"):
-            return None  # torch refuses fused=True together with these
-        return optimizer_class(params, **{**hyperparameters, "foreach": None, "fused": True})
+            return f"torch has no fused {optimizer_class.__name__}"
+        for argument in ("foreach", "differentiable"):
+            if hyperparameters.get(argument):
+                return f"{argument}=True cannot be combined with fused=True"
+        return None
+
+    def fused_optimizer(self, optimizer_class, params, hyperparameters: dict):
+        """A separate fused optimizer object for ``params``, or None where torch's own ``fused=True``
+        is the fused path (CUDA, CPU): then the user's optimizer is simply built with it."""
+        return None
 
     def fused_clip_norm(self, parameters, max_norm: float):
         """A reusable ``clip(parameters) -> total_norm`` for L2 clipping, or None (use torch's)."""

@@ -26,6 +26,14 @@ _FUSED_ARGUMENTS = {
 }
 
 
+def _fused_name(name: str, hyperparameters: dict):
+    if name in ("Adam", "AdamW"):
+        # FusedAdamW decays weights the AdamW way; Adam's L2 decay is the same only at zero.
+        decoupled = name == "AdamW" or hyperparameters.get("decoupled_weight_decay", False)
+        return "FusedAdamW" if decoupled or hyperparameters.get("weight_decay", 0) == 0 else None
+    return {"SGD": "FusedSGD"}.get(name)
+
+
 class HpuBackend(Backend):
     name = "hpu"
     device_type = "hpu"
@@ -57,19 +65,22 @@ class HpuBackend(Backend):
             return self._hpu.ModuleCacher(max_graphs=max_graphs)(model=module, inplace=True)
         return torch.compile(module, backend="hpu_backend")
 
-    def fused_optimizer(self, optimizer_class, params, hyperparameters: dict):
+    def fused_optimizer_refusal(self, optimizer_class, hyperparameters: dict):
         name = optimizer_class.__name__
-        if name in ("Adam", "AdamW"):
-            # FusedAdamW decays weights the AdamW way; Adam's L2 decay is the same only at zero.
-            decoupled = name == "AdamW" or hyperparameters.get("decoupled_weight_decay", False)
-            fused_name = "FusedAdamW" if decoupled or hyperparameters.get("weight_decay", 0) == 0 else None
-        else:
-            fused_name = {"SGD": "FusedSGD"}.get(name)
+        fused_name = _fused_name(name, hyperparameters)
         if fused_name is None:
+            detail = " with L2 weight decay (it decays like AdamW)" if name == "Adam" else ""
+            return f"no Gaudi fused optimizer for {name}{detail}"
+        unsupported = [f"{argument}={hyperparameters[argument]!r}" for argument, unused in _UNSUPPORTED_UNLESS.items()
+                       if hyperparameters.get(argument, unused) != unused]
+        if unsupported:
+            return f"{fused_name} has no {', '.join(unsupported)}"
+        return None
+
+    def fused_optimizer(self, optimizer_class, params, hyperparameters: dict):
+        if self.fused_optimizer_refusal(optimizer_class, hyperparameters):
             return None
-        for argument, unused in _UNSUPPORTED_UNLESS.items():
-            if hyperparameters.get(argument, unused) != unused:
-                return None
+        fused_name = _fused_name(optimizer_class.__name__, hyperparameters)
         optimizers = importlib.import_module("habana_frameworks.torch.hpex.optimizers")
         # Every value is passed explicitly: FusedAdamW's own defaults (eps 1e-6, weight_decay 0.0)
         # differ from torch.optim.AdamW's, and the user's run must not change because of that.

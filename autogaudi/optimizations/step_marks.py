@@ -1,9 +1,12 @@
-"""Gaudi lazy mode: ``mark_step()`` right after every backward pass and every optimizer step.
+"""Gaudi lazy mode: ``mark_step()`` after every backward, every optimizer step, and every
+evaluation iteration.
 
 Why: in lazy mode the bridge only records ops until ``mark_step()``, then compiles and runs the
 accumulated graph. Without marks a whole step (forward, backward and update) becomes one graph
 that is rebuilt whenever anything in it changes; the Gaudi guide's rule is a mark after
-``loss.backward()`` and after ``optimizer.step()``, which keeps graphs small and cached.
+``loss.backward()`` and after ``optimizer.step()``, and optimum-habana marks once per evaluation
+iteration too. Evaluation iterations are recognised as DataLoader batches fetched while autograd is
+off (``torch.no_grad()`` / ``inference_mode``): the mark then closes the previous iteration's graph.
 Cost: none measurable beyond the marks themselves (a mark on an empty graph is a no-op, so scripts
 that already mark by hand lose nothing). Eager mode (``PT_HPU_LAZY_MODE=0``) has no marks: skipped.
 Covers ``loss.backward()``, ``torch.autograd.backward``, GradScaler, gradient accumulation, several
@@ -11,11 +14,15 @@ optimizers and ``step(closure)``: all go through the session's step watcher.
 """
 from __future__ import annotations
 
+import torch
+from torch.utils.data import dataloader
+
 from autogaudi.unit import Unit
 
 
-class StepMarks(Unit):
-    targets = ("torch.autograd.backward", "torch.optim.optimizer.register_optimizer_step_post_hook")
+class LazyModeUnit(Unit):
+    """A unit that only makes sense where ops queue until ``mark_step()``: HPU lazy mode."""
+
     backends = ("hpu",)
 
     def skip_reason(self):
@@ -24,15 +31,30 @@ class StepMarks(Unit):
             reason = "HPU eager mode (PT_HPU_LAZY_MODE=0) runs ops as issued; there is nothing to mark"
         return reason
 
+    def mark(self, figure: str = "mark_steps") -> None:
+        self.backend.mark_step()
+        self.figures[figure] += 1
+
+
+class StepMarks(LazyModeUnit):
+    targets = ("torch.autograd.backward", "torch.optim.optimizer.register_optimizer_step_post_hook",
+               "torch.utils.data.dataloader._BaseDataLoaderIter.__next__")
+
     def apply(self) -> None:
-        self.figures["mark_steps"] = 0
-        self.session.steps.after_backward(self, self._mark)
-        self.session.steps.after_optimizer_step(self, lambda _optimizer: self._mark())
+        self.figures.update(mark_steps=0, eval_marks=0)
+        self.session.steps.after_backward(self, self._mark_training)
+        self.session.steps.after_optimizer_step(self, lambda _optimizer: self._mark_training())
+        self.wrap(dataloader._BaseDataLoaderIter, "__next__", self._next_batch)
         self.reason = "lazy mode"
 
-    def _mark(self) -> None:
-        self.backend.mark_step()
-        self.figures["mark_steps"] += 1
+    def _mark_training(self) -> None:
+        self.mark()
         steps = self.session.steps.optimizer_steps
         if steps:
             self.figures["marks_per_optimizer_step"] = round(self.figures["mark_steps"] / steps, 2)
+
+    def _next_batch(self, wrapped, instance, args, kwargs):
+        if not torch.is_grad_enabled():
+            with self.fail_open():
+                self.mark("eval_marks")
+        return wrapped(*args, **kwargs)

@@ -103,7 +103,7 @@ def manual_update_loop(steps=3):
 def test_mark_sequence_and_unchanged_losses(hpu_double, loop, expected_marks):
     calls = hpu_double(lazy=True)
     plain = loop()
-    autogaudi.enable(device="hpu")
+    autogaudi.enable(device="hpu", only="step_marks")
     calls.reset()
     assert loop() == plain  # marks flush work; they never change the math
     assert calls.names() == expected_marks
@@ -114,7 +114,7 @@ def test_mark_sequence_and_unchanged_losses(hpu_double, loop, expected_marks):
 def test_lbfgs_closure_marks_every_evaluation_and_every_step(hpu_double):
     calls = hpu_double(lazy=True)
     plain = lbfgs_loop()
-    autogaudi.enable(device="hpu")
+    autogaudi.enable(device="hpu", only="step_marks")
     calls.reset()
     assert lbfgs_loop() == plain
     report = autogaudi.report().as_dict()
@@ -125,7 +125,7 @@ def test_lbfgs_closure_marks_every_evaluation_and_every_step(hpu_double):
 
 def test_eager_mode_skips_with_the_reason(hpu_double):
     calls = hpu_double(lazy=False)
-    autogaudi.enable(device="hpu")
+    autogaudi.enable(device="hpu", only="step_marks")
     standard_loop()
     row = autogaudi.report().unit("step_marks")
     assert row["status"] == "skipped" and "eager mode" in row["reason"]
@@ -134,7 +134,7 @@ def test_eager_mode_skips_with_the_reason(hpu_double):
 
 def test_switched_off_by_option(hpu_double):
     calls = hpu_double(lazy=True)
-    autogaudi.enable(device="hpu", disable="step_marks")
+    autogaudi.enable(device="hpu", disable="step_marks,fused_optimizer")
     standard_loop()
     row = autogaudi.report().unit("step_marks")
     assert row["status"] == "skipped" and "switched off by --disable" in row["reason"]
@@ -145,3 +145,21 @@ def test_not_applied_on_cpu():
     autogaudi.enable()
     row = autogaudi.report().unit("step_marks")
     assert (row["status"], row["reason"]) == ("skipped", "applies on hpu only; this run is on cpu")
+
+
+def test_evaluation_loops_mark_once_per_batch(hpu_double):
+    calls = hpu_double(lazy=True)
+    model = make_model()
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(12, 6)), batch_size=4)
+    with torch.no_grad():
+        plain = [model(inputs).sum().item() for (inputs,) in loader]
+    autogaudi.enable(device="hpu", only="step_marks")
+    calls.reset()
+    with torch.no_grad():
+        marked = [model(inputs).sum().item() for (inputs,) in loader]
+    assert marked == plain
+    assert calls.names() == [MARK] * 4  # before each of 3 batches, and before the end of the loop
+    for _ in loader:  # a training-mode pass over the data is not an evaluation iteration
+        pass
+    assert calls.names() == [MARK] * 4
+    assert autogaudi.report().unit("step_marks")["figures"]["eval_marks"] == 4

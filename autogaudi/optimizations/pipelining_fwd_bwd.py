@@ -1,0 +1,19 @@
+"""Gaudi lazy mode, opt-in: one extra ``mark_step()`` just before the backward pass starts.
+
+Why: the forward graph is then sent to the device while the host is still building the backward
+graph, so host and device work overlap (optimum-habana's ``pipelining_fwd_bwd``).
+Cost: the forward's activations are materialised on the device before backward needs them, which
+raises peak device memory; that is why it is off unless asked for (``--force pipelining_fwd_bwd``).
+"""
+from __future__ import annotations
+
+from autogaudi.optimizations.step_marks import LazyModeUnit
+
+
+class PipeliningFwdBwd(LazyModeUnit):
+    targets = ("torch.autograd.backward",)
+
+    def apply(self) -> None:
+        self.figures["mark_steps"] = 0
+        self.session.steps.before_backward(self, self.mark)
+        self.reason = "lazy mode, forced on"
