@@ -19,19 +19,18 @@ class UnitRow:
         self.name = name
         self.summary = summary
         self.status = SKIPPED
-        self.targets: tuple = ()
         self.reason = ""
-        self.figures: dict = {}
-        self.notes: list = []
+        self.unit = None  # the unit object once loaded: its targets, figures and notes are live
 
     def set(self, status: str, reason: str = "") -> None:
         self.status = status
         self.reason = reason
 
     def as_dict(self) -> dict:
+        unit = self.unit
         return {"name": self.name, "summary": self.summary, "status": self.status,
-                "targets": list(self.targets), "reason": self.reason,
-                "figures": dict(self.figures), "notes": list(self.notes)}
+                "targets": list(unit.targets) if unit else [], "reason": self.reason,
+                "figures": dict(unit.figures) if unit else {}, "notes": list(unit.notes) if unit else []}
 
 
 class Report:

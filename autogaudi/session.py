@@ -47,7 +47,7 @@ class Session:
         try:
             module_name, class_name = info.module.split(":")
             unit = getattr(importlib.import_module(module_name), class_name)(self, info)
-            row.targets = unit.targets
+            row.unit = unit
             reason = unit.skip_reason()
         except Exception as error:
             row.set(FAILED, f"could not load: {error!r}")
@@ -78,9 +78,6 @@ class Session:
             unit.revert()
         except Exception as error:
             unit.notes.append(f"revert() raised {error!r}")
-        self.rows[unit.name].figures.update(unit.figures)
-        self.rows[unit.name].notes.extend(unit.notes)
-        unit.notes.clear()
 
     def stop(self) -> None:
         while self.applied:
@@ -89,8 +86,6 @@ class Session:
         self.active = False
 
     def report(self) -> Report:
-        for unit in self.applied:
-            self.rows[unit.name].figures.update(unit.figures)
         memory = self.backend.memory_stats()
         return Report(
             torch_version=torch.__version__, enabled_by=self.sources, active=self.active,

@@ -58,7 +58,7 @@ class FusedOptimizer(Unit):
         self._native = self.backend.name != "hpu"
         self._delegates = weakref.WeakKeyDictionary()  # HPU: user's optimizer -> hpex optimizer
         self._steps_wrapped = set()
-        self._extra_keys = {}  # optimizer class -> group keys the hpex optimizer adds (kept out of checkpoints)
+        self._extra_settings = {}  # optimizer class -> hpex-only group settings (bias_correction, ...)
         self._hooked_delegate_step = torch.optim.Optimizer.profile_hook_step(self._delegate_step)
         for optimizer_class in FUSABLE:
             self.wrap(optimizer_class, "__init__", functools.partial(self._init, optimizer_class))
@@ -119,10 +119,10 @@ class FusedOptimizer(Unit):
             self._kept(owner, "it has no parameters yet")
             return
         delegate = self.backend.fused_optimizer(owner, params, hyperparameters)
-        # Share the user's group dicts and state: schedulers, param_groups edits and checkpoints
-        # act on the user's object and the fused kernel sees them at the next step.
-        delegate.state = instance.state
-        self._extra_keys[owner] = tuple(key for key in delegate.defaults if key not in instance.defaults)
+        # Share the user's state and mirror their groups before each step: schedulers,
+        # param_groups edits and checkpoints act on the user's object, the kernel sees the result.
+        self._extra_settings[owner] = {key: value for key, value in delegate.defaults.items()
+                                       if key not in instance.defaults}
         self._share_groups(instance, delegate)
         instance.register_state_dict_post_hook(self._torch_format_checkpoint)
         instance.register_load_state_dict_post_hook(self._fused_format_state)
@@ -136,11 +136,12 @@ class FusedOptimizer(Unit):
         self.figures["optimizers_fused"] += 1
 
     def _share_groups(self, instance, delegate) -> None:
-        groups = [group for group in instance.param_groups if group["params"]]  # hpex rejects empty ones
-        for group in groups:
-            for key in self._extra_keys[type(instance)]:
-                group.setdefault(key, delegate.defaults[key])
-        delegate.param_groups = groups
+        """Point the hpex optimizer at the user's state (``load_state_dict`` replaces that dict) and
+        the user's groups as it needs them: its own extra settings added and empty groups left out
+        (it rejects them), without touching the user's group dicts."""
+        delegate.state = instance.state
+        extra = self._extra_settings[type(instance)]
+        delegate.param_groups = [{**extra, **group} for group in instance.param_groups if group["params"]]
 
     def _step(self, wrapped, instance, args, kwargs):
         if instance not in self._delegates:
@@ -156,20 +157,19 @@ class FusedOptimizer(Unit):
         done = False
         with self.fail_open():
             delegate = self._delegates[optimizer]
-            self._share_groups(optimizer, delegate)  # add_param_group may have added one
+            self._share_groups(optimizer, delegate)  # add_param_group / load_state_dict may have run
             _raw_step(delegate)(delegate)
             done = True
         if not done:  # the unit was reverted and the state handed back: take torch's own step
             _raw_step(optimizer)(optimizer)
         return loss
 
-    def _torch_format_checkpoint(self, optimizer, state_dict):
-        extra = self._extra_keys[type(optimizer)]
-        groups = [{k: v for k, v in group.items() if k not in extra} for group in state_dict["param_groups"]]
+    @staticmethod
+    def _torch_format_checkpoint(optimizer, state_dict):
         # Copies: the per-parameter dicts in state_dict() are the live state the fused kernel uses.
         state = {index: {**values, "step": _torch_step(values["step"])} if "step" in values else values
                  for index, values in state_dict["state"].items()}
-        return {**state_dict, "param_groups": groups, "state": state}
+        return {**state_dict, "state": state}
 
     @staticmethod
     def _fused_format_state(optimizer) -> None:
@@ -182,9 +182,6 @@ class FusedOptimizer(Unit):
             for state in optimizer.state.values():
                 if "step" in state:
                     state["step"] = _torch_step(state["step"])
-            for group in optimizer.param_groups:
-                for key in self._extra_keys[type(optimizer)]:
-                    group.pop(key, None)
         self._delegates.clear()
 
 

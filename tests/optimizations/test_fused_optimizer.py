@@ -1,0 +1,249 @@
+"""fused_optimizer on the real CPU (torch fused=True) and against the HPU double (hpex FusedAdamW/FusedSGD)."""
+import io
+
+import pytest
+import torch
+
+import autogaudi
+
+STEPS = 50
+# torch's fused CPU kernel reassociates float math; the hpex double computes the same formulas.
+TOLERANCE = dict(rtol=1e-5, atol=1e-6)
+
+
+def model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(10, 16), torch.nn.ReLU(), torch.nn.Dropout(0.1), torch.nn.Linear(16, 3))
+
+
+def train(make_optimizer, steps=STEPS, scheduler=False):
+    net = model()
+    optimizer = make_optimizer(net)
+    schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.5) if scheduler else None
+    generator = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        inputs, labels = torch.randn(8, 10, generator=generator), torch.randint(0, 3, (8,), generator=generator)
+        loss = torch.nn.functional.cross_entropy(net(inputs), labels)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if schedule:
+            schedule.step()
+        losses.append(loss.item())
+    return losses, net, optimizer
+
+
+OPTIMIZERS = {
+    "adamw": lambda net: torch.optim.AdamW(net.parameters(), lr=3e-3),
+    "adamw_hyper": lambda net: torch.optim.AdamW(net.parameters(), lr=2e-3, betas=(0.8, 0.95), eps=1e-5,
+                                                 weight_decay=0.1),
+    "adam": lambda net: torch.optim.Adam(net.parameters(), lr=3e-3),
+    "sgd_momentum": lambda net: torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9, nesterov=True,
+                                                weight_decay=1e-4),
+    "per_group": lambda net: torch.optim.AdamW([{"params": net[0].parameters(), "weight_decay": 0.0},
+                                                {"params": net[3].parameters(), "lr": 1e-3}], lr=3e-3),
+}
+
+
+def enable(backend):
+    autogaudi.enable(device=backend, only="fused_optimizer")
+
+
+@pytest.fixture(params=["cpu", "hpu"])
+def backend(request, hpu_double):
+    if request.param == "hpu":
+        hpu_double(lazy=True)
+    return request.param
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_losses_match_plain_pytorch_over_50_steps(backend, name):
+    plain, plain_net, _ = train(OPTIMIZERS[name], scheduler=True)
+    enable(backend)
+    fused, fused_net, optimizer = train(OPTIMIZERS[name], scheduler=True)
+    torch.testing.assert_close(fused, plain, **TOLERANCE)
+    torch.testing.assert_close(list(fused_net.parameters()), list(plain_net.parameters()), **TOLERANCE)
+    assert autogaudi.report().unit("fused_optimizer")["figures"]["optimizers_fused"] == 1
+
+
+def test_cpu_builds_the_users_own_class_with_fused_true():
+    enable("cpu")
+    net = model()
+    optimizer = torch.optim.AdamW(net.parameters(), lr=2e-3, eps=1e-7)
+    assert type(optimizer) is torch.optim.AdamW
+    assert optimizer.defaults["fused"] is True
+    assert (optimizer.defaults["lr"], optimizer.defaults["eps"], optimizer.defaults["weight_decay"]) == (2e-3, 1e-7, 1e-2)
+
+
+def test_hpu_keeps_the_users_object_and_passes_torchs_values_to_fused_adamw(hpu_double):
+    calls = hpu_double(lazy=True)
+    enable("hpu")
+    net = model()
+    optimizer = torch.optim.AdamW(net.parameters())  # torch defaults: eps 1e-8, weight_decay 1e-2
+    assert type(optimizer) is torch.optim.AdamW and isinstance(optimizer, torch.optim.AdamW)
+    net(torch.randn(2, 10)).sum().backward()
+    optimizer.step()
+    assert calls.names()[:2] == ["FusedAdamW.step", "mark_step"]  # the hpex kernel ran (and marked, lazy)
+    group = optimizer.param_groups[0]
+    assert (group["eps"], group["weight_decay"], group["lr"]) == (1e-8, 1e-2, 1e-3)
+
+
+def test_hpu_step_hooks_and_scheduler_see_the_users_object(hpu_double):
+    hpu_double(lazy=True)
+    enable("hpu")
+    net = model()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    seen = []
+    optimizer.register_step_pre_hook(lambda opt, args, kwargs: seen.append(("pre", opt)))
+    optimizer.register_step_post_hook(lambda opt, args, kwargs: seen.append(("post", opt)))
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda epoch: 0.5 ** epoch)
+    net(torch.randn(2, 10)).sum().backward()
+    optimizer.step()
+    schedule.step()
+    assert seen == [("pre", optimizer), ("post", optimizer)]
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.05)
+    assert autogaudi.report().as_dict()["steps"]["optimizer_steps"] == 1  # counted once, not twice
+
+
+def test_add_param_group_and_empty_groups(backend):
+    enable(backend)
+    net = model()
+    optimizer = torch.optim.AdamW([{"params": net[0].parameters()}, {"params": []}], lr=1e-2)
+    optimizer.add_param_group({"params": net[3].parameters(), "lr": 1e-3})
+    assert len(optimizer.param_groups) == 3  # the user's view keeps the empty group
+    before = net[3].weight.detach().clone()
+    net(torch.randn(4, 10)).sum().backward()
+    optimizer.step()
+    assert not torch.equal(net[3].weight, before)  # the group added later is updated too
+
+
+def saved(*objects):
+    """Each object's state_dict through torch.save / torch.load, as a checkpoint file would."""
+    buffer = io.BytesIO()
+    torch.save([obj.state_dict() for obj in objects], buffer)
+    buffer.seek(0)
+    return torch.load(buffer)
+
+
+BATCHES = [(torch.randn(8, 10, generator=g), torch.randint(0, 3, (8,), generator=g))
+           for g in [torch.Generator().manual_seed(7)] for _ in range(20)]
+
+
+def run(net, optimizer, first, last):
+    losses = []
+    for inputs, labels in BATCHES[first:last]:
+        loss = torch.nn.functional.cross_entropy(net(inputs), labels)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def resume(make_optimizer, checkpoint, rng):
+    net = model()
+    optimizer = make_optimizer(net)
+    net.load_state_dict(checkpoint[0])
+    optimizer.load_state_dict(checkpoint[1])
+    torch.set_rng_state(rng)
+    return net, optimizer
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd_momentum", "per_group"])
+def test_checkpoints_continue_training_exactly_across_plain_and_autogaudi(backend, name):
+    make = OPTIMIZERS[name]
+    net = model()
+    reference_optimizer = make(net)
+    reference = run(net, reference_optimizer, 0, 20)  # plain PyTorch, uninterrupted
+    plain_keys = set(reference_optimizer.param_groups[0])
+
+    # Written under autogaudi, read by plain PyTorch.
+    enable(backend)
+    net = model()
+    optimizer = make(net)
+    first = run(net, optimizer, 0, 10)
+    checkpoint, rng = saved(net, optimizer), torch.get_rng_state()
+    assert all(set(group) == plain_keys and group["fused"] is None for group in checkpoint[1]["param_groups"])
+    assert all(torch.is_tensor(state["step"]) for state in checkpoint[1]["state"].values() if "step" in state)
+    assert all(set(group) == plain_keys for group in optimizer.param_groups)  # the user's view too
+    autogaudi.disable()
+    net, optimizer = resume(make, checkpoint, rng)
+    torch.testing.assert_close(first + run(net, optimizer, 10, 20), reference, **TOLERANCE)
+    assert optimizer.defaults["fused"] is None
+
+    # Written by plain PyTorch, read under autogaudi.
+    net = model()
+    optimizer = make(net)
+    first = run(net, optimizer, 0, 10)
+    checkpoint, rng = saved(net, optimizer), torch.get_rng_state()
+    enable(backend)
+    net, optimizer = resume(make, checkpoint, rng)
+    torch.testing.assert_close(first + run(net, optimizer, 10, 20), reference, **TOLERANCE)
+    assert autogaudi.report().unit("fused_optimizer")["figures"]["optimizers_fused"] == 1
+
+
+def test_explicit_choices_and_subclasses_are_left_alone(backend):
+    enable(backend)
+    net = model()
+
+    class MyAdamW(torch.optim.AdamW):
+        pass
+
+    explicit = torch.optim.AdamW(net.parameters(), foreach=False)
+    mine = MyAdamW(net.parameters())
+    assert explicit.defaults["foreach"] is False and explicit.defaults["fused"] is None
+    assert mine.defaults["fused"] is None
+    row = autogaudi.report().unit("fused_optimizer")
+    assert row["figures"] == {"optimizers_fused": 0, "optimizers_kept": 1}
+    assert "AdamW kept as is: the script chose foreach=False" in row["notes"]
+
+
+def test_hpu_unsupported_arguments_keep_torchs_optimizer(hpu_double):
+    calls = hpu_double(lazy=True)
+    enable("hpu")
+    net = model()
+    optimizer = torch.optim.AdamW(net.parameters(), amsgrad=True)
+    net(torch.randn(2, 10)).sum().backward()
+    optimizer.step()
+    assert "FusedAdamW.step" not in calls.names()
+    assert "AdamW kept as is: FusedAdamW has no amsgrad=True" in autogaudi.report().unit("fused_optimizer")["notes"]
+
+
+def test_user_constructor_errors_are_torchs_own(backend):
+    enable(backend)
+    with pytest.raises(ValueError, match="Invalid learning rate: -1"):
+        torch.optim.AdamW(model().parameters(), lr=-1)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'lr_typo'"):
+        torch.optim.SGD(model().parameters(), lr_typo=1)
+
+
+def test_hpu_kernel_failure_at_run_time_reverts_and_training_goes_on(hpu_double, monkeypatch, capsys):
+    hpu_double(lazy=True)
+    plain, plain_net, _ = train(OPTIMIZERS["adamw"], steps=6)
+    enable("hpu")
+    from habana_frameworks.torch.hpex import optimizers
+
+    def broken_step(self, closure=None):
+        raise RuntimeError("injected kernel failure")
+
+    monkeypatch.setattr(optimizers.FusedAdamW, "step", broken_step)
+    losses, net, optimizer = train(OPTIMIZERS["adamw"], steps=6)
+    torch.testing.assert_close(losses, plain, **TOLERANCE)
+    torch.testing.assert_close(list(net.parameters()), list(plain_net.parameters()), **TOLERANCE)
+    row = autogaudi.report().unit("fused_optimizer")
+    assert row["status"] == "failed" and "injected kernel failure" in row["reason"]
+    assert all(torch.is_tensor(state["step"]) for state in optimizer.state.values())  # torch's format again
+    assert "fused_optimizer raised RuntimeError('injected kernel failure')" in capsys.readouterr().err
+
+
+def test_closure_exceptions_are_the_users(backend):
+    enable(backend)
+    optimizer = torch.optim.SGD(model().parameters(), lr=0.1)
+
+    def closure():
+        raise KeyError("from the user's closure")
+
+    with pytest.raises(KeyError, match="from the user's closure"):
+        optimizer.step(closure)
+    assert autogaudi.report().unit("fused_optimizer")["status"] == "applied"
