@@ -1,0 +1,76 @@
+"""fused_clip_norm against the HPU double: same total norm and clipped gradients as torch, one
+FusedClipNorm per parameter set, and torch's own path for calls FusedClipNorm cannot serve."""
+import pytest
+import torch
+
+import autogaudi
+
+
+def grads(seed=0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Linear(6, 2))
+    model(torch.randn(4, 6)).pow(2).sum().backward()
+    return model
+
+
+@pytest.fixture
+def calls(hpu_double):
+    calls = hpu_double(lazy=True)
+    autogaudi.enable(device="hpu", only="fused_clip_norm")
+    calls.reset()
+    return calls
+
+
+def test_same_norm_and_clipped_gradients_as_torch(calls):
+    reference, model = grads(), grads()
+    autogaudi.disable()
+    expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.1)
+    autogaudi.enable(device="hpu", only="fused_clip_norm")
+    total = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)  # a generator, as scripts pass it
+    torch.testing.assert_close(total, expected)
+    for fused, plain in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(fused.grad, plain.grad)
+    assert calls.names() == ["FusedClipNorm", "FusedClipNorm.clip_norm"]
+
+
+def test_built_once_per_parameter_set_and_max_norm(calls):
+    model = grads()
+    for _ in range(3):
+        torch.nn.utils.clip_grad.clip_grad_norm_(model.parameters(), 1.0)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 2.0)
+    assert calls.names() == ["FusedClipNorm"] + ["FusedClipNorm.clip_norm"] * 3 + [
+        "FusedClipNorm", "FusedClipNorm.clip_norm"]
+    assert autogaudi.report().unit("fused_clip_norm")["figures"] == {"fused_calls": 4, "torch_calls": 0}
+
+
+@pytest.mark.parametrize("kwargs", [{"norm_type": 1.0}, {"norm_type": float("inf")},
+                                    {"error_if_nonfinite": True}, {"foreach": False}])
+def test_calls_it_cannot_serve_run_torchs_own(calls, kwargs):
+    reference, model = grads(), grads()
+    autogaudi.disable()
+    expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.1, **kwargs)
+    autogaudi.enable(device="hpu", only="fused_clip_norm")
+    torch.testing.assert_close(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1, **kwargs), expected)
+    assert calls.names() == []
+    assert autogaudi.report().unit("fused_clip_norm")["figures"]["torch_calls"] == 1
+
+
+def test_failure_at_run_time_falls_back_to_torch(calls, monkeypatch):
+    from habana_frameworks.torch.hpex import normalization
+
+    autogaudi.disable()
+    original = torch.nn.utils.clip_grad_norm_
+    reference, model = grads(), grads()
+    expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.1)
+    autogaudi.enable(device="hpu", only="fused_clip_norm")
+    monkeypatch.setattr(normalization.FusedClipNorm, "clip_norm", lambda self, p: 1 / 0)
+    torch.testing.assert_close(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1), expected)
+    row = autogaudi.report().unit("fused_clip_norm")
+    assert row["status"] == "failed" and "ZeroDivisionError" in row["reason"]
+    assert torch.nn.utils.clip_grad_norm_ is original  # reverted
+
+
+def test_skipped_on_cpu_with_the_reason():
+    autogaudi.enable()
+    row = autogaudi.report().unit("fused_clip_norm")
+    assert row["status"] == "skipped" and "already runs its foreach kernels" in row["reason"]
