@@ -1,11 +1,14 @@
-"""Run the benchmark suite: plain PyTorch vs autogaudi, interleaved, in fresh processes.
+"""Run the benchmark suite: plain PyTorch vs autogaudi vs hand-tuned, in fresh processes.
 
-    python benchmarks/run.py [--rounds 5]
+    python benchmarks/run.py [--rounds 7]
 
 Writes benchmarks/results/<machine>.json and prints a Markdown table. Each variant runs in its own
-interpreter (autogaudi patches a whole process) and variants alternate round by round, so drift
-on the machine hits all of them alike; figures are medians with min and max. A variant whose
-losses differ from plain PyTorch's by more than the tolerance is flagged, however fast it is.
+interpreter (autogaudi patches a whole process). Variants alternate within a round and the order
+rotates from round to round, so neither drift on the machine nor a variant's position in the round
+favours one of them; figures are medians with min and max. Every run's losses are compared with
+plain PyTorch's (a relative bound: fused kernels reassociate float sums and trajectories drift apart
+over hundreds of steps, by as much for the hand-tuned script as for autogaudi) and with the
+hand-tuned script's, which applies the same math as autogaudi and should match it closely.
 """
 import argparse
 import json
@@ -23,12 +26,17 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 from autogaudi.registry import UNIT_NAMES  # noqa: E402
 
-LOSS_TOLERANCE = 1e-6  # same math on the CPU today: the losses must agree to float rounding
-MLP = [str(HERE / "workloads" / "mlp.py")]
+LOSS_TOLERANCE = 1e-2  # the largest |loss - plain loss| / plain loss accepted at any step
+WORKLOADS = {
+    "w1_mlp": [str(HERE / "workloads" / "mlp.py")],
+    "w2_transformer": [str(HERE / "workloads" / "transformer.py")],
+}
+# (interpreter arguments before the workload, arguments after it)
 VARIANTS = {
-    "plain": [],
-    "autogaudi": ["-m", "autogaudi", "--quiet"],
-    "autogaudi, all units off": ["-m", "autogaudi", "--quiet", "--disable", ",".join(UNIT_NAMES)],
+    "plain": ([], []),
+    "autogaudi": (["-m", "autogaudi", "--quiet"], []),
+    "hand-tuned": ([], ["--hand-tuned"]),
+    "autogaudi, all units off": (["-m", "autogaudi", "--quiet", "--disable", ",".join(UNIT_NAMES)], []),
 }
 
 
@@ -52,20 +60,28 @@ def summary(values: list) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "rounds": len(values)}
 
 
-def step_overhead(rounds: int) -> dict:
+def step_rates(workload: list, rounds: int) -> dict:
+    """Every variant of one workload, interleaved round by round; ratios against plain and hand-tuned."""
     rates = {name: [] for name in VARIANTS}
     losses = {}
-    for _ in range(rounds):
-        for name, prefix in VARIANTS.items():
-            result = run_json(prefix + MLP)
+    names = list(VARIANTS)
+    for round_number in range(rounds):
+        shift = round_number % len(names)
+        for name in names[shift:] + names[:shift]:
+            before, after = VARIANTS[name]
+            result = run_json(before + workload + after)
             rates[name].append(result["steps_per_s"])
             losses.setdefault(name, result["losses"])
     plain = statistics.median(rates["plain"])
+    tuned = statistics.median(rates["hand-tuned"])
     rows = {}
     for name, values in rates.items():
-        drift = max(abs(a - b) for a, b in zip(losses[name], losses["plain"]))
+        drift = max(abs(a - b) / abs(b) for a, b in zip(losses[name], losses["plain"]))
         rows[name] = {"steps_per_s": summary(values), "ratio_vs_plain": statistics.median(values) / plain,
-                      "max_loss_difference": drift, "losses_match": drift <= LOSS_TOLERANCE}
+                      "ratio_vs_hand_tuned": statistics.median(values) / tuned,
+                      "max_relative_loss_difference": drift, "losses_match": drift <= LOSS_TOLERANCE,
+                      "max_loss_difference_vs_hand_tuned": max(
+                          abs(a - b) for a, b in zip(losses[name], losses["hand-tuned"]))}
     return rows
 
 
@@ -84,7 +100,7 @@ def startup(rounds: int) -> dict:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--out", type=Path, default=HERE / "results" / f"{machine_name()}.json")
     args = parser.parse_args()
     import torch
@@ -92,17 +108,22 @@ def main():
     results = {
         "machine": machine_name(), "cpu": platform.processor() or platform.machine(),
         "python": platform.python_version(), "torch": torch.__version__, "rounds": args.rounds,
-        "w1_mlp_step_rate": step_overhead(args.rounds),
+        "workloads": {name: step_rates(command, args.rounds) for name, command in WORKLOADS.items()},
         "startup": startup(args.rounds * 4),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     print(f"# {results['machine']} (torch {results['torch']}, median of {args.rounds} rounds)\n")
-    print("| W1 MLP variant | steps/s (min-max) | vs plain | losses match |\n|---|---|---|---|")
-    for name, row in results["w1_mlp_step_rate"].items():
-        rate = row["steps_per_s"]
-        print(f"| {name} | {rate['median']:.1f} ({rate['min']:.1f}-{rate['max']:.1f}) | "
-              f"{row['ratio_vs_plain']:.3f}x | {row['losses_match']} |")
+    print("| workload | variant | steps/s median (min-max) | vs plain | vs hand-tuned | "
+          "max rel. loss diff vs plain | max loss diff vs hand-tuned |")
+    print("|---|---|---|---|---|---|---|")
+    for workload, rows in results["workloads"].items():
+        for name, row in rows.items():
+            rate = row["steps_per_s"]
+            flag = "" if row["losses_match"] else " (DIFFERENT TRAINING)"
+            print(f"| {workload} | {name} | {rate['median']:.1f} ({rate['min']:.1f}-{rate['max']:.1f}) | "
+                  f"{row['ratio_vs_plain']:.3f}x | {row['ratio_vs_hand_tuned']:.3f}x | "
+                  f"{row['max_relative_loss_difference']:.1e}{flag} | {row['max_loss_difference_vs_hand_tuned']:.1e} |")
     start = results["startup"]
     print(f"\nstartup `python -c pass`: plain {start['ms']['plain']['median']:.1f} ms, "
           f"AUTOGAUDI=1 {start['ms']['AUTOGAUDI=1']['median']:.1f} ms (+{start['added_ms']:.1f} ms), torch not imported")

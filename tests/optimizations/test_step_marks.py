@@ -17,13 +17,15 @@ def batches(count, seed=1):
     return [(torch.randn(5, 6, generator=generator), torch.randn(5, 1, generator=generator)) for _ in range(count)]
 
 
-def standard_loop(steps=4):
+def standard_loop(steps=4, clip=False):
     model = make_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     losses = []
     for inputs, targets in batches(steps):
         loss = torch.nn.functional.mse_loss(model(inputs), targets)
         loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())

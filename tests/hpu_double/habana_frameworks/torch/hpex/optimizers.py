@@ -14,15 +14,28 @@ from habana_frameworks.torch.utils.internal import is_lazy
 
 
 class _FusedOptimizer(torch.optim.Optimizer):
+    """What both fused optimizers share: empty groups refused, closure, record, lazy-mode mark."""
+
     def __init__(self, params, defaults):
         super().__init__(params, defaults)
         for group in self.param_groups:
             if not group["params"]:
                 raise RuntimeError(f"{type(self).__name__}: a parameter group has no parameters")
 
-    def _finish_step(self):
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        record(f"{type(self).__name__}.step", groups=len(self.param_groups))
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is not None:
+                    self._update(group, param, self.state[param])
         if is_lazy():
             mark_step()
+        return loss
 
 
 class FusedAdamW(_FusedOptimizer):
@@ -32,34 +45,22 @@ class FusedAdamW(_FusedOptimizer):
                         bias_correction=bias_correction, moments_dtype=moments_dtype)
         super().__init__(params, defaults)
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        record("FusedAdamW.step", groups=len(self.param_groups))
-        for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            for param in group["params"]:
-                if param.grad is None:
-                    continue
-                state = self.state[param]
-                if not state:
-                    state["step"] = 0
-                    state["exp_avg"] = torch.zeros_like(param)
-                    state["exp_avg_sq"] = torch.zeros_like(param)
-                state["step"] += 1
-                step = state["step"]
-                param.mul_(1 - group["lr"] * group["weight_decay"])
-                state["exp_avg"].lerp_(param.grad, 1 - beta1)
-                state["exp_avg_sq"].mul_(beta2).addcmul_(param.grad, param.grad, value=1 - beta2)
-                correction1 = 1 - beta1 ** step if group["bias_correction"] else 1.0
-                correction2 = 1 - beta2 ** step if group["bias_correction"] else 1.0
-                denominator = (state["exp_avg_sq"].sqrt() / math.sqrt(correction2)).add_(group["eps"])
-                param.addcdiv_(state["exp_avg"], denominator, value=-group["lr"] / correction1)
-        self._finish_step()
-        return loss
+    @staticmethod
+    def _update(group, param, state):
+        beta1, beta2 = group["betas"]
+        if not state:
+            state["step"] = 0
+            state["exp_avg"] = torch.zeros_like(param)
+            state["exp_avg_sq"] = torch.zeros_like(param)
+        state["step"] += 1
+        step = state["step"]
+        param.mul_(1 - group["lr"] * group["weight_decay"])
+        state["exp_avg"].lerp_(param.grad, 1 - beta1)
+        state["exp_avg_sq"].mul_(beta2).addcmul_(param.grad, param.grad, value=1 - beta2)
+        correction1 = 1 - beta1 ** step if group["bias_correction"] else 1.0
+        correction2 = 1 - beta2 ** step if group["bias_correction"] else 1.0
+        denominator = (state["exp_avg_sq"].sqrt() / math.sqrt(correction2)).add_(group["eps"])
+        param.addcdiv_(state["exp_avg"], denominator, value=-group["lr"] / correction1)
 
 
 class FusedSGD(_FusedOptimizer):
@@ -68,28 +69,16 @@ class FusedSGD(_FusedOptimizer):
                         nesterov=nesterov)
         super().__init__(params, defaults)
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        record("FusedSGD.step", groups=len(self.param_groups))
-        for group in self.param_groups:
-            for param in group["params"]:
-                if param.grad is None:
-                    continue
-                grad = param.grad
-                if group["weight_decay"]:
-                    grad = grad.add(param, alpha=group["weight_decay"])
-                if group["momentum"]:
-                    state = self.state[param]
-                    if "momentum_buffer" not in state:
-                        state["momentum_buffer"] = grad.clone()
-                    else:
-                        state["momentum_buffer"].mul_(group["momentum"]).add_(grad, alpha=1 - group["dampening"])
-                    buffer = state["momentum_buffer"]
-                    grad = grad.add(buffer, alpha=group["momentum"]) if group["nesterov"] else buffer
-                param.add_(grad, alpha=-group["lr"])
-        self._finish_step()
-        return loss
+    @staticmethod
+    def _update(group, param, state):
+        grad = param.grad
+        if group["weight_decay"]:
+            grad = grad.add(param, alpha=group["weight_decay"])
+        if group["momentum"]:
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = grad.clone()
+            else:
+                state["momentum_buffer"].mul_(group["momentum"]).add_(grad, alpha=1 - group["dampening"])
+            buffer = state["momentum_buffer"]
+            grad = grad.add(buffer, alpha=group["momentum"]) if group["nesterov"] else buffer
+        param.add_(grad, alpha=-group["lr"])

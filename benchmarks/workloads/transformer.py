@@ -1,0 +1,45 @@
+"""W2: a small transformer encoder classifier (4 layers, d_model 256, seq 128, AdamW + clip)."""
+import argparse
+
+import torch
+from torch import nn
+
+from timing import add_arguments, report_steps
+
+
+class Classifier(nn.Module):
+    def __init__(self, vocab=1000, d_model=256, layers=4, classes=8):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d_model)
+        layer = nn.TransformerEncoderLayer(d_model, 4, dim_feedforward=4 * d_model, dropout=0.1, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(d_model, classes)
+
+    def forward(self, tokens):
+        return self.head(self.encoder(self.embed(tokens)).mean(dim=1))
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, steps=20, warmup=3)
+    parser.add_argument("--batch", type=int, default=8)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    model = Classifier()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, **({"fused": True} if args.hand_tuned else {}))
+    total = args.steps + args.warmup
+    tokens, labels = torch.randint(0, 1000, (total, args.batch, 128)), torch.randint(0, 8, (total, args.batch))
+
+    def step(index):
+        optimizer.zero_grad()
+        loss = nn.functional.cross_entropy(model(tokens[index]), labels[index])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        return loss.item()
+
+    report_steps(step, args.warmup, args.steps)
+
+
+if __name__ == "__main__":
+    main()

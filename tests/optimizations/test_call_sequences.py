@@ -1,0 +1,44 @@
+"""Every default unit on, against the HPU double in lazy mode: the exact order of bridge calls for
+the loop shapes scripts use, and losses equal to plain PyTorch's."""
+import torch
+
+import autogaudi
+from tests.optimizations.test_step_marks import (
+    MARK, accumulation_loop, lbfgs_loop, standard_loop, two_optimizers_with_grad_scaler)
+
+ADAMW = ["FusedAdamW.step", MARK]  # the bridge's FusedAdamW marks a step itself in lazy mode
+SGD = ["FusedSGD.step", MARK]
+CLIP = "FusedClipNorm.clip_norm"
+
+
+def sequence(hpu_double, loop):
+    calls = hpu_double(lazy=True)
+    plain = loop()
+    autogaudi.enable(device="hpu")
+    calls.reset()
+    losses = loop()
+    torch.testing.assert_close(losses, plain, rtol=1e-6, atol=1e-7)
+    return calls.names()
+
+
+def test_standard_loop_with_clipping(hpu_double):
+    step = [MARK, CLIP, *ADAMW, MARK]  # backward, clip, fused step, step mark
+    expected = [MARK, "FusedClipNorm", CLIP, *ADAMW, MARK] + step * 3  # FusedClipNorm built once
+    assert sequence(hpu_double, lambda: standard_loop(clip=True)) == expected
+
+
+def test_grad_scaler_with_two_optimizers(hpu_double):
+    # Adam without weight decay runs as FusedAdamW; each optimizer step is followed by a mark.
+    assert sequence(hpu_double, two_optimizers_with_grad_scaler) == [MARK, *SGD, MARK, *ADAMW, MARK] * 3
+
+
+def test_gradient_accumulation(hpu_double):
+    assert sequence(hpu_double, accumulation_loop) == [MARK, MARK, *SGD, MARK] * 3
+
+
+def test_lbfgs_has_no_fused_kernel_and_is_marked(hpu_double):
+    names = sequence(hpu_double, lbfgs_loop)
+    assert set(names) == {MARK}
+    row = autogaudi.report().unit("fused_optimizer")
+    # LBFGS is not among the classes it fuses: not even counted as kept.
+    assert (row["figures"], row["notes"]) == ({"optimizers_fused": 0, "optimizers_kept": 0}, [])
