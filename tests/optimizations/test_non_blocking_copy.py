@@ -46,3 +46,16 @@ def test_skipped_on_cpu_and_reverted_exactly(hpu_double):
     assert torch.ones(3).to(torch.float64).dtype == torch.float64  # every other call unchanged
     autogaudi.disable()
     assert torch.Tensor.to is original and "to" not in vars(torch.Tensor)
+
+
+def test_failure_at_run_time_reverts_and_the_copy_still_happens(hpu_double, monkeypatch):
+    from autogaudi.optimizations import non_blocking_copy
+
+    hpu_double(lazy=True)
+    original = torch.Tensor.to
+    autogaudi.enable(device="hpu", only="non_blocking_copy")
+    monkeypatch.setattr(non_blocking_copy, "wants_non_blocking", lambda *args: 1 / 0)
+    assert torch.ones(2).to(torch.float64).dtype == torch.float64  # the user's call is still served
+    row = autogaudi.report().unit("non_blocking_copy")
+    assert row["status"] == "failed" and "ZeroDivisionError" in row["reason"]
+    assert torch.Tensor.to is original

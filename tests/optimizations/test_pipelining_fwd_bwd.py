@@ -24,3 +24,15 @@ def test_eager_mode_skips(hpu_double):
     hpu_double(lazy=False)
     autogaudi.enable(device="hpu", force="pipelining_fwd_bwd")
     assert "eager mode" in autogaudi.report().unit("pipelining_fwd_bwd")["reason"]
+
+
+def test_failure_at_run_time_reverts_and_training_goes_on(hpu_double, monkeypatch):
+    hpu_double(lazy=True)
+    plain = standard_loop()
+    autogaudi.enable(device="hpu", only="pipelining_fwd_bwd", force="pipelining_fwd_bwd")
+    import habana_frameworks.torch.core as htcore
+
+    monkeypatch.setattr(htcore, "mark_step", lambda *args, **kwargs: 1 / 0)
+    assert standard_loop() == plain
+    row = autogaudi.report().unit("pipelining_fwd_bwd")
+    assert row["status"] == "failed" and "ZeroDivisionError" in row["reason"]
