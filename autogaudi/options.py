@@ -130,7 +130,7 @@ OPTIONS: tuple = (
     Option("report", None, _parse_path,
            "also write the exit report as JSON to this path", "PATH"),
     Option("log_every", 0, _parse_count,
-           "print a progress line every N optimizer steps (0: never)", "N"),
+           "throughput_meter prints a progress line every N optimizer steps (0: never)", "N"),
     Option("warmup_steps", 3, _parse_count,
            "steps excluded from the timing figures (compilation, caches)", "N"),
     Option("quiet", False, parse_bool,

@@ -49,6 +49,11 @@ UNITS: tuple[UnitInfo, ...] = (
         "autogaudi.optimizations.fused_sdpa:FusedSdpa",
     ),
     UnitInfo(
+        "throughput_meter",
+        "steps/s and samples/s after warm-up, memory, and a progress line every --log-every steps",
+        "autogaudi.optimizations.throughput_meter:ThroughputMeter",
+    ),
+    UnitInfo(
         "non_blocking_copy",
         "host-to-accelerator copies of pinned tensors with non_blocking=True",
         "autogaudi.optimizations.non_blocking_copy:NonBlockingCopy",

@@ -13,9 +13,9 @@ import time
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.utils.data import dataloader
 
-from autogaudi.ranks import is_rank_zero
-from autogaudi.unit import warn, wrap_attribute
+from autogaudi.unit import wrap_attribute
 
 
 class TrainingSteps:
@@ -24,12 +24,14 @@ class TrainingSteps:
         self.options = options
         self.backwards = 0
         self.optimizer_steps = 0
+        self._before_batch_listeners: list = []
+        self._after_batch_listeners: list = []
         self._before_backward_listeners: list = []
         self._after_backward_listeners: list = []
         self._after_step_listeners: list = []
         self._undo: list = []
         self._timed_from = None  # (step number, clock) once warm-up is over
-        self._last_step_clock = None
+        self.last_step_clock = None
 
     @property
     def trained(self) -> bool:
@@ -39,10 +41,19 @@ class TrainingSteps:
         self._undo.append(wrap_attribute(torch.autograd, "backward", self._backward))
         handle = register_optimizer_step_post_hook(self._after_optimizer_step)
         self._undo.append(handle.remove)
+        self._undo.append(wrap_attribute(dataloader._BaseDataLoaderIter, "__next__", self._next_batch))
 
     def uninstall(self) -> None:
         while self._undo:
             self._undo.pop()()
+
+    def before_batch(self, unit, listener) -> None:
+        """``listener(iterator)`` before a DataLoader iterator fetches a batch."""
+        self._before_batch_listeners.append((unit, listener))
+
+    def after_batch(self, unit, listener) -> None:
+        """``listener(iterator, batch, waited_seconds)`` once a batch has been fetched."""
+        self._after_batch_listeners.append((unit, listener))
 
     def before_backward(self, unit, listener) -> None:
         self._before_backward_listeners.append((unit, listener))
@@ -55,9 +66,19 @@ class TrainingSteps:
 
     def forget(self, unit) -> None:
         """Drop a unit's listeners (it was reverted)."""
-        for listeners in (self._before_backward_listeners, self._after_backward_listeners,
+        for listeners in (self._before_batch_listeners, self._after_batch_listeners,
+                          self._before_backward_listeners, self._after_backward_listeners,
                           self._after_step_listeners):
             listeners[:] = [(owner, fn) for owner, fn in listeners if owner is not unit]
+
+    def _next_batch(self, wrapped, instance, args, kwargs):
+        if not (self._before_batch_listeners or self._after_batch_listeners):
+            return wrapped(*args, **kwargs)
+        self._notify(self._before_batch_listeners, instance)
+        start = time.perf_counter()
+        batch = wrapped(*args, **kwargs)  # StopIteration and the user's errors pass straight through
+        self._notify(self._after_batch_listeners, instance, batch, time.perf_counter() - start)
+        return batch
 
     def _backward(self, wrapped, instance, args, kwargs):
         self._notify(self._before_backward_listeners)
@@ -68,39 +89,31 @@ class TrainingSteps:
 
     def _after_optimizer_step(self, optimizer, args, kwargs) -> None:
         self.optimizer_steps += 1
-        self._notify(self._after_step_listeners, optimizer)
         now = time.perf_counter()
-        self._last_step_clock = now
+        self.last_step_clock = now
         if self.optimizer_steps == self.options.warmup_steps + 1:
             self._timed_from = (self.optimizer_steps, now)
-        every = self.options.log_every
-        if every and self.optimizer_steps % every == 0 and is_rank_zero():
-            self._log_progress()
+        self._notify(self._after_step_listeners, optimizer)
 
     def _notify(self, listeners, *args) -> None:
         for unit, listener in tuple(listeners):
             with unit.fail_open():
                 listener(*args)
 
+    @property
+    def timed(self):
+        """(steps, seconds) since the end of warm-up, or None before two timed step boundaries."""
+        if self._timed_from is None or self.optimizer_steps <= self._timed_from[0]:
+            return None
+        first_step, first_clock = self._timed_from
+        return self.optimizer_steps - first_step, self.last_step_clock - first_clock
+
     def figures(self) -> dict:
         """Counts and the steady-state rate (steps after warm-up, between step boundaries)."""
         figures = {"backward_passes": self.backwards, "optimizer_steps": self.optimizer_steps}
-        if self._timed_from is not None and self.optimizer_steps > self._timed_from[0]:
-            first_step, first_clock = self._timed_from
-            seconds = self._last_step_clock - first_clock
-            figures["steps_per_s"] = round((self.optimizer_steps - first_step) / seconds, 3)
-            figures["timed_steps"] = self.optimizer_steps - first_step
+        if self.timed:
+            steps, seconds = self.timed
+            figures["steps_per_s"] = round(steps / seconds, 3)
+            figures["timed_steps"] = steps
         figures["warmup_steps"] = self.options.warmup_steps
         return figures
-
-    def _log_progress(self) -> None:
-        # The only place that waits for the device, and only every `log_every` steps.
-        self.backend.synchronize()
-        line = f"step {self.optimizer_steps}"
-        rate = self.figures().get("steps_per_s")
-        if rate is not None:
-            line += f" | {rate:.2f} steps/s"
-        memory = self.backend.memory_stats()
-        if memory:
-            line += f" | {memory.format()}"
-        warn(line)

@@ -15,7 +15,6 @@ optimizers and ``step(closure)``: all go through the session's step watcher.
 from __future__ import annotations
 
 import torch
-from torch.utils.data import dataloader
 
 from autogaudi.unit import Unit
 
@@ -38,13 +37,13 @@ class LazyModeUnit(Unit):
 
 class StepMarks(LazyModeUnit):
     targets = ("torch.autograd.backward", "torch.optim.optimizer.register_optimizer_step_post_hook",
-               "torch.utils.data.dataloader._BaseDataLoaderIter.__next__")
+               "torch.utils.data.dataloader._BaseDataLoaderIter.__next__")  # via the session's watcher
 
     def apply(self) -> None:
         self.figures.update(mark_steps=0, eval_marks=0)
         self.session.steps.after_backward(self, self._mark_training)
         self.session.steps.after_optimizer_step(self, lambda _optimizer: self._mark_training())
-        self.wrap(dataloader._BaseDataLoaderIter, "__next__", self._next_batch)
+        self.session.steps.before_batch(self, self._before_batch)
         self.reason = "lazy mode"
 
     def _mark_training(self) -> None:
@@ -53,8 +52,6 @@ class StepMarks(LazyModeUnit):
         if steps:
             self.figures["marks_per_optimizer_step"] = round(self.figures["mark_steps"] / steps, 2)
 
-    def _next_batch(self, wrapped, instance, args, kwargs):
-        if not torch.is_grad_enabled():
-            with self.fail_open():
-                self.mark("eval_marks")
-        return wrapped(*args, **kwargs)
+    def _before_batch(self, _iterator) -> None:
+        if not torch.is_grad_enabled():  # an evaluation loop: close the previous iteration's graph
+            self.mark("eval_marks")
