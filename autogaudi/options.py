@@ -18,6 +18,7 @@ from autogaudi.registry import OPT_IN_UNITS, UNIT_NAMES
 
 DEVICES = ("auto", "hpu", "cuda", "cpu")
 SDPA_RECOMPUTE = ("auto", "on", "off")
+LAST_BATCH = ("repeat", "drop")
 ENV_PREFIX = "AUTOGAUDI_"
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("", "0", "false", "no", "off")
@@ -127,6 +128,9 @@ OPTIONS: tuple = (
     Option("sdpa_recompute", "auto", _choice(SDPA_RECOMPUTE),
            "HPU FusedSDPA recompute mode (saves memory, costs time): auto leaves the bridge's default",
            "{" + ",".join(SDPA_RECOMPUTE) + "}"),
+    Option("last_batch", "repeat", _choice(LAST_BATCH),
+           "static_last_batch policy: repeat samples from the epoch's start, or drop the short batch",
+           "{" + ",".join(LAST_BATCH) + "}"),
     Option("report", None, _parse_path,
            "also write the exit report as JSON to this path", "PATH"),
     Option("log_every", 0, _parse_count,

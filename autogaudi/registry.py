@@ -49,6 +49,21 @@ UNITS: tuple[UnitInfo, ...] = (
         "autogaudi.optimizations.fused_sdpa:FusedSdpa",
     ),
     UnitInfo(
+        "loader_workers",
+        "DataLoader worker processes for loaders measured to starve the step, from their second epoch",
+        "autogaudi.optimizations.loader_workers:LoaderWorkers",
+    ),
+    UnitInfo(
+        "pin_memory",
+        "DataLoader(pin_memory=True) when batches are copied to an accelerator",
+        "autogaudi.optimizations.pin_memory:PinMemory",
+    ),
+    UnitInfo(
+        "static_last_batch",
+        "HPU lazy mode: pad each epoch to whole batches so no short last batch triggers a recompile",
+        "autogaudi.optimizations.static_last_batch:StaticLastBatch",
+    ),
+    UnitInfo(
         "throughput_meter",
         "steps/s and samples/s after warm-up, memory, and a progress line every --log-every steps",
         "autogaudi.optimizations.throughput_meter:ThroughputMeter",

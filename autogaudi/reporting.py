@@ -28,8 +28,9 @@ class UnitRow:
 
     def as_dict(self) -> dict:
         unit = self.unit
+        reason = unit.reason if unit is not None and self.status == APPLIED else self.reason
         return {"name": self.name, "summary": self.summary, "status": self.status,
-                "targets": list(unit.targets) if unit else [], "reason": self.reason,
+                "targets": list(unit.targets) if unit else [], "reason": reason,
                 "figures": dict(unit.figures) if unit else {}, "notes": list(unit.notes) if unit else []}
 
 

@@ -61,7 +61,7 @@ class Session:
             self._revert(unit)
             row.set(FAILED, f"apply() raised {error!r}; reverted")
             return
-        row.set(APPLIED, unit.reason)
+        row.set(APPLIED)  # the reason is read live from the unit: it may change as it measures
         self.applied.append(unit)
 
     def unit_failed_at_run_time(self, unit, error: Exception) -> None:

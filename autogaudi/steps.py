@@ -24,6 +24,8 @@ class TrainingSteps:
         self.options = options
         self.backwards = 0
         self.optimizer_steps = 0
+        self._loader_adjusters: list = []
+        self._epoch_listeners: list = []
         self._before_batch_listeners: list = []
         self._after_batch_listeners: list = []
         self._before_backward_listeners: list = []
@@ -42,10 +44,22 @@ class TrainingSteps:
         handle = register_optimizer_step_post_hook(self._after_optimizer_step)
         self._undo.append(handle.remove)
         self._undo.append(wrap_attribute(dataloader._BaseDataLoaderIter, "__next__", self._next_batch))
+        self._undo.append(wrap_attribute(dataloader.DataLoader, "__init__", self._new_loader))
+        self._undo.append(wrap_attribute(dataloader.DataLoader, "__iter__", self._new_epoch))
 
     def uninstall(self) -> None:
         while self._undo:
             self._undo.pop()()
+
+    def adjust_loader(self, unit, adjuster) -> None:
+        """``adjuster(loader, args, kwargs) -> (args, kwargs) or None`` before a ``DataLoader`` (the
+        class itself, not a subclass: its constructor may mean something else) is built; adjusters
+        run in unit order, each seeing the previous one's arguments; None leaves them as they are."""
+        self._loader_adjusters.append((unit, adjuster))
+
+    def before_epoch(self, unit, listener) -> None:
+        """``listener(loader)`` when a DataLoader is about to create the iterator of a new epoch."""
+        self._epoch_listeners.append((unit, listener))
 
     def before_batch(self, unit, listener) -> None:
         """``listener(iterator)`` before a DataLoader iterator fetches a batch."""
@@ -66,10 +80,25 @@ class TrainingSteps:
 
     def forget(self, unit) -> None:
         """Drop a unit's listeners (it was reverted)."""
-        for listeners in (self._before_batch_listeners, self._after_batch_listeners,
+        for listeners in (self._loader_adjusters, self._epoch_listeners,
+                          self._before_batch_listeners, self._after_batch_listeners,
                           self._before_backward_listeners, self._after_backward_listeners,
                           self._after_step_listeners):
             listeners[:] = [(owner, fn) for owner, fn in listeners if owner is not unit]
+
+    def _new_loader(self, wrapped, instance, args, kwargs):
+        if type(instance) is dataloader.DataLoader:
+            for unit, adjuster in tuple(self._loader_adjusters):
+                adjusted = None
+                with unit.fail_open():
+                    adjusted = adjuster(instance, args, kwargs)
+                if adjusted is not None:
+                    args, kwargs = adjusted
+        return wrapped(*args, **kwargs)
+
+    def _new_epoch(self, wrapped, instance, args, kwargs):
+        self._notify(self._epoch_listeners, instance)
+        return wrapped(*args, **kwargs)
 
     def _next_batch(self, wrapped, instance, args, kwargs):
         if not (self._before_batch_listeners or self._after_batch_listeners):

@@ -1,0 +1,209 @@
+"""DataLoader worker processes, switched on only for a loader measured to starve the training step.
+
+Why: with ``num_workers=0`` (the default) the training loop itself builds every batch, so the
+device (or the compute threads) idle while ``__getitem__`` runs. Workers build batches in parallel.
+But workers also cost: on a 2-core machine one worker was measured slower than none, and a compute-
+bound step loses from the cores the workers take. So nothing is assumed: during the first epoch,
+after two warm-up batches, autogaudi times 16 batches — time waiting for the batch vs time between
+batches — and only when waiting is at least half of it does it tune that loader, in place, from the
+next epoch: ``num_workers`` from the machine (physical cores per local rank, less one for the main
+process, at least 2), ``prefetch_factor=2``, and the main process's intra-op threads cut to the
+cores the workers leave free. The next epoch is timed again; if batches did not come faster the
+loader is put back and the report says so.
+
+Faithfulness: batches and their order are the same (the sampler still runs in the main process).
+Workers are not persistent on purpose: a DataLoader draws one seed from the global RNG per epoch
+either way, while persistent workers would skip those draws from epoch 2 on and shift dropout and
+shuffling (measured: 3e-2 loss drift). A dataset whose ``__getitem__`` draws from the global RNGs
+(torch, random, numpy) — detected while measuring — is left alone: in workers those draws come from
+per-worker generators (as PyTorch defines it), which would change the numbers. Also left alone:
+loaders whose script chose ``num_workers``, DataLoader subclasses, and iterable datasets (each
+worker would replay the whole stream unless it shards itself).
+"""
+from __future__ import annotations
+
+import os
+import random
+import sys
+import time
+import weakref
+
+import psutil
+import torch
+from torch.utils.data import IterableDataset
+
+from autogaudi.unit import Unit
+
+WARMUP_BATCHES = 2
+MEASURED_BATCHES = 16
+INPUT_BOUND = 0.5  # the share of each step spent waiting for data above which workers are tried
+_NUM_WORKERS_POSITION = 5  # DataLoader(dataset, batch_size, shuffle, sampler, batch_sampler, num_workers)
+
+
+def worker_budget():
+    """(workers, main-process threads) for this machine and this process's share of it."""
+    cores = psutil.cpu_count(logical=False) or os.cpu_count() or 1
+    per_rank = max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    workers = max(2, min(8, per_rank - 1))
+    return workers, max(1, per_rank - workers)
+
+
+def random_state() -> tuple:
+    """Everything ``__getitem__`` could draw random numbers from in this process."""
+    numpy = sys.modules.get("numpy")
+    return (torch.random.get_rng_state(), random.getstate(),
+            numpy.random.get_state()[1].tobytes() if numpy is not None else None)
+
+
+def _same(first: tuple, second: tuple) -> bool:
+    return torch.equal(first[0], second[0]) and first[1:] == second[1:]
+
+
+class _Timing:
+    """Waiting vs computing for one loader over a window of batches."""
+
+    def __init__(self):
+        self.batches = 0
+        self.waited = 0.0
+        self.computed = 0.0
+
+    def add(self, waited: float, computed: float) -> None:
+        self.batches += 1
+        self.waited += waited
+        self.computed += computed
+
+    @property
+    def input_bound(self) -> float:
+        return self.waited / max(self.waited + self.computed, 1e-12)
+
+    @property
+    def ms_per_batch(self) -> float:
+        return 1000 * (self.waited + self.computed) / max(self.batches, 1)
+
+
+class _Loader:
+    def __init__(self):
+        self.phase = "before"  # before -> after (tuned, being checked) -> done
+        self.windows = {"before": _Timing(), "after": _Timing()}
+        self.epoch_batches = 0
+        self.last_end = None
+        self.random_before = None
+        self.draws_randomness = False
+        self.original = None
+
+
+class LoaderWorkers(Unit):
+    targets = ("torch.utils.data.DataLoader.__init__", "torch.utils.data.DataLoader.__iter__",
+               "torch.utils.data.dataloader._BaseDataLoaderIter.__next__")  # via the session's watcher
+
+    def apply(self) -> None:
+        self.figures.update(loaders_tuned=0, loaders_kept=0)
+        self._loaders = weakref.WeakKeyDictionary()  # DataLoader -> _Loader, for loaders it may tune
+        self._iterators = weakref.WeakKeyDictionary()  # iterator -> _Loader
+        self._starting = None  # the _Loader whose next iterator is being created
+        self._threads_before = None
+        steps = self.session.steps
+        steps.adjust_loader(self, self._consider)
+        steps.before_epoch(self, self._new_epoch)
+        steps.before_batch(self, self._before_batch)
+        steps.after_batch(self, self._after_batch)
+        self.on_revert(self._untune_all)
+        self.reason = "measuring each loader's first epoch"
+
+    def _kept(self, reason: str) -> None:
+        self.figures["loaders_kept"] += 1
+        if reason not in self.notes:
+            self.notes.append(reason)
+
+    def _consider(self, loader, args, kwargs):
+        dataset = kwargs.get("dataset", args[0] if args else None)
+        if "num_workers" in kwargs or len(args) > _NUM_WORKERS_POSITION:
+            self._kept("a loader whose script chose num_workers is kept as is")
+        elif isinstance(dataset, IterableDataset):
+            self._kept("iterable datasets are kept in-process: each worker would replay the whole stream")
+        else:
+            self._loaders[loader] = _Loader()
+        return None
+
+    def _new_epoch(self, loader) -> None:
+        state = self._loaders.get(loader)
+        if state is not None:
+            state.epoch_batches, state.last_end = 0, None
+        self._starting = state
+
+    def _state(self, iterator):
+        state = self._iterators.get(iterator)
+        if state is None and self._starting is not None:
+            state = self._iterators[iterator] = self._starting
+            self._starting = None
+        return state if state is not None and state.phase != "done" else None
+
+    def _before_batch(self, iterator) -> None:
+        state = self._state(iterator)
+        if state is not None and state.phase == "before":
+            state.random_before = random_state()
+
+    def _after_batch(self, iterator, _batch, waited: float) -> None:
+        state = self._state(iterator)
+        if state is None:
+            return
+        now = time.perf_counter()
+        window = state.windows[state.phase]
+        # The first batch of an epoch is not measured: the sampler draws its seed there, workers
+        # start, and the time since the previous epoch's last batch is not a training step.
+        if state.last_end is not None and state.epoch_batches >= WARMUP_BATCHES:
+            window.add(waited, now - waited - state.last_end)
+            if state.phase == "before" and not _same(state.random_before, random_state()):
+                state.draws_randomness = True
+        state.last_end = now
+        state.epoch_batches += 1
+        if window.batches == MEASURED_BATCHES:
+            self._decide(iterator, state)
+
+    def _decide(self, iterator, state) -> None:
+        loader = next((key for key, value in self._loaders.items() if value is state), None)
+        before, after = state.windows["before"], state.windows["after"]
+        if state.phase == "before":
+            state.phase = "done"
+            self.figures["input_bound_fraction"] = round(before.input_bound, 3)
+            self.figures["ms_per_batch_before"] = round(before.ms_per_batch, 3)
+            if state.draws_randomness:
+                self._kept("kept in-process: its __getitem__ draws from the global random generators, "
+                           "which worker processes would replace by their own")
+            elif before.input_bound < INPUT_BOUND:
+                self._kept(f"kept in-process: waiting for data is {before.input_bound:.0%} of a step "
+                           f"(workers are tried from {INPUT_BOUND:.0%})")
+            elif loader is not None:
+                self._tune(loader, state)
+        else:
+            state.phase = "done"
+            self.figures["ms_per_batch_after"] = round(after.ms_per_batch, 3)
+            if after.ms_per_batch >= before.ms_per_batch and loader is not None:
+                self._untune(loader, state)
+                self.figures["loaders_tuned"] -= 1
+                self._kept(f"workers measured no faster ({after.ms_per_batch:.2f} vs "
+                           f"{before.ms_per_batch:.2f} ms per batch): put back to num_workers=0")
+
+    def _tune(self, loader, state) -> None:
+        workers, threads = worker_budget()
+        state.original = (loader.num_workers, loader.prefetch_factor)
+        loader.num_workers, loader.prefetch_factor = workers, 2
+        if self._threads_before is None:
+            self._threads_before = torch.get_num_threads()
+            torch.set_num_threads(min(threads, self._threads_before))
+        state.phase = "after"
+        self.figures.update(loaders_tuned=self.figures["loaders_tuned"] + 1, workers=workers,
+                            main_threads=torch.get_num_threads())
+        self.reason = f"{workers} workers from epoch 2 for input-bound loaders"
+
+    def _untune(self, loader, state) -> None:
+        if state.original is not None:
+            loader.num_workers, loader.prefetch_factor = state.original
+            state.original = None
+        if self._threads_before is not None and not any(s.original for s in self._loaders.values()):
+            torch.set_num_threads(self._threads_before)
+            self._threads_before = None
+
+    def _untune_all(self) -> None:
+        for loader, state in list(self._loaders.items()):
+            self._untune(loader, state)

@@ -1,0 +1,36 @@
+"""``DataLoader(pin_memory=True)`` when an accelerator is the target.
+
+Why: batches in page-locked (pinned) host memory are copied to the device by DMA, faster, and
+asynchronously when the copy says ``non_blocking=True`` (see non_blocking_copy): the Gaudi guide's
+and the HF guide's advice. Only loaders built without a ``pin_memory`` choice are changed; the
+pinning device is the backend's (``"hpu"`` on Gaudi) on torch versions that still take
+``pin_memory_device`` (newer ones pin for the current accelerator by themselves).
+Cost: pinned memory is locked host memory (one batch per worker in flight).
+CPU-only runs: skipped, pinning does nothing without a device to copy to.
+"""
+from __future__ import annotations
+
+import torch
+
+from autogaudi.unit import Unit
+
+_PIN_MEMORY_POSITION = 7  # DataLoader(dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, collate_fn, pin_memory)
+
+
+class PinMemory(Unit):
+    targets = ("torch.utils.data.DataLoader.__init__",)  # via the session's watcher
+    backends = ("hpu", "cuda")
+    why_not_elsewhere = "pinning does nothing without a device to copy to"
+
+    def apply(self) -> None:
+        self.figures["loaders_pinned"] = 0
+        self._device_argument = not hasattr(torch, "accelerator")  # torch < 2.6 needs the device named
+        self.session.steps.adjust_loader(self, self._adjust)
+        self.reason = f"pinned for {self.backend.device_type}"
+
+    def _adjust(self, _loader, args, kwargs):
+        if "pin_memory" in kwargs or len(args) > _PIN_MEMORY_POSITION:
+            return None  # the script chose
+        self.figures["loaders_pinned"] += 1
+        extra = {"pin_memory_device": self.backend.pin_memory_device} if self._device_argument else {}
+        return args, {**kwargs, "pin_memory": True, **extra}

@@ -1,0 +1,82 @@
+"""Every batch the same shape: pad the epoch to a whole number of batches (HPU lazy mode).
+
+Why: in Gaudi lazy mode every new input shape is a new graph to compile, and a short last batch
+is one more shape, every epoch (recompilation is the most reported Gaudi slowdown). Default policy
+``repeat``: the epoch's index order is extended with its own first indices until it fills the last
+batch, as optimum-habana's sampler does; every original sample is still seen once per epoch.
+Zero padding is not offered: it would pollute BatchNorm statistics. Policy ``drop``: ``drop_last=True``.
+Semantic change (reported): the repeated samples are seen twice in that epoch.
+Untouched: ``drop_last=True`` loaders, a ``batch_sampler`` of the script's own, iterable datasets,
+loaders without ``batch_size``, and epochs that already divide evenly.
+Elsewhere skipped until graph capture (which also needs static shapes) is switched on.
+"""
+from __future__ import annotations
+
+import inspect
+
+from torch.utils.data import IterableDataset, RandomSampler, Sampler, SequentialSampler
+from torch.utils.data.dataloader import DataLoader
+
+from autogaudi.unit import Unit
+
+_SIGNATURE = inspect.signature(DataLoader.__init__)
+
+
+class PaddedSampler(Sampler):
+    """The indices of ``sampler`` for one epoch, extended with its own first indices up to a
+    multiple of ``multiple``."""
+
+    def __init__(self, sampler, multiple: int):
+        self.sampler = sampler
+        self.multiple = multiple
+
+    def __len__(self) -> int:
+        return -(-len(self.sampler) // self.multiple) * self.multiple
+
+    def __iter__(self):
+        indices = list(self.sampler)
+        missing = len(self) - len(indices)
+        yield from indices
+        yield from (indices * (missing // max(len(indices), 1) + 1))[:missing]
+
+
+class StaticLastBatch(Unit):
+    targets = ("torch.utils.data.DataLoader.__init__",)  # via the session's watcher
+    backends = ("hpu",)
+    why_not_elsewhere = "shapes only need to be static under graph capture, which is not on"
+
+    def skip_reason(self):
+        reason = super().skip_reason()
+        if reason is None and not self.backend.is_lazy:
+            reason = "HPU eager mode compiles nothing per shape unless graph capture is on"
+        return reason
+
+    def apply(self) -> None:
+        self.figures.update(loaders_padded=0, samples_added_per_epoch=0)
+        self.session.steps.adjust_loader(self, self._adjust)
+        self.reason = f"policy {self.options.last_batch}"
+
+    def _adjust(self, loader, args, kwargs):
+        values = _SIGNATURE.bind(loader, *args, **kwargs)
+        values.apply_defaults()
+        call = {name: value for name, value in values.arguments.items() if name != "self"}
+        dataset, batch_size = call["dataset"], call["batch_size"]
+        if (call["drop_last"] or call["batch_sampler"] is not None or batch_size is None
+                or isinstance(dataset, IterableDataset)):
+            return None
+        # The sampler DataLoader itself would build, or the script's own.
+        sampler = call["sampler"]
+        if sampler is None:
+            sampler = RandomSampler(dataset, generator=call["generator"]) if call["shuffle"] else SequentialSampler(dataset)
+        remainder = len(sampler) % batch_size
+        if remainder == 0:
+            return None
+        self.figures["loaders_padded"] += 1
+        if self.options.last_batch == "drop":
+            self.figures["samples_added_per_epoch"] -= remainder
+            return (), {**call, "drop_last": True}
+        self.figures["samples_added_per_epoch"] += batch_size - remainder
+        note = "each epoch's last batch repeats samples from the epoch's start (--last-batch drop: drop it)"
+        if note not in self.notes:
+            self.notes.append(note)
+        return (), {**call, "sampler": PaddedSampler(sampler, batch_size), "shuffle": None}

@@ -1,0 +1,108 @@
+"""loader_workers on the real CPU: a loader-bound run gets workers from epoch 2 with the same batches
+and losses; compute-bound runs, random __getitem__, explicit choices and iterables are left alone."""
+import time
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset
+
+import autogaudi
+
+BATCHES_PER_EPOCH = 24
+
+
+class Slow(Dataset):
+    """~2 ms of waiting per sample: the training step is far cheaper than building its batch."""
+
+    def __init__(self, delay=0.002, noisy=False):
+        self.delay = delay
+        self.noisy = noisy
+
+    def __len__(self):
+        return BATCHES_PER_EPOCH * 8
+
+    def __getitem__(self, index):
+        time.sleep(self.delay)
+        features = torch.full((8,), index / len(self))
+        if self.noisy:
+            features = features + torch.rand(8)  # draws from the process's global generator
+        return features, index % 3
+
+
+def train(loader_factory, epochs=3, width=16, extra_compute=0):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.Dropout(0.2), torch.nn.Linear(width, 3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = loader_factory()
+    losses, seen, workers = [], [], []
+    for _ in range(epochs):
+        workers.append(loader.num_workers)  # what this epoch's iterator is built with
+        for features, labels in loader:
+            loss = torch.nn.functional.cross_entropy(model(features), labels)
+            for _ in range(extra_compute):  # a step that costs far more than its batch
+                torch.ones(256, 256) @ torch.ones(256, 256)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+            seen.append(labels.tolist())
+    return losses, seen, workers, loader
+
+
+def only_loader_workers():
+    autogaudi.enable(device="cpu", only="loader_workers")
+    return autogaudi.report
+
+
+def row():
+    return autogaudi.report().unit("loader_workers")
+
+
+@pytest.mark.slow
+def test_loader_bound_run_gets_workers_with_the_same_batches_and_losses():
+    make = lambda: DataLoader(Slow(), batch_size=8, shuffle=True)  # noqa: E731
+    plain_losses, plain_seen, plain_workers, _ = train(make)
+    only_loader_workers()
+    losses, seen, workers, loader = train(make)
+    assert seen == plain_seen and losses == plain_losses  # dropout draws included: the RNG stream is kept
+    assert plain_workers == [0, 0, 0] and workers[0] == 0 and workers[1] == workers[2] >= 2
+    figures = row()["figures"]
+    assert figures["loaders_tuned"] == 1 and figures["input_bound_fraction"] > 0.5
+    assert figures["ms_per_batch_after"] < figures["ms_per_batch_before"]
+    assert torch.get_num_threads() == figures["main_threads"]
+    autogaudi.disable()
+    assert loader.num_workers == 0  # put back by disable()
+
+
+def test_compute_bound_run_is_left_alone():
+    only_loader_workers()
+    _, _, workers, _ = train(lambda: DataLoader(Slow(delay=0), batch_size=8), epochs=2, extra_compute=20)
+    assert workers == [0, 0]
+    assert any(note.startswith("kept in-process: waiting for data is") for note in row()["notes"])
+
+
+def test_random_getitem_is_left_alone():
+    only_loader_workers()
+    _, _, workers, _ = train(lambda: DataLoader(Slow(noisy=True), batch_size=8), epochs=2)
+    assert workers == [0, 0]
+    assert any("draws from the global random generators" in note for note in row()["notes"])
+
+
+def test_explicit_choices_subclasses_and_iterables_are_left_alone():
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return iter(range(4))
+
+    class MyLoader(DataLoader):
+        pass
+
+    only_loader_workers()
+    explicit = DataLoader(Slow(delay=0), batch_size=8, num_workers=0)
+    mine = MyLoader(Slow(delay=0), batch_size=8)
+    stream = DataLoader(Stream(), batch_size=2)
+    for loader in (explicit, mine, stream):
+        for _ in loader:
+            pass
+        assert loader.num_workers == 0
+    assert row()["figures"]["loaders_kept"] == 2  # the subclass is not even considered
+    assert "a loader whose script chose num_workers is kept as is" in row()["notes"]
