@@ -175,6 +175,8 @@ class LoaderWorkers(Unit):
                            f"(workers are tried from {INPUT_BOUND:.0%})")
             elif loader is not None:
                 self._tune(loader, state)
+            if not self.figures["loaders_tuned"]:
+                self.reason = "measured: no loader starves the step, all kept in-process"
         else:
             state.phase = "done"
             self.figures["ms_per_batch_after"] = round(after.ms_per_batch, 3)

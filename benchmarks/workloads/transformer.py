@@ -1,8 +1,12 @@
-"""W2: a small transformer encoder classifier (4 layers, d_model 256, seq 128, AdamW + clip)."""
+"""W2: a small transformer encoder classifier (4 layers, d_model 256, seq 128, AdamW + clip).
+
+Compute-bound, and fed through a plain DataLoader so that autogaudi's loader measurement runs on it
+too (and must leave the loader alone: "no harm")."""
 import argparse
 
 import torch
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 from timing import add_arguments, report_steps
 
@@ -28,11 +32,13 @@ def main():
     model = Classifier()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, **({"fused": True} if args.hand_tuned else {}))
     total = args.steps + args.warmup
-    tokens, labels = torch.randint(0, 1000, (total, args.batch, 128)), torch.randint(0, 8, (total, args.batch))
+    data = TensorDataset(torch.randint(0, 1000, (total * args.batch, 128)), torch.randint(0, 8, (total * args.batch,)))
+    batches = iter(DataLoader(data, batch_size=args.batch))
 
-    def step(index):
+    def step(_index):
+        tokens, labels = next(batches)
         optimizer.zero_grad()
-        loss = nn.functional.cross_entropy(model(tokens[index]), labels[index])
+        loss = nn.functional.cross_entropy(model(tokens), labels)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
