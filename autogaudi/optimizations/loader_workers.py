@@ -128,7 +128,10 @@ class LoaderWorkers(Unit):
     def _new_epoch(self, loader) -> None:
         state = self._loaders.get(loader)
         if state is not None:
-            state.epoch_batches, state.last_end = 0, None
+            # Checking a tuned loader counts from the moment its workers are started, so their
+            # start-up (a fresh interpreter each under spawn) weighs against them.
+            state.epoch_batches = 0
+            state.last_end = time.perf_counter() if state.phase == "after" else None
         self._starting = state
 
     def _state(self, iterator):
@@ -149,9 +152,9 @@ class LoaderWorkers(Unit):
             return
         now = time.perf_counter()
         window = state.windows[state.phase]
-        # The first batch of an epoch is not measured: the sampler draws its seed there, workers
-        # start, and the time since the previous epoch's last batch is not a training step.
-        if state.last_end is not None and state.epoch_batches >= WARMUP_BATCHES:
+        # Before tuning, the first batches of an epoch are not measured: the sampler draws its seed
+        # there and the time since the previous epoch's last batch is not a training step.
+        if state.last_end is not None and (state.phase == "after" or state.epoch_batches >= WARMUP_BATCHES):
             window.add(waited, now - waited - state.last_end)
             if state.phase == "before" and not _same(state.random_before, random_state()):
                 state.draws_randomness = True
@@ -183,8 +186,12 @@ class LoaderWorkers(Unit):
             if after.ms_per_batch >= before.ms_per_batch and loader is not None:
                 self._untune(loader, state)
                 self.figures["loaders_tuned"] -= 1
+                self.figures["main_threads"] = torch.get_num_threads()
                 self._kept(f"workers measured no faster ({after.ms_per_batch:.2f} vs "
-                           f"{before.ms_per_batch:.2f} ms per batch): put back to num_workers=0")
+                           f"{before.ms_per_batch:.2f} ms per batch, worker start-up included): "
+                           f"put back to num_workers=0")
+                if not self.figures["loaders_tuned"]:
+                    self.reason = "measured: workers were tried and were no faster, all kept in-process"
 
     def _tune(self, loader, state) -> None:
         workers, threads = worker_budget()

@@ -6,8 +6,10 @@ is one more shape, every epoch (recompilation is the most reported Gaudi slowdow
 batch, as optimum-habana's sampler does; every original sample is still seen once per epoch.
 Zero padding is not offered: it would pollute BatchNorm statistics. Policy ``drop``: ``drop_last=True``.
 Semantic change (reported): the repeated samples are seen twice in that epoch.
-Untouched: ``drop_last=True`` loaders, a ``batch_sampler`` of the script's own, iterable datasets,
-loaders without ``batch_size``, and epochs that already divide evenly.
+Untouched: ``drop_last=True`` loaders, a ``batch_sampler`` or a sampler of the script's own other
+than torch's plain Random/SequentialSampler (wrapping, say, a DistributedSampler would hide its
+``set_epoch`` and type from the script), iterable datasets, loaders without ``batch_size``, and
+epochs that already divide evenly.
 Elsewhere skipped until graph capture (which also needs static shapes) is switched on.
 """
 from __future__ import annotations
@@ -64,8 +66,13 @@ class StaticLastBatch(Unit):
         if (call["drop_last"] or call["batch_sampler"] is not None or batch_size is None
                 or isinstance(dataset, IterableDataset)):
             return None
-        # The sampler DataLoader itself would build, or the script's own.
+        # The sampler DataLoader itself would build, or the script's own if it is one of those.
         sampler = call["sampler"]
+        if sampler is not None and type(sampler) not in (RandomSampler, SequentialSampler):
+            note = f"a loader with its own {type(sampler).__name__} is not padded (its sampler stays the script's)"
+            if note not in self.notes:
+                self.notes.append(note)
+            return None
         if sampler is None:
             sampler = RandomSampler(dataset, generator=call["generator"]) if call["shuffle"] else SequentialSampler(dataset)
         remainder = len(sampler) % batch_size

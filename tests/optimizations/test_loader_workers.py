@@ -106,3 +106,18 @@ def test_explicit_choices_subclasses_and_iterables_are_left_alone():
         assert loader.num_workers == 0
     assert row()["figures"]["loaders_kept"] == 2  # the subclass is not even considered
     assert "a loader whose script chose num_workers is kept as is" in row()["notes"]
+
+
+@pytest.mark.slow
+def test_spawned_workers_under_the_launcher_unpickle_the_scripts_dataset():
+    import json
+
+    from tests.helpers import SCRIPTS, run_python
+
+    plain = run_python(SCRIPTS / "loader_spawn.py")
+    tuned = run_python("-m", "autogaudi", "--quiet", "--only", "loader_workers", SCRIPTS / "loader_spawn.py")
+    assert plain.returncode == 0, plain.stderr
+    assert tuned.returncode == 0, tuned.stderr
+    plain, tuned = json.loads(plain.stdout), json.loads(tuned.stdout)
+    assert tuned["losses"] == plain["losses"]
+    assert plain["workers"] == [0, 0, 0] and tuned["workers"][0] == 0 and tuned["workers"][1] >= 2

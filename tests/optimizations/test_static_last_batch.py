@@ -2,7 +2,7 @@
 the plain order kept for the original samples, and the alternatives and exclusions."""
 import pytest
 import torch
-from torch.utils.data import BatchSampler, DataLoader, SequentialSampler, TensorDataset
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, SequentialSampler, TensorDataset
 
 import autogaudi
 
@@ -47,7 +47,8 @@ def test_drop_policy_and_positional_calls(lazy):
     lambda: DataLoader(DATA, batch_sampler=BatchSampler(SequentialSampler(DATA), 4, False)),
     lambda: DataLoader(DATA, batch_size=5),
     lambda: DataLoader(DATA, batch_size=None),
-], ids=["drop_last", "batch_sampler", "divides_evenly", "no_batching"])
+    lambda: DataLoader(DATA, batch_size=4, sampler=DistributedSampler(DATA, num_replicas=2, rank=0)),
+], ids=["drop_last", "batch_sampler", "divides_evenly", "no_batching", "own_sampler"])
 def test_loaders_it_leaves_alone(lazy, make):
     plain = epochs(make)
     autogaudi.enable(device="hpu", only="static_last_batch")
