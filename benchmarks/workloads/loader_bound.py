@@ -1,4 +1,5 @@
-"""W4: the W1 MLP fed by a Dataset that spends ~0.5 ms of CPU per sample building it.
+"""W4: the W1 MLP fed by a Dataset that spends ~0.3 ms of CPU per sample building it
+(measured: plain W4 runs at 15 steps/s with batch 200, ~95% of it waiting for data).
 
 Prints one JSON line: steps/s over the epochs after the first (steady state: autogaudi decides in
 epoch 1 and tunes from epoch 2) and, separately, the whole run's wall time including epoch 1.

@@ -150,7 +150,7 @@ def resume(make_optimizer, checkpoint, rng):
     return net, optimizer
 
 
-@pytest.mark.parametrize("name", ["adamw", "sgd_momentum", "per_group"])
+@pytest.mark.parametrize("name", ["adamw", "adam", "sgd_momentum", "per_group"])
 def test_checkpoints_continue_training_exactly_across_plain_and_autogaudi(backend, name):
     make = OPTIMIZERS[name]
     net = model()
