@@ -64,6 +64,11 @@ UNITS: tuple[UnitInfo, ...] = (
         "autogaudi.optimizations.static_last_batch:StaticLastBatch",
     ),
     UnitInfo(
+        "ddp_tuning",
+        "DistributedDataParallel with gradient_as_bucket_view, and buffers/bucket size set from the model",
+        "autogaudi.optimizations.ddp_tuning:DdpTuning",
+    ),
+    UnitInfo(
         "throughput_meter",
         "steps/s and samples/s after warm-up, memory, and a progress line every --log-every steps",
         "autogaudi.optimizations.throughput_meter:ThroughputMeter",

@@ -1,0 +1,111 @@
+"""ddp_tuning: in-process DDP (gloo, world size 1) for the settings and the numerics; torchrun with
+2 ranks for the three launch forms, agreement with plain DDP, and failures reported as torchrun does."""
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+import autogaudi
+from autogaudi.optimizations.ddp_tuning import hpu_bucket_megabytes
+from tests.helpers import SCRIPTS, clean_env, run_python
+
+
+@pytest.fixture
+def process_group(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+
+
+def train(model, steps=10):
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)  # SGD's fused kernel is off (only=...)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        model(torch.randn(4, 6, generator=generator)).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_defaults_tuned_and_numerics_unchanged(process_group):
+    plain = train(DistributedDataParallel(mlp()))
+    autogaudi.enable(device="cpu", only="ddp_tuning")
+    model = DistributedDataParallel(mlp())
+    assert model.gradient_as_bucket_view is True and model.broadcast_buffers is False
+    torch.testing.assert_close(train(model), plain, rtol=0, atol=0)
+    row = autogaudi.report().unit("ddp_tuning")
+    assert row["figures"]["last_settings"] == {"gradient_as_bucket_view": True, "broadcast_buffers": False}
+
+
+def test_explicit_arguments_buffers_and_subclasses_are_kept(process_group):
+    autogaudi.enable(device="cpu", only="ddp_tuning")
+    explicit = DistributedDataParallel(mlp(), None, None, 0, True, gradient_as_bucket_view=False, bucket_cap_mb=5)
+    assert explicit.gradient_as_bucket_view is False and explicit.broadcast_buffers is True
+    with_norm = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8)))
+    assert with_norm.broadcast_buffers is True  # running statistics must stay in sync
+
+    class MyDDP(DistributedDataParallel):
+        pass
+
+    assert MyDDP(mlp()).gradient_as_bucket_view is False
+    assert "kept the script's own broadcast_buffers, bucket_cap_mb, gradient_as_bucket_view" in (
+        autogaudi.report().unit("ddp_tuning")["notes"])
+
+
+def test_hpu_bucket_size_follows_the_gaudi_guide():
+    def params(megabytes):
+        return torch.nn.Linear(1, int(megabytes * 1024 ** 2 / 4), bias=False)
+
+    assert hpu_bucket_megabytes(params(98)) == 98  # ResNet50-sized gradients: about 100 MB
+    assert hpu_bucket_megabytes(params(400)) == 230  # optimum-habana's cap
+    assert hpu_bucket_megabytes(params(20)) == 10  # small models: at least two buckets
+
+
+def torchrun(tmp_path, *args, env=None, **extra):
+    """Run a 2-rank job; return (CompletedProcess, each rank's result, by rank)."""
+    results = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
+    results.mkdir()
+    result = run_python(*args, env=clean_env(RESULTS=results, **(env or {})), **extra)
+    rows = [json.loads(path.read_text()) for path in sorted(results.glob("rank*.json"))]
+    return result, rows
+
+
+TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2")
+
+
+@pytest.mark.slow
+def test_every_launch_form_enables_each_worker_once_and_trains_like_plain_ddp(tmp_path):
+    script = str(SCRIPTS / "ddp_train.py")
+    result, plain = torchrun(tmp_path, *TORCHRUN, script)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert plain[0]["checksum"] == plain[1]["checksum"] and not plain[0]["autogaudi"]
+    forms = {
+        "launcher around torchrun": torchrun(tmp_path, "-m", "autogaudi", *TORCHRUN, script),
+        "torchrun around the launcher": torchrun(tmp_path, *TORCHRUN, "-m", "autogaudi", script),
+        "AUTOGAUDI=1": torchrun(tmp_path, *TORCHRUN, script, env={"AUTOGAUDI": "1"}),
+    }
+    for form, (result, workers) in forms.items():
+        assert result.returncode == 0, (form, result.stderr[-3000:])
+        assert [w["rank"] for w in workers] == [0, 1], form
+        for worker in workers:
+            assert worker["autogaudi"] and worker["bucket_view"], form
+            torch.testing.assert_close(worker["checksum"], plain[0]["checksum"], rtol=1e-5, atol=1e-6)
+        assert result.stderr.count("autogaudi 0.1.0 report") == 1, form  # rank 0 only, agent silent
+
+
+@pytest.mark.slow
+def test_a_failing_worker_is_reported_by_torchrun_as_without_autogaudi(tmp_path):
+    script = str(SCRIPTS / "ddp_train.py")
+    plain, _ = torchrun(tmp_path, *TORCHRUN, script, env={"FAIL_RANK": "1"})
+    launched, _ = torchrun(tmp_path, "-m", "autogaudi", "--quiet", *TORCHRUN, script, env={"FAIL_RANK": "1"})
+    assert plain.returncode == launched.returncode != 0
+    for result in (plain, launched):
+        assert "RuntimeError: rank 1 failed on purpose" in result.stderr
+        assert "ChildFailedError" in result.stderr
