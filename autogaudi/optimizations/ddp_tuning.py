@@ -3,8 +3,10 @@ script left them at torch's defaults.
 
 Why: ``gradient_as_bucket_view=True`` makes each gradient a view into DDP's communication bucket,
 which saves a copy per parameter per step and the memory of a second gradient copy.
-``broadcast_buffers=False`` skips re-broadcasting module buffers before every forward — only when
-the model has no buffers at all (BatchNorm statistics, for one, must stay in sync). On HPU the
+Skipping the re-broadcast of module buffers before every forward — only when the model has no
+buffers at all (BatchNorm statistics, for one, must stay in sync) — is spelt
+``forward_sync_buffers=False`` on torch versions that have it (``broadcast_buffers`` is deprecated
+there and would make DDP print a warning the plain run does not), else ``broadcast_buffers=False``. On HPU the
 bucket size follows the model's gradient size as the Gaudi guide does (ResNet50 ~100 MB, ResNeXt101
 ~200 MB, optimum-habana 230 MB), halved for models under 50 MB so that there are at least two
 buckets to overlap with the backward pass; CUDA and CPU keep torch's 25 MB (tuned for NCCL/gloo).
@@ -37,6 +39,8 @@ class DdpTuning(Unit):
 
     def apply(self) -> None:
         self._signature = inspect.signature(DistributedDataParallel.__init__)
+        self._buffer_sync = ("forward_sync_buffers" if "forward_sync_buffers" in self._signature.parameters
+                             else "broadcast_buffers")
         self.figures["ddp_models_tuned"] = 0
         self.wrap(DistributedDataParallel, "__init__", self._init)
         self.reason = "gradient_as_bucket_view" + (", bucket size from the model" if self.backend.name == "hpu" else "")
@@ -57,11 +61,12 @@ class DdpTuning(Unit):
         changes = {}
         if "gradient_as_bucket_view" not in given:
             changes["gradient_as_bucket_view"] = True
-        if "broadcast_buffers" not in given and next(module.buffers(), None) is None:
-            changes["broadcast_buffers"] = False
+        buffer_choice = {"broadcast_buffers", "forward_sync_buffers"} & set(given)
+        if not buffer_choice and next(module.buffers(), None) is None:
+            changes[self._buffer_sync] = False
         if self.backend.name == "hpu" and "bucket_cap_mb" not in given:
             changes["bucket_cap_mb"] = hpu_bucket_megabytes(module)
-        kept = sorted(name for name in ("gradient_as_bucket_view", "broadcast_buffers", "bucket_cap_mb") if name in given)
+        kept = sorted(name for name in ("gradient_as_bucket_view", "bucket_cap_mb", *buffer_choice) if name in given)
         if kept:
             note = f"kept the script's own {', '.join(kept)}"
             if note not in self.notes:

@@ -1,6 +1,7 @@
 """ddp_tuning: in-process DDP (gloo, world size 1) for the settings and the numerics; torchrun with
 2 ranks for the three launch forms, agreement with plain DDP, and failures reported as torchrun does."""
 import json
+import warnings
 
 import pytest
 import torch
@@ -34,22 +35,31 @@ def train(model, steps=10):
     return [p.detach().clone() for p in model.parameters()]
 
 
+def syncs_buffers_every_forward(model) -> bool:
+    return getattr(model, "forward_sync_buffers", None) if hasattr(model, "forward_sync_buffers") else model.broadcast_buffers
+
+
 def test_defaults_tuned_and_numerics_unchanged(process_group):
     plain = train(DistributedDataParallel(mlp()))
     autogaudi.enable(device="cpu", only="ddp_tuning")
-    model = DistributedDataParallel(mlp())
-    assert model.gradient_as_bucket_view is True and model.broadcast_buffers is False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no deprecation warning the plain run would not print
+        model = DistributedDataParallel(mlp())
+    assert model.gradient_as_bucket_view is True and syncs_buffers_every_forward(model) is False
     torch.testing.assert_close(train(model), plain, rtol=0, atol=0)
-    row = autogaudi.report().unit("ddp_tuning")
-    assert row["figures"]["last_settings"] == {"gradient_as_bucket_view": True, "broadcast_buffers": False}
+    settings = autogaudi.report().unit("ddp_tuning")["figures"]["last_settings"]
+    assert settings["gradient_as_bucket_view"] is True
+    assert settings.get("forward_sync_buffers", settings.get("broadcast_buffers")) is False
 
 
 def test_explicit_arguments_buffers_and_subclasses_are_kept(process_group):
     autogaudi.enable(device="cpu", only="ddp_tuning")
-    explicit = DistributedDataParallel(mlp(), None, None, 0, True, gradient_as_bucket_view=False, bucket_cap_mb=5)
-    assert explicit.gradient_as_bucket_view is False and explicit.broadcast_buffers is True
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # the script's own deprecated argument
+        explicit = DistributedDataParallel(mlp(), None, None, 0, True, gradient_as_bucket_view=False, bucket_cap_mb=5)
+    assert explicit.gradient_as_bucket_view is False and syncs_buffers_every_forward(explicit) is True
     with_norm = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8)))
-    assert with_norm.broadcast_buffers is True  # running statistics must stay in sync
+    assert syncs_buffers_every_forward(with_norm) is True  # running statistics must stay in sync
 
     class MyDDP(DistributedDataParallel):
         pass
