@@ -106,6 +106,11 @@ class Unit:
     def wrap(self, owner, attribute: str, wrapper) -> None:
         self._undo.append(wrap_attribute(owner, attribute, wrapper))
 
+    def note(self, text: str) -> None:
+        """Add a line to the unit's report notes, once however often the situation recurs."""
+        if text not in self.notes:
+            self.notes.append(text)
+
     def on_revert(self, undo) -> None:
         """Register how to undo something done outside :meth:`wrap` (e.g. ``handle.remove``)."""
         self._undo.append(undo)

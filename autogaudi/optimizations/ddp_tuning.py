@@ -68,9 +68,7 @@ class DdpTuning(Unit):
             changes["bucket_cap_mb"] = hpu_bucket_megabytes(module)
         kept = sorted(name for name in ("gradient_as_bucket_view", "bucket_cap_mb", *buffer_choice) if name in given)
         if kept:
-            note = f"kept the script's own {', '.join(kept)}"
-            if note not in self.notes:
-                self.notes.append(note)
+            self.note(f"kept the script's own {', '.join(kept)}")
         self.figures["ddp_models_tuned"] += 1
         self.figures["last_settings"] = dict(changes)
         return changes

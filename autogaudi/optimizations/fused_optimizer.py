@@ -93,9 +93,7 @@ class FusedOptimizer(Unit):
 
     def _kept(self, owner, reason: str) -> None:
         self.figures["optimizers_kept"] += 1
-        note = f"{owner.__name__} kept as is: {reason}"
-        if note not in self.notes:
-            self.notes.append(note)
+        self.note(f"{owner.__name__} kept as is: {reason}")
 
     # CUDA / CPU: torch's own fused kernels -------------------------------------------------------
 

@@ -112,8 +112,7 @@ class LoaderWorkers(Unit):
 
     def _kept(self, reason: str) -> None:
         self.figures["loaders_kept"] += 1
-        if reason not in self.notes:
-            self.notes.append(reason)
+        self.note(reason)
 
     def _consider(self, loader, args, kwargs):
         dataset = kwargs.get("dataset", args[0] if args else None)

@@ -69,9 +69,7 @@ class StaticLastBatch(Unit):
         # The sampler DataLoader itself would build, or the script's own if it is one of those.
         sampler = call["sampler"]
         if sampler is not None and type(sampler) not in (RandomSampler, SequentialSampler):
-            note = f"a loader with its own {type(sampler).__name__} is not padded (its sampler stays the script's)"
-            if note not in self.notes:
-                self.notes.append(note)
+            self.note(f"a loader with its own {type(sampler).__name__} is not padded (its sampler stays the script's)")
             return None
         if sampler is None:
             sampler = RandomSampler(dataset, generator=call["generator"]) if call["shuffle"] else SequentialSampler(dataset)
@@ -83,7 +81,5 @@ class StaticLastBatch(Unit):
             self.figures["samples_added_per_epoch"] -= remainder
             return (), {**call, "drop_last": True}
         self.figures["samples_added_per_epoch"] += batch_size - remainder
-        note = "each epoch's last batch repeats samples from the epoch's start (--last-batch drop: drop it)"
-        if note not in self.notes:
-            self.notes.append(note)
+        self.note("each epoch's last batch repeats samples from the epoch's start (--last-batch drop: drop it)")
         return (), {**call, "sampler": PaddedSampler(sampler, batch_size), "shuffle": None}
