@@ -82,7 +82,8 @@ class _Timing:
 
 
 class _Loader:
-    def __init__(self):
+    def __init__(self, loader):
+        self.loader = weakref.ref(loader)  # the script owns the loader; this must not keep it alive
         self.phase = "before"  # before -> after (tuned, being checked) -> done
         self.windows = {"before": _Timing(), "after": _Timing()}
         self.epoch_batches = 0
@@ -121,7 +122,7 @@ class LoaderWorkers(Unit):
         elif isinstance(dataset, IterableDataset):
             self._kept("iterable datasets are kept in-process: each worker would replay the whole stream")
         else:
-            self._loaders[loader] = _Loader()
+            self._loaders[loader] = _Loader(loader)
         return None
 
     def _new_epoch(self, loader) -> None:
@@ -160,10 +161,10 @@ class LoaderWorkers(Unit):
         state.last_end = now
         state.epoch_batches += 1
         if window.batches == MEASURED_BATCHES:
-            self._decide(iterator, state)
+            self._decide(state)
 
-    def _decide(self, iterator, state) -> None:
-        loader = next((key for key, value in self._loaders.items() if value is state), None)
+    def _decide(self, state) -> None:
+        loader = state.loader()
         before, after = state.windows["before"], state.windows["after"]
         if state.phase == "before":
             state.phase = "done"
