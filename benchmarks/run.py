@@ -30,6 +30,7 @@ LOSS_TOLERANCE = 1e-2  # the largest |loss - plain loss| / plain loss accepted a
 WORKLOADS = {
     "w1_mlp": [str(HERE / "workloads" / "mlp.py")],
     "w2_transformer": [str(HERE / "workloads" / "transformer.py")],
+    "w3_cnn": [str(HERE / "workloads" / "cnn.py")],
     "w4_loader_bound": [str(HERE / "workloads" / "loader_bound.py")],
 }
 # (interpreter arguments before the workload, arguments after it)
@@ -42,6 +43,11 @@ VARIANTS = {
 
 
 def machine_name() -> str:
+    """Names the results file: the GPU the workloads run on when there is one, else the CPU."""
+    import torch
+
+    if torch.cuda.is_available():
+        return "-".join(torch.cuda.get_device_name().lower().split()) + f"-x{torch.cuda.device_count()}"
     cores = psutil.cpu_count(logical=False) or psutil.cpu_count()
     return f"{platform.machine()}-{cores}core-cpu"
 
@@ -71,7 +77,10 @@ def step_rates(workload: list, rounds: int) -> dict:
         shift = round_number % len(names)
         for name in names[shift:] + names[:shift]:
             before, after = VARIANTS[name]
+            began = time.perf_counter()
             result = run_json(before + workload + after)
+            print(f"  {Path(workload[0]).stem} round {round_number + 1}: {name} "
+                  f"{result['steps_per_s']:.1f} steps/s ({time.perf_counter() - began:.1f} s)", file=sys.stderr, flush=True)
             rates[name].append(result["steps_per_s"])
             if "total_seconds" in result:
                 totals[name].append(result["total_seconds"])
@@ -108,35 +117,49 @@ def startup(rounds: int) -> dict:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--out", type=Path, default=HERE / "results" / f"{machine_name()}.json")
+    parser.add_argument("--out", type=Path, help="default: benchmarks/results/<machine>.json")
+    parser.add_argument("--only", help="comma-separated workloads to run (default: all): " + ", ".join(WORKLOADS))
     args = parser.parse_args()
+    args.out = args.out or HERE / "results" / f"{machine_name()}.json"
+    chosen = args.only.split(",") if args.only else list(WORKLOADS)
+    unknown = sorted(set(chosen) - set(WORKLOADS))
+    if unknown:
+        parser.error(f"unknown workload(s) {', '.join(unknown)}; valid: {', '.join(WORKLOADS)}")
     import torch
 
     results = {
         "machine": machine_name(), "cpu": platform.processor() or platform.machine(),
+        "cpu_cores": psutil.cpu_count(logical=False),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "torch_cuda": torch.version.cuda,
         "python": platform.python_version(), "torch": torch.__version__, "rounds": args.rounds,
-        "workloads": {name: step_rates(command, args.rounds) for name, command in WORKLOADS.items()},
-        "startup": startup(args.rounds * 4),
+        "workloads": {},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
     print(f"# {results['machine']} (torch {results['torch']}, median of {args.rounds} rounds)\n")
     print("| workload | variant | steps/s median (min-max) | vs plain | vs hand-tuned | "
           "max rel. loss diff vs plain | max loss diff vs hand-tuned |")
-    print("|---|---|---|---|---|---|---|")
-    for workload, rows in results["workloads"].items():
+    print("|---|---|---|---|---|---|---|", flush=True)
+    for workload in chosen:  # written after each workload, so a run cut short still leaves its figures
+        results["workloads"][workload] = rows = step_rates(WORKLOADS[workload], args.rounds)
+        args.out.write_text(json.dumps(results, indent=2) + "\n")
         for name, row in rows.items():
-            rate = row["steps_per_s"]
-            flag = "" if row["losses_match"] else " (DIFFERENT TRAINING)"
-            if "total_seconds" in row:
-                flag += f" (whole run incl. first epoch: {row['total_speedup_vs_plain']:.2f}x plain)"
-            print(f"| {workload} | {name} | {rate['median']:.1f} ({rate['min']:.1f}-{rate['max']:.1f}) | "
-                  f"{row['ratio_vs_plain']:.3f}x | {row['ratio_vs_hand_tuned']:.3f}x | "
-                  f"{row['max_relative_loss_difference']:.1e}{flag} | {row['max_loss_difference_vs_hand_tuned']:.1e} |")
-    start = results["startup"]
+            print(table_row(workload, name, row), flush=True)
+    results["startup"] = start = startup(args.rounds * 4)
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
     print(f"\nstartup `python -c pass`: plain {start['ms']['plain']['median']:.1f} ms, "
           f"AUTOGAUDI=1 {start['ms']['AUTOGAUDI=1']['median']:.1f} ms (+{start['added_ms']:.1f} ms), torch not imported")
     print(f"\nwritten to {args.out}")
+
+
+def table_row(workload: str, name: str, row: dict) -> str:
+    rate = row["steps_per_s"]
+    flag = "" if row["losses_match"] else " (DIFFERENT TRAINING)"
+    if "total_seconds" in row:
+        flag += f" (whole run incl. first epoch: {row['total_speedup_vs_plain']:.2f}x plain)"
+    return (f"| {workload} | {name} | {rate['median']:.1f} ({rate['min']:.1f}-{rate['max']:.1f}) | "
+            f"{row['ratio_vs_plain']:.3f}x | {row['ratio_vs_hand_tuned']:.3f}x | "
+            f"{row['max_relative_loss_difference']:.1e}{flag} | {row['max_loss_difference_vs_hand_tuned']:.1e} |")
 
 
 if __name__ == "__main__":

@@ -68,7 +68,7 @@ def test_bad_keyword_raises_before_anything_is_patched():
 
 
 def test_report_still_answers_after_disable():
-    autogaudi.enable()
+    autogaudi.enable(device="cpu")
     model = torch.nn.Linear(3, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     for _ in range(5):

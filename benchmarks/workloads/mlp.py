@@ -4,7 +4,7 @@ import argparse
 import torch
 from torch import nn
 
-from timing import add_arguments, report_steps
+from timing import DEVICE, add_arguments, report_steps
 
 
 def main():
@@ -12,14 +12,14 @@ def main():
     add_arguments(parser, steps=300, warmup=20)
     args = parser.parse_args()
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(784, 128), nn.ReLU(), nn.Dropout(0.2), nn.Linear(128, 10))
+    model = nn.Sequential(nn.Linear(784, 128), nn.ReLU(), nn.Dropout(0.2), nn.Linear(128, 10)).to(DEVICE)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, **({"fused": True} if args.hand_tuned else {}))
     total = args.steps + args.warmup
     images, labels = torch.randn(total, 200, 784), torch.randint(0, 10, (total, 200))
 
     def step(index):
         optimizer.zero_grad()
-        loss = nn.functional.cross_entropy(model(images[index]), labels[index])
+        loss = nn.functional.cross_entropy(model(images[index].to(DEVICE)), labels[index].to(DEVICE))
         loss.backward()
         optimizer.step()
         return loss.item()

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from timing import add_arguments, report_steps
+from timing import DEVICE, add_arguments, report_steps
 
 
 class Classifier(nn.Module):
@@ -29,7 +29,7 @@ def main():
     parser.add_argument("--batch", type=int, default=8)
     args = parser.parse_args()
     torch.manual_seed(0)
-    model = Classifier()
+    model = Classifier().to(DEVICE)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, **({"fused": True} if args.hand_tuned else {}))
     total = args.steps + args.warmup
     data = TensorDataset(torch.randint(0, 1000, (total * args.batch, 128)), torch.randint(0, 8, (total * args.batch,)))
@@ -38,7 +38,7 @@ def main():
     def step(_index):
         tokens, labels = next(batches)
         optimizer.zero_grad()
-        loss = nn.functional.cross_entropy(model(tokens), labels)
+        loss = nn.functional.cross_entropy(model(tokens.to(DEVICE)), labels.to(DEVICE))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()

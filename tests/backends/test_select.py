@@ -6,19 +6,44 @@ from autogaudi import backends
 from autogaudi.backends.base import GB
 
 
-def test_cpu_is_chosen_here_and_the_reason_names_what_was_ruled_out():
+CUDA = torch.cuda.is_available()
+
+
+def test_auto_picks_the_best_device_present_and_the_reason_names_what_was_ruled_out():
     backend = backends.select("auto")
-    assert backend.name == "cpu" and not backend.is_lazy
+    assert backend.name == ("cuda" if CUDA else "cpu") and not backend.is_lazy
     assert "hpu: habana_frameworks.torch is not installed" in backend.reason
-    assert "cuda: torch.cuda.is_available() is False" in backend.reason
-    memory = backend.memory_stats()
+    if not CUDA:
+        assert "cuda: torch.cuda.is_available() is False" in backend.reason
+
+
+def test_cpu_memory_figures_come_from_the_process():
+    memory = backends.select("cpu").memory_stats()
     assert 0 < memory.allocated <= memory.max_allocated < memory.total
 
 
 def test_a_requested_device_that_is_missing_falls_back_with_the_reason():
+    backend = backends.select("hpu")
+    assert backend.name == ("cuda" if CUDA else "cpu")
+    assert "requested hpu: habana_frameworks.torch is not installed" in backend.reason
+
+
+@pytest.mark.skipif(CUDA, reason="this machine has CUDA")
+def test_requesting_cuda_without_it_falls_back_to_cpu():
     backend = backends.select("cuda")
     assert backend.name == "cpu"
     assert backend.reason.startswith("always available; requested cuda: torch.cuda.is_available() is False")
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device (run on a lent GPU)")
+def test_cuda_backend_on_a_real_gpu():
+    backend = backends.select("cuda")
+    assert backend.name == "cuda" and backend.device_name() == torch.cuda.get_device_name()
+    block = torch.ones(1024, 1024, device="cuda")
+    memory = backend.memory_stats()
+    assert block.numel() * 4 <= memory.allocated <= memory.max_allocated < memory.total
+    params = [torch.nn.Parameter(torch.ones(3, device="cuda"))]
+    assert backend.fused_optimizer_refusal(torch.optim.AdamW, torch.optim.AdamW(params).defaults) is None
 
 
 def test_cpu_fuses_through_torchs_own_kernels_where_torch_has_them():

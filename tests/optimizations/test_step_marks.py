@@ -139,7 +139,7 @@ def test_skipped_with_the_reason_and_no_marks(hpu_double, lazy, options, reason)
 
 
 def test_not_applied_on_cpu():
-    autogaudi.enable()
+    autogaudi.enable(device="cpu")
     row = autogaudi.report().unit("step_marks")
     assert (row["status"], row["reason"]) == ("skipped", "applies on hpu only; this run is on cpu")
 
