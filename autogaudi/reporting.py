@@ -35,7 +35,7 @@ class UnitRow:
 
 
 class Report:
-    def __init__(self, *, torch_version, enabled_by, active, backend, options, steps, memory, units):
+    def __init__(self, *, torch_version, enabled_by, active, backend, options, steps, memory, units, trials=()):
         self.torch_version = torch_version
         self.enabled_by = enabled_by
         self.active = active
@@ -44,6 +44,7 @@ class Report:
         self.steps = steps
         self.memory = memory
         self.units = units
+        self.trials = list(trials)  # every A/B trial run: candidate, medians, one-off cost, decision
 
     @classmethod
     def not_started(cls, options) -> "Report":
@@ -57,7 +58,7 @@ class Report:
     def as_dict(self) -> dict:
         return {"autogaudi": __version__, "torch": self.torch_version, "enabled_by": list(self.enabled_by),
                 "active": self.active, "backend": self.backend, "options": self.options,
-                "steps": self.steps, "memory": self.memory, "units": self.units}
+                "steps": self.steps, "memory": self.memory, "units": self.units, "trials": self.trials}
 
     def to_json(self) -> str:
         return json.dumps(self.as_dict(), indent=2, default=str)
@@ -80,9 +81,19 @@ class Report:
                 detail += (" | " if detail else "") + ", ".join(f"{k}={v}" for k, v in row["figures"].items())
             lines.append(f"  {row['name'].ljust(width)}  {row['status']:<8} {detail}")
             lines.extend(f"  {''.ljust(width)}  {'':<8} note: {note}" for note in row["notes"])
+        for trial in self.trials:
+            lines.append(f"  trial    {_format_trial(trial)}")
         return "\n".join(lines) + "\n"
 
     __str__ = format
+
+
+def _format_trial(trial: dict) -> str:
+    text = (f"{trial['candidate']}: {trial['ms_per_step_with']} ms/step with, {trial['ms_per_step_without']} without "
+            f"({trial['speedup']}x) over {trial['steps']} steps, one-off {trial['one_off_s']} s -> {trial['decision']}")
+    if "pays_back_after_steps" in trial:
+        text += f", pays back after {trial['pays_back_after_steps']} steps"
+    return text
 
 
 def _format_steps(steps: dict) -> str:

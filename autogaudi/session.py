@@ -17,6 +17,7 @@ from autogaudi.ranks import is_rank_zero
 from autogaudi.registry import UNITS
 from autogaudi.reporting import APPLIED, FAILED, SKIPPED, Report, UnitRow
 from autogaudi.steps import TrainingSteps
+from autogaudi.trials import TrialRunner
 from autogaudi.unit import warn
 
 
@@ -26,6 +27,7 @@ class Session:
         self.sources = sources
         self.backend = None
         self.steps = None
+        self.trials = None
         self.active = False
         self.applied: list = []  # units in force, in the order they were applied
         self.rows = {info.name: UnitRow(info.name, info.summary) for info in UNITS}
@@ -34,6 +36,7 @@ class Session:
         self.backend = backends.select(self.options.device)
         self.steps = TrainingSteps(self.backend, self.options)
         self.steps.install()
+        self.trials = TrialRunner(self.steps)
         self.active = True
         for info in UNITS:
             self._start_unit(info)
@@ -72,7 +75,12 @@ class Session:
         self.rows[unit.name].set(FAILED, f"raised {error!r} at run time; reverted, the run went on without it")
         warn(f"{unit.name} raised {error!r}; it is switched off and the run goes on without it")
 
+    def unit(self, name: str):
+        """The live unit called ``name`` (applied or not yet decided), or None."""
+        return self.rows[name].unit
+
     def _revert(self, unit) -> None:
+        self.trials.cancel(unit)
         self.steps.forget(unit)
         try:
             unit.revert()
@@ -91,6 +99,7 @@ class Session:
             torch_version=torch.__version__, enabled_by=self.sources, active=self.active,
             backend=self.backend.describe(), options=self.options.as_dict(), steps=self.steps.figures(),
             memory=memory.as_dict() if memory else None, units=[row.as_dict() for row in self.rows.values()],
+            trials=list(self.trials.records),
         )
 
     def finish(self, explicit: bool) -> None:

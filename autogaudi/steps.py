@@ -86,6 +86,11 @@ class TrainingSteps:
                           self._after_step_listeners):
             listeners[:] = [(owner, fn) for owner, fn in listeners if owner is not unit]
 
+    def forget_listener(self, unit, listener) -> None:
+        """Drop one step listener of a unit (e.g. a finished trial's)."""
+        self._after_step_listeners[:] = [(owner, fn) for owner, fn in self._after_step_listeners
+                                         if not (owner is unit and fn == listener)]
+
     def _new_loader(self, wrapped, instance, args, kwargs):
         if type(instance) is dataloader.DataLoader:
             for unit, adjuster in tuple(self._loader_adjusters):

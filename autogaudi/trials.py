@@ -1,0 +1,132 @@
+"""Keep only what is faster: A/B trials run inside the user's own training.
+
+Why: whether torch.compile, CUDA graphs or channels_last pay off depends on the model, the batch,
+the machine and the run's length (measured on a 2-core CPU: compile 1.20x on a small CNN, 0.89x on
+an MNIST MLP). No static rule gets that right, so a unit whose benefit depends on the workload hands
+the decision to a trial: its ``switch(on)`` is flipped between real training steps, in blocks of
+``BLOCK`` steps in the order on-off-off-on (so drift over the trial cancels), after ``WARMUP``
+"on" steps that absorb the one-off cost (compilation, graph recording), which is measured and
+reported apart. The candidate is kept only when its median step is at least ``MARGIN`` faster.
+
+Faithfulness: trial steps are the user's real steps, each batch seen exactly once; both arms compute
+the same math (the units that use trials change only how it is executed, up to float reassociation).
+Trials run one at a time (two at once would confound each other), in the order they were asked for.
+Steps are timed boundary to boundary at optimizer steps, with no added device synchronisation: the
+user's loop syncs where it reads a loss, and a block of several steps smooths what it does not.
+On distributed runs each rank measures its own steps; the decision is rank 0's, broadcast to the
+others when a process group is up, so every rank runs the same code path.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+BLOCK = 3  # steps per block
+ROUNDS = 2  # each round is on, off, off, on
+WARMUP = 3  # "on" steps before measuring (compile, CUDA-graph warm-up and recording)
+MARGIN = 0.03  # the candidate must be this much faster to be kept
+
+
+class Trial:
+    """One A/B trial: ``switch(on: bool)`` flips the candidate; ``decided(keep, record)`` is told the outcome."""
+
+    def __init__(self, unit, candidate: str, switch, decided):
+        self.unit = unit
+        self.candidate = candidate
+        self.switch = switch
+        self.decided = decided
+        self.schedule = [True] * WARMUP + [arm for _ in range(ROUNDS) for arm in (True, False, False, True)
+                                           for _ in range(BLOCK)]
+        self.times = {True: [], False: []}
+        self.warmup_seconds = 0.0
+        self.position = 0
+
+    def record(self, seconds: float) -> None:
+        """The step just finished ran with ``schedule[position]``."""
+        on = self.schedule[self.position]
+        if self.position < WARMUP:
+            self.warmup_seconds += seconds
+        else:
+            self.times[on].append(seconds)
+        self.position += 1
+
+    @property
+    def finished(self) -> bool:
+        return self.position >= len(self.schedule)
+
+    def outcome(self) -> tuple:
+        """(keep, record) from the medians; the one-off cost is what warm-up took beyond steady steps."""
+        on, off = statistics.median(self.times[True]), statistics.median(self.times[False])
+        keep = on <= off * (1 - MARGIN)
+        one_off = max(0.0, self.warmup_seconds - WARMUP * on)
+        record = {"candidate": self.candidate, "ms_per_step_with": round(1000 * on, 3),
+                  "ms_per_step_without": round(1000 * off, 3), "speedup": round(off / on, 3),
+                  "one_off_s": round(one_off, 3), "steps": len(self.schedule),
+                  "decision": "kept" if keep else "reverted"}
+        if keep and one_off > 0:
+            record["pays_back_after_steps"] = round(one_off / (off - on))
+        return keep, record
+
+
+class TrialRunner:
+    """Runs the session's trials one after another at optimizer-step boundaries."""
+
+    def __init__(self, steps):
+        self.steps = steps
+        self.queue: list = []
+        self.current = None
+        self.last_clock = None
+        self.records: list = []
+
+    def submit(self, trial: Trial) -> None:
+        self.queue.append(trial)
+        if self.current is None:
+            self._start_next()
+
+    def _start_next(self) -> None:
+        self.current = self.queue.pop(0) if self.queue else None
+        if self.current is not None:
+            self.last_clock = None
+            self.steps.after_optimizer_step(self.current.unit, self._after_step)
+            self._flip(self.current.schedule[0])
+
+    def _flip(self, on: bool) -> None:
+        self.current.switch(on)
+        self.last_clock = time.perf_counter()  # the switch itself is not part of either arm's step
+
+    def _after_step(self, _optimizer) -> None:
+        trial = self.current
+        trial.record(time.perf_counter() - self.last_clock)
+        if not trial.finished:
+            upcoming = trial.schedule[trial.position]
+            if upcoming != trial.schedule[trial.position - 1]:
+                self._flip(upcoming)
+            else:
+                self.last_clock = time.perf_counter()
+            return
+        keep, record = trial.outcome()
+        keep = rank_zero_decision(keep)
+        record["decision"] = "kept" if keep else "reverted"
+        self.records.append(record)
+        self.steps.forget_listener(trial.unit, self._after_step)
+        trial.switch(keep)
+        trial.decided(keep, record)
+        self._start_next()
+
+    def cancel(self, unit) -> None:
+        """Drop a unit's trials (the unit was reverted)."""
+        self.queue = [trial for trial in self.queue if trial.unit is not unit]
+        if self.current is not None and self.current.unit is unit:
+            self.steps.forget_listener(unit, self._after_step)
+            self._start_next()
+
+
+def rank_zero_decision(keep: bool) -> bool:
+    """Rank 0's decision on every rank (one tiny broadcast), so all ranks run the same code path."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return keep
+    decision = [keep]
+    dist.broadcast_object_list(decision, src=0)
+    return bool(decision[0])
