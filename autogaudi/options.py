@@ -124,7 +124,8 @@ OPTIONS: tuple = (
            "comma-separated optimization units to consider, all others switched off (default: all)", "UNIT,..."),
     Option("force", (), _parse_units,
            "comma-separated units to switch on where they are off by default (opt-in: "
-           + ", ".join(OPT_IN_UNITS) + ")", "UNIT,..."),
+           + ", ".join(OPT_IN_UNITS) + "), or to apply without measuring first (graph_capture: even if not "
+           "host-bound; graph_capture, channels_last: without a trial)", "UNIT,..."),
     Option("sdpa_recompute", "auto", _choice(SDPA_RECOMPUTE),
            "HPU FusedSDPA recompute mode (saves memory, costs time): auto leaves the bridge's default",
            "{" + ",".join(SDPA_RECOMPUTE) + "}"),
@@ -137,6 +138,9 @@ OPTIONS: tuple = (
            "throughput_meter prints a progress line every N optimizer steps (0: never)", "N"),
     Option("warmup_steps", 3, _parse_count,
            "steps excluded from the timing figures (compilation, caches)", "N"),
+    Option("no_trials", False, parse_bool,
+           "do not A/B-test the units whose benefit depends on the workload (graph_capture, channels_last) "
+           "inside the run; apply them by their static rule instead"),
     Option("quiet", False, parse_bool,
            "do not print the exit report (the JSON report is still written)"),
 )

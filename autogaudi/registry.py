@@ -34,6 +34,11 @@ UNITS: tuple[UnitInfo, ...] = (
         opt_in=True,
     ),
     UnitInfo(
+        "step_profiler",
+        "classifies the run host-, device- or input-bound from a sampled window of steps, for the report and other units",
+        "autogaudi.optimizations.step_profiler:StepProfiler",
+    ),
+    UnitInfo(
         "fused_optimizer",
         "Adam/AdamW/SGD run as one fused kernel per step (HPU: hpex fused optimizers; else fused=True)",
         "autogaudi.optimizations.fused_optimizer:FusedOptimizer",
@@ -47,6 +52,16 @@ UNITS: tuple[UnitInfo, ...] = (
         "fused_sdpa",
         "HPU: scaled_dot_product_attention through hpex FusedSDPA (also inside nn.MultiheadAttention)",
         "autogaudi.optimizations.fused_sdpa:FusedSdpa",
+    ),
+    UnitInfo(
+        "graph_capture",
+        "host-bound runs: the training model replays captured graphs (HPU graphs, CUDA graphs, torch.compile), if a trial finds it faster",
+        "autogaudi.optimizations.graph_capture:GraphCapture",
+    ),
+    UnitInfo(
+        "channels_last",
+        "convolutional models and their 4-D inputs in channels_last memory format, if a trial finds it faster",
+        "autogaudi.optimizations.channels_last:ChannelsLast",
     ),
     UnitInfo(
         "loader_workers",

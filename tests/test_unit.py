@@ -101,7 +101,8 @@ def test_unit_whose_apply_raises_is_reverted_and_reported(hpu_double, monkeypatc
         raise RuntimeError("injected apply failure")
 
     monkeypatch.setattr(unit_class, "apply", apply_then_raise)
-    autogaudi.enable(device="hpu", only=unit.name, force=unit.name)
+    # Units that act on the step profile need the profiler on too.
+    autogaudi.enable(device="hpu", only=f"{unit.name},step_profiler", force=unit.name)
     torch.testing.assert_close(attention_workload(), expected, rtol=1e-6, atol=1e-7)
     row = autogaudi.report().unit(unit.name)
     assert row["status"] == "failed"

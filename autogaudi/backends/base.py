@@ -54,9 +54,10 @@ class Backend:
         """A :class:`MemoryStats`, or None where the backend cannot tell."""
         return None
 
-    def capture_graphs(self, module):
-        """Return ``module`` set up to replay captured graphs, cutting per-step host overhead."""
-        return torch.compile(module)
+    def graph_forward(self, module):
+        """A callable with ``module.forward``'s signature that replays captured graphs (cutting
+        per-step host overhead); ``module`` itself is left as it was."""
+        return torch.compile(module.forward)
 
     def fused_optimizer_refusal(self, optimizer_class, hyperparameters: dict):
         """Why ``optimizer_class(**hyperparameters)`` has no fused equivalent here, or None."""

@@ -21,9 +21,9 @@ class CudaBackend(Backend):
         total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
         return MemoryStats(torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated(), total)
 
-    def capture_graphs(self, module):
+    def graph_forward(self, module):
         # "reduce-overhead" is torch.compile's CUDA-graphs mode: replay instead of re-launching.
-        return torch.compile(module, mode="reduce-overhead")
+        return torch.compile(module.forward, mode="reduce-overhead")
 
 
 def probe():

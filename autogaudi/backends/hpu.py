@@ -59,11 +59,18 @@ class HpuBackend(Backend):
         stats = self._hpu.memory_stats()
         return MemoryStats(stats["InUse"], stats["MaxInUse"], stats["Limit"])
 
-    def capture_graphs(self, module, max_graphs: int = 10):
+    def graph_forward(self, module, max_graphs: int = 10):
         if self.is_lazy:
-            # The Gaudi guide's training API; it must wrap the model before DDP does.
-            return self._hpu.ModuleCacher(max_graphs=max_graphs)(model=module, inplace=True)
-        return torch.compile(module, backend="hpu_backend")
+            # The Gaudi guide's training API. It can only work in place (it sets module.forward);
+            # the cached forward it made is taken back out so the module is left as it was and the
+            # graph_capture unit can switch between the two through its own (wrapt) wrapper.
+            original = vars(module).get("forward")
+            self._hpu.ModuleCacher(max_graphs=max_graphs)(model=module, inplace=True)
+            cached = vars(module).pop("forward")
+            if original is not None:
+                vars(module)["forward"] = original
+            return cached
+        return torch.compile(module.forward, backend="hpu_backend")
 
     def fused_optimizer_refusal(self, optimizer_class, hyperparameters: dict):
         name = optimizer_class.__name__

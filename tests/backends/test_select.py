@@ -73,8 +73,11 @@ def test_hpu_lazy_mode_against_the_double(hpu_double):
     assert backend.memory_stats().as_dict() == {
         "memory_allocated_gb": 2.0, "max_memory_allocated_gb": 3.0, "total_memory_available_gb": 96.0}
     model = torch.nn.Linear(2, 2)
-    assert backend.capture_graphs(model) is model
-    assert calls.names()[-1] == "module_cacher"
+    replay = backend.graph_forward(model)
+    assert "forward" not in vars(model)  # the module is left as it was
+    batch = torch.randn(3, 2)
+    torch.testing.assert_close(replay(batch), model(batch))
+    assert calls.names()[-2:] == ["module_cacher", "module_cacher_capture"]
 
 
 def test_hpu_eager_mode_has_no_marks_and_compiles(hpu_double, monkeypatch):
@@ -86,7 +89,7 @@ def test_hpu_eager_mode_has_no_marks_and_compiles(hpu_double, monkeypatch):
     assert calls.names() == []
     compiled = []
     monkeypatch.setattr(torch, "compile", lambda module, **kwargs: compiled.append(kwargs) or module)
-    backend.capture_graphs(torch.nn.Linear(2, 2))
+    backend.graph_forward(torch.nn.Linear(2, 2))
     assert compiled == [{"backend": "hpu_backend"}]
 
 

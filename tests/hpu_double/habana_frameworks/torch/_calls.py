@@ -5,6 +5,11 @@ MEMORY = {"Limit": 96 * 1024 ** 3, "InUse": 0, "MaxInUse": 0, "NumAllocs": 0, "N
           "TotalActiveAllocs": 0}
 
 
+# Timing hook: how long hpu.synchronize() waits, as if the device were still busy (the double runs
+# everything on the CPU, at once); tests set it to model device-bound and host-bound steps.
+DEVICE_SECONDS = [0.0]
+
+
 def record(name, **details):
     CALLS.append((name, details))
 
@@ -15,3 +20,4 @@ def names():
 
 def reset():
     CALLS.clear()
+    DEVICE_SECONDS[0] = 0.0

@@ -2,7 +2,9 @@
 only, the HPU-graph API. One Gaudi 2 device with 96 GiB is simulated; the memory figures come from
 the double's MEMORY table so tests can set them."""
 import contextlib
+import time
 
+from habana_frameworks.torch import _calls
 from habana_frameworks.torch._calls import MEMORY, record
 from habana_frameworks.torch.utils.internal import is_lazy
 
@@ -33,6 +35,8 @@ def get_device_name(device=None):
 
 def synchronize():
     record("synchronize")
+    if _calls.DEVICE_SECONDS[0]:
+        time.sleep(_calls.DEVICE_SECONDS[0])
 
 
 def is_bf16_supported():

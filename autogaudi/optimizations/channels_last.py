@@ -1,0 +1,93 @@
+"""channels_last memory format for convolutional models, kept only when a trial measured it faster.
+
+Why: the HF single-GPU guide recommends ``torch.channels_last`` for convolutions: NHWC lets the
+convolution and BatchNorm kernels run without layout conversions (measured 1.18x on a small CNN on
+this project's 2-core CPU). But it is not always faster (depthwise convolutions, tiny images, some
+CPU kernels), so it goes through a trial in the user's run: the training model (found by the step
+profiler) and its 4-D inputs switch between the two formats between steps and the faster is kept.
+
+How: ``model.to(memory_format=...)`` converts parameters in place (the Parameter objects, and so
+the optimizer's references, stay the same), and the optimizer's per-parameter buffers (momentum,
+Adam moments) are converted with them; a forward pre-hook (torch's own) converts 4-D tensor
+inputs. The math is the same, up to float reassociation in the kernels; ``state_dict`` tensors are
+ordinary tensors in either format and load into a plain model. Revert converts the model back.
+Models with no Conv2d are left alone.
+"""
+from __future__ import annotations
+
+import torch
+
+from autogaudi.trials import Trial
+from autogaudi.unit import Unit
+
+
+def _convert(value):
+    if isinstance(value, torch.Tensor) and value.dim() == 4:
+        return value.contiguous(memory_format=torch.channels_last)
+    return value
+
+
+class ChannelsLast(Unit):
+    targets = ("<training model> parameters (memory format)", "<training model> forward pre-hook (4-D inputs)")
+
+    def skip_reason(self):
+        profiler = self.session.unit("step_profiler")
+        if profiler is None or profiler not in self.session.applied:
+            return "needs the step_profiler unit (it finds the training model), which is not on"
+        return super().skip_reason()
+
+    def apply(self) -> None:
+        self._model = None
+        self._optimizer = None
+        self._on = False
+        self.reason = "waiting for the step profile"
+        self.session.unit("step_profiler").when_profiled(self, self._profiled)
+
+    def _profiled(self, profile) -> None:
+        model = profile.model
+        if model is None or not any(isinstance(m, torch.nn.Conv2d) for m in model.modules()):
+            self.reason = "no Conv2d in the training model"
+            return
+        self._model = model
+        self._optimizer = profile.optimizer
+        self.on_revert(lambda: self._switch(False))
+        handle = model.register_forward_pre_hook(self._inputs, with_kwargs=True)
+        self.on_revert(handle.remove)
+        if self.name in self.options.force or self.options.no_trials:
+            self._switch(True)
+            self.reason = f"{type(model).__name__} in channels_last (without a trial)"
+            return
+        self.reason = f"trial running on {type(model).__name__}"
+        self.session.trials.submit(Trial(self, "channels_last", self._switch, self._decided))
+
+    def _switch(self, on: bool) -> None:
+        if on != self._on:
+            self._on = on
+            layout = torch.channels_last if on else torch.contiguous_format
+            self._model.to(memory_format=layout)
+            self._convert_optimizer_state(layout)
+
+    def _convert_optimizer_state(self, layout) -> None:
+        """Momentum and moment buffers follow their parameter's format: fused CUDA optimizers
+        refuse parameters and buffers of different layouts (seen on an H100 with fused SGD)."""
+        if self._optimizer is None:
+            return
+        for param in self._model.parameters():
+            state = self._optimizer.state.get(param)
+            if param.dim() != 4 or not state:
+                continue
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and value.shape == param.shape:
+                    state[key] = value.contiguous(memory_format=layout)
+
+    def _decided(self, keep: bool, record: dict) -> None:
+        self.figures["speedup"] = record["speedup"]
+        name = type(self._model).__name__
+        self.reason = f"{name} in channels_last: measured faster" if keep else f"{name} kept as is: not faster"
+
+    def _inputs(self, _module, args, kwargs):
+        converted = None
+        with self.fail_open():
+            if self._on:
+                converted = tuple(map(_convert, args)), {key: _convert(value) for key, value in kwargs.items()}
+        return converted

@@ -1,0 +1,102 @@
+"""Graph capture for the training model, only when the step profiler measured the run host-bound,
+and kept only when a trial measured it faster on this very run.
+
+Why: a host-bound step spends its time issuing ops one by one; a captured graph replays the whole
+forward (and, compiled, the backward) at once. The Gaudi guide's HPU graphs and torch's CUDA graphs
+both target exactly that case and do nothing for a device-bound step except cost compile time.
+Backend mapping (:meth:`Backend.graph_forward`): HPU lazy ``ModuleCacher(max_graphs)``, HPU eager
+``torch.compile(backend="hpu_backend")``, CUDA ``torch.compile(mode="reduce-overhead")`` (CUDA graphs),
+CPU ``torch.compile``.
+
+Which module: the outermost module called in the profiled step that owns most of the optimizer's
+parameters; for a DistributedDataParallel model its inner module, so DDP's hooks stay outside the
+graph (the guide's order: graphs first, DDP around them). The module's ``forward`` is wrapped
+(wrapt), so the user's references, hooks, ``state_dict`` and checkpoints are untouched.
+
+Guard: input shapes are counted while capture is on; past ``MAX_SHAPES`` distinct ones every new
+shape is a recompilation, so capture is switched off and the report lists the shapes seen (pad the
+last batch, bucket sequence lengths). Semantics: compiled dropout draws its masks from a different
+random stream than eager (same distribution); the report notes it when the model has dropout.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from autogaudi.trials import Trial
+from autogaudi.unit import Unit
+
+MAX_SHAPES = 8
+
+
+def input_shapes(args, kwargs) -> tuple:
+    return tuple(tuple(value.shape) for value in (*args, *kwargs.values()) if isinstance(value, torch.Tensor))
+
+
+class GraphCapture(Unit):
+    targets = ("<training model>.forward (instance attribute, wrapt)",)
+
+    def skip_reason(self):
+        profiler = self.session.unit("step_profiler")
+        if profiler is None or profiler not in self.session.applied:
+            return "needs the step_profiler unit, which is not on"
+        return super().skip_reason()
+
+    def apply(self) -> None:
+        self._module = None
+        self._graphed = None
+        self._on = False
+        self._shapes: list = []
+        self._compiled_for = 0  # how many input shapes have been through the graphed forward
+        self.reason = "waiting for the step profile"
+        self.session.unit("step_profiler").when_profiled(self, self._profiled)
+
+    def _profiled(self, profile) -> None:
+        forced = self.name in self.options.force
+        if profile.bound != "host" and not forced:
+            self.reason = f"not captured: the run is {profile.bound}-bound ({profile.why})"
+            return
+        if profile.model is None:
+            self.reason = "not captured: no module owning the optimizer's parameters was called in the step"
+            return
+        self._module = profile.model
+        self._graphed = self.backend.graph_forward(self._module)
+        self.wrap(self._module, "forward", self._forward)
+        self.figures["model"] = type(self._module).__name__
+        if any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in self._module.modules()):
+            self.note("compiled dropout draws different random masks than eager (same distribution)")
+        if forced or self.options.no_trials:
+            self._switch(True)
+            self.reason = f"captured {type(self._module).__name__} ({'forced' if forced else 'trials off'})"
+            return
+        self.reason = f"host-bound; trial running on {type(self._module).__name__}"
+        self.session.trials.submit(Trial(self, "graph_capture", self._switch, self._decided))
+
+    def _switch(self, on: bool) -> None:
+        self._on = on
+
+    def _decided(self, keep: bool, record: dict) -> None:
+        name = type(self._module).__name__
+        self.figures.update(speedup=record["speedup"], one_off_s=record["one_off_s"])
+        self.reason = (f"captured {name}: measured faster" if keep
+                       else f"not kept: {name} captured was not faster in the trial")
+
+    def _forward(self, wrapped, instance, args, kwargs):
+        if not self._on:
+            return wrapped(*args, **kwargs)
+        shapes = input_shapes(args, kwargs)
+        if shapes not in self._shapes:
+            self._shapes.append(shapes)
+            if len(self._shapes) > MAX_SHAPES:
+                self._on = False
+                self.session.trials.cancel(self)
+                self.reason = (f"switched off: dynamic shapes, {len(self._shapes)} distinct input shapes "
+                               f"(each one a recompilation), e.g. {self._shapes[:4]}")
+                return wrapped(*args, **kwargs)
+        if len(self._shapes) == self._compiled_for:
+            return self._graphed(*args, **kwargs)
+        self._compiled_for = len(self._shapes)
+        with warnings.catch_warnings():  # compiling for a new shape: torch.compile's advice is not the user's
+            warnings.simplefilter("ignore", UserWarning)
+            return self._graphed(*args, **kwargs)

@@ -1,0 +1,66 @@
+"""channels_last: conv models (and their optimizer buffers) switch format with the same numerics,
+the trial's steps train like plain ones, models without convolutions and disable() are left as is."""
+import torch
+from torch import nn
+
+import autogaudi
+from tests.optimizations.test_step_profiler import STEPS
+
+
+def cnn():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         nn.Linear(16, 4))
+
+
+def train(model, steps):
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    generator = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        images, labels = torch.randn(8, 3, 16, 16, generator=generator), torch.randint(0, 4, (8,), generator=generator)
+        loss = nn.functional.cross_entropy(model(images), labels)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, optimizer
+
+
+def test_forced_converts_model_inputs_and_momentum_with_the_same_losses():
+    plain, _ = train(cnn(), STEPS + 10)
+    autogaudi.enable(device="cpu", only="step_profiler,channels_last", force="channels_last")
+    model = cnn()
+    seen = []
+    model[0].register_forward_pre_hook(lambda _m, args: seen.append(args[0].is_contiguous(memory_format=torch.channels_last)))
+    losses, optimizer = train(model, STEPS + 10)
+    torch.testing.assert_close(losses, plain, rtol=1e-4, atol=1e-5)
+    weight = model[0].weight
+    assert weight.is_contiguous(memory_format=torch.channels_last)
+    assert optimizer.state[weight]["momentum_buffer"].is_contiguous(memory_format=torch.channels_last)
+    assert seen[0] is False and seen[-1] is True  # the first convolution gets channels_last inputs
+    autogaudi.disable()
+    assert weight.is_contiguous() and optimizer.state[weight]["momentum_buffer"].is_contiguous()
+    assert len(model._forward_pre_hooks) == 0  # autogaudi's input hook is gone
+
+
+def test_trial_steps_train_like_plain_and_are_reported():
+    plain, _ = train(cnn(), STEPS + 35)
+    autogaudi.enable(device="cpu", only="step_profiler,channels_last")
+    losses, _ = train(cnn(), STEPS + 35)
+    torch.testing.assert_close(losses, plain, rtol=1e-4, atol=1e-5)
+    (trial,) = autogaudi.report().trials
+    assert trial["candidate"] == "channels_last" and trial["decision"] in ("kept", "reverted")
+    reason = autogaudi.report().unit("channels_last")["reason"]
+    assert reason.endswith("measured faster") == (trial["decision"] == "kept"), reason
+
+
+def test_models_without_convolutions_are_left_alone():
+    autogaudi.enable(device="cpu", only="step_profiler,channels_last")
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(STEPS):
+        model(torch.randn(2, 4)).sum().backward()
+        optimizer.step()
+    assert autogaudi.report().unit("channels_last")["reason"] == "no Conv2d in the training model"
