@@ -59,7 +59,9 @@ def clean_env(**extra) -> dict:
 
 
 def run_json(command: list) -> dict:
-    result = subprocess.run([sys.executable, *command], env=clean_env(), capture_output=True, text=True, check=True)
+    result = subprocess.run([sys.executable, *command], env=clean_env(), capture_output=True, text=True)
+    if result.returncode != 0:
+        sys.exit(f"{' '.join(command)} failed ({result.returncode}):\n{result.stderr[-4000:]}")
     return json.loads(result.stdout.splitlines()[-1])
 
 
@@ -156,7 +158,7 @@ def table_row(workload: str, name: str, row: dict) -> str:
     rate = row["steps_per_s"]
     flag = "" if row["losses_match"] else " (DIFFERENT TRAINING)"
     if "total_seconds" in row:
-        flag += f" (whole run incl. first epoch: {row['total_speedup_vs_plain']:.2f}x plain)"
+        flag += f" (whole run incl. warm-up and one-off costs: {row['total_speedup_vs_plain']:.2f}x plain)"
     return (f"| {workload} | {name} | {rate['median']:.1f} ({rate['min']:.1f}-{rate['max']:.1f}) | "
             f"{row['ratio_vs_plain']:.3f}x | {row['ratio_vs_hand_tuned']:.3f}x | "
             f"{row['max_relative_loss_difference']:.1e}{flag} | {row['max_loss_difference_vs_hand_tuned']:.1e} |")

@@ -16,7 +16,7 @@ def block(inputs: int, outputs: int) -> nn.Sequential:
 
 def main():
     parser = argparse.ArgumentParser()
-    add_arguments(parser, steps=40, warmup=5)
+    add_arguments(parser, steps=30, warmup=40, gpu_steps=500)
     parser.add_argument("--batch", type=int, default=64)
     args = parser.parse_args()
     torch.manual_seed(0)

@@ -9,7 +9,7 @@ from timing import DEVICE, add_arguments, report_steps
 
 def main():
     parser = argparse.ArgumentParser()
-    add_arguments(parser, steps=300, warmup=20)
+    add_arguments(parser, steps=300, warmup=40, gpu_steps=2000)
     args = parser.parse_args()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(784, 128), nn.ReLU(), nn.Dropout(0.2), nn.Linear(128, 10)).to(DEVICE)
