@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from autogaudi.optimizations.step_profiler import ActsOnProfile
 from autogaudi.trials import Trial
-from autogaudi.unit import Unit
 
 
 def _convert(value):
@@ -27,21 +27,15 @@ def _convert(value):
     return value
 
 
-class ChannelsLast(Unit):
+class ChannelsLast(ActsOnProfile):
     targets = ("<training model> parameters (memory format)", "<training model> forward pre-hook (4-D inputs)")
-
-    def skip_reason(self):
-        profiler = self.session.unit("step_profiler")
-        if profiler is None or profiler not in self.session.applied:
-            return "needs the step_profiler unit (it finds the training model), which is not on"
-        return super().skip_reason()
 
     def apply(self) -> None:
         self._model = None
         self._optimizer = None
         self._on = False
         self.reason = "waiting for the step profile"
-        self.session.unit("step_profiler").when_profiled(self, self._profiled)
+        self.when_profiled(self._profiled)
 
     def _profiled(self, profile) -> None:
         model = profile.model

@@ -24,8 +24,8 @@ import warnings
 
 import torch
 
+from autogaudi.optimizations.step_profiler import ActsOnProfile
 from autogaudi.trials import Trial
-from autogaudi.unit import Unit
 
 MAX_SHAPES = 8
 
@@ -34,14 +34,8 @@ def input_shapes(args, kwargs) -> tuple:
     return tuple(tuple(value.shape) for value in (*args, *kwargs.values()) if isinstance(value, torch.Tensor))
 
 
-class GraphCapture(Unit):
+class GraphCapture(ActsOnProfile):
     targets = ("<training model>.forward (instance attribute, wrapt)",)
-
-    def skip_reason(self):
-        profiler = self.session.unit("step_profiler")
-        if profiler is None or profiler not in self.session.applied:
-            return "needs the step_profiler unit, which is not on"
-        return super().skip_reason()
 
     def apply(self) -> None:
         self._module = None
@@ -50,7 +44,7 @@ class GraphCapture(Unit):
         self._shapes: list = []
         self._compiled_for = 0  # how many input shapes have been through the graphed forward
         self.reason = "waiting for the step profile"
-        self.session.unit("step_profiler").when_profiled(self, self._profiled)
+        self.when_profiled(self._profiled)
 
     def _profiled(self, profile) -> None:
         forced = self.name in self.options.force

@@ -231,3 +231,16 @@ class StepProfiler(Unit):
                 continue  # reverted (failed, or disable()) since it subscribed
             with unit.fail_open():
                 callback(self.profile)
+
+
+class ActsOnProfile(Unit):
+    """Base of the units that act once the step is profiled: they need the training model it finds."""
+
+    def skip_reason(self):
+        profiler = self.session.unit("step_profiler")
+        if profiler is None or profiler not in self.session.applied:
+            return "needs the step_profiler unit (it finds the training model), which is not on"
+        return super().skip_reason()
+
+    def when_profiled(self, callback) -> None:
+        self.session.unit("step_profiler").when_profiled(self, callback)
