@@ -55,14 +55,14 @@ class Trial:
         return self.position >= len(self.schedule)
 
     def outcome(self) -> tuple:
-        """(keep, record) from the medians; the one-off cost is what warm-up took beyond steady steps."""
+        """(keep, record) from the medians; the one-off cost is what warm-up took beyond steady steps.
+        The record's ``decision`` is the runner's to write: on a distributed run rank 0's counts."""
         on, off = statistics.median(self.times[True]), statistics.median(self.times[False])
         keep = on <= off * (1 - MARGIN)
         one_off = max(0.0, self.warmup_seconds - WARMUP * on)
         record = {"candidate": self.candidate, "ms_per_step_with": round(1000 * on, 3),
                   "ms_per_step_without": round(1000 * off, 3), "speedup": round(off / on, 3),
-                  "one_off_s": round(one_off, 3), "steps": len(self.schedule),
-                  "decision": "kept" if keep else "reverted"}
+                  "one_off_s": round(one_off, 3), "steps": len(self.schedule)}
         if keep and one_off > 0:
             record["pays_back_after_steps"] = round(one_off / (off - on))
         return keep, record

@@ -18,7 +18,6 @@ from __future__ import annotations
 import torch
 
 from autogaudi.optimizations.step_profiler import ActsOnProfile
-from autogaudi.trials import Trial
 
 
 def _convert(value):
@@ -47,12 +46,10 @@ class ChannelsLast(ActsOnProfile):
         self.on_revert(lambda: self._switch(False))
         handle = model.register_forward_pre_hook(self._inputs, with_kwargs=True)
         self.on_revert(handle.remove)
-        if self.name in self.options.force or self.options.no_trials:
-            self._switch(True)
+        if self.switch_on_or_try(self._switch, self._decided):
             self.reason = f"{type(model).__name__} in channels_last (without a trial)"
-            return
-        self.reason = f"trial running on {type(model).__name__}"
-        self.session.trials.submit(Trial(self, "channels_last", self._switch, self._decided))
+        else:
+            self.reason = f"trial running on {type(model).__name__}"
 
     def _switch(self, on: bool) -> None:
         if on != self._on:

@@ -25,7 +25,6 @@ import warnings
 import torch
 
 from autogaudi.optimizations.step_profiler import ActsOnProfile
-from autogaudi.trials import Trial
 
 MAX_SHAPES = 8
 
@@ -60,12 +59,10 @@ class GraphCapture(ActsOnProfile):
         self.figures["model"] = type(self._module).__name__
         if any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in self._module.modules()):
             self.note("compiled dropout draws different random masks than eager (same distribution)")
-        if forced or self.options.no_trials:
-            self._switch(True)
+        if self.switch_on_or_try(self._switch, self._decided):
             self.reason = f"captured {type(self._module).__name__} ({'forced' if forced else 'trials off'})"
-            return
-        self.reason = f"host-bound; trial running on {type(self._module).__name__}"
-        self.session.trials.submit(Trial(self, "graph_capture", self._switch, self._decided))
+        else:
+            self.reason = f"host-bound; trial running on {type(self._module).__name__}"
 
     def _switch(self, on: bool) -> None:
         self._on = on

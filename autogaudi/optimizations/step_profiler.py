@@ -28,6 +28,7 @@ import warnings
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from autogaudi.trials import Trial
 from autogaudi.unit import Unit
 
 WINDOW = 5
@@ -152,7 +153,6 @@ class StepProfiler(Unit):
         self._kernels = None
         self._kernels_seconds = None
         self._roots = None
-        self._census_start = None
         steps = self.session.steps
         steps.after_optimizer_step(self, self._after_step)
         steps.after_batch(self, self._after_batch)
@@ -190,7 +190,6 @@ class StepProfiler(Unit):
         self._census = _Census()
         self._census.__enter__()
         self._census.calibrate()
-        self._census_start = time.perf_counter()
 
     def _stop_census(self) -> None:
         if self._census is not None:
@@ -225,6 +224,7 @@ class StepProfiler(Unit):
         self.reason = f"{bound}-bound: {why}"
         if model is not None:
             self.figures["model"] = type(model).__name__
+        self.session.steps.forget(self)  # classified once: no more work on every step and batch
         subscribers, self._subscribers = self._subscribers, []
         for unit, callback in subscribers:
             if unit not in self.session.applied:
@@ -244,3 +244,12 @@ class ActsOnProfile(Unit):
 
     def when_profiled(self, callback) -> None:
         self.session.unit("step_profiler").when_profiled(self, callback)
+
+    def switch_on_or_try(self, switch, decided) -> bool:
+        """Switch on at once when ``--force``d or with ``--no-trials`` (returns True); otherwise hand
+        ``switch`` to a trial, whose outcome goes to ``decided(keep, record)`` (returns False)."""
+        if self.name in self.options.force or self.options.no_trials:
+            switch(True)
+            return True
+        self.session.trials.submit(Trial(self, self.name, switch, decided))
+        return False
