@@ -141,6 +141,10 @@ OPTIONS: tuple = (
     Option("no_trials", False, parse_bool,
            "do not A/B-test the units whose benefit depends on the workload (graph_capture, channels_last) "
            "inside the run; apply them by their static rule instead"),
+    Option("exact_random", False, parse_bool,
+           "graph_capture compiles with inductor's fallback_random: dropout draws the same masks as "
+           "eager PyTorch, so losses match a plain run exactly (slower: issue 5 measured 0.80x of the "
+           "default compiled speed on a 2-core CPU); no effect on HPU"),
     Option("quiet", False, parse_bool,
            "do not print the exit report (the JSON report is still written)"),
 )

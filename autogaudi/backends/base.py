@@ -35,6 +35,11 @@ class Backend:
     device_type = ""
     is_lazy = False
     pin_memory_device = None  # None: pinning memory does nothing for this backend
+    # Captured graphs write gradients into fixed tensors and cannot replay checkpointed regions
+    # (HPU lazy ModuleCacher): zero_grad must keep the tensors, gradient checkpointing rules graphs out.
+    graphs_hold_gradients = False
+    # Whether graph_forward(exact_random=True) can make random ops draw eager's numbers.
+    graphs_can_draw_eager_random = True
     # torch.optim classes with a fused kernel on this backend (torch >= 2.4 for CPU).
     FUSED_TORCH_OPTIMIZERS = ("Adam", "AdamW", "SGD")
 
@@ -54,10 +59,11 @@ class Backend:
         """A :class:`MemoryStats`, or None where the backend cannot tell."""
         return None
 
-    def graph_forward(self, module):
+    def graph_forward(self, module, exact_random: bool = False):
         """A callable with ``module.forward``'s signature that replays captured graphs (cutting
-        per-step host overhead); ``module`` itself is left as it was."""
-        return torch.compile(module.forward)
+        per-step host overhead); ``module`` itself is left as it was. ``exact_random``: random ops
+        (dropout) draw eager's numbers (inductor's ``fallback_random``), at a cost in speed."""
+        return torch.compile(module.forward, options={"fallback_random": True} if exact_random else None)
 
     def fused_optimizer_refusal(self, optimizer_class, hyperparameters: dict):
         """Why ``optimizer_class(**hyperparameters)`` has no fused equivalent here, or None."""

@@ -21,8 +21,11 @@ class CudaBackend(Backend):
         total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
         return MemoryStats(torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated(), total)
 
-    def graph_forward(self, module):
-        # "reduce-overhead" is torch.compile's CUDA-graphs mode: replay instead of re-launching.
+    def graph_forward(self, module, exact_random: bool = False):
+        # "reduce-overhead" is torch.compile's CUDA-graphs mode: replay instead of re-launching. A
+        # mode and options cannot be passed together; the mode stands for inductor's triton.cudagraphs.
+        if exact_random:
+            return torch.compile(module.forward, options={"triton.cudagraphs": True, "fallback_random": True})
         return torch.compile(module.forward, mode="reduce-overhead")
 
 

@@ -38,12 +38,17 @@ class HpuBackend(Backend):
     name = "hpu"
     device_type = "hpu"
     pin_memory_device = "hpu"
+    graphs_can_draw_eager_random = False  # an inductor setting; the Gaudi graph compilers have none
 
     def __init__(self, reason: str, core, hpu, lazy: bool):
         super().__init__(reason)
         self._core = core
         self._hpu = hpu
         self.is_lazy = lazy
+
+    @property
+    def graphs_hold_gradients(self) -> bool:
+        return self.is_lazy  # ModuleCacher; eager mode compiles with torch.compile instead
 
     def device_name(self) -> str:
         return self._hpu.get_device_name()
@@ -59,7 +64,7 @@ class HpuBackend(Backend):
         stats = self._hpu.memory_stats()
         return MemoryStats(stats["InUse"], stats["MaxInUse"], stats["Limit"])
 
-    def graph_forward(self, module, max_graphs: int = 10):
+    def graph_forward(self, module, exact_random: bool = False, max_graphs: int = 10):
         if self.is_lazy:
             # The Gaudi guide's training API. It can only work in place (it sets module.forward);
             # the cached forward it made is taken back out so the module is left as it was and the

@@ -13,16 +13,24 @@ parameters; for a DistributedDataParallel model its inner module, so DDP's hooks
 graph (the guide's order: graphs first, DDP around them). The module's ``forward`` is wrapped
 (wrapt), so the user's references, hooks, ``state_dict`` and checkpoints are untouched.
 
+HPU lazy graphs hold gradient tensors (``Backend.graphs_hold_gradients``): while they are on,
+``zero_grad`` keeps the tensors (``set_to_none=False``, the guide's rule) — done only when every
+optimized parameter had a gradient in the profiled step, where zeros and None train alike — and a
+model using gradient checkpointing is not captured (the graphs crash with it; optimum-habana turns
+them off too).
+
 Guard: input shapes are counted while capture is on; past ``MAX_SHAPES`` distinct ones every new
 shape is a recompilation, so capture is switched off and the report lists the shapes seen (pad the
 last batch, bucket sequence lengths). Semantics: compiled dropout draws its masks from a different
-random stream than eager (same distribution); the report notes it when the model has dropout.
+random stream than eager (same distribution); the report notes it when the model has dropout, and
+the ``exact_random`` option compiles with inductor's ``fallback_random`` to draw eager's masks.
 """
 from __future__ import annotations
 
 import warnings
 
 import torch
+import torch.utils.checkpoint
 
 from autogaudi.optimizations.step_profiler import ActsOnProfile
 
@@ -33,8 +41,15 @@ def input_shapes(args, kwargs) -> tuple:
     return tuple(tuple(value.shape) for value in (*args, *kwargs.values()) if isinstance(value, torch.Tensor))
 
 
+def uses_gradient_checkpointing(module) -> bool:
+    """Hugging Face models say so with a ``gradient_checkpointing`` flag on the checkpointed modules."""
+    return any(getattr(sub, "gradient_checkpointing", False) is True for sub in module.modules())
+
+
 class GraphCapture(ActsOnProfile):
-    targets = ("<training model>.forward (instance attribute, wrapt)",)
+    targets = ("<training model>.forward (instance attribute, wrapt)",
+               "HPU lazy: torch.utils.checkpoint.checkpoint (counted), <optimizer>.zero_grad and "
+               "<training model>.zero_grad (instance attributes, wrapt)")
 
     def apply(self) -> None:
         self._module = None
@@ -42,8 +57,15 @@ class GraphCapture(ActsOnProfile):
         self._on = False
         self._shapes: list = []
         self._compiled_for = 0  # how many input shapes have been through the graphed forward
+        self._checkpoint_calls = 0
+        if self.backend.graphs_hold_gradients:
+            self.wrap(torch.utils.checkpoint, "checkpoint", self._count_checkpoint)
         self.reason = "waiting for the step profile"
         self.when_profiled(self._profiled)
+
+    def _count_checkpoint(self, wrapped, instance, args, kwargs):
+        self._checkpoint_calls += 1
+        return wrapped(*args, **kwargs)
 
     def _profiled(self, profile) -> None:
         forced = self.name in self.options.force
@@ -53,16 +75,43 @@ class GraphCapture(ActsOnProfile):
         if profile.model is None:
             self.reason = "not captured: no module owning the optimizer's parameters was called in the step"
             return
+        if self.backend.graphs_hold_gradients:
+            refusal = self._keep_gradient_tensors(profile)
+            if refusal:
+                self.reason = f"not captured: {refusal}"
+                return
         self._module = profile.model
-        self._graphed = self.backend.graph_forward(self._module)
+        exact = self.options.exact_random and self.backend.graphs_can_draw_eager_random
+        if self.options.exact_random and not exact:
+            self.note(f"--exact-random has no effect on {self.backend.name}: its graph compiler has no such setting")
+        self._graphed = self.backend.graph_forward(self._module, exact_random=exact)
         self.wrap(self._module, "forward", self._forward)
         self.figures["model"] = type(self._module).__name__
         if any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in self._module.modules()):
-            self.note("compiled dropout draws different random masks than eager (same distribution)")
+            self.note("dropout draws eager's random masks (--exact-random)" if exact else
+                      "compiled dropout draws different random masks than eager (same distribution); "
+                      "--exact-random makes them the same, at a cost in speed")
         if self.switch_on_or_try(self._switch, self._decided):
             self.reason = f"captured {type(self._module).__name__} ({'forced' if forced else 'trials off'})"
         else:
             self.reason = f"host-bound; trial running on {type(self._module).__name__}"
+
+    def _keep_gradient_tensors(self, profile):
+        """Make ``zero_grad`` keep gradient tensors while graphs are on; or say why graphs cannot be."""
+        if self._checkpoint_calls or uses_gradient_checkpointing(profile.model):
+            return "the model uses gradient checkpointing, which HPU graphs cannot replay"
+        params = [p for group in profile.optimizer.param_groups for p in group["params"]]
+        without = sum(p.grad is None for p in params)
+        if without:
+            return (f"{without} of {len(params)} optimized parameters had no gradient in the profiled step; "
+                    "HPU graphs need zero_grad(set_to_none=False), which would make the optimizer update them")
+        self.wrap(profile.optimizer, "zero_grad", self._zero_grad)
+        self.wrap(profile.model, "zero_grad", self._zero_grad)
+        self.note("zero_grad(set_to_none=False) while graphs are on: gradient tensors are reused, not freed")
+        return None
+
+    def _zero_grad(self, wrapped, instance, args, kwargs):
+        return wrapped(set_to_none=False) if self._on else wrapped(*args, **kwargs)
 
     def _switch(self, on: bool) -> None:
         self._on = on

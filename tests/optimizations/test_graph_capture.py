@@ -61,13 +61,68 @@ def test_forced_on_the_double_caches_the_module_inside_ddp(hpu_double, tmp_path)
         assert calls.CALLS[first][1] == {"module": "Sequential", "max_graphs": 10}
         # one graph for the one input shape, replayed on every later step
         assert names[first + 1:].count("module_cacher_capture") == 1
-        assert names[first + 1:].count("module_cacher_replay") >= 5
+        replays = [details for name, details in calls.CALLS[first:] if name == "module_cacher_replay"]
+        assert len(replays) >= 5
+        # zero_grad(set_to_none=False) while graphs are on: every replay sees the same gradient tensors
+        assert all(details["gradients_reused"] for details in replays[1:])
         assert "forward" in vars(inner)
         autogaudi.disable()
         assert "forward" not in vars(inner)  # the module is as it was
     finally:
         autogaudi.disable()
         dist.destroy_process_group()
+
+
+class Checkpointed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = mlp()
+
+    def forward(self, inputs):
+        return torch.utils.checkpoint.checkpoint(self.body, inputs, use_reentrant=False)
+
+
+class FlaggedCheckpointing(nn.Module):  # how Hugging Face models say they checkpoint
+    def __init__(self):
+        super().__init__()
+        self.body = mlp()
+        self.body.gradient_checkpointing = True
+
+    def forward(self, inputs):
+        return self.body(inputs)
+
+
+class PartlyUnused(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = mlp()
+        self.unused_head = nn.Linear(3, 3)
+
+    def forward(self, inputs):
+        return self.body(inputs)
+
+
+@pytest.mark.parametrize("model, refusal", [
+    (Checkpointed, "not captured: the model uses gradient checkpointing"),
+    (FlaggedCheckpointing, "not captured: the model uses gradient checkpointing"),
+    (PartlyUnused, "not captured: 2 of 6 optimized parameters had no gradient"),
+])
+def test_hpu_graphs_are_refused_where_they_would_crash_or_change_training(hpu_double, model, refusal):
+    calls = hpu_double(lazy=True)
+    plain = losses_of(model(), batches())
+    autogaudi.enable(device="hpu", only="step_profiler,graph_capture", force="graph_capture")
+    losses = losses_of(model(), batches())
+    assert row()["reason"].startswith(refusal), row()["reason"]
+    assert "module_cacher" not in calls.names()
+    torch.testing.assert_close(losses, plain, rtol=1e-5, atol=1e-6)
+
+
+def test_zero_grad_is_left_alone_where_graphs_do_not_hold_gradients():
+    autogaudi.enable(device="cpu", only="step_profiler,graph_capture", force="graph_capture")
+    model = mlp()
+    losses_of(model, batches())
+    assert "zero_grad" not in vars(model)
+    assert model[0].weight.grad is None  # the user's zero_grad() set it to None, as without autogaudi
 
 
 def test_a_recompile_storm_switches_capture_off_and_names_the_shapes(hpu_double):
@@ -104,3 +159,32 @@ def test_host_bound_cpu_run_gets_a_compile_trial_that_trains_like_plain():
     assert trial["candidate"] == "graph_capture" and trial["decision"] in ("kept", "reverted")
     assert trial["one_off_s"] > 0  # compilation, measured apart from the steady steps
     torch.testing.assert_close(losses, plain, rtol=1e-4, atol=1e-5)  # same math, float reassociation only
+
+
+class WithDropout(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(0.5), nn.Linear(32, 3))
+
+    def forward(self, inputs):
+        return self.body(inputs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("exact", [True, False])
+def test_exact_random_compiles_dropout_to_eager_masks(exact):
+    def run():
+        torch.manual_seed(2)  # the dropout stream
+        return losses_of(WithDropout(), batches(), steps=STEPS + 10)
+
+    plain = run()
+    autogaudi.enable(device="cpu", only="step_profiler,graph_capture", force="graph_capture", exact_random=exact)
+    losses = run()
+    notes = " ".join(row()["notes"])
+    if exact:
+        assert "dropout draws eager's random masks" in notes
+        torch.testing.assert_close(losses, plain, rtol=1e-5, atol=1e-6)
+    else:  # what the option is for: compiled dropout trains on other masks
+        assert "different random masks" in notes
+        assert max(abs(a - b) for a, b in zip(losses, plain)) > 1e-3

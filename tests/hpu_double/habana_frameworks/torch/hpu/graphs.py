@@ -40,8 +40,15 @@ def _key(args, kwargs):
     return shapes, torch.is_autocast_enabled()
 
 
+def _gradients(module):
+    return [parameter.grad for parameter in module.parameters()]
+
+
 def _cached_forward(module, forward, max_graphs, api):
+    """Replays record whether the gradient tensors are the very ones of the previous replay: graphs
+    write gradients into fixed tensors, which ``zero_grad(set_to_none=True)`` throws away."""
     seen = []
+    previous = []
 
     def cached(*args, **kwargs):
         key = _key(args, kwargs)
@@ -53,7 +60,10 @@ def _cached_forward(module, forward, max_graphs, api):
             _count_compilation(1000)
             record(f"{api}_capture", shapes=key[0])
         else:
-            record(f"{api}_replay", shapes=key[0])
+            current = _gradients(module)
+            reused = all(a is not None and a is b for a, b in zip(current, previous)) if previous else None
+            previous[:] = current
+            record(f"{api}_replay", shapes=key[0], gradients_reused=reused)
         return forward(*args, **kwargs)
 
     cached.graphs = seen
