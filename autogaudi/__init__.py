@@ -8,4 +8,16 @@ from autogaudi._version import __version__
 from autogaudi.errors import OptionsError
 from autogaudi.runtime import active_options, disable, enable, is_enabled, report
 
-__all__ = ["OptionsError", "__version__", "active_options", "disable", "enable", "is_enabled", "report"]
+
+
+def doctor(script: str, *args: str, steps: int = 20, module: bool = False):
+    """Diagnose ``script`` (a path, or a module name with ``module=True``) run with ``args`` for at
+    most ``steps`` optimizer steps in this process, observing only; returns a
+    :class:`~autogaudi.diagnosis.findings.Diagnosis` (``.findings``, ``.format()``, ``.as_dict()``).
+    ``sys.argv``, ``__main__`` and ``sys.path[0]`` are restored afterwards. See ``python -m autogaudi doctor``."""
+    from autogaudi.diagnosis.command import diagnose
+
+    return diagnose(script, list(args), steps=steps, is_module=module)[0]
+
+
+__all__ = ["OptionsError", "__version__", "active_options", "disable", "doctor", "enable", "is_enabled", "report"]

@@ -1,5 +1,7 @@
 """``python -m autogaudi [options] (script.py | -m module) [args ...]``: run a script as if directly.
 
+(``python -m autogaudi doctor ...`` is the doctor: :mod:`autogaudi.diagnosis.command`.)
+
 The user's program must not be able to tell it was launched through us: ``sys.argv``,
 ``sys.path[0]``, a real ``__main__`` module (``__file__``, ``__spec__``), the exit code, and a
 traceback that starts in the user's code are all what ``python script.py`` would give. Classes
@@ -61,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def split_command_line(argv: list):
+def split_command_line(argv: list, value_flags=_VALUE_FLAGS):
     """Split ``argv`` into (our options, target, target's args, is_module) like python does.
 
     Our options stop at the first word that is not one of them: the script path, or ``-m module``;
@@ -81,7 +83,7 @@ def split_command_line(argv: list):
         if not word.startswith("-") or word == "-":
             return ours, word, argv[index + 1:], False
         ours.append(word)
-        if word in _VALUE_FLAGS and index + 1 < len(argv):
+        if word in value_flags and index + 1 < len(argv):
             ours.append(argv[index + 1])
             index += 1
         index += 1
@@ -90,6 +92,10 @@ def split_command_line(argv: list):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["doctor"]:  # a script called "doctor" runs as ./doctor
+        from autogaudi.diagnosis.command import main as doctor_main
+
+        return doctor_main(argv[1:])
     ours, target, target_args, is_module = split_command_line(argv)
     parser = build_parser()
     given = {name: value for name, value in vars(parser.parse_args(ours)).items() if value is not None}
@@ -115,8 +121,10 @@ def _export_to_children(options: Options, given: dict) -> None:
         os.environ["PYTHONPATH"] = folder + (os.pathsep + path if path else "")
 
 
-def run_as_main(target: str, args: list, is_module: bool):
-    """Run the script or module as ``__main__``; return its exit status for ``sys.exit``."""
+def run_as_main(target: str, args: list, is_module: bool, stopped_by: tuple = ()):
+    """Run the script or module as ``__main__``; return its exit status for ``sys.exit``.
+    An exception of a ``stopped_by`` type ends the script quietly with status 0 (the doctor stops
+    scripts that way after the steps it observes)."""
     try:
         code, module = _load_module_main(target) if is_module else _load_script_main(target)
     except _CannotRun as problem:
@@ -125,14 +133,16 @@ def run_as_main(target: str, args: list, is_module: bool):
     sys.argv = [target if not is_module else module.__file__, *args]
     _replaced_main_modules.append(sys.modules.get("__main__"))
     sys.modules["__main__"] = module
-    return _run(code, module)
+    return _run(code, module, stopped_by)
 
 
-def _run(code, module):
+def _run(code, module, stopped_by=()):
     try:
         exec(code, module.__dict__)
     except SystemExit:
         raise
+    except stopped_by:
+        return 0
     except BaseException as error:  # the user's exception: show it as python would, then exit 1
         traceback = error.__traceback__
         while traceback is not None and traceback.tb_frame.f_code.co_filename == __file__:
