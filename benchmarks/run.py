@@ -2,7 +2,9 @@
 
     python benchmarks/run.py [--rounds 7]
 
-Writes benchmarks/results/<machine>.json and prints a Markdown table. Each variant runs in its own
+Writes benchmarks/results/<machine>.json, the Markdown table (<machine>-table.md, also printed) and a
+bar chart of the ratios to plain PyTorch (<machine>-chart.png, when matplotlib is installed: it is
+in the test extra). Each variant runs in its own
 interpreter (autogaudi patches a whole process). Variants alternate within a round and the order
 rotates from round to round, so neither drift on the machine nor a variant's position in the round
 favours one of them; figures are medians with min and max. Every run's losses are compared with
@@ -120,9 +122,19 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--out", type=Path, help="default: benchmarks/results/<machine>.json")
+    parser.add_argument("--render", type=Path, metavar="RESULTS_JSON",
+                        help="run nothing: rewrite the Markdown table and the chart of an existing results file")
     parser.add_argument("--only", help="comma-separated workloads to run (default: all): " + ", ".join(WORKLOADS))
     args = parser.parse_args()
+    if args.render:
+        results = json.loads(args.render.read_text())
+        table_path, chart_path = companions(args.render)
+        table_path.write_text(markdown_table(results))
+        print(f"written to {table_path}")
+        print(write_chart(results, chart_path))
+        return
     args.out = args.out or HERE / "results" / f"{machine_name()}.json"
+    table_path, chart_path = companions(args.out)
     chosen = args.only.split(",") if args.only else list(WORKLOADS)
     unknown = sorted(set(chosen) - set(WORKLOADS))
     if unknown:
@@ -138,20 +150,83 @@ def main():
         "workloads": {},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    print(f"# {results['machine']} (torch {results['torch']}, median of {args.rounds} rounds)\n")
-    print("| workload | variant | steps/s median (min-max) | vs plain | vs hand-tuned | "
-          "max rel. loss diff vs plain | max loss diff vs hand-tuned |")
-    print("|---|---|---|---|---|---|---|", flush=True)
+    print(table_header(results), flush=True)
     for workload in chosen:  # written after each workload, so a run cut short still leaves its figures
         results["workloads"][workload] = rows = step_rates(WORKLOADS[workload], args.rounds)
-        args.out.write_text(json.dumps(results, indent=2) + "\n")
+        write_results(results, args.out, table_path)
         for name, row in rows.items():
             print(table_row(workload, name, row), flush=True)
-    results["startup"] = start = startup(args.rounds * 4)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"\nstartup `python -c pass`: plain {start['ms']['plain']['median']:.1f} ms, "
-          f"AUTOGAUDI=1 {start['ms']['AUTOGAUDI=1']['median']:.1f} ms (+{start['added_ms']:.1f} ms), torch not imported")
-    print(f"\nwritten to {args.out}")
+    results["startup"] = startup(args.rounds * 4)
+    write_results(results, args.out, table_path)
+    print("\n" + startup_line(results["startup"]))
+    print(f"\nwritten to {args.out}, {table_path}")
+    print(write_chart(results, chart_path))
+
+
+def companions(results_path: Path) -> tuple:
+    """Where the Markdown table and the chart of a results file go: beside it."""
+    return (results_path.with_name(results_path.stem + "-table.md"),
+            results_path.with_name(results_path.stem + "-chart.png"))
+
+
+def write_results(results: dict, path: Path, table_path: Path) -> None:
+    path.write_text(json.dumps(results, indent=2) + "\n")
+    table_path.write_text(markdown_table(results))
+
+
+def table_header(results: dict) -> str:
+    return (f"# {results['machine']} (torch {results['torch']}, median of {results['rounds']} rounds)\n\n"
+            "| workload | variant | steps/s median (min-max) | vs plain | vs hand-tuned | "
+            "max rel. loss diff vs plain | max loss diff vs hand-tuned |\n|---|---|---|---|---|---|---|")
+
+
+def startup_line(start: dict) -> str:
+    return (f"startup `python -c pass`: plain {start['ms']['plain']['median']:.1f} ms, AUTOGAUDI=1 "
+            f"{start['ms']['AUTOGAUDI=1']['median']:.1f} ms (+{start['added_ms']:.1f} ms), torch not imported")
+
+
+def markdown_table(results: dict) -> str:
+    lines = [table_header(results)]
+    for workload, rows in results["workloads"].items():
+        lines.extend(table_row(workload, name, row) for name, row in rows.items())
+    if "startup" in results:
+        lines.append("\n" + startup_line(results["startup"]))
+    return "\n".join(lines) + "\n"
+
+
+def write_chart(results: dict, path: Path) -> str:
+    """Bars: each variant's steady-state rate as a multiple of plain PyTorch's, per workload, with
+    the rounds' min-max as error bars. Returns what it did, for the log."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        from matplotlib import pyplot
+    except ImportError:
+        return "no chart: matplotlib is not installed (pip install -e '.[test]')"
+    workloads = list(results["workloads"])
+    names = list(VARIANTS)
+    figure, axes = pyplot.subplots(figsize=(2.2 * len(workloads) + 2, 4))
+    width = 0.8 / len(names)
+    for index, name in enumerate(names):
+        ratios, low, high = [], [], []
+        for workload in workloads:
+            row = results["workloads"][workload][name]
+            plain = row["steps_per_s"]["median"] / row["ratio_vs_plain"]
+            ratios.append(row["ratio_vs_plain"])
+            low.append(row["ratio_vs_plain"] - row["steps_per_s"]["min"] / plain)
+            high.append(row["steps_per_s"]["max"] / plain - row["ratio_vs_plain"])
+        positions = [number + (index - (len(names) - 1) / 2) * width for number in range(len(workloads))]
+        axes.bar(positions, ratios, width, yerr=[low, high], capsize=2, label=name)
+    axes.axhline(1.0, color="black", linewidth=0.8)
+    axes.set_xticks(range(len(workloads)), workloads)
+    axes.set_ylabel("steady-state steps/s vs plain PyTorch")
+    axes.set_title(f"{results['machine']}, torch {results['torch']}, median of {results['rounds']} rounds (min-max)")
+    axes.legend(fontsize="small")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    pyplot.close(figure)
+    return f"chart written to {path}"
 
 
 def table_row(workload: str, name: str, row: dict) -> str:

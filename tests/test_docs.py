@@ -20,3 +20,16 @@ def test_every_unit_has_a_page_and_a_readme_row():
     for unit in UNITS:
         assert (REPO / "docs" / "units" / f"{unit.name}.md").is_file()
         assert f"[`{unit.name}`](docs/units/{unit.name}.md)" in readme
+
+
+def test_the_docs_build_with_every_page_in_the_nav_and_no_broken_link(tmp_path):
+    import subprocess
+    import sys
+
+    import pytest
+
+    pytest.importorskip("mkdocs")
+    result = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path)],
+                            cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / "doctor" / "index.html").is_file()

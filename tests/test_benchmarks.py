@@ -1,0 +1,51 @@
+"""The benchmark suite's outputs, from a results file: the Markdown table and the PNG chart."""
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import REPO
+
+
+def load_run():
+    spec = importlib.util.spec_from_file_location("benchmark_run", REPO / "benchmarks" / "run.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def fake_results(run) -> dict:
+    def row(median, plain, tuned, matching=True):
+        return {"steps_per_s": {"median": median, "min": median * 0.9, "max": median * 1.1, "rounds": 5},
+                "ratio_vs_plain": median / plain, "ratio_vs_hand_tuned": median / tuned,
+                "max_relative_loss_difference": 1e-6 if matching else 0.5, "losses_match": matching,
+                "max_loss_difference_vs_hand_tuned": 0.0}
+
+    rates = {"plain": 100.0, "autogaudi": 120.0, "hand-tuned": 125.0, "autogaudi, all units off": 99.0}
+    assert set(rates) == set(run.VARIANTS)
+    return {"machine": "test-machine", "torch": "2.13.0", "rounds": 5,
+            "workloads": {"w1_mlp": {name: row(rate, 100.0, 125.0, name != "autogaudi, all units off")
+                                     for name, rate in rates.items()}},
+            "startup": {"ms": {"plain": {"median": 17.0}, "AUTOGAUDI=1": {"median": 26.0}}, "added_ms": 9.0}}
+
+
+def test_the_table_states_ratios_and_flags_different_training():
+    run = load_run()
+    table = run.markdown_table(fake_results(run))
+    assert "| w1_mlp | autogaudi | 120.0 (108.0-132.0) | 1.200x | 0.960x |" in table
+    assert "| w1_mlp | autogaudi, all units off | 99.0" in table and "(DIFFERENT TRAINING)" in table
+    assert "AUTOGAUDI=1 26.0 ms (+9.0 ms)" in table
+
+
+def test_render_writes_the_table_and_a_png_chart_beside_the_results(tmp_path):
+    pytest.importorskip("matplotlib")
+    run = load_run()
+    results = tmp_path / "machine.json"
+    results.write_text(json.dumps(fake_results(run)))
+    subprocess.run([sys.executable, str(REPO / "benchmarks" / "run.py"), "--render", str(results)], check=True,
+                   capture_output=True)
+    table, chart = run.companions(results)
+    assert table.read_text() == run.markdown_table(fake_results(run))
+    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and chart.stat().st_size > 5000
