@@ -154,7 +154,7 @@ def test_host_bound_cpu_run_gets_a_compile_trial_that_trains_like_plain():
     autogaudi.enable(device="cpu", only="step_profiler,graph_capture")
     losses = losses_of(tiny(), data(), steps=steps)
     report = autogaudi.report()
-    assert report.unit("step_profiler")["figures"]["bound"] == "host"
+    assert report.unit("step_profiler")["figures"]["bound"] == "host", report.unit("step_profiler")
     (trial,) = report.trials
     assert trial["candidate"] == "graph_capture" and trial["decision"] in ("kept", "reverted")
     assert trial["one_off_s"] > 0  # compilation, measured apart from the steady steps
