@@ -9,7 +9,6 @@ from autogaudi.errors import OptionsError
 from autogaudi.runtime import active_options, disable, enable, is_enabled, report
 
 
-
 def doctor(script: str, *args: str, steps: int = 20, module: bool = False):
     """Diagnose ``script`` (a path, or a module name with ``module=True``) run with ``args`` for at
     most ``steps`` optimizer steps in this process, observing only; returns a

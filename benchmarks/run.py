@@ -212,7 +212,7 @@ def write_chart(results: dict, path: Path) -> str:
         ratios, low, high = [], [], []
         for workload in workloads:
             row = results["workloads"][workload][name]
-            plain = row["steps_per_s"]["median"] / row["ratio_vs_plain"]
+            plain = results["workloads"][workload]["plain"]["steps_per_s"]["median"]
             ratios.append(row["ratio_vs_plain"])
             low.append(row["ratio_vs_plain"] - row["steps_per_s"]["min"] / plain)
             high.append(row["steps_per_s"]["max"] / plain - row["ratio_vs_plain"])

@@ -93,24 +93,30 @@ def dynamic_ops(observer) -> list:
         for (op, location), by_step in counts.items()]
 
 
-def _last_batch_sizes(observer) -> set:
-    return {length % batch for _, batch, length, drop_last in observer.loaders
-            if batch and length and not drop_last and length % batch}
+def short_last_batches(observer) -> list:
+    """(where the loader was built, batch size, dataset length, last batch size) for every loader
+    whose epoch ends in a short batch."""
+    return [(location, batch, length, length % batch) for location, batch, length, drop_last in observer.loaders
+            if batch and length and not drop_last and length % batch]
+
+
+def _model_name(observer, label: str) -> str:
+    return type(observer.models[label]).__name__
 
 
 def dynamic_shapes(observer) -> list:
     """Models called with several input shapes; a short last batch alone is left to ``last_batch``."""
     findings = []
-    short = _last_batch_sizes(observer)
+    short = {size for *_, size in short_last_batches(observer)}
     for label, shapes in observer.shapes.items():
         if len([key for key in shapes if not (key and all(shape and shape[0] in short for shape in key))]) < 2:
             continue
         seen = [{"shapes": [list(shape) for shape in key], "calls": count} for key, count in shapes.most_common()]
         findings.append(Finding(
             "dynamic_shapes", "high" if len(shapes) > 2 else "medium",
-            f"{label.split(' at ')[0]} was called with {len(shapes)} different input shapes",
+            f"{_model_name(observer, label)} was called with {len(shapes)} different input shapes",
             observer.call_sites.get(label),
-            {"module": label.split(" at ")[0], "distinct_shapes": len(shapes), "shapes_seen": seen[:8],
+            {"module": _model_name(observer, label), "distinct_shapes": len(shapes), "shapes_seen": seen[:8],
              "predicted_recompilations_per_epoch": f">= {len(shapes)} (one graph per input shape)"},
             "each new input shape is a graph recompilation on HPU (lazy mode and HPU graphs cache one "
             "graph per shape)",
@@ -120,19 +126,14 @@ def dynamic_shapes(observer) -> list:
 
 
 def last_batch(observer) -> list:
-    findings = []
-    for location, batch_size, length, drop_last in observer.loaders:
-        if drop_last or not batch_size or not length or length % batch_size == 0:
-            continue
-        findings.append(Finding(
-            "last_batch", "medium",
-            f"the last batch of each epoch has {length % batch_size} samples instead of {batch_size}", location,
-            {"dataset_length": length, "batch_size": batch_size, "last_batch_size": length % batch_size,
-             "predicted_recompilations_per_epoch": 1},
-            "the short last batch is a new input shape: one more graph compilation (and on HPU graphs "
-            "one more cached graph) per loader",
-            "drop_last=True, or pad the epoch to whole batches", fixed_by="static_last_batch", score=1))
-    return findings
+    return [Finding(
+        "last_batch", "medium", f"the last batch of each epoch has {size} samples instead of {batch_size}", location,
+        {"dataset_length": length, "batch_size": batch_size, "last_batch_size": size,
+         "predicted_recompilations_per_epoch": 1},
+        "the short last batch is a new input shape: one more graph compilation (and on HPU graphs "
+        "one more cached graph) per loader",
+        "drop_last=True, or pad the epoch to whole batches", fixed_by="static_last_batch", score=1)
+        for location, batch_size, length, size in short_last_batches(observer)]
 
 
 def cpu_fallback(observer) -> list:
@@ -184,7 +185,7 @@ def tile_sizes(observer) -> list:
         for name, module in model.named_modules():
             dims = _matrix_dimensions(module)
             if any(dim >= facts.LARGE_DIMENSION and dim % facts.MATRIX_MULTIPLE for dim in dims):
-                layers.append(f"{name or label.split(' at ')[0]} {type(module).__name__}{tuple(dims)}")
+                layers.append(f"{name or _model_name(observer, label)} {type(module).__name__}{tuple(dims)}")
     if layers:
         findings.append(Finding(
             "tile_size", "low", f"{len(layers)} large layer(s) with a dimension not a multiple of "

@@ -39,6 +39,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 import autogaudi
 from autogaudi.diagnosis import gaudi_facts
+from autogaudi.optimizations.graph_capture import input_shapes
 from autogaudi.unit import wrap_attribute
 
 # Ops whose output shape depends on the values of their input: every new shape a recompilation.
@@ -181,7 +182,7 @@ class Observer:
         if self._depth == 0 and any(True for _ in module.parameters()):
             label = f"{type(module).__name__} at {id(module):#x}"
             self.models[label] = module
-            shapes = tuple(tuple(value.shape) for value in args if isinstance(value, torch.Tensor))
+            shapes = input_shapes(args, {})
             for value in args:
                 if isinstance(value, torch.Tensor):
                     self._device_values[value] = True  # a script on Gaudi moves the model's inputs there
