@@ -21,6 +21,8 @@ from __future__ import annotations
 import statistics
 import time
 
+from autogaudi.ranks import rank_zero_choice
+
 BLOCK = 3  # steps per block
 ROUNDS = 2  # each round is on, off, off, on
 WARMUP = 3  # "on" steps before measuring (compile, CUDA-graph warm-up and recording)
@@ -105,7 +107,7 @@ class TrialRunner:
                 self.last_clock = time.perf_counter()
             return
         keep, record = trial.outcome()
-        keep = rank_zero_decision(keep)
+        keep = bool(rank_zero_choice(keep))
         record["decision"] = "kept" if keep else "reverted"
         self.records.append(record)
         self.steps.forget_listener(trial.unit, self._after_step)
@@ -120,13 +122,3 @@ class TrialRunner:
             self.steps.forget_listener(unit, self._after_step)
             self._start_next()
 
-
-def rank_zero_decision(keep: bool) -> bool:
-    """Rank 0's decision on every rank (one tiny broadcast), so all ranks run the same code path."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return keep
-    decision = [keep]
-    dist.broadcast_object_list(decision, src=0)
-    return bool(decision[0])

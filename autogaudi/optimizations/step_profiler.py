@@ -18,7 +18,10 @@ nothing and costs compile time. Users profile by hand; autogaudi measures it on 
 Classification (thresholds stated in docs/units/step_profiler.md): input-bound when waiting for
 data is at least half of a step; else host-bound when ops compute less than half of a step (the
 rest is Python, dispatch and launch overhead: what graph capture removes); otherwise device-bound.
-Other units (graph_capture) subscribe with :meth:`StepProfiler.when_profiled`.
+Other units (graph_capture) subscribe with :meth:`StepProfiler.when_profiled`. On a distributed run
+each rank measures its own steps and all follow rank 0's classification (a broadcast at the census
+step), so every rank starts the same trials at the same step: ranks that decided apart would wait in
+different collectives.
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ import warnings
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from autogaudi.ranks import rank_zero_choice
 from autogaudi.trials import Trial
 from autogaudi.unit import Unit
 
@@ -218,7 +222,10 @@ class StepProfiler(Unit):
         else:
             busy_s = census.busy_seconds()
         figures["compute_fraction"] = round(min(busy_s / step_s, 1.0), 3)
-        bound, why = classify(step_s, waited_s, busy_s)
+        measured = classify(step_s, waited_s, busy_s)
+        bound, why = rank_zero_choice(measured)
+        if bound != measured[0]:
+            self.note(f"this rank measured {measured[0]}-bound ({measured[1]}); every rank follows rank 0")
         model = training_model(roots, optimizer)
         self.profile = StepProfile(bound, why, figures, model, optimizer)
         self.figures.update(bound=bound, **figures)

@@ -5,34 +5,13 @@ import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import autogaudi
 from autogaudi.optimizations.ddp_tuning import hpu_bucket_megabytes
-from tests.helpers import SCRIPTS, clean_env, run_python
-
-
-@pytest.fixture
-def process_group(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
-def mlp():
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
-
-
-def train(model, steps=10):
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)  # SGD's fused kernel is off (only=...)
-    generator = torch.Generator().manual_seed(1)
-    for _ in range(steps):
-        model(torch.randn(4, 6, generator=generator)).pow(2).mean().backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    return [p.detach().clone() for p in model.parameters()]
+from autogaudi.registry import UNIT_NAMES
+from tests.helpers import SCRIPTS
+from tests.optimizations.ddp_helpers import TORCHRUN, mlp, torchrun, train
 
 
 def syncs_buffers_every_forward(model) -> bool:
@@ -78,18 +57,6 @@ def test_hpu_bucket_size_follows_the_gaudi_guide():
     assert hpu_bucket_megabytes(params(20)) == 10  # small models: at least two buckets
 
 
-def torchrun(tmp_path, *args, env=None, **extra):
-    """Run a 2-rank job; return (CompletedProcess, each rank's result, by rank)."""
-    results = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
-    results.mkdir()
-    result = run_python(*args, env=clean_env(RESULTS=results, **(env or {})), **extra)
-    rows = [json.loads(path.read_text()) for path in sorted(results.glob("rank*.json"))]
-    return result, rows
-
-
-TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2")
-
-
 @pytest.mark.slow
 def test_every_launch_form_enables_each_worker_once_and_trains_like_plain_ddp(tmp_path):
     script = str(SCRIPTS / "ddp_train.py")
@@ -97,7 +64,8 @@ def test_every_launch_form_enables_each_worker_once_and_trains_like_plain_ddp(tm
     assert result.returncode == 0, result.stderr[-3000:]
     assert plain[0]["checksum"] == plain[1]["checksum"] and not plain[0]["autogaudi"]
     forms = {
-        "launcher around torchrun": torchrun(tmp_path, "-m", "autogaudi", *TORCHRUN, script),
+        "launcher around torchrun": torchrun(tmp_path, "-m", "autogaudi", "--report", tmp_path / "report.json",
+                                             *TORCHRUN, script),
         "torchrun around the launcher": torchrun(tmp_path, *TORCHRUN, "-m", "autogaudi", script),
         "AUTOGAUDI=1": torchrun(tmp_path, *TORCHRUN, script, env={"AUTOGAUDI": "1"}),
     }
@@ -108,6 +76,11 @@ def test_every_launch_form_enables_each_worker_once_and_trains_like_plain_ddp(tm
             assert worker["autogaudi"] and worker["bucket_view"], form
             torch.testing.assert_close(worker["checksum"], plain[0]["checksum"], rtol=1e-5, atol=1e-6)
         assert result.stderr.count("autogaudi 0.1.0 report") == 1, form  # rank 0 only, agent silent
+        assert "ranks    2 of 2 reported their unit decisions; all the same" in result.stderr, form
+    ranks = json.loads((tmp_path / "report.json").read_text())["ranks"]  # rank 0's JSON has every rank's rows
+    assert sorted(ranks) == ["0", "1"]
+    assert [row["name"] for row in ranks["1"]] == [row["name"] for row in ranks["0"]] == list(UNIT_NAMES)
+    assert {row["name"]: row["status"] for row in ranks["1"]}["ddp_tuning"] == "applied"
 
 
 @pytest.mark.slow
@@ -119,3 +92,13 @@ def test_a_failing_worker_is_reported_by_torchrun_as_without_autogaudi(tmp_path)
     for result in (plain, launched):
         assert "RuntimeError: rank 1 failed on purpose" in result.stderr
         assert "ChildFailedError" in result.stderr
+
+
+def test_static_graph_is_suggested_not_set_where_ddp_searches_for_unused_parameters(process_group):
+    autogaudi.enable(device="cpu", only="ddp_tuning")
+    searching = DistributedDataParallel(mlp(), find_unused_parameters=True)
+    assert searching.static_graph is False and searching.find_unused_parameters is True
+    notes = autogaudi.report().unit("ddp_tuning")["notes"]
+    assert any("static_graph=True skips that search" in note for note in notes), notes
+    DistributedDataParallel(mlp(), find_unused_parameters=True, static_graph=True)
+    assert len([note for note in autogaudi.report().unit("ddp_tuning")["notes"] if "static_graph" in note]) == 1

@@ -11,6 +11,8 @@ from torch.utils.data import DataLoader, Dataset
 import autogaudi
 from autogaudi import runtime
 from autogaudi.optimizations.step_profiler import WINDOW, classify
+from tests.helpers import SCRIPTS
+from tests.optimizations.ddp_helpers import TORCHRUN, torchrun
 
 STEPS = 3 + WINDOW + 3  # warm-up, the timed window, the census step, and a couple more
 
@@ -109,3 +111,19 @@ def test_the_training_model_is_the_module_inside_ddp(tmp_path):
     finally:
         autogaudi.disable()
         dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_ranks_that_measure_apart_follow_rank_zero_and_finish_the_trial_together(tmp_path):
+    """Rank 1 waits for slow data (input-bound), rank 0 does not (host-bound): were each to act on
+    its own profile, rank 0 would run a compile trial whose decision it broadcasts while rank 1 sits
+    in DDP's all-reduce, and the job would hang (run_python's timeout fails the test then)."""
+    env = {"AUTOGAUDI": "1", "AUTOGAUDI_QUIET": "1", "STEPS": "40", "SLOW_DATA_RANK": "1"}
+    result, workers = torchrun(tmp_path, *TORCHRUN, SCRIPTS / "ddp_train.py", env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    profiles = [worker["units"]["step_profiler"] for worker in workers]
+    assert profiles[0]["figures"]["bound"] == profiles[1]["figures"]["bound"] == "host"
+    assert any("this rank measured input-bound" in note for note in profiles[1]["notes"]), profiles[1]
+    captures = [worker["units"]["graph_capture"]["reason"] for worker in workers]
+    assert captures[0] == captures[1] and "trial running" not in captures[0]  # the trial ended, decided alike
+    assert workers[0]["checksum"] == workers[1]["checksum"]
