@@ -11,8 +11,9 @@ bucket size follows the model's gradient size as the Gaudi guide does (ResNet50 
 ~200 MB, optimum-habana 230 MB), halved for models under 50 MB so that there are at least two
 buckets to overlap with the backward pass; CUDA and CPU keep torch's 25 MB (tuned for NCCL/gloo).
 Never changed: any argument the script passed (positionally or by name), ``find_unused_parameters``
-and ``static_graph`` (both need proof from the first step that autogaudi does not have yet), and
-DDP subclasses. The maths is unchanged: gradients are the same all-reduced values.
+and ``static_graph`` (both need proof from a first step, and torch refuses ``static_graph`` once a
+step has run: ``set_static_graph() should be called before training loop starts``; the report
+suggests it where the script asked DDP to search for unused parameters), and DDP subclasses. The maths is unchanged: gradients are the same all-reduced values.
 """
 from __future__ import annotations
 
@@ -66,6 +67,11 @@ class DdpTuning(Unit):
             changes[self._buffer_sync] = False
         if self.backend.name == "hpu" and "bucket_cap_mb" not in given:
             changes["bucket_cap_mb"] = hpu_bucket_megabytes(module)
+        if given.get("find_unused_parameters") and "static_graph" not in given:
+            self.note("find_unused_parameters=True: DDP searches the autograd graph for unused parameters every "
+                      "step; if the same parameters are used in every step, static_graph=True skips that search. "
+                      "torch accepts it only before the first step, before autogaudi could see the steps, so it is "
+                      "left to you")
         kept = sorted(name for name in ("gradient_as_bucket_view", "bucket_cap_mb", *buffer_choice) if name in given)
         if kept:
             self.note(f"kept the script's own {', '.join(kept)}")
