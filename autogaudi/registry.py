@@ -84,6 +84,12 @@ UNITS: tuple[UnitInfo, ...] = (
         "autogaudi.optimizations.ddp_tuning:DdpTuning",
     ),
     UnitInfo(
+        "fast_ddp",
+        "opt-in: DistributedDataParallel gradients averaged by one flattened all-reduce after backward, not DDP's hooks",
+        "autogaudi.optimizations.fast_ddp:FastDdp",
+        opt_in=True,
+    ),
+    UnitInfo(
         "throughput_meter",
         "steps/s and samples/s after warm-up, memory, and a progress line every --log-every steps",
         "autogaudi.optimizations.throughput_meter:ThroughputMeter",

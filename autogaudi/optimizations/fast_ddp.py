@@ -1,0 +1,156 @@
+"""fast_ddp (opt-in): a DistributedDataParallel model's gradients averaged by one flattened
+all-reduce after backward, instead of DDP's per-parameter autograd hooks and bucketed all-reduces.
+
+Why: this is optimum-habana's "fast_ddp" strategy. On Gaudi, DDP's reducer runs a hook per parameter
+and a collective per bucket while the backward graph is being built, host work that a lazy-mode or
+graph-replayed step otherwise does not do; one collective over one buffer after backward is cheaper
+there. It gives up the overlap of communication with the backward pass, which is why it is opt-in
+and measured (2 gloo ranks on a CPU: see docs/benchmarks.md), not applied by rule.
+
+How, without touching the script: the DDP object stays what the script built (``isinstance``,
+``.module``, ``state_dict``, ``no_sync()`` and buffer broadcasting behave as before, and DDP's
+constructor has already broadcast rank 0's parameters: the strategy's "broadcast once"). Its forward
+runs with ``require_backward_grad_sync=False``, the switch ``no_sync()`` uses, so the reducer stays
+idle; the value the script had set is put back at once, and if it asked for a synchronised backward
+(it is False inside ``no_sync()``, for gradient accumulation), the gradients are averaged when that
+backward returns, before any clipping or optimizer step sees them: divided by the world size (first,
+as DDP does), packed into one buffer together with a count, per parameter, of the ranks that had a
+gradient, all-reduced once, copied back into the same gradient tensors (HPU graphs hold them). A
+parameter that no rank has a gradient for keeps ``grad=None``, as with DDP.
+
+Refusal: the counts must stay those of the first step. They are read one step late, so reading them
+adds no device synchronisation; all ranks read the same reduced counts, so all hand the model back
+to DDP's own reducer at the same step (a rank-dependent decision would hang the next collective).
+The step in which the set changed is still averaged across ranks, zeros standing for ranks without a
+gradient, as DDP's ``find_unused_parameters=True`` does. DDP keeps, from the start, models whose
+gradient sync the script customised: ``static_graph``, communication hooks, ``mixed_precision``,
+the Join context for uneven inputs, compiled DDP; and parameters of several dtypes or devices.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from autogaudi.unit import Unit
+
+
+def why_ddp_keeps(model) -> str | None:
+    """Why this DDP model's gradient sync must stay DDP's own, or None when fast_ddp can take it."""
+    if type(model) is not DistributedDataParallel:
+        return f"{type(model).__name__} subclasses DistributedDataParallel"
+    settings = {"static_graph": model.static_graph, "a communication hook": model._comm_hooks,
+                "mixed_precision": model.mixed_precision is not None,
+                "compiled DDP (python reducer)": model._use_python_reducer,
+                "delayed all-reduce of all parameters": model._delay_all_reduce_all_params}
+    custom = [name for name, used in settings.items() if used]
+    if custom:
+        return f"the script set {', '.join(custom)}"
+    params = [p for p in model.module.parameters() if p.requires_grad]
+    if len({(p.dtype, p.device) for p in params}) > 1:
+        return "its parameters have several dtypes or devices"
+    return None
+
+
+class FlatAllReduce:
+    """The per-model state: which parameters, the first step's counts, the counts still to check."""
+
+    def __init__(self, model):
+        self.params = [p for p in model.module.parameters() if p.requires_grad]
+        self.sizes = [p.numel() for p in self.params]
+        self.numel = sum(self.sizes)
+        self.group = model.process_group
+        self.world = dist.get_world_size(self.group)
+        self.first_counts = None  # ranks with a gradient, per parameter, in the first averaged step
+        self.unchecked_counts = None  # the latest step's counts, a tensor, read at the next step
+        self.armed = False  # the model ran a forward whose backward is to be averaged
+        self.handed_back = None  # why DDP's reducer took over again
+
+    def changed_counts(self):
+        """The previous step's counts when they differ from the first step's, else None."""
+        if self.unchecked_counts is None:
+            return None
+        counts = tuple(int(c) for c in self.unchecked_counts.tolist())
+        self.unchecked_counts = None
+        return counts if counts != self.first_counts else None
+
+    def average(self) -> None:
+        """One all-reduce of every gradient and of the per-parameter counts, then copy back."""
+        self.armed = False
+        anchor = self.params[0]
+        grads = [p.grad for p in self.params]
+        pieces = [(g if g is not None else anchor.new_zeros(p.shape)).reshape(-1) for p, g in zip(self.params, grads)]
+        present = torch.tensor([g is not None for g in grads], dtype=anchor.dtype, device=anchor.device)
+        buffer = torch.cat([*pieces, present])
+        buffer[:self.numel].div_(self.world)
+        dist.all_reduce(buffer, group=self.group)
+        counts = buffer[self.numel:]
+        if self.first_counts is None:
+            self.first_counts = tuple(int(c) for c in counts.tolist())  # one sync, in the first step only
+        else:
+            self.unchecked_counts = counts
+        averaged = buffer[:self.numel].split(self.sizes)
+        # Where this rank has no gradient, whether another rank had one decides between the average
+        # and None: only then are this step's counts read at once (a sync, for models with unused
+        # parameters only).
+        needed = self.first_counts if all(g is not None for g in grads) else counts.tolist()
+        for p, g, value, count in zip(self.params, grads, averaged, needed):
+            if g is not None:
+                g.copy_(value.view_as(g))
+            elif count:  # another rank had a gradient for it: DDP gives every rank the average
+                p.grad = value.view_as(p).clone()
+
+
+class FastDdp(Unit):
+    targets = ("torch.nn.parallel.DistributedDataParallel.forward",
+               "torch.autograd.backward (via the session's step watcher)")
+
+    def apply(self) -> None:
+        self._models = weakref.WeakKeyDictionary()  # DDP model -> FlatAllReduce, or None where DDP keeps it
+        self.figures.update(models=0, flat_all_reduces=0)
+        self.wrap(DistributedDataParallel, "forward", self._forward)
+        self.session.steps.after_backward(self, self._after_backward)
+        self.reason = "one flattened all-reduce of the gradients after each synchronised backward"
+
+    def _flat_all_reduce(self, model):
+        if model not in self._models:
+            why = why_ddp_keeps(model)
+            if why:
+                self.note(f"DDP kept its own gradient sync: {why}")
+                self._models[model] = None
+            else:
+                self._models[model] = FlatAllReduce(model)
+                self.figures["models"] += 1
+        state = self._models[model]
+        return None if state is None or state.handed_back else state
+
+    def _forward(self, wrapped, instance, args, kwargs):
+        state = None
+        with self.fail_open():
+            state = self._flat_all_reduce(instance)
+        if state is None or instance._join_config.enable:  # uneven inputs: Join needs DDP's reducer
+            return wrapped(*args, **kwargs)
+        wanted = instance.require_backward_grad_sync
+        instance.require_backward_grad_sync = False
+        try:
+            output = wrapped(*args, **kwargs)
+        finally:
+            instance.require_backward_grad_sync = wanted
+        if wanted and torch.is_grad_enabled():
+            instance.require_forward_param_sync = True  # DDP broadcasts buffers before the next forward
+            state.armed = True
+        return output
+
+    def _after_backward(self) -> None:
+        for state in list(self._models.values()):
+            if state is None or not state.armed:
+                continue
+            changed = state.changed_counts()
+            state.average()
+            self.figures["flat_all_reduces"] += 1
+            if changed:
+                state.handed_back = (f"the set of parameters with gradients changed (ranks per parameter "
+                                     f"{list(state.first_counts)} at first, then {list(changed)})")
+                self.reason = f"handed back to DDP's reducer: {state.handed_back}"

@@ -1,0 +1,77 @@
+"""fast_ddp: 2 gloo ranks under torchrun for what only several ranks show (averaging, no_sync,
+unused parameters, the hand-back to DDP when the parameter set changes); in-process DDP with one rank
+for the cases where DDP keeps its own gradient sync."""
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+import autogaudi
+from tests.helpers import SCRIPTS
+from tests.optimizations.ddp_helpers import TORCHRUN, mlp, torchrun, train
+
+ONLY_DDP_UNITS = {"AUTOGAUDI_ONLY": "ddp_tuning,fast_ddp", "AUTOGAUDI_FORCE": "fast_ddp", "AUTOGAUDI_QUIET": "1"}
+
+
+def keep_local_gradients(_state, bucket):
+    """A communication hook (the script's own gradient sync): here, none at all."""
+    future = torch.futures.Future()
+    future.set_result(bucket.buffer())
+    return future
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("knobs", [
+    {},
+    {"ACCUMULATE": "3", "CLIP": "1"},  # no_sync micro-steps are not averaged; clipping sees averages
+    {"BRANCH": "rank1"},  # a layer only rank 1 uses: rank 0 must get the average too, as with DDP
+], ids=["plain-loop", "accumulate-and-clip", "layer-used-by-one-rank"])
+def test_ranks_end_equal_to_each_other_and_to_plain_ddp(tmp_path, knobs):
+    script = str(SCRIPTS / "ddp_train.py")
+    result, plain = torchrun(tmp_path, *TORCHRUN, script, env=knobs)
+    assert result.returncode == 0, result.stderr[-3000:]
+    result, fast = torchrun(tmp_path, *TORCHRUN, script, env={**knobs, "AUTOGAUDI": "1", **ONLY_DDP_UNITS})
+    assert result.returncode == 0, result.stderr[-3000:]
+    for worker in fast:
+        assert worker["checksum"] == fast[0]["checksum"]  # bit-identical across ranks
+        torch.testing.assert_close(worker["checksum"], plain[0]["checksum"], rtol=1e-5, atol=1e-5)
+        row = worker["units"]["fast_ddp"]
+        assert row["status"] == "applied" and row["figures"] == {"models": 1, "flat_all_reduces": 10}, row
+
+
+@pytest.mark.slow
+def test_a_changing_parameter_set_hands_every_rank_back_to_ddp_at_the_same_step(tmp_path):
+    script, knobs = str(SCRIPTS / "ddp_train.py"), {"BRANCH": "from_step5"}
+    _, plain = torchrun(tmp_path, *TORCHRUN, script, env=knobs)
+    result, fast = torchrun(tmp_path, *TORCHRUN, script, env={**knobs, "AUTOGAUDI": "1", **ONLY_DDP_UNITS})
+    assert result.returncode == 0, result.stderr[-3000:]
+    for worker in fast:
+        torch.testing.assert_close(worker["checksum"], plain[0]["checksum"], rtol=1e-5, atol=1e-5)
+        row = worker["units"]["fast_ddp"]
+        # the branch is used from step 5; the counts are read one step late, so step 6 is the last
+        assert row["figures"]["flat_all_reduces"] == 7, row
+        assert "handed back to DDP's reducer" in row["reason"] and "[2, 2, 2, 2, 0, 0]" in row["reason"]
+
+
+def test_ddp_keeps_models_whose_gradient_sync_the_script_customised(process_group):
+    plain = train(DistributedDataParallel(mlp(), static_graph=True))
+    autogaudi.enable(device="cpu", only="fast_ddp", force="fast_ddp")
+    static = DistributedDataParallel(mlp(), static_graph=True)
+    torch.testing.assert_close(train(static), plain, rtol=0, atol=0)
+    hooked = DistributedDataParallel(mlp())
+    hooked.register_comm_hook(None, keep_local_gradients)
+    row = autogaudi.report().unit("fast_ddp")
+    assert row["figures"]["flat_all_reduces"] == 0
+    assert row["notes"] == ["DDP kept its own gradient sync: the script set static_graph"]
+    train(hooked, steps=1)
+    assert "DDP kept its own gradient sync: the script set a communication hook" in autogaudi.report().unit("fast_ddp")["notes"]
+
+
+def test_one_rank_trains_exactly_like_ddp_and_disable_restores_forward(process_group):
+    original = DistributedDataParallel.forward
+    plain = train(DistributedDataParallel(mlp()))
+    autogaudi.enable(device="cpu", only="fast_ddp", force="fast_ddp")
+    assert DistributedDataParallel.forward is not original
+    torch.testing.assert_close(train(DistributedDataParallel(mlp())), plain, rtol=0, atol=0)
+    assert autogaudi.report().unit("fast_ddp")["figures"] == {"models": 1, "flat_all_reduces": 10}
+    autogaudi.disable()
+    assert DistributedDataParallel.forward is original
