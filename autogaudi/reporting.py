@@ -35,7 +35,8 @@ class UnitRow:
 
 
 class Report:
-    def __init__(self, *, torch_version, enabled_by, active, backend, options, steps, memory, units, trials=()):
+    def __init__(self, *, torch_version, enabled_by, active, backend, options, steps, memory, units, trials=(),
+                 ranks=None):
         self.torch_version = torch_version
         self.enabled_by = enabled_by
         self.active = active
@@ -45,6 +46,7 @@ class Report:
         self.memory = memory
         self.units = units
         self.trials = list(trials)  # every A/B trial run: candidate, medians, one-off cost, decision
+        self.ranks = ranks  # multi-rank jobs, on rank 0: {rank: that rank's unit rows, or None if it never answered}
 
     @classmethod
     def not_started(cls, options) -> "Report":
@@ -58,7 +60,8 @@ class Report:
     def as_dict(self) -> dict:
         return {"autogaudi": __version__, "torch": self.torch_version, "enabled_by": list(self.enabled_by),
                 "active": self.active, "backend": self.backend, "options": self.options,
-                "steps": self.steps, "memory": self.memory, "units": self.units, "trials": self.trials}
+                "steps": self.steps, "memory": self.memory, "units": self.units, "trials": self.trials,
+                "ranks": None if self.ranks is None else {str(rank): rows for rank, rows in self.ranks.items()}}
 
     def to_json(self) -> str:
         return json.dumps(self.as_dict(), indent=2, default=str)
@@ -83,6 +86,8 @@ class Report:
             lines.extend(f"  {''.ljust(width)}  {'':<8} note: {note}" for note in row["notes"])
         for trial in self.trials:
             lines.append(f"  trial    {_format_trial(trial)}")
+        if self.ranks is not None:
+            lines.append(f"  ranks    {_format_ranks(self.ranks)}")
         return "\n".join(lines) + "\n"
 
     __str__ = format
@@ -94,6 +99,22 @@ def _format_trial(trial: dict) -> str:
     if "pays_back_after_steps" in trial:
         text += f", pays back after {trial['pays_back_after_steps']} steps"
     return text
+
+
+def _format_ranks(ranks: dict) -> str:
+    """Whether every rank made the same decision (status) for every unit; the differences if not."""
+    answered = {rank: {row["name"]: row["status"] for row in rows} for rank, rows in ranks.items() if rows is not None}
+    text = f"{len(answered)} of {len(ranks)} reported their unit decisions"
+    silent = [str(rank) for rank, rows in ranks.items() if rows is None]
+    if silent:
+        text += f" (no answer from rank {', '.join(silent)})"
+    names = {name for statuses in answered.values() for name in statuses}
+    differing = sorted(name for name in names if len({other.get(name) for other in answered.values()}) > 1)
+    if not differing:
+        return text + "; all the same"
+    return text + "; they differ: " + "; ".join(
+        f"{name}: " + ", ".join(f"rank {rank} {statuses.get(name)}" for rank, statuses in answered.items())
+        for name in differing)
 
 
 def _format_steps(steps: dict) -> str:

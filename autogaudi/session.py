@@ -8,17 +8,19 @@ is reverted then and the user's run continues. ``stop()`` reverts every applied 
 from __future__ import annotations
 
 import importlib
+import json
 import sys
 
 import torch
+import torch.distributed
 
 from autogaudi import backends
-from autogaudi.ranks import is_rank_zero
+from autogaudi.ranks import gather_from_ranks, is_rank_zero, several_ranks
 from autogaudi.registry import UNITS
 from autogaudi.reporting import APPLIED, FAILED, SKIPPED, Report, UnitRow
 from autogaudi.steps import TrainingSteps
 from autogaudi.trials import TrialRunner
-from autogaudi.unit import warn
+from autogaudi.unit import warn, wrap_attribute
 
 
 class Session:
@@ -31,12 +33,17 @@ class Session:
         self.active = False
         self.applied: list = []  # units in force, in the order they were applied
         self.rows = {info.name: UnitRow(info.name, info.summary) for info in UNITS}
+        self.rank_rows = None  # on rank 0 of a multi-rank job: every rank's unit rows, once gathered
+        self._shared_with_ranks = False
+        self._undo_destroy = None
 
     def start(self) -> None:
         self.backend = backends.select(self.options.device)
         self.steps = TrainingSteps(self.backend, self.options)
         self.steps.install()
         self.trials = TrialRunner(self.steps)
+        if torch.distributed.is_available():
+            self._undo_destroy = wrap_attribute(torch.distributed, "destroy_process_group", self._before_destroy)
         self.active = True
         for info in UNITS:
             self._start_unit(info)
@@ -91,7 +98,29 @@ class Session:
         while self.applied:
             self._revert(self.applied.pop())
         self.steps.uninstall()
+        if self._undo_destroy is not None:
+            self._undo_destroy()
+            self._undo_destroy = None
         self.active = False
+
+    def _before_destroy(self, wrapped, instance, args, kwargs):
+        group = kwargs.get("group", args[0] if args else None)
+        if group is None or group is torch.distributed.group.WORLD:
+            try:
+                self.share_with_ranks()
+            except Exception as error:  # the report must never break the script's shutdown
+                warn(f"could not gather the other ranks' unit decisions: {error!r}")
+        return wrapped(*args, **kwargs)
+
+    def share_with_ranks(self) -> None:
+        """Every rank posts its unit rows; rank 0 keeps them all for its report. Once, while the
+        default process group (and so its store) is still up."""
+        if self._shared_with_ranks or not several_ranks():
+            return
+        self._shared_with_ranks = True
+        gathered = gather_from_ranks(json.dumps([row.as_dict() for row in self.rows.values()], default=str))
+        if gathered is not None:
+            self.rank_rows = {rank: None if rows is None else json.loads(rows) for rank, rows in gathered.items()}
 
     def report(self) -> Report:
         memory = self.backend.memory_stats()
@@ -99,11 +128,12 @@ class Session:
             torch_version=torch.__version__, enabled_by=self.sources, active=self.active,
             backend=self.backend.describe(), options=self.options.as_dict(), steps=self.steps.figures(),
             memory=memory.as_dict() if memory else None, units=[row.as_dict() for row in self.rows.values()],
-            trials=list(self.trials.records),
+            trials=list(self.trials.records), ranks=self.rank_rows,
         )
 
     def finish(self, explicit: bool) -> None:
         """At exit: print and write the report, on rank 0, if autogaudi was asked for or trained."""
+        self.share_with_ranks()
         if not (explicit or self.steps.trained) or not is_rank_zero():
             return
         report = self.report()
