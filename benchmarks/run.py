@@ -34,6 +34,8 @@ WORKLOADS = {
     "w2_transformer": [str(HERE / "workloads" / "transformer.py")],
     "w3_cnn": [str(HERE / "workloads" / "cnn.py")],
     "w4_loader_bound": [str(HERE / "workloads" / "loader_bound.py")],
+    "w5_ddp_2_ranks": ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                       str(HERE / "workloads" / "ddp_mlp.py")],
 }
 # (interpreter arguments before the workload, arguments after it)
 VARIANTS = {
@@ -41,6 +43,10 @@ VARIANTS = {
     "autogaudi": (["-m", "autogaudi", "--quiet"], []),
     "hand-tuned": ([], ["--hand-tuned"]),
     "autogaudi, all units off": (["-m", "autogaudi", "--quiet", "--disable", ",".join(UNIT_NAMES)], []),
+}
+# Opt-in units are measured where they apply, as one more variant of that workload.
+EXTRA_VARIANTS = {
+    "w5_ddp_2_ranks": {"autogaudi --force fast_ddp": (["-m", "autogaudi", "--quiet", "--force", "fast_ddp"], [])},
 }
 
 
@@ -71,19 +77,19 @@ def summary(values: list) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "rounds": len(values)}
 
 
-def step_rates(workload: list, rounds: int) -> dict:
+def step_rates(workload: list, rounds: int, variants: dict) -> dict:
     """Every variant of one workload, interleaved round by round; ratios against plain and hand-tuned."""
-    rates = {name: [] for name in VARIANTS}
-    totals = {name: [] for name in VARIANTS}  # whole-run seconds, where a workload reports them
+    rates = {name: [] for name in variants}
+    totals = {name: [] for name in variants}  # whole-run seconds, where a workload reports them
     losses = {}
-    names = list(VARIANTS)
+    names = list(variants)
     for round_number in range(rounds):
         shift = round_number % len(names)
         for name in names[shift:] + names[:shift]:
-            before, after = VARIANTS[name]
+            before, after = variants[name]
             began = time.perf_counter()
             result = run_json(before + workload + after)
-            print(f"  {Path(workload[0]).stem} round {round_number + 1}: {name} "
+            print(f"  {Path(workload[-1]).stem} round {round_number + 1}: {name} "
                   f"{result['steps_per_s']:.1f} steps/s ({time.perf_counter() - began:.1f} s)", file=sys.stderr, flush=True)
             rates[name].append(result["steps_per_s"])
             if "total_seconds" in result:
@@ -152,7 +158,8 @@ def main():
     args.out.parent.mkdir(parents=True, exist_ok=True)
     print(table_header(results), flush=True)
     for workload in chosen:  # written after each workload, so a run cut short still leaves its figures
-        results["workloads"][workload] = rows = step_rates(WORKLOADS[workload], args.rounds)
+        variants = {**VARIANTS, **EXTRA_VARIANTS.get(workload, {})}
+        results["workloads"][workload] = rows = step_rates(WORKLOADS[workload], args.rounds, variants)
         write_results(results, args.out, table_path)
         for name, row in rows.items():
             print(table_row(workload, name, row), flush=True)
@@ -205,13 +212,18 @@ def write_chart(results: dict, path: Path) -> str:
     except ImportError:
         return "no chart: matplotlib is not installed (pip install -e '.[test]')"
     workloads = list(results["workloads"])
-    names = list(VARIANTS)
+    names = list(dict.fromkeys(name for rows in results["workloads"].values() for name in rows))
     figure, axes = pyplot.subplots(figsize=(2.2 * len(workloads) + 2, 4))
     width = 0.8 / len(names)
     for index, name in enumerate(names):
         ratios, low, high = [], [], []
         for workload in workloads:
-            row = results["workloads"][workload][name]
+            row = results["workloads"][workload].get(name)
+            if row is None:  # a variant only some workloads have: no bar there
+                ratios.append(0.0)
+                low.append(0.0)
+                high.append(0.0)
+                continue
             plain = results["workloads"][workload]["plain"]["steps_per_s"]["median"]
             ratios.append(row["ratio_vs_plain"])
             low.append(row["ratio_vs_plain"] - row["steps_per_s"]["min"] / plain)

@@ -25,9 +25,11 @@ def fake_results(run) -> dict:
 
     rates = {"plain": 100.0, "autogaudi": 120.0, "hand-tuned": 125.0, "autogaudi, all units off": 99.0}
     assert set(rates) == set(run.VARIANTS)
+    ddp_rates = {**rates, **dict.fromkeys(run.EXTRA_VARIANTS["w5_ddp_2_ranks"], 110.0)}
     return {"machine": "test-machine", "torch": "2.13.0", "rounds": 5,
             "workloads": {"w1_mlp": {name: row(rate, 100.0, 125.0, name != "autogaudi, all units off")
-                                     for name, rate in rates.items()}},
+                                     for name, rate in rates.items()},
+                          "w5_ddp_2_ranks": {name: row(rate, 100.0, 125.0) for name, rate in ddp_rates.items()}},
             "startup": {"ms": {"plain": {"median": 17.0}, "AUTOGAUDI=1": {"median": 26.0}}, "added_ms": 9.0}}
 
 
@@ -37,6 +39,7 @@ def test_the_table_states_ratios_and_flags_different_training():
     assert "| w1_mlp | autogaudi | 120.0 (108.0-132.0) | 1.200x | 0.960x |" in table
     assert "| w1_mlp | autogaudi, all units off | 99.0" in table and "(DIFFERENT TRAINING)" in table
     assert "AUTOGAUDI=1 26.0 ms (+9.0 ms)" in table
+    assert "| w5_ddp_2_ranks | autogaudi --force fast_ddp | 110.0 (99.0-121.0) | 1.100x | 0.880x |" in table
 
 
 def test_render_writes_the_table_and_a_png_chart_beside_the_results(tmp_path):
