@@ -11,13 +11,18 @@ CPU ``torch.compile``.
 Which module: the outermost module called in the profiled step that owns most of the optimizer's
 parameters; for a DistributedDataParallel model its inner module, so DDP's hooks stay outside the
 graph (the guide's order: graphs first, DDP around them). The module's ``forward`` is wrapped
-(wrapt), so the user's references, hooks, ``state_dict`` and checkpoints are untouched.
+(wrapt), so the user's references, hooks, ``state_dict`` and checkpoints are untouched. A model the
+script (or a framework: ``Trainer(torch_compile=True)``) already compiled is left alone.
 
 HPU lazy graphs hold gradient tensors (``Backend.graphs_hold_gradients``): while they are on,
 ``zero_grad`` keeps the tensors (``set_to_none=False``, the guide's rule) — done only when every
 optimized parameter had a gradient in the profiled step, where zeros and None train alike — and a
 model using gradient checkpointing is not captured (the graphs crash with it; optimum-habana turns
 them off too).
+
+Run length: where a framework knows how many steps are left (Hugging Face or Lightning Trainer,
+:mod:`autogaudi.run_length`) and even skipping every non-compute part of those steps would not win
+back ``MIN_ONE_OFF_S``, no trial starts: it would cost more than it could ever return.
 
 Guard: input shapes are counted while capture is on; past ``MAX_SHAPES`` distinct ones every new
 shape is a recompilation, so capture is switched off and the report lists the shapes seen (pad the
@@ -27,18 +32,32 @@ the ``exact_random`` option compiles with inductor's ``fallback_random`` to draw
 """
 from __future__ import annotations
 
+import sys
 import warnings
 
 import torch
 import torch.utils.checkpoint
 
 from autogaudi.optimizations.step_profiler import ActsOnProfile
+from autogaudi.run_length import remaining_steps
 
 MAX_SHAPES = 8
+# Less than any capture's one-off cost measured here (torch.compile: 7.6-54 s on the 2-core CPU, CUDA
+# graphs 4.7 s on an H100): a run too short to win this back cannot win back a real one.
+MIN_ONE_OFF_S = 1.0
 
 
 def input_shapes(args, kwargs) -> tuple:
     return tuple(tuple(value.shape) for value in (*args, *kwargs.values()) if isinstance(value, torch.Tensor))
+
+
+def compiled_by_the_script(module) -> bool:
+    """``torch.compile(model)`` (an ``OptimizedModule``, maybe nested) or ``model.compile()`` (which
+    sets ``_compiled_call_impl``) already graphs the model; a second capture around it would compile
+    a compiled module. No dynamo imported means nothing was compiled."""
+    dynamo = sys.modules.get("torch._dynamo.eval_frame")
+    return any((dynamo is not None and isinstance(sub, dynamo.OptimizedModule))
+               or getattr(sub, "_compiled_call_impl", None) is not None for sub in module.modules())
 
 
 def uses_gradient_checkpointing(module) -> bool:
@@ -75,6 +94,13 @@ class GraphCapture(ActsOnProfile):
         if profile.model is None:
             self.reason = "not captured: no module owning the optimizer's parameters was called in the step"
             return
+        if compiled_by_the_script(profile.model):
+            self.reason = "stepped aside: the script (or its framework) already compiles the model with torch.compile"
+            return
+        too_short = None if forced or self.options.no_trials else self._too_short_to_pay_back(profile)
+        if too_short:
+            self.reason = f"not tried: {too_short}"
+            return
         if self.backend.graphs_hold_gradients:
             refusal = self._keep_gradient_tensors(profile)
             if refusal:
@@ -95,6 +121,18 @@ class GraphCapture(ActsOnProfile):
             self.reason = f"captured {type(self._module).__name__} ({'forced' if forced else 'trials off'})"
         else:
             self.reason = f"host-bound; trial running on {type(self._module).__name__}"
+
+    def _too_short_to_pay_back(self, profile):
+        """Why a trial could not pay for itself before the run ends, where a framework says when."""
+        remaining = remaining_steps()
+        if remaining is None:
+            return None
+        steps, source = remaining
+        most_saved_s = steps * profile.figures["ms_per_step"] / 1000 * (1 - profile.figures["compute_fraction"])
+        if most_saved_s >= MIN_ONE_OFF_S:
+            return None
+        return (f"{steps} steps left ({source}) could save at most {most_saved_s:.2f} s, less than the "
+                f"{MIN_ONE_OFF_S:g} s that any capture's one-off cost exceeds")
 
     def _keep_gradient_tensors(self, profile):
         """Make ``zero_grad`` keep gradient tensors while graphs are on; or say why graphs cannot be."""

@@ -117,6 +117,27 @@ def test_hpu_graphs_are_refused_where_they_would_crash_or_change_training(hpu_do
     torch.testing.assert_close(losses, plain, rtol=1e-5, atol=1e-6)
 
 
+def compiled_wrapper():
+    return torch.compile(mlp(), backend="eager")  # the "eager" backend: dynamo's tracing, no codegen
+
+
+def compiled_in_place():
+    model = mlp()
+    model.compile(backend="eager")
+    return model
+
+
+@pytest.mark.parametrize("model", [compiled_wrapper, compiled_in_place])
+def test_a_model_the_script_compiles_itself_is_left_alone(hpu_double, model):
+    calls = hpu_double(lazy=True)
+    plain = losses_of(model(), batches())
+    autogaudi.enable(device="hpu", only="step_profiler,graph_capture", force="graph_capture")
+    losses = losses_of(model(), batches())
+    assert row()["reason"] == "stepped aside: the script (or its framework) already compiles the model with torch.compile"
+    assert "module_cacher" not in calls.names()
+    torch.testing.assert_close(losses, plain, rtol=1e-5, atol=1e-6)
+
+
 def test_zero_grad_is_left_alone_where_graphs_do_not_hold_gradients():
     autogaudi.enable(device="cpu", only="step_profiler,graph_capture", force="graph_capture")
     model = mlp()
