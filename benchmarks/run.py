@@ -219,8 +219,8 @@ def write_chart(results: dict, path: Path) -> str:
         ratios, low, high = [], [], []
         for workload in workloads:
             row = results["workloads"][workload].get(name)
-            if row is None:  # a variant only some workloads have: no bar there
-                ratios.append(0.0)
+            if row is None:  # a variant only some workloads have: no bar there (NaN is not drawn)
+                ratios.append(float("nan"))
                 low.append(0.0)
                 high.append(0.0)
                 continue
