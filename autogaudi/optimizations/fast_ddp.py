@@ -41,10 +41,11 @@ def why_ddp_keeps(model) -> str | None:
     """Why this DDP model's gradient sync must stay DDP's own, or None when fast_ddp can take it."""
     if type(model) is not DistributedDataParallel:
         return f"{type(model).__name__} subclasses DistributedDataParallel"
-    settings = {"static_graph": model.static_graph, "a communication hook": model._comm_hooks,
-                "mixed_precision": model.mixed_precision is not None,
-                "compiled DDP (python reducer)": model._use_python_reducer,
-                "delayed all-reduce of all parameters": model._delay_all_reduce_all_params}
+    # getattr: the private flags came with different torch versions; absent means not in use.
+    settings = {"static_graph": model.static_graph, "a communication hook": getattr(model, "_comm_hooks", ()),
+                "mixed_precision": getattr(model, "mixed_precision", None) is not None,
+                "compiled DDP (python reducer)": getattr(model, "_use_python_reducer", False),
+                "delayed all-reduce of all parameters": getattr(model, "_delay_all_reduce_all_params", False)}
     custom = [name for name, used in settings.items() if used]
     if custom:
         return f"the script set {', '.join(custom)}"
