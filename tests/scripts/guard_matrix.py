@@ -21,7 +21,10 @@ def state():
     import torch
     from torch.optim.optimizer import _global_optimizer_post_hooks
 
-    return {"depth": patch_depth(torch.autograd.backward), "post_hooks": len(_global_optimizer_post_hooks)}
+    # destroy_process_group: the session's own patch (ranks post their report rows before it)
+    depths = {patch_depth(torch.autograd.backward), patch_depth(torch.distributed.destroy_process_group)}
+    assert len(depths) == 1, depths
+    return {"depth": depths.pop(), "post_hooks": len(_global_optimizer_post_hooks)}
 
 
 scenario = sys.argv[1]
@@ -29,16 +32,19 @@ seen = {}
 if scenario == "torch_first":
     import torch
     original = torch.autograd.backward
+    original_destroy = torch.distributed.destroy_process_group
     autogaudi.enable()
     autogaudi.enable()
     seen["enabled_twice"] = state()
     autogaudi.disable()
     seen["disabled"] = state()
-    seen["identity_restored"] = torch.autograd.backward is original
+    seen["identity_restored"] = (torch.autograd.backward is original
+                                 and torch.distributed.destroy_process_group is original_destroy)
     autogaudi.enable()
     seen["enabled_again"] = state()
     autogaudi.disable()
-    seen["identity_restored_again"] = torch.autograd.backward is original
+    seen["identity_restored_again"] = (torch.autograd.backward is original
+                                       and torch.distributed.destroy_process_group is original_destroy)
 elif scenario == "enable_first":
     autogaudi.enable()
     seen["torch_loaded_by_enable"] = "torch" in sys.modules
