@@ -106,10 +106,7 @@ class Session:
     def _before_destroy(self, wrapped, instance, args, kwargs):
         group = kwargs.get("group", args[0] if args else None)
         if group is None or group is torch.distributed.group.WORLD:
-            try:
-                self.share_with_ranks()
-            except Exception as error:  # the report must never break the script's shutdown
-                warn(f"could not gather the other ranks' unit decisions: {error!r}")
+            self.share_with_ranks()
         return wrapped(*args, **kwargs)
 
     def share_with_ranks(self) -> None:
@@ -118,7 +115,11 @@ class Session:
         if self._shared_with_ranks or not several_ranks():
             return
         self._shared_with_ranks = True
-        gathered = gather_from_ranks(json.dumps([row.as_dict() for row in self.rows.values()], default=str))
+        try:
+            gathered = gather_from_ranks(json.dumps([row.as_dict() for row in self.rows.values()], default=str))
+        except Exception as error:  # neither the script's shutdown nor rank 0's own report may break
+            warn(f"could not gather the other ranks' unit decisions: {error!r}")
+            return
         if gathered is not None:
             self.rank_rows = {rank: None if rows is None else json.loads(rows) for rank, rows in gathered.items()}
 

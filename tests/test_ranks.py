@@ -3,6 +3,7 @@ import time
 
 import torch.distributed as dist
 
+import autogaudi
 from autogaudi.ranks import gather_through_store
 from autogaudi.reporting import Report
 
@@ -38,3 +39,18 @@ def test_the_report_says_whether_the_ranks_decided_alike():
 
 def test_single_process_reports_have_no_ranks_line():
     assert "ranks" not in report_with(None).format() and report_with(None).as_dict()["ranks"] is None
+
+
+def test_a_store_that_fails_costs_the_ranks_line_only_not_the_report(monkeypatch, capsys):
+    from autogaudi import runtime, session
+
+    def broken_store(_payload):
+        raise RuntimeError("store unreachable")
+
+    autogaudi.enable(device="cpu")
+    monkeypatch.setattr(session, "several_ranks", lambda: True)
+    monkeypatch.setattr(session, "gather_from_ranks", broken_store)
+    runtime._STATE.session.finish(explicit=True)
+    printed = capsys.readouterr().err
+    assert "could not gather the other ranks' unit decisions: RuntimeError('store unreachable')" in printed
+    assert "autogaudi 0.1.0 report" in printed and "ranks    " not in printed
