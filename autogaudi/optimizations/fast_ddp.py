@@ -55,6 +55,11 @@ def why_ddp_keeps(model) -> str | None:
     return None
 
 
+def read_counts(counts) -> tuple:
+    """The reduced per-parameter rank counts, read to the host as whole numbers (a device sync)."""
+    return tuple(int(count) for count in counts.tolist())
+
+
 class FlatAllReduce:
     """The per-model state: which parameters, the first step's counts, the counts still to check."""
 
@@ -73,7 +78,7 @@ class FlatAllReduce:
         """The previous step's counts when they differ from the first step's, else None."""
         if self.unchecked_counts is None:
             return None
-        counts = tuple(int(c) for c in self.unchecked_counts.tolist())
+        counts = read_counts(self.unchecked_counts)
         self.unchecked_counts = None
         return counts if counts != self.first_counts else None
 
@@ -89,14 +94,14 @@ class FlatAllReduce:
         dist.all_reduce(buffer, group=self.group)
         counts = buffer[self.numel:]
         if self.first_counts is None:
-            self.first_counts = tuple(int(c) for c in counts.tolist())  # one sync, in the first step only
+            self.first_counts = read_counts(counts)  # in the first step only
         else:
             self.unchecked_counts = counts
         averaged = buffer[:self.numel].split(self.sizes)
         # Where this rank has no gradient, whether another rank had one decides between the average
         # and None: only then are this step's counts read at once (a sync, for models with unused
         # parameters only).
-        needed = self.first_counts if all(g is not None for g in grads) else counts.tolist()
+        needed = self.first_counts if all(g is not None for g in grads) else read_counts(counts)
         for p, g, value, count in zip(self.params, grads, averaged, needed):
             if g is not None:
                 g.copy_(value.view_as(g))
