@@ -88,6 +88,11 @@ class GraphCapture(ActsOnProfile):
 
     def _profiled(self, profile) -> None:
         forced = self.name in self.options.force
+        # First: a run too short to pay back any capture is so whatever the profile says.
+        too_short = None if forced or self.options.no_trials else self._too_short_to_pay_back(profile)
+        if too_short:
+            self.reason = f"not tried: {too_short}"
+            return
         if profile.bound != "host" and not forced:
             self.reason = f"not captured: the run is {profile.bound}-bound ({profile.why})"
             return
@@ -96,10 +101,6 @@ class GraphCapture(ActsOnProfile):
             return
         if compiled_by_the_script(profile.model):
             self.reason = "stepped aside: the script (or its framework) already compiles the model with torch.compile"
-            return
-        too_short = None if forced or self.options.no_trials else self._too_short_to_pay_back(profile)
-        if too_short:
-            self.reason = f"not tried: {too_short}"
             return
         if self.backend.graphs_hold_gradients:
             refusal = self._keep_gradient_tensors(profile)
