@@ -4,27 +4,39 @@ Why: the Gaudi guide's first rule is to profile the host: when the device waits 
 issue work (host-bound), graph capture removes that wait; when the device is the bottleneck it buys
 nothing and costs compile time. Users profile by hand; autogaudi measures it on every run, cheaply:
 
-1. Window: ``WINDOW`` steps right after warm-up, timed boundary to boundary (optimizer steps), with
-   the time spent waiting for DataLoader batches. Nothing is added to these steps.
-2. Census: the next step runs under a ``TorchDispatchMode`` that counts the ops the step issues
-   (every aten op: forward, backward and optimizer), adds up the time they compute, and records
-   which top-level module produced the step (for graph capture). On CUDA torch.profiler's CUDA
-   activity (CUPTI) gives the device time of the step's kernels, idle gaps excluded; on the CPU
-   the clock around each kernel does the same. On HPU (lazy: ops are not run one by one)
-   the step ends with ``mark_step`` + ``synchronize`` and the wait is the device time the host did
-   not hide. The census step itself is slower (it is observed); only counts and compute time come
-   from it, set against the clean window's step time.
+``PAIRS`` pairs of steps right after warm-up, each pair a clean step and then a census step:
+
+1. Clean step: timed boundary to boundary (optimizer steps), with the time spent waiting for
+   DataLoader batches. Nothing is added to it.
+2. Census step: runs under a ``TorchDispatchMode`` that counts the ops the step issues (every aten
+   op: forward, backward and optimizer), adds up the time they compute, and records which top-level
+   module produced the step (for graph capture). On CUDA torch.profiler's CUDA activity (CUPTI)
+   gives the device time of the step's kernels, idle gaps excluded; on the CPU the clock around each
+   kernel does the same. On HPU (lazy: ops are not run one by one) the census step starts on an idle
+   device and ends with ``mark_step`` + ``synchronize``; the wait is the device time the host did
+   not hide. Census steps are slower (they are observed); only counts and compute time come from
+   them, set against the clean step just before.
+
+Why pairs, and medians: a census of one step set against a window of steps timed before it moved
+the 2-core CI machine's reading of the same script from 35% to 100% compute between runs (a
+two-rank DDP run), and a fixture of tiny layers from 5% to 65%: the machine's speed drifts between
+the window and the census, and one preempted step or kernel weighs as much as all the others.
+Each census step is set against its own neighbour (what the trial engine does too: interleaving
+cancels drift), and the median pair decides. Waiting for data is a total over the clean steps:
+loader workers hand batches over in bursts, so the typical step waits for nothing even when the run
+starves.
 
 Classification (thresholds stated in docs/units/step_profiler.md): input-bound when waiting for
 data is at least half of a step; else host-bound when ops compute less than half of a step (the
 rest is Python, dispatch and launch overhead: what graph capture removes); otherwise device-bound.
 Other units (graph_capture) subscribe with :meth:`StepProfiler.when_profiled`. On a distributed run
-each rank measures its own steps and all follow rank 0's classification (a broadcast at the census
-step), so every rank starts the same trials at the same step: ranks that decided apart would wait in
+each rank measures its own steps and all follow rank 0's classification (a broadcast after the last
+census step), so every rank starts the same trials at the same step: ranks that decided apart would wait in
 different collectives.
 """
 from __future__ import annotations
 
+import statistics
 import time
 import warnings
 
@@ -35,27 +47,26 @@ from autogaudi.ranks import rank_zero_choice
 from autogaudi.trials import Trial
 from autogaudi.unit import Unit
 
-WINDOW = 5
+PAIRS = 5
 INPUT_BOUND = 0.5
 HOST_BOUND = 0.5
 
 
-def classify(step_s: float, input_wait_s: float, device_busy_s: float) -> tuple:
-    """(``"input"`` / ``"host"`` / ``"device"``, why) for a step's time split."""
-    waiting = input_wait_s / step_s
+def classify(waiting: float, busy: float) -> tuple:
+    """(``"input"`` / ``"host"`` / ``"device"``, why) for the fractions of a step spent waiting for
+    data and computing ops."""
     if waiting >= INPUT_BOUND:
         return "input", f"waiting for data {waiting:.0%} of each step"
-    busy = device_busy_s / step_s
     if busy < HOST_BOUND:
         return "host", f"ops compute {busy:.0%} of each step; issuing them (Python, dispatch) takes the rest"
-    # The census step runs slower than the window's steps, so its compute time can exceed them.
+    # Census steps run slower than the window's steps, so their compute time can exceed them.
     return "device", f"ops compute {'all' if busy >= 1 else f'{busy:.0%}'} of each step"
 
 
 class _Census(TorchDispatchMode):
-    """Counts the ops of one step and, on the CPU, adds up the time their kernels compute (the
-    clock around each kernel, less what the clock and the call cost for a trivial op); the Python
-    and dispatch overhead between ops is what it leaves out."""
+    """Counts the ops of a step and, on the CPU, adds up the time their kernels compute (the clock
+    around each kernel, less what the clock and the call cost for a trivial op); the Python and
+    dispatch overhead between ops is what it leaves out."""
 
     def __init__(self):
         super().__init__()
@@ -70,11 +81,15 @@ class _Census(TorchDispatchMode):
         self.cpu_seconds += time.perf_counter() - start
         return result
 
-    def calibrate(self, repeats: int = 200) -> None:
+    def calibrate(self, repeats: int = 100) -> None:
+        """The cost of a trivial op: the median call, so that a preempted call does not count."""
         a, b = torch.ones(1), torch.ones(1)
+        calls = []
         for _ in range(repeats):
+            before = self.cpu_seconds
             torch.add(a, b)
-        self.overhead = self.cpu_seconds / repeats
+            calls.append(self.cpu_seconds - before)
+        self.overhead = statistics.median(calls)
         self.ops, self.cpu_seconds = 0, 0.0
 
     def busy_seconds(self) -> float:
@@ -100,11 +115,12 @@ class _KernelTimes:
 
 
 class _RootModules:
-    """The outermost modules called during the census step (what produced the loss)."""
+    """The outermost modules called during a census step (what produced the loss), added to
+    ``called``."""
 
-    def __init__(self):
+    def __init__(self, called: list):
         self.depth = 0
-        self.called: list = []
+        self.called = called
         self.handles = [torch.nn.modules.module.register_module_forward_pre_hook(self._enter),
                         torch.nn.modules.module.register_module_forward_hook(self._leave)]
 
@@ -119,6 +135,39 @@ class _RootModules:
     def remove(self) -> None:
         for handle in self.handles:
             handle.remove()
+
+
+class _CensusStep:
+    """The observers of one census step, started at its first boundary and stopped at its last; none
+    of them stays on during the clean steps."""
+
+    def __init__(self, backend, roots: list):
+        self.backend = backend
+        self.roots = _RootModules(roots)
+        if backend.name == "hpu":
+            backend.synchronize()  # the step's device time starts on an idle device
+        self.kernels = _KernelTimes() if backend.name == "cuda" else None
+        self.census = _Census()
+        self.census.__enter__()
+        self.census.calibrate()
+
+    def stop(self) -> tuple:
+        """(ops issued, seconds the device was busy) of the step."""
+        kernel_seconds = self.abandon()
+        if self.backend.name == "hpu":
+            self.backend.mark_step()
+            issued = time.perf_counter()
+            self.backend.synchronize()
+            return self.census.ops, time.perf_counter() - issued
+        if self.backend.name == "cuda":
+            return self.census.ops, kernel_seconds
+        return self.census.ops, self.census.busy_seconds()
+
+    def abandon(self):
+        """Takes the observers off; returns the CUDA kernel seconds (None on other backends)."""
+        self.census.__exit__(None, None, None)
+        self.roots.remove()
+        return self.kernels.stop() if self.kernels is not None else None
 
 
 def training_model(roots: list, optimizer):
@@ -152,16 +201,16 @@ class StepProfiler(Unit):
     def apply(self) -> None:
         self.profile = None
         self._subscribers: list = []
-        self._window_start = None
+        self._step_began = None
         self._waited = 0.0
-        self._census = None
-        self._kernels = None
-        self._kernels_seconds = None
-        self._roots = None
+        self._clean: list = []  # (seconds, seconds waiting for data) of each clean step
+        self._census_step = None
+        self._censuses: list = []  # (ops, busy seconds) of each census step
+        self._roots: list = []
         steps = self.session.steps
         steps.after_optimizer_step(self, self._after_step)
         steps.after_batch(self, self._after_batch)
-        self.on_revert(self._stop_census)
+        self.on_revert(self._abandon_census)
         self.reason = f"waiting for {self.options.warmup_steps} warm-up steps"
 
     def when_profiled(self, unit, callback) -> None:
@@ -173,60 +222,44 @@ class StepProfiler(Unit):
             self._subscribers.append((unit, callback))
 
     def _after_batch(self, _iterator, _batch, waited: float) -> None:
-        if self._window_start is not None:
+        if self._step_began is not None:
             self._waited += waited
 
     def _after_step(self, optimizer) -> None:
+        """Warm-up ends at ``done == 0``; odd ``done`` ends a clean step, even ``done`` a census step."""
         done = self.session.steps.optimizer_steps - self.options.warmup_steps
-        if done == 0:
-            self._window_start, self._waited = time.perf_counter(), 0.0
-        elif done == WINDOW:
-            self._window = (time.perf_counter() - self._window_start) / WINDOW, self._waited / WINDOW
-            self._window_start = None
-            self._start_census()
-        elif done == WINDOW + 1:
+        if done < 0:
+            return
+        if done % 2:
+            self._clean.append((time.perf_counter() - self._step_began, self._waited))
+            self._step_began = None
+            self._census_step = _CensusStep(self.backend, self._roots)
+            return
+        if done:
+            self._censuses.append(self._census_step.stop())
+            self._census_step = None
+        if done == 2 * PAIRS:
             self._finish_census(optimizer)
+        else:
+            self._waited, self._step_began = 0.0, time.perf_counter()
 
-    def _start_census(self) -> None:
-        self._roots = _RootModules()
-        if self.backend.name == "hpu":
-            self.backend.synchronize()
-        self._kernels = _KernelTimes() if self.backend.name == "cuda" else None
-        self._census = _Census()
-        self._census.__enter__()
-        self._census.calibrate()
-
-    def _stop_census(self) -> None:
-        if self._census is not None:
-            self._census.__exit__(None, None, None)
-        if self._kernels is not None:
-            self._kernels_seconds = self._kernels.stop()
-            self._kernels = None
-        if self._roots is not None:
-            self._roots.remove()
+    def _abandon_census(self) -> None:
+        if self._census_step is not None:
+            self._census_step.abandon()
 
     def _finish_census(self, optimizer) -> None:
-        self._stop_census()
-        census, roots = self._census, self._roots.called
-        self._census = self._roots = None
-        step_s, waited_s = self._window
-        figures = {"ms_per_step": round(1000 * step_s, 3), "input_wait_fraction": round(waited_s / step_s, 3),
-                   "ops_per_step": census.ops}
-        if self.backend.name == "hpu":
-            self.backend.mark_step()
-            issued = time.perf_counter()
-            self.backend.synchronize()
-            busy_s = time.perf_counter() - issued
-        elif self.backend.name == "cuda":
-            busy_s = self._kernels_seconds
-        else:
-            busy_s = census.busy_seconds()
-        figures["compute_fraction"] = round(min(busy_s / step_s, 1.0), 3)
-        measured = classify(step_s, waited_s, busy_s)
+        step_s = statistics.median(seconds for seconds, _waited in self._clean)
+        waiting = sum(waited for _seconds, waited in self._clean) / sum(seconds for seconds, _waited in self._clean)
+        busy = sorted(busy_s / seconds for (seconds, _waited), (_ops, busy_s) in zip(self._clean, self._censuses))
+        figures = {"ms_per_step": round(1000 * step_s, 3), "input_wait_fraction": round(waiting, 3),
+                   "ops_per_step": int(statistics.median(ops for ops, _busy in self._censuses)),
+                   "compute_fraction": round(min(statistics.median(busy), 1.0), 3),
+                   "compute_fraction_range": [round(min(busy[0], 1.0), 3), round(min(busy[-1], 1.0), 3)]}
+        measured = classify(waiting, statistics.median(busy))
         bound, why = rank_zero_choice(measured)
         if bound != measured[0]:
             self.note(f"this rank measured {measured[0]}-bound ({measured[1]}); every rank follows rank 0")
-        model = training_model(roots, optimizer)
+        model = training_model(self._roots, optimizer)
         self.profile = StepProfile(bound, why, figures, model, optimizer)
         self.figures.update(bound=bound, **figures)
         self.reason = f"{bound}-bound: {why}"

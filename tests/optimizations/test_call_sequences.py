@@ -9,6 +9,8 @@ from tests.optimizations.test_step_marks import (
 ADAMW = ["FusedAdamW.step", MARK]  # the bridge's FusedAdamW marks a step itself in lazy mode
 SGD = ["FusedSGD.step", MARK]
 CLIP = "FusedClipNorm.clip_norm"
+# step_profiler: after 3 warm-up steps and one clean step, its first census step starts on an idle device
+CENSUS_BEGINS = "synchronize"
 
 
 def sequence(hpu_double, loop):
@@ -23,13 +25,17 @@ def sequence(hpu_double, loop):
 
 def test_standard_loop_with_clipping(hpu_double):
     step = [MARK, CLIP, *ADAMW, MARK]  # backward, clip, fused step, step mark
-    expected = [MARK, "FusedClipNorm", CLIP, *ADAMW, MARK] + step * 3  # FusedClipNorm built once
+    expected = [MARK, "FusedClipNorm", CLIP, *ADAMW, MARK] + step * 3 + [CENSUS_BEGINS]  # FusedClipNorm built once
     assert sequence(hpu_double, lambda: standard_loop(clip=True)) == expected
 
 
 def test_grad_scaler_with_two_optimizers(hpu_double):
-    # Adam without weight decay runs as FusedAdamW; each optimizer step is followed by a mark.
-    assert sequence(hpu_double, two_optimizers_with_grad_scaler) == [MARK, *SGD, MARK, *ADAMW, MARK] * 3
+    # Adam without weight decay runs as FusedAdamW; each optimizer step is followed by a mark. The
+    # profiler's census step (one optimizer step) begins and ends with a wait for the device.
+    iteration = [MARK, *SGD, MARK, *ADAMW, MARK]
+    census_ends = [MARK, "synchronize"]
+    expected = iteration * 2 + [CENSUS_BEGINS, MARK, *SGD, MARK, *census_ends, *ADAMW, MARK, CENSUS_BEGINS]
+    assert sequence(hpu_double, two_optimizers_with_grad_scaler) == expected
 
 
 def test_gradient_accumulation(hpu_double):

@@ -135,7 +135,7 @@ def test_skipped_with_the_reason_and_no_marks(hpu_double, lazy, options, reason)
     standard_loop()
     row = autogaudi.report().unit("step_marks")
     assert row["status"] == "skipped" and row["reason"].startswith(reason)
-    assert calls.names() == []
+    assert MARK not in calls.names()  # (step_profiler's census starts with a synchronize at step 4)
 
 
 def test_not_applied_on_cpu():

@@ -1,5 +1,6 @@
 """step_profiler: the classification rule, CPU fixtures that are host-, device- and input-bound,
-the HPU path through the double's timing hook, and which module it names as the training model."""
+one stalled step that must not flip them, the HPU path through the double's timing hook, and which
+module it names as the training model."""
 import time
 
 import pytest
@@ -10,17 +11,17 @@ from torch.utils.data import DataLoader, Dataset
 
 import autogaudi
 from autogaudi import runtime
-from autogaudi.optimizations.step_profiler import WINDOW, classify
+from autogaudi.optimizations.step_profiler import PAIRS, classify
 from tests.helpers import SCRIPTS
 from tests.optimizations.ddp_helpers import TORCHRUN, torchrun
 
-STEPS = 3 + WINDOW + 3  # warm-up, the timed window, the census step, and a couple more
+STEPS = 3 + 2 * PAIRS + 2  # warm-up, the clean and census steps, and a couple more
 
 
 def test_classification_rule():
-    assert classify(1.0, input_wait_s=0.6, device_busy_s=0.3)[0] == "input"
-    assert classify(1.0, input_wait_s=0.1, device_busy_s=0.3)[0] == "host"
-    assert classify(1.0, input_wait_s=0.1, device_busy_s=0.8)[0] == "device"
+    assert classify(waiting=0.6, busy=0.3)[0] == "input"
+    assert classify(waiting=0.1, busy=0.3)[0] == "host"
+    assert classify(waiting=0.1, busy=0.8)[0] == "device"
 
 
 class Slow(Dataset):
@@ -78,6 +79,51 @@ def test_large_matrix_products_are_device_bound():
     figures = profile_row()["figures"]
     assert figures["bound"] == "device", profile_row()
     assert figures["compute_fraction"] >= 0.5 and figures["model"] == "Sequential"
+    low, high = figures["compute_fraction_range"]
+    assert low <= figures["compute_fraction"] <= high
+
+
+@torch.library.custom_op("autogaudi_tests::stall", mutates_args=())
+def stall(inputs: torch.Tensor, seconds: float) -> torch.Tensor:
+    """An op whose kernel sometimes takes long: what the census sees when the OS preempts a kernel."""
+    time.sleep(seconds)
+    return inputs.clone()
+
+
+class StallsOnce(nn.Module):
+    """Runs ``model``; on forward call ``at`` (1-based) it also stalls, in Python or inside an op."""
+
+    def __init__(self, model, at: int, in_op: bool):
+        super().__init__()
+        self.model, self.at, self.in_op, self.calls = model, at, in_op, 0
+
+    def forward(self, inputs):
+        self.calls += 1
+        if self.calls == self.at:
+            if self.in_op:
+                inputs = stall(inputs, 0.3)
+            else:
+                time.sleep(0.5)
+        return self.model(inputs)
+
+
+def test_one_stalled_clean_step_leaves_a_device_bound_run_device_bound():
+    """A mean over the clean steps would read the 0.5 s stall as host time in every step."""
+    autogaudi.enable(device="cpu", only="step_profiler")
+    model = StallsOnce(nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 3)), at=3 + 1, in_op=False)
+    train(model, endless(lambda: (torch.randn(512, 1024), torch.randint(0, 3, (512,)))))
+    assert profile_row()["figures"]["bound"] == "device", profile_row()
+
+
+def test_one_stalled_census_step_leaves_a_host_bound_run_host_bound():
+    """One census step whose op stalls 0.3 s reads as all compute; the other census steps outvote it."""
+    autogaudi.enable(device="cpu", only="step_profiler")
+    model = StallsOnce(nn.Sequential(*[Bookkeeping() for _ in range(30)], nn.Linear(8, 3)),
+                       at=3 + 2, in_op=True)  # the first census step
+    train(model, endless(lambda: (torch.randn(4, 8), torch.randint(0, 3, (4,)))))
+    figures = profile_row()["figures"]
+    assert figures["bound"] == "host", profile_row()
+    assert figures["compute_fraction_range"][1] == 1.0  # the stalled step was seen, and outvoted
 
 
 def test_a_slow_dataset_is_input_bound():
@@ -95,8 +141,8 @@ def test_hpu_device_time_comes_from_the_synchronize_wait(hpu_double, device_seco
     model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3))
     train(model, endless(lambda: (torch.randn(8, 16), torch.randint(0, 3, (8,)))))
     assert profile_row()["figures"]["bound"] == bound, profile_row()
-    # the census step ends with a flush and one wait; no other step waits for the device
-    assert calls.names() == ["synchronize", "mark_step", "synchronize"]
+    # each census step starts on an idle device and ends with a flush and a wait; no other step waits
+    assert calls.names() == ["synchronize", "mark_step", "synchronize"] * PAIRS
 
 
 def test_the_training_model_is_the_module_inside_ddp(tmp_path):
