@@ -207,6 +207,8 @@ class StepProfiler(Unit):
         self._census_step = None
         self._censuses: list = []  # (ops, busy seconds) of each census step
         self._roots: list = []
+        self._pacer = None
+        self._done = 0
         steps = self.session.steps
         steps.after_optimizer_step(self, self._after_step)
         steps.after_batch(self, self._after_batch)
@@ -226,10 +228,16 @@ class StepProfiler(Unit):
             self._waited += waited
 
     def _after_step(self, optimizer) -> None:
-        """Warm-up ends at ``done == 0``; odd ``done`` ends a clean step, even ``done`` a census step."""
-        done = self.session.steps.optimizer_steps - self.options.warmup_steps
-        if done < 0:
+        """Warm-up ends at ``done == 0``; odd ``done`` ends a clean step, even ``done`` a census step.
+        Steps are counted on one optimizer, the first to step after warm-up: a loop that steps two
+        (a GAN's) would otherwise pair half an iteration with the other half."""
+        if self.session.steps.optimizer_steps < self.options.warmup_steps:
             return
+        if self._pacer is None:
+            self._pacer = optimizer
+        elif optimizer is not self._pacer:
+            return
+        done, self._done = self._done, self._done + 1
         if done % 2:
             self._clean.append((time.perf_counter() - self._step_began, self._waited))
             self._step_began = None

@@ -133,6 +133,20 @@ def test_a_slow_dataset_is_input_bound():
     assert figures["bound"] == "input" and figures["input_wait_fraction"] > 0.5, profile_row()
 
 
+def test_a_loop_with_two_optimizers_is_measured_by_whole_iterations():
+    """A GAN-shaped loop: a tiny model's step, then a large one's. Counted per optimizer step, the
+    clean step would be the large model's half and the census the tiny one's: host-bound, wrongly."""
+    autogaudi.enable(device="cpu", only="step_profiler")
+    tiny, large = nn.Linear(8, 3), nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 3))
+    optimizers = [torch.optim.SGD(model.parameters(), lr=1e-3) for model in (tiny, large)]
+    for _ in range(STEPS):
+        for model, optimizer, width, batch in zip((tiny, large), optimizers, (8, 1024), (4, 512)):
+            nn.functional.cross_entropy(model(torch.randn(batch, width)), torch.randint(0, 3, (batch,))).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    assert profile_row()["figures"]["bound"] == "device", profile_row()
+
+
 @pytest.mark.parametrize("device_seconds,bound", [(0.05, "device"), (0.0, "host")])
 def test_hpu_device_time_comes_from_the_synchronize_wait(hpu_double, device_seconds, bound):
     calls = hpu_double(lazy=True)
