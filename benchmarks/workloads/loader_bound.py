@@ -37,7 +37,7 @@ class Augmented(Dataset):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--epochs", type=int, default=5)
+    parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--batches", type=int, default=20)
     parser.add_argument("--hand-tuned", action="store_true",
                         help="what an expert writes by hand: workers (2, or up to 8 on a bigger host), "
