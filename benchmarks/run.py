@@ -7,7 +7,10 @@ bar chart of the ratios to plain PyTorch (<machine>-chart.png, when matplotlib i
 in the test extra). Each variant runs in its own
 interpreter (autogaudi patches a whole process). Variants alternate within a round and the order
 rotates from round to round, so neither drift on the machine nor a variant's position in the round
-favours one of them; figures are medians with min and max. Every run's losses are compared with
+favours one of them. Rates are medians with min and max; ratios are the median of the rounds' own
+ratios (a variant's rate over plain's, or hand-tuned's, in the same round), with their min and max:
+a round's variants run back to back, so its ratio cancels the machine's drift between rounds (on the
+2-core machine one round of W1 ran twice as fast as another). Every run's losses are compared with
 plain PyTorch's (a relative bound: fused kernels reassociate float sums and trajectories drift apart
 over hundreds of steps, by as much for the hand-tuned script as for autogaudi) and with the
 hand-tuned script's, which applies the same math as autogaudi and should match it closely.
@@ -95,19 +98,21 @@ def step_rates(workload: list, rounds: int, variants: dict) -> dict:
             if "total_seconds" in result:
                 totals[name].append(result["total_seconds"])
             losses.setdefault(name, result["losses"])
-    plain = statistics.median(rates["plain"])
-    tuned = statistics.median(rates["hand-tuned"])
     rows = {}
     for name, values in rates.items():
+        vs_plain = [rate / plain for rate, plain in zip(values, rates["plain"])]
         drift = max(abs(a - b) / abs(b) for a, b in zip(losses[name], losses["plain"]))
-        rows[name] = {"steps_per_s": summary(values), "ratio_vs_plain": statistics.median(values) / plain,
-                      "ratio_vs_hand_tuned": statistics.median(values) / tuned,
+        rows[name] = {"steps_per_s": summary(values), "steps_per_s_by_round": values,
+                      "ratio_vs_plain": statistics.median(vs_plain), "ratio_vs_plain_range": [min(vs_plain), max(vs_plain)],
+                      "ratio_vs_hand_tuned": statistics.median(
+                          rate / tuned for rate, tuned in zip(values, rates["hand-tuned"])),
                       "max_relative_loss_difference": drift, "losses_match": drift <= LOSS_TOLERANCE,
                       "max_loss_difference_vs_hand_tuned": max(
                           abs(a - b) for a, b in zip(losses[name], losses["hand-tuned"]))}
         if totals[name]:
             rows[name]["total_seconds"] = summary(totals[name])
-            rows[name]["total_speedup_vs_plain"] = statistics.median(totals["plain"]) / statistics.median(totals[name])
+            rows[name]["total_speedup_vs_plain"] = statistics.median(
+                plain / total for plain, total in zip(totals["plain"], totals[name]))
     return rows
 
 
@@ -182,8 +187,11 @@ def write_results(results: dict, path: Path, table_path: Path) -> None:
 
 
 def table_header(results: dict) -> str:
+    paired = all("steps_per_s_by_round" in row for rows in results["workloads"].values() for row in rows.values())
     return (f"# {results['machine']} (torch {results['torch']}, median of {results['rounds']} rounds)\n\n"
-            "| workload | variant | steps/s median (min-max) | vs plain | vs hand-tuned | "
+            + ("Ratios: the median of the rounds' own ratios (variants of a round run back to back).\n\n"
+               if paired else "Ratios: of the medians (this file predates ratios paired by round).\n\n")
+            + "| workload | variant | steps/s median (min-max) | vs plain | vs hand-tuned | "
             "max rel. loss diff vs plain | max loss diff vs hand-tuned |\n|---|---|---|---|---|---|---|")
 
 
@@ -203,7 +211,8 @@ def markdown_table(results: dict) -> str:
 
 def write_chart(results: dict, path: Path) -> str:
     """Bars: each variant's steady-state rate as a multiple of plain PyTorch's, per workload, with
-    the rounds' min-max as error bars. Returns what it did, for the log."""
+    the rounds' min-max ratios as error bars (none for files written before ratios were paired by
+    round, e.g. the H100 run's). Returns what it did, for the log."""
     try:
         import matplotlib
 
@@ -224,16 +233,17 @@ def write_chart(results: dict, path: Path) -> str:
                 low.append(0.0)
                 high.append(0.0)
                 continue
-            plain = results["workloads"][workload]["plain"]["steps_per_s"]["median"]
-            ratios.append(row["ratio_vs_plain"])
-            low.append(row["ratio_vs_plain"] - row["steps_per_s"]["min"] / plain)
-            high.append(row["steps_per_s"]["max"] / plain - row["ratio_vs_plain"])
+            ratio = row["ratio_vs_plain"]
+            smallest, largest = row.get("ratio_vs_plain_range", (ratio, ratio))
+            ratios.append(ratio)
+            low.append(ratio - smallest)
+            high.append(largest - ratio)
         positions = [number + (index - (len(names) - 1) / 2) * width for number in range(len(workloads))]
         axes.bar(positions, ratios, width, yerr=[low, high], capsize=2, label=name)
     axes.axhline(1.0, color="black", linewidth=0.8)
     axes.set_xticks(range(len(workloads)), workloads)
     axes.set_ylabel("steady-state steps/s vs plain PyTorch")
-    axes.set_title(f"{results['machine']}, torch {results['torch']}, median of {results['rounds']} rounds (min-max)")
+    axes.set_title(f"{results['machine']}, torch {results['torch']}, median ratio of {results['rounds']} rounds (min-max)")
     axes.legend(fontsize="small")
     figure.tight_layout()
     figure.savefig(path, dpi=110)

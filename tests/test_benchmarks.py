@@ -19,7 +19,9 @@ def load_run():
 def fake_results(run) -> dict:
     def row(median, plain, tuned, matching=True):
         return {"steps_per_s": {"median": median, "min": median * 0.9, "max": median * 1.1, "rounds": 5},
-                "ratio_vs_plain": median / plain, "ratio_vs_hand_tuned": median / tuned,
+                "steps_per_s_by_round": [median * 0.9, median, median, median * 1.1, median],
+                "ratio_vs_plain": median / plain, "ratio_vs_plain_range": [0.9 * median / plain, 1.1 * median / plain],
+                "ratio_vs_hand_tuned": median / tuned,
                 "max_relative_loss_difference": 1e-6 if matching else 0.5, "losses_match": matching,
                 "max_loss_difference_vs_hand_tuned": 0.0}
 
@@ -40,6 +42,25 @@ def test_the_table_states_ratios_and_flags_different_training():
     assert "| w1_mlp | autogaudi, all units off | 99.0" in table and "(DIFFERENT TRAINING)" in table
     assert "AUTOGAUDI=1 26.0 ms (+9.0 ms)" in table
     assert "| w5_ddp_2_ranks | autogaudi --force fast_ddp | 110.0 (99.0-121.0) | 1.100x | 0.880x |" in table
+
+
+def test_ratios_are_paired_by_round_so_drift_between_rounds_cancels(monkeypatch):
+    """The machine runs round 3 at a quarter of round 1's speed for plain but not for autogaudi:
+    the ratio of medians (150/200) would call autogaudi slower; two of three rounds say 1.2x."""
+    run = load_run()
+    scripted = {"plain": [100.0, 200.0, 400.0], "autogaudi": [120.0, 240.0, 150.0]}
+    variants = {name: ([name], []) for name in ("plain", "autogaudi", "hand-tuned")}
+    scripted["hand-tuned"] = list(scripted["plain"])
+
+    def fake_run(command):
+        return {"steps_per_s": scripted[command[0]].pop(0), "losses": [1.0]}
+
+    monkeypatch.setattr(run, "run_json", fake_run)
+    rows = run.step_rates(["workload.py"], rounds=3, variants=variants)
+    assert rows["autogaudi"]["ratio_vs_plain"] == pytest.approx(1.2)
+    assert rows["autogaudi"]["ratio_vs_plain_range"] == pytest.approx([0.375, 1.2])
+    assert rows["autogaudi"]["steps_per_s_by_round"] == [120.0, 240.0, 150.0]
+    assert "median of the rounds' own ratios" in run.markdown_table({**fake_results(run), "workloads": {"w": rows}})
 
 
 def test_render_writes_the_table_and_a_png_chart_beside_the_results(tmp_path):
