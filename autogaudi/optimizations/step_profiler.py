@@ -196,7 +196,7 @@ class StepProfile:
 
 class StepProfiler(Unit):
     targets = ("torch.optim.Optimizer step post hook (session)", "DataLoader batch fetch (session)",
-               "global module forward hooks and a TorchDispatchMode, for one census step")
+               "global module forward hooks and a TorchDispatchMode, during five census steps")
 
     def apply(self) -> None:
         self.profile = None
