@@ -19,7 +19,7 @@ nothing and costs compile time. Users profile by hand; autogaudi measures it on 
 
 Why pairs, and medians: a census of one step set against a window of steps timed before it moved
 the 2-core CI machine's reading of the same script from 35% to 100% compute between runs (a
-two-rank DDP run), and a fixture of tiny layers from 5% to 65%: the machine's speed drifts between
+two-rank DDP run), and a fixture of tiny layers from 9% to 47%: the machine's speed drifts between
 the window and the census, and one preempted step or kernel weighs as much as all the others.
 Each census step is set against its own neighbour (what the trial engine does too: interleaving
 cancels drift), and the median pair decides. Waiting for data is a total over the clean steps:
@@ -59,7 +59,7 @@ def classify(waiting: float, busy: float) -> tuple:
         return "input", f"waiting for data {waiting:.0%} of each step"
     if busy < HOST_BOUND:
         return "host", f"ops compute {busy:.0%} of each step; issuing them (Python, dispatch) takes the rest"
-    # Census steps run slower than the window's steps, so their compute time can exceed them.
+    # Census steps run slower than the clean steps, so their compute time can exceed them.
     return "device", f"ops compute {'all' if busy >= 1 else f'{busy:.0%}'} of each step"
 
 
@@ -244,8 +244,8 @@ class StepProfiler(Unit):
             self._census_step = _CensusStep(self.backend, self._roots)
             return
         if done:
-            self._censuses.append(self._census_step.stop())
-            self._census_step = None
+            census_step, self._census_step = self._census_step, None  # a failing stop is not undone twice
+            self._censuses.append(census_step.stop())
         if done == 2 * PAIRS:
             self._finish_census(optimizer)
         else:

@@ -1,12 +1,14 @@
 """step_profiler: the classification rule, CPU fixtures that are host-, device- and input-bound,
 one stalled step that must not flip them, the HPU path through the double's timing hook, and which
 module it names as the training model."""
+import importlib
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 from torch.utils.data import DataLoader, Dataset
 
 import autogaudi
@@ -54,12 +56,13 @@ class Bookkeeping(nn.Module):
     """A tiny layer with the Python work model code often does around its ops (shape checks,
     config lookups): the host's time, not the kernels'."""
 
-    def __init__(self):
+    def __init__(self, work: int = 3000):
         super().__init__()
         self.linear = nn.Linear(8, 8)
+        self.work = work
 
     def forward(self, inputs):
-        sum(index * index for index in range(3000))
+        sum(index * index for index in range(self.work))
         return torch.tanh(self.linear(inputs))
 
 
@@ -116,9 +119,11 @@ def test_one_stalled_clean_step_leaves_a_device_bound_run_device_bound():
 
 
 def test_one_stalled_census_step_leaves_a_host_bound_run_host_bound():
-    """One census step whose op stalls 0.3 s reads as all compute; the other census steps outvote it."""
+    """One census step whose op stalls 0.3 s reads as all compute; the other census steps outvote it.
+    (Three times the Python work of the plain fixture: the steps right after a stall run slow, and
+    on a busy machine that pushed the plain fixture's median pair to 60%.)"""
     autogaudi.enable(device="cpu", only="step_profiler")
-    model = StallsOnce(nn.Sequential(*[Bookkeeping() for _ in range(30)], nn.Linear(8, 3)),
+    model = StallsOnce(nn.Sequential(*[Bookkeeping(work=9000) for _ in range(30)], nn.Linear(8, 3)),
                        at=3 + 2, in_op=True)  # the first census step
     train(model, endless(lambda: (torch.randn(4, 8), torch.randint(0, 3, (4,)))))
     figures = profile_row()["figures"]
@@ -157,6 +162,36 @@ def test_hpu_device_time_comes_from_the_synchronize_wait(hpu_double, device_seco
     assert profile_row()["figures"]["bound"] == bound, profile_row()
     # each census step starts on an idle device and ends with a flush and a wait; no other step waits
     assert calls.names() == ["synchronize", "mark_step", "synchronize"] * PAIRS
+
+
+class PassThrough(TorchDispatchMode):
+    """A mode of the script's own, around its whole loop."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_census_step_that_fails_to_stop_is_reverted_once_and_the_scripts_mode_survives(hpu_double, monkeypatch):
+    calls = hpu_double(lazy=True)
+    autogaudi.enable(device="hpu", only="step_profiler")
+    hpu = importlib.import_module("habana_frameworks.torch.hpu")
+    waits = []
+
+    def synchronize():
+        waits.append(1)
+        if len(waits) == 2:  # the first census step's closing wait
+            raise RuntimeError("device lost")
+
+    monkeypatch.setattr(hpu, "synchronize", synchronize)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3))
+    with PassThrough() as mode:
+        train(model, endless(lambda: (torch.randn(8, 16), torch.randint(0, 3, (8,)))))
+        assert _get_current_dispatch_mode() is mode
+    assert _get_current_dispatch_mode() is None
+    row = profile_row()
+    assert row["status"] == "failed" and "device lost" in row["reason"], row
+    assert not any("revert() raised" in note for note in row["notes"]), row  # the census mode left once
+    assert calls.names().count("mark_step") == 1 and len(waits) == 2  # reverted: no further census steps
 
 
 def test_the_training_model_is_the_module_inside_ddp(tmp_path):
