@@ -259,11 +259,12 @@ class StepProfiler(Unit):
         step_s = statistics.median(seconds for seconds, _waited in self._clean)
         waiting = sum(waited for _seconds, waited in self._clean) / sum(seconds for seconds, _waited in self._clean)
         busy = sorted(busy_s / seconds for (seconds, _waited), (_ops, busy_s) in zip(self._clean, self._censuses))
+        busy_share = statistics.median(busy)
         figures = {"ms_per_step": round(1000 * step_s, 3), "input_wait_fraction": round(waiting, 3),
                    "ops_per_step": int(statistics.median(ops for ops, _busy in self._censuses)),
-                   "compute_fraction": round(min(statistics.median(busy), 1.0), 3),
+                   "compute_fraction": round(min(busy_share, 1.0), 3),
                    "compute_fraction_range": [round(min(busy[0], 1.0), 3), round(min(busy[-1], 1.0), 3)]}
-        measured = classify(waiting, statistics.median(busy))
+        measured = classify(waiting, busy_share)
         bound, why = rank_zero_choice(measured)
         if bound != measured[0]:
             self.note(f"this rank measured {measured[0]}-bound ({measured[1]}); every rank follows rank 0")
