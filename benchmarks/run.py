@@ -80,6 +80,11 @@ def summary(values: list) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "rounds": len(values)}
 
 
+def per_round(numerators: list, denominators: list) -> list:
+    """Each round's own ratio: a round's variants ran back to back, so drift between rounds cancels."""
+    return [a / b for a, b in zip(numerators, denominators)]
+
+
 def step_rates(workload: list, rounds: int, variants: dict) -> dict:
     """Every variant of one workload, interleaved round by round; ratios against plain and hand-tuned."""
     rates = {name: [] for name in variants}
@@ -100,19 +105,17 @@ def step_rates(workload: list, rounds: int, variants: dict) -> dict:
             losses.setdefault(name, result["losses"])
     rows = {}
     for name, values in rates.items():
-        vs_plain = [rate / plain for rate, plain in zip(values, rates["plain"])]
+        vs_plain = per_round(values, rates["plain"])
         drift = max(abs(a - b) / abs(b) for a, b in zip(losses[name], losses["plain"]))
         rows[name] = {"steps_per_s": summary(values), "steps_per_s_by_round": values,
                       "ratio_vs_plain": statistics.median(vs_plain), "ratio_vs_plain_range": [min(vs_plain), max(vs_plain)],
-                      "ratio_vs_hand_tuned": statistics.median(
-                          rate / tuned for rate, tuned in zip(values, rates["hand-tuned"])),
+                      "ratio_vs_hand_tuned": statistics.median(per_round(values, rates["hand-tuned"])),
                       "max_relative_loss_difference": drift, "losses_match": drift <= LOSS_TOLERANCE,
                       "max_loss_difference_vs_hand_tuned": max(
                           abs(a - b) for a, b in zip(losses[name], losses["hand-tuned"]))}
         if totals[name]:
             rows[name]["total_seconds"] = summary(totals[name])
-            rows[name]["total_speedup_vs_plain"] = statistics.median(
-                plain / total for plain, total in zip(totals["plain"], totals[name]))
+            rows[name]["total_speedup_vs_plain"] = statistics.median(per_round(totals["plain"], totals[name]))
     return rows
 
 
