@@ -35,7 +35,7 @@ UNITS: tuple[UnitInfo, ...] = (
     ),
     UnitInfo(
         "step_profiler",
-        "classifies the run host-, device- or input-bound from a sampled window of steps, for the report and other units",
+        "classifies the run host-, device-, communication- or input-bound from a sampled window of steps, for the report and other units",
         "autogaudi.optimizations.step_profiler:StepProfiler",
     ),
     UnitInfo(

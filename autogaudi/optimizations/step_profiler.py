@@ -27,8 +27,10 @@ loader workers hand batches over in bursts, so the typical step waits for nothin
 starves.
 
 Classification (thresholds stated in docs/units/step_profiler.md): input-bound when waiting for
-data is at least half of a step; else host-bound when ops compute less than half of a step (the
-rest is Python, dispatch and launch overhead: what graph capture removes); otherwise device-bound.
+data is at least half of a step; else host-bound when ops compute and waits for collectives
+together take less than half of a step (the rest is Python, dispatch and launch overhead: what graph
+capture removes); otherwise communication-bound when the collectives hold more of it than the ops,
+else device-bound.
 Other units (graph_capture) subscribe with :meth:`StepProfiler.when_profiled`. On a distributed run
 each rank measures its own steps and all follow rank 0's classification (a broadcast after the last
 census step), so every rank starts the same trials at the same step: ranks that decided apart would wait in
@@ -52,34 +54,89 @@ INPUT_BOUND = 0.5
 HOST_BOUND = 0.5
 
 
-def classify(waiting: float, busy: float) -> tuple:
-    """(``"input"`` / ``"host"`` / ``"device"``, why) for the fractions of a step spent waiting for
-    data and computing ops."""
+def _share(fraction: float) -> str:
+    # Census steps run slower than the clean steps, so what they measure can exceed a clean step.
+    return "all" if fraction >= 1 else f"{fraction:.0%}"
+
+
+def classify(waiting: float, busy: float, collective: float = 0.0) -> tuple:
+    """(``"input"`` / ``"host"`` / ``"communication"`` / ``"device"``, why) for the fractions of a
+    step spent waiting for data, computing ops and waiting for collectives (gradient all-reduce)."""
     if waiting >= INPUT_BOUND:
         return "input", f"waiting for data {waiting:.0%} of each step"
-    if busy < HOST_BOUND:
-        return "host", f"ops compute {busy:.0%} of each step; issuing them (Python, dispatch) takes the rest"
-    # Census steps run slower than the clean steps, so their compute time can exceed them.
-    return "device", f"ops compute {'all' if busy >= 1 else f'{busy:.0%}'} of each step"
+    compute = f"ops compute {_share(busy)}"
+    held = f" and collectives hold {_share(collective)}" if collective else ""
+    if busy + collective < HOST_BOUND:
+        return "host", f"{compute}{held} of each step; issuing the ops (Python, dispatch) takes the rest"
+    if collective > busy:
+        return "communication", f"waiting for collectives {_share(collective)} of each step, {compute}"
+    return "device", f"{compute}{held} of each step"
 
 
 class _Census(TorchDispatchMode):
     """Counts the ops of a step and, on the CPU, adds up the time their kernels compute (the clock
     around each kernel, less what the clock and the call cost for a trivial op); the Python and
-    dispatch overhead between ops is what it leaves out."""
+    dispatch overhead between ops is what it leaves out.
+
+    It also measures how long the thread waited for collectives (gloo's all-reduce on the CPU: DDP's
+    reducer waits for it between the last backward op and the end of backward, in no op). The
+    collective ops (``c10d::``) pass through the mode and hand back their ``Work``, whose future the
+    waiting thread wakes on. When a collective in flight at the end of one op has completed by the
+    start of the next, the time the thread was off the CPU in between (wall less thread CPU time)
+    was spent waiting for it: on a two-rank run the all-reduce, the other rank's lag and, on a busy
+    machine, the wait for a core once woken. Graph capture removes none of it; counted as host time
+    (as it was), it made a DDP run on two shared cores read host-bound and pay for compile trials
+    that could not help. (The future's ``done()`` is asked: a callback on it needs the GIL, which
+    the woken thread holds, and stamped the completion after the next op had started; gloo's
+    ``Work.is_completed()`` turns true only after the future has woken the thread, and missed one
+    wait in six.)"""
 
     def __init__(self):
         super().__init__()
         self.ops = 0
         self.cpu_seconds = 0.0
         self.overhead = 0.0
+        self.collectives = 0
+        self.collective_seconds = 0.0
+        self._in_flight: list = []  # the futures of the collectives not yet seen completed
+        self._gap = None  # (wall, thread CPU time) when an op ended with a collective in flight
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops += 1
+        self.close_gap()
         start = time.perf_counter()
         result = func(*args, **(kwargs or {}))
-        self.cpu_seconds += time.perf_counter() - start
+        end = time.perf_counter()
+        self.cpu_seconds += end - start
+        if func.namespace == "c10d":
+            self._watch(result)
+        self._drop_completed()
+        if self._in_flight:
+            self._gap = (end, time.thread_time())
         return result
+
+    def _watch(self, result) -> None:
+        from torch._C._distributed_c10d import Work  # only reached on builds with torch.distributed
+
+        for value in result if isinstance(result, (tuple, list)) else (result,):
+            if isinstance(value, torch.ScriptObject) and value._type().qualified_name().endswith("c10d.Work"):
+                self.collectives += 1
+                self._in_flight.append(Work.unbox(value).get_future())
+
+    def _drop_completed(self) -> bool:
+        """Drops the collectives that have completed from those in flight; True if any had."""
+        in_flight = len(self._in_flight)
+        self._in_flight = [future for future in self._in_flight if not future.done()]
+        return len(self._in_flight) < in_flight
+
+    def close_gap(self) -> None:
+        """Ends the time since the last op, if a collective was in flight then."""
+        if self._gap is None:
+            return
+        (began, cpu_began), self._gap = self._gap, None
+        off_cpu = time.perf_counter() - began - (time.thread_time() - cpu_began)
+        if self._drop_completed():
+            self.collective_seconds += max(0.0, off_cpu)
 
     def calibrate(self, repeats: int = 100) -> None:
         """The cost of a trivial op: the median call, so that a preempted call does not count."""
@@ -152,16 +209,19 @@ class _CensusStep:
         self.census.calibrate()
 
     def stop(self) -> tuple:
-        """(ops issued, seconds the device was busy) of the step."""
+        """(ops issued, seconds the device was busy, seconds waited for collectives) of the step. The
+        last is None where the step ran no collective, and on CUDA and HPU: there collectives run on
+        the device (NCCL kernels, HCCL), and their time is in the device's already."""
+        self.census.close_gap()
         kernel_seconds = self.abandon()
         if self.backend.name == "hpu":
             self.backend.mark_step()
             issued = time.perf_counter()
             self.backend.synchronize()
-            return self.census.ops, time.perf_counter() - issued
+            return self.census.ops, time.perf_counter() - issued, None
         if self.backend.name == "cuda":
-            return self.census.ops, kernel_seconds
-        return self.census.ops, self.census.busy_seconds()
+            return self.census.ops, kernel_seconds, None
+        return self.census.ops, self.census.busy_seconds(), self.census.collective_seconds if self.census.collectives else None
 
     def abandon(self):
         """Takes the observers off; returns the CUDA kernel seconds (None on other backends)."""
@@ -205,7 +265,7 @@ class StepProfiler(Unit):
         self._waited = 0.0
         self._clean: list = []  # (seconds, seconds waiting for data) of each clean step
         self._census_step = None
-        self._censuses: list = []  # (ops, busy seconds) of each census step
+        self._censuses: list = []  # (ops, busy seconds, collective wait seconds or None) of each census step
         self._roots: list = []
         self._pacer = None
         self._done = 0
@@ -258,13 +318,19 @@ class StepProfiler(Unit):
     def _finish_census(self, optimizer) -> None:
         step_s = statistics.median(seconds for seconds, _waited in self._clean)
         waiting = sum(waited for _seconds, waited in self._clean) / sum(seconds for seconds, _waited in self._clean)
-        busy = sorted(busy_s / seconds for (seconds, _waited), (_ops, busy_s) in zip(self._clean, self._censuses))
-        busy_share = statistics.median(busy)
+        # Per pair: (busy + collective wait, busy, collective wait) as shares of the clean step; the
+        # median pair by their sum decides (PAIRS is odd).
+        pairs = sorted(((busy_s + (collective_s or 0.0)) / seconds, busy_s / seconds, (collective_s or 0.0) / seconds)
+                       for (seconds, _waited), (_ops, busy_s, collective_s) in zip(self._clean, self._censuses))
+        _, busy_share, collective_share = pairs[len(pairs) // 2]
+        busy = sorted(share for _, share, _ in pairs)
         figures = {"ms_per_step": round(1000 * step_s, 3), "input_wait_fraction": round(waiting, 3),
-                   "ops_per_step": int(statistics.median(ops for ops, _busy in self._censuses)),
+                   "ops_per_step": int(statistics.median(ops for ops, _busy, _collective in self._censuses)),
                    "compute_fraction": round(min(busy_share, 1.0), 3),
                    "compute_fraction_range": [round(min(busy[0], 1.0), 3), round(min(busy[-1], 1.0), 3)]}
-        measured = classify(waiting, busy_share)
+        if any(collective_s is not None for _ops, _busy, collective_s in self._censuses):
+            figures["collective_wait_fraction"] = round(min(collective_share, 1.0), 3)
+        measured = classify(waiting, busy_share, collective_share)
         bound, why = rank_zero_choice(measured)
         if bound != measured[0]:
             self.note(f"this rank measured {measured[0]}-bound ({measured[1]}); every rank follows rank 0")

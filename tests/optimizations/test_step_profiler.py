@@ -24,6 +24,10 @@ def test_classification_rule():
     assert classify(waiting=0.6, busy=0.3)[0] == "input"
     assert classify(waiting=0.1, busy=0.3)[0] == "host"
     assert classify(waiting=0.1, busy=0.8)[0] == "device"
+    # waiting for collectives is neither ops nor issuing them
+    assert classify(waiting=0.1, busy=0.2, collective=0.2)[0] == "host"
+    assert classify(waiting=0.1, busy=0.2, collective=0.4)[0] == "communication"
+    assert classify(waiting=0.1, busy=0.4, collective=0.2)[0] == "device"
 
 
 class Slow(Dataset):
@@ -213,7 +217,9 @@ def test_ranks_that_measure_apart_follow_rank_zero_and_finish_the_trial_together
     """Rank 1 waits for slow data (input-bound), rank 0 does not (host-bound): were each to act on
     its own profile, rank 0 would run a compile trial whose decision it broadcasts while rank 1 sits
     in DDP's all-reduce, and the job would hang (run_python's timeout fails the test then)."""
-    env = {"AUTOGAUDI": "1", "AUTOGAUDI_QUIET": "1", "STEPS": "40", "SLOW_DATA_RANK": "1"}
+    # Rank 0's Python outlasts rank 1's wait for data, so that rank 0 does not wait for rank 1 in the
+    # all-reduce (it would read communication-bound, and start no trial)
+    env = {"AUTOGAUDI": "1", "AUTOGAUDI_QUIET": "1", "STEPS": "40", "SLOW_DATA_RANK": "1", "SLOW_HOST_RANK": "0"}
     result, workers = torchrun(tmp_path, *TORCHRUN, SCRIPTS / "ddp_train.py", env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     profiles = [worker["units"]["step_profiler"] for worker in workers]
@@ -222,3 +228,19 @@ def test_ranks_that_measure_apart_follow_rank_zero_and_finish_the_trial_together
     captures = [worker["units"]["graph_capture"]["reason"] for worker in workers]
     assert captures[0] == captures[1] and "trial running" not in captures[0]  # the trial ended, decided alike
     assert workers[0]["checksum"] == workers[1]["checksum"]
+
+
+@pytest.mark.slow
+def test_a_rank_that_waits_for_a_slower_ranks_all_reduce_is_communication_bound(tmp_path):
+    """Rank 1 spends 12 ms of Python before each step; rank 0, with the same tiny model, waits for it
+    in DDP's all-reduce. That wait is neither ops nor issuing them: counted as host time, it made
+    rank 0 read host-bound, and both ranks ran a compile trial that could not help."""
+    env = {"AUTOGAUDI": "1", "AUTOGAUDI_QUIET": "1", "STEPS": "40", "SLOW_HOST_RANK": "1"}
+    result, workers = torchrun(tmp_path, *TORCHRUN, SCRIPTS / "ddp_train.py", env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    profiles = [worker["units"]["step_profiler"] for worker in workers]
+    figures = profiles[0]["figures"]
+    assert figures["bound"] == "communication" and figures["collective_wait_fraction"] >= 0.5, profiles[0]
+    assert any("this rank measured host-bound" in note for note in profiles[1]["notes"]), profiles[1]
+    for worker in workers:
+        assert "not captured: the run is communication-bound" in worker["units"]["graph_capture"]["reason"]

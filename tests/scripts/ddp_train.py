@@ -7,7 +7,9 @@ micro-batches per step, all but the last inside ``no_sync()``. CLIP=1 clips the 
 the step (it must see averaged gradients). BRANCH=rank1 adds a layer only rank 1 uses;
 BRANCH=from_step5 one that every rank uses from step 5 on (both need find_unused_parameters).
 STEPS=N trains N steps (default 10). SLOW_DATA_RANK=N feeds rank N from a DataLoader that sleeps
-2 ms per sample, so that rank measures itself input-bound while the others do not.
+2 ms per sample (8 ms a step), so that rank measures itself input-bound. SLOW_HOST_RANK=N makes rank
+N spend 12 ms of Python before each forward, so that it measures itself host-bound and the other
+ranks wait for it in the all-reduce.
 """
 import json
 import os
@@ -56,6 +58,10 @@ def main():
     if os.environ.get("SLOW_DATA_RANK") == str(rank):
         batches = iter(torch.utils.data.DataLoader(SlowData(generator, 4 * steps * accumulate), batch_size=4))
     for step in range(steps):
+        if os.environ.get("SLOW_HOST_RANK") == str(rank):
+            busy_until = time.perf_counter() + 0.012
+            while time.perf_counter() < busy_until:
+                pass
         for micro in range(accumulate):
             use_branch = (branch == "rank1" and rank == 1) or (branch == "from_step5" and step >= 5)
             inputs = next(batches) if batches else torch.randn(4, 6, generator=generator)
