@@ -240,7 +240,9 @@ def test_a_rank_that_waits_for_a_slower_ranks_all_reduce_is_communication_bound(
     assert result.returncode == 0, result.stderr[-3000:]
     profiles = [worker["units"]["step_profiler"] for worker in workers]
     figures = profiles[0]["figures"]
-    assert figures["bound"] == "communication" and figures["collective_wait_fraction"] >= 0.5, profiles[0]
-    assert any("this rank measured host-bound" in note for note in profiles[1]["notes"]), profiles[1]
+    assert figures["bound"] == "communication" and figures["collective_wait_fraction"] >= 0.5, figures
+    # Rank 1 mostly measures itself host-bound (its 12 ms of Python), but it too can wait for rank 0's
+    # slower census steps; whatever it measured, it follows rank 0.
+    assert profiles[1]["figures"]["bound"] == "communication", (profiles[1]["figures"], profiles[1]["notes"])
     for worker in workers:
         assert "not captured: the run is communication-bound" in worker["units"]["graph_capture"]["reason"]
