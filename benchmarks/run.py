@@ -51,6 +51,9 @@ VARIANTS = {
 EXTRA_VARIANTS = {
     "w5_ddp_2_ranks": {"autogaudi --force fast_ddp": (["-m", "autogaudi", "--quiet", "--force", "fast_ddp"], [])},
 }
+# --control: plain PyTorch a second time in each round. Its ratio to plain should be 1.00x; how far it
+# lands from that is the noise floor of every other ratio in the same table.
+CONTROL_VARIANT = {"plain again (A/A control)": VARIANTS["plain"]}
 
 
 def machine_name() -> str:
@@ -139,6 +142,8 @@ def main():
     parser.add_argument("--render", type=Path, metavar="RESULTS_JSON",
                         help="run nothing: rewrite the Markdown table and the chart of an existing results file")
     parser.add_argument("--only", help="comma-separated workloads to run (default: all): " + ", ".join(WORKLOADS))
+    parser.add_argument("--control", action="store_true",
+                        help="also run plain PyTorch twice per round, to read the noise floor of the ratios")
     args = parser.parse_args()
     if args.render:
         results = json.loads(args.render.read_text())
@@ -166,7 +171,7 @@ def main():
     args.out.parent.mkdir(parents=True, exist_ok=True)
     print(table_header(results), flush=True)
     for workload in chosen:  # written after each workload, so a run cut short still leaves its figures
-        variants = {**VARIANTS, **EXTRA_VARIANTS.get(workload, {})}
+        variants = {**VARIANTS, **EXTRA_VARIANTS.get(workload, {}), **(CONTROL_VARIANT if args.control else {})}
         results["workloads"][workload] = rows = step_rates(WORKLOADS[workload], args.rounds, variants)
         write_results(results, args.out, table_path)
         for name, row in rows.items():

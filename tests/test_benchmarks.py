@@ -73,3 +73,19 @@ def test_render_writes_the_table_and_a_png_chart_beside_the_results(tmp_path):
     table, chart = run.companions(results)
     assert table.read_text() == run.markdown_table(fake_results(run))
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and chart.stat().st_size > 5000
+
+
+def test_the_control_variant_runs_the_plain_command_again_in_every_round(monkeypatch):
+    """--control's A/A row is only a noise floor if it is exactly plain PyTorch, run in the same rounds."""
+    run = load_run()
+    commands = []
+
+    def fake_run(command):
+        commands.append(command)
+        return {"steps_per_s": 100.0, "losses": [1.0]}
+
+    monkeypatch.setattr(run, "run_json", fake_run)
+    rows = run.step_rates(["workload.py"], rounds=2, variants={**run.VARIANTS, **run.CONTROL_VARIANT})
+    control = next(iter(run.CONTROL_VARIANT))
+    assert len(commands) == 2 * len(rows) and commands.count(["workload.py"]) == 4  # plain and control, twice
+    assert rows[control]["ratio_vs_plain"] == 1.0 and rows[control]["losses_match"]
