@@ -7,8 +7,8 @@ micro-batches per step, all but the last inside ``no_sync()``. CLIP=1 clips the 
 the step (it must see averaged gradients). BRANCH=rank1 adds a layer only rank 1 uses;
 BRANCH=from_step5 one that every rank uses from step 5 on (both need find_unused_parameters).
 STEPS=N trains N steps (default 10). SLOW_DATA_RANK=N feeds rank N from a DataLoader that sleeps
-2 ms per sample (8 ms a step), so that rank measures itself input-bound. SLOW_HOST_RANK=N makes rank
-N spend 12 ms of Python before each forward, so that it measures itself host-bound and the other
+4.5 ms per sample (18 ms a step), so that rank measures itself input-bound. SLOW_HOST_RANK=N makes rank
+N spend 20 ms of Python before each forward, so that it measures itself host-bound and the other
 ranks wait for it in the all-reduce.
 """
 import json
@@ -40,7 +40,7 @@ class SlowData(torch.utils.data.Dataset):
         return len(self.samples)
 
     def __getitem__(self, index):
-        time.sleep(0.002)
+        time.sleep(0.0045)
         return self.samples[index]
 
 
@@ -59,7 +59,7 @@ def main():
         batches = iter(torch.utils.data.DataLoader(SlowData(generator, 4 * steps * accumulate), batch_size=4))
     for step in range(steps):
         if os.environ.get("SLOW_HOST_RANK") == str(rank):
-            busy_until = time.perf_counter() + 0.012
+            busy_until = time.perf_counter() + 0.020
             while time.perf_counter() < busy_until:
                 pass
         for micro in range(accumulate):
