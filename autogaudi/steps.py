@@ -15,7 +15,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.data import dataloader
 
-from autogaudi.unit import wrap_attribute
+from autogaudi.unit import Scope
 
 
 class TrainingSteps:
@@ -31,7 +31,7 @@ class TrainingSteps:
         self._before_backward_listeners: list = []
         self._after_backward_listeners: list = []
         self._after_step_listeners: list = []
-        self._undo: list = []
+        self._scope = Scope()
         self._timed_from = None  # (step number, clock) once warm-up is over
         self.last_step_clock = None
 
@@ -40,16 +40,14 @@ class TrainingSteps:
         return self.backwards > 0 or self.optimizer_steps > 0
 
     def install(self) -> None:
-        self._undo.append(wrap_attribute(torch.autograd, "backward", self._backward))
-        handle = register_optimizer_step_post_hook(self._after_optimizer_step)
-        self._undo.append(handle.remove)
-        self._undo.append(wrap_attribute(dataloader._BaseDataLoaderIter, "__next__", self._next_batch))
-        self._undo.append(wrap_attribute(dataloader.DataLoader, "__init__", self._new_loader))
-        self._undo.append(wrap_attribute(dataloader.DataLoader, "__iter__", self._new_epoch))
+        self._scope.wrap(torch.autograd, "backward", self._backward)
+        self._scope.add(register_optimizer_step_post_hook(self._after_optimizer_step).remove)
+        self._scope.wrap(dataloader._BaseDataLoaderIter, "__next__", self._next_batch)
+        self._scope.wrap(dataloader.DataLoader, "__init__", self._new_loader)
+        self._scope.wrap(dataloader.DataLoader, "__iter__", self._new_epoch)
 
     def uninstall(self) -> None:
-        while self._undo:
-            self._undo.pop()()
+        self._scope.close()
 
     def adjust_loader(self, unit, adjuster) -> None:
         """``adjuster(loader, args, kwargs) -> (args, kwargs) or None`` before a ``DataLoader`` (the

@@ -44,6 +44,36 @@ def wrap_attribute(owner, attribute: str, wrapper):
     return undo
 
 
+class Scope:
+    """Undo actions kept in one place and run newest first by :meth:`close`: everything a unit (or
+    one arm of a trial) patched, hooked or set, in the spirit of torch's ``RemovableHandle``. An undo
+    may return a note (why it left something as it was)."""
+
+    def __init__(self):
+        self._undo: list = []
+
+    def add(self, undo) -> None:
+        self._undo.append(undo)
+
+    def wrap(self, owner, attribute: str, wrapper) -> None:
+        self.add(wrap_attribute(owner, attribute, wrapper))
+
+    def child(self) -> "Scope":
+        """A scope closed on its own (a trial's candidate) or, at the latest, with this one."""
+        scope = Scope()
+        self.add(scope.close)
+        return scope
+
+    def close(self):
+        """Undo everything, newest first; the notes of the undos that left something as it was."""
+        notes = []
+        while self._undo:
+            note = self._undo.pop()()
+            if note:
+                notes.extend(note if isinstance(note, list) else [note])
+        return notes or None
+
+
 def torch_version() -> tuple:
     """(major, minor) of the running torch, e.g. (2, 13) for "2.13.0+cpu"."""
     return tuple(int(part) for part in re.findall(r"\d+", torch.__version__)[:2])
@@ -75,7 +105,7 @@ class Unit:
         self.reason = ""  # why it applied the way it did, for the report
         self.figures: dict = {}
         self.notes: list = []
-        self._undo: list = []
+        self.scope = Scope()
 
     @property
     def backend(self):
@@ -98,13 +128,10 @@ class Unit:
         raise NotImplementedError
 
     def revert(self) -> None:
-        while self._undo:
-            note = self._undo.pop()()
-            if note:
-                self.notes.append(note)
+        self.notes.extend(self.scope.close() or ())
 
     def wrap(self, owner, attribute: str, wrapper) -> None:
-        self._undo.append(wrap_attribute(owner, attribute, wrapper))
+        self.scope.wrap(owner, attribute, wrapper)
 
     def note(self, text: str) -> None:
         """Add a line to the unit's report notes, once however often the situation recurs."""
@@ -113,7 +140,7 @@ class Unit:
 
     def on_revert(self, undo) -> None:
         """Register how to undo something done outside :meth:`wrap` (e.g. ``handle.remove``)."""
-        self._undo.append(undo)
+        self.scope.add(undo)
 
     @contextlib.contextmanager
     def fail_open(self):

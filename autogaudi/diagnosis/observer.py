@@ -40,7 +40,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 import autogaudi
 from autogaudi.diagnosis import gaudi_facts
 from autogaudi.optimizations.graph_capture import input_shapes
-from autogaudi.unit import wrap_attribute
+from autogaudi.unit import Scope
 
 # Ops whose output shape depends on the values of their input: every new shape a recompilation.
 DATA_DEPENDENT_SHAPE_OPS = frozenset({"nonzero", "masked_select", "unique", "_unique", "_unique2",
@@ -108,23 +108,22 @@ class Observer:
         self._device_values = WeakIdKeyDictionary()
         self._depth = 0
         self._reading = False
-        self._undo: list = []
+        self._scope = Scope()
         self.watcher = _OpWatcher(self)
 
     # -- installation -------------------------------------------------------------------------
     def install(self) -> None:
-        self._undo.append(register_optimizer_step_post_hook(self._after_step).remove)
-        self._undo.append(torch.nn.modules.module.register_module_forward_pre_hook(self._before_forward).remove)
-        self._undo.append(torch.nn.modules.module.register_module_forward_hook(
+        self._scope.add(register_optimizer_step_post_hook(self._after_step).remove)
+        self._scope.add(torch.nn.modules.module.register_module_forward_pre_hook(self._before_forward).remove)
+        self._scope.add(torch.nn.modules.module.register_module_forward_hook(
             self._after_forward, always_call=True).remove)
-        self._undo.append(wrap_attribute(dataloader.DataLoader, "__init__", self._new_loader))
-        self._undo.append(wrap_attribute(dataloader._BaseDataLoaderIter, "__next__", self._next_batch))
+        self._scope.wrap(dataloader.DataLoader, "__init__", self._new_loader)
+        self._scope.wrap(dataloader._BaseDataLoaderIter, "__next__", self._next_batch)
         for method, kind in _HOST_READ_METHODS.items():
-            self._undo.append(wrap_attribute(torch.Tensor, method, self._host_read_wrapper(kind)))
+            self._scope.wrap(torch.Tensor, method, self._host_read_wrapper(kind))
 
     def uninstall(self) -> None:
-        while self._undo:
-            self._undo.pop()()
+        self._scope.close()
 
     # -- events -------------------------------------------------------------------------------
     def _after_step(self, optimizer, args, kwargs) -> None:
