@@ -6,7 +6,7 @@ optimizations are applied when torch is imported (or at once if it already is).
 """
 from autogaudi._version import __version__
 from autogaudi.errors import OptionsError
-from autogaudi.runtime import active_options, disable, enable, is_enabled, report
+from autogaudi.runtime import active_options, disable, enable, is_enabled, report, settled
 
 
 def doctor(script: str, *args: str, steps: int = 20, module: bool = False):
@@ -19,4 +19,4 @@ def doctor(script: str, *args: str, steps: int = 20, module: bool = False):
     return diagnose(script, list(args), steps=steps, is_module=module)[0]
 
 
-__all__ = ["OptionsError", "__version__", "active_options", "disable", "doctor", "enable", "is_enabled", "report"]
+__all__ = ["OptionsError", "__version__", "active_options", "disable", "doctor", "enable", "is_enabled", "report", "settled"]

@@ -72,6 +72,15 @@ def is_enabled() -> bool:
     return _STATE.options is not None
 
 
+def settled() -> bool:
+    """True once autogaudi has made every decision for this run (the step is profiled, no trial is
+    running or queued); False while it is still measuring, and while it is disabled or torch has not
+    been imported. Benchmarks time a run's steady state from here; ``report().steps`` says at which
+    step it happened (``decisions_settled_at_step``)."""
+    with _STATE.lock:
+        return _STATE.session is not None and _STATE.session.settled()
+
+
 def active_options():
     """The options in force, or None while autogaudi is disabled."""
     return _STATE.options

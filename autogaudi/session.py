@@ -20,7 +20,7 @@ from autogaudi.registry import UNITS
 from autogaudi.reporting import APPLIED, FAILED, SKIPPED, Report, UnitRow
 from autogaudi.steps import TrainingSteps
 from autogaudi.trials import TrialRunner
-from autogaudi.unit import warn, wrap_attribute
+from autogaudi.unit import Scope, warn
 
 
 class Session:
@@ -35,18 +35,20 @@ class Session:
         self.rows = {info.name: UnitRow(info.name, info.summary) for info in UNITS}
         self.rank_rows = None  # on rank 0 of a multi-rank job: every rank's unit rows, once gathered
         self._shared_with_ranks = False
-        self._undo_destroy = None
+        self._scope = Scope()
+        self.settled_at_step = None  # the optimizer step after which every decision was made
 
     def start(self) -> None:
         self.backend = backends.select(self.options.device)
         self.steps = TrainingSteps(self.backend, self.options)
         self.steps.install()
-        self.trials = TrialRunner(self.steps)
+        self.trials = TrialRunner(self.steps, on_idle=self.check_settled)
         if torch.distributed.is_available():
-            self._undo_destroy = wrap_attribute(torch.distributed, "destroy_process_group", self._before_destroy)
+            self._scope.wrap(torch.distributed, "destroy_process_group", self._before_destroy)
         self.active = True
         for info in UNITS:
             self._start_unit(info)
+        self.check_settled()
 
     def _start_unit(self, info) -> None:
         row = self.rows[info.name]
@@ -79,8 +81,21 @@ class Session:
             return
         self.applied.remove(unit)
         self._revert(unit)
+        self.check_settled()
         self.rows[unit.name].set(FAILED, f"raised {error!r} at run time; reverted, the run went on without it")
         warn(f"{unit.name} raised {error!r}; it is switched off and the run goes on without it")
+
+    def settled(self) -> bool:
+        """Every decision made: the step is profiled (or no profiler runs) and no trial is pending.
+        From here on the run's steps are its steady state; what autogaudi changed stays as it is
+        unless a unit fails or a guard switches it off."""
+        profiler = self.unit("step_profiler")
+        profiling = profiler is not None and profiler in self.applied and profiler.profile is None
+        return not profiling and self.trials.idle and not self.trials.queue
+
+    def check_settled(self) -> None:
+        if self.settled_at_step is None and self.settled():
+            self.settled_at_step = self.steps.optimizer_steps
 
     def unit(self, name: str):
         """The live unit called ``name`` (applied or not yet decided), or None."""
@@ -98,9 +113,7 @@ class Session:
         while self.applied:
             self._revert(self.applied.pop())
         self.steps.uninstall()
-        if self._undo_destroy is not None:
-            self._undo_destroy()
-            self._undo_destroy = None
+        self._scope.close()
         self.active = False
 
     def _before_destroy(self, wrapped, instance, args, kwargs):
@@ -127,7 +140,8 @@ class Session:
         memory = self.backend.memory_stats()
         return Report(
             torch_version=torch.__version__, enabled_by=self.sources, active=self.active,
-            backend=self.backend.describe(), options=self.options.as_dict(), steps=self.steps.figures(),
+            backend=self.backend.describe(), options=self.options.as_dict(),
+            steps={**self.steps.figures(), "decisions_settled_at_step": self.settled_at_step},
             memory=memory.as_dict() if memory else None, units=[row.as_dict() for row in self.rows.values()],
             trials=list(self.trials.records), ranks=self.rank_rows,
         )

@@ -73,8 +73,9 @@ class Trial:
 class TrialRunner:
     """Runs the session's trials one after another at optimizer-step boundaries."""
 
-    def __init__(self, steps):
+    def __init__(self, steps, on_idle=lambda: None):
         self.steps = steps
+        self.on_idle = on_idle  # called whenever the last queued trial is decided or cancelled
         self.queue: list = []
         self.current = None
         self.last_clock = None
@@ -87,7 +88,9 @@ class TrialRunner:
 
     def _start_next(self) -> None:
         self.current = self.queue.pop(0) if self.queue else None
-        if self.current is not None:
+        if self.current is None:
+            self.on_idle()
+        else:
             self.last_clock = None
             self.steps.after_optimizer_step(self.current.unit, self._after_step)
             self._flip(self.current.schedule[0])
@@ -108,12 +111,16 @@ class TrialRunner:
             return
         keep, record = trial.outcome()
         keep = bool(rank_zero_choice(keep))
-        record["decision"] = "kept" if keep else "reverted"
+        record["decision"] = "kept" if keep else "rejected"
         self.records.append(record)
         self.steps.forget_listener(trial.unit, self._after_step)
         trial.switch(keep)
         trial.decided(keep, record)
         self._start_next()
+
+    @property
+    def idle(self) -> bool:
+        return self.current is None
 
     def cancel(self, unit) -> None:
         """Drop a unit's trials (the unit was reverted)."""

@@ -92,6 +92,8 @@ def step_rates(workload: list, rounds: int, variants: dict) -> dict:
     """Every variant of one workload, interleaved round by round; ratios against plain and hand-tuned."""
     rates = {name: [] for name in variants}
     totals = {name: [] for name in variants}  # whole-run seconds, where a workload reports them
+    one_offs = {name: [] for name in variants}  # whole-run seconds beyond what its steady rate explains
+    timed_from = {name: [] for name in variants}
     losses = {}
     names = list(variants)
     for round_number in range(rounds):
@@ -105,6 +107,9 @@ def step_rates(workload: list, rounds: int, variants: dict) -> dict:
             rates[name].append(result["steps_per_s"])
             if "total_seconds" in result:
                 totals[name].append(result["total_seconds"])
+            if "total_steps" in result:
+                one_offs[name].append(result["total_seconds"] - result["total_steps"] / result["steps_per_s"])
+                timed_from[name].append(result["timed_from_step"] if result["settled"] else None)
             losses.setdefault(name, result["losses"])
     rows = {}
     for name, values in rates.items():
@@ -119,7 +124,25 @@ def step_rates(workload: list, rounds: int, variants: dict) -> dict:
         if totals[name]:
             rows[name]["total_seconds"] = summary(totals[name])
             rows[name]["total_speedup_vs_plain"] = statistics.median(per_round(totals["plain"], totals[name]))
+        if one_offs[name]:
+            rows[name].update(timed_from_step=timed_from[name],
+                              **break_even(statistics.median(one_offs[name]) - statistics.median(one_offs["plain"]),
+                                           statistics.median(rates["plain"]), statistics.median(values)))
     return rows
+
+
+def break_even(extra_one_off_s: float, plain_rate: float, rate: float) -> dict:
+    """The one-off seconds a variant adds to a run beyond plain's, and the run length (steps) from
+    which it is ahead of plain on the whole run: one-off + N/rate = N/plain_rate. None: never (it is
+    not faster in the steady state); 0: from the first step (no extra one-off)."""
+    figures = {"one_off_s_vs_plain": round(extra_one_off_s, 3)}
+    if extra_one_off_s <= 0:
+        figures["break_even_steps"] = 0 if rate >= plain_rate else None
+    elif rate > plain_rate:
+        figures["break_even_steps"] = round(extra_one_off_s / (1 / plain_rate - 1 / rate))
+    else:
+        figures["break_even_steps"] = None
+    return figures
 
 
 def startup(rounds: int) -> dict:
@@ -264,6 +287,13 @@ def table_row(workload: str, name: str, row: dict) -> str:
     flag = "" if row["losses_match"] else " (DIFFERENT TRAINING)"
     if "total_seconds" in row:
         flag += f" (whole run incl. warm-up and one-off costs: {row['total_speedup_vs_plain']:.2f}x plain)"
+    if row.get("one_off_s_vs_plain") is not None and name != "plain":
+        steps = row["break_even_steps"]
+        flag += (f" (one-off {row['one_off_s_vs_plain']:+.2f} s vs plain; ahead of plain on the whole run "
+                 + ("never: not faster" if steps is None else f"from step {steps}") + ")")
+        unsettled = sum(step is None for step in row["timed_from_step"])
+        if unsettled:
+            flag += f" (NOT SETTLED in {unsettled} round(s): timed from warm-up)"
     return (f"| {workload} | {name} | {rate['median']:.1f} ({rate['min']:.1f}-{rate['max']:.1f}) | "
             f"{row['ratio_vs_plain']:.3f}x | {row['ratio_vs_hand_tuned']:.3f}x | "
             f"{row['max_relative_loss_difference']:.1e}{flag} | {row['max_loss_difference_vs_hand_tuned']:.1e} |")

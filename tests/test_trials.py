@@ -56,7 +56,7 @@ def test_keeps_the_candidate_that_is_faster():
 def test_reverts_a_candidate_that_is_slower():
     state, decisions, _, _ = run_trial(on_seconds=0.006, off_seconds=0.002)
     (keep, record), = decisions
-    assert not keep and not state["on"] and record["decision"] == "reverted"
+    assert not keep and not state["on"] and record["decision"] == "rejected"
     assert record["speedup"] < 0.6
 
 
