@@ -1,6 +1,8 @@
 """What a backend offers the optimization units, and the torch-native defaults CUDA and CPU share."""
 from __future__ import annotations
 
+import sys
+
 import torch
 
 GB = 1024 ** 3
@@ -40,6 +42,9 @@ class Backend:
     graphs_hold_gradients = False
     # Whether graph_forward(exact_random=True) can make random ops draw eager's numbers.
     graphs_can_draw_eager_random = True
+    # Whether graph_forward(static_outputs=False) can capture a module whose outputs outlive the next
+    # call (called several times per step): False where every replay writes into the same tensors.
+    graphs_can_keep_outputs = True
     # torch.optim classes with a fused kernel on this backend (torch >= 2.4 for CPU).
     FUSED_TORCH_OPTIMIZERS = ("Adam", "AdamW", "SGD")
 
@@ -59,11 +64,17 @@ class Backend:
         """A :class:`MemoryStats`, or None where the backend cannot tell."""
         return None
 
-    def graph_forward(self, module, exact_random: bool = False):
-        """A callable with ``module.forward``'s signature that replays captured graphs (cutting
-        per-step host overhead); ``module`` itself is left as it was. ``exact_random``: random ops
-        (dropout) draw eager's numbers (inductor's ``fallback_random``), at a cost in speed."""
-        return torch.compile(module.forward, options={"fallback_random": True} if exact_random else None)
+    def graph_forward(self, module, exact_random: bool = False, static_outputs: bool = True):
+        """A callable taking ``module(...)``'s arguments that replays captured graphs (cutting
+        per-step host overhead), hooks included; ``module`` itself is left as it was.
+        ``exact_random``: random ops (dropout) draw eager's numbers (inductor's ``fallback_random``),
+        at a cost in speed. ``static_outputs=False``: outputs must survive the next call."""
+        return compile_calls(module, options={"fallback_random": True} if exact_random else None)
+
+    def release_graphs(self, graphed) -> None:
+        """Drop what ``graph_forward`` built: compiled code, its guards (which hold the module) and
+        graphs. Only autogaudi's own cache entries go: they sit on a function of its own."""
+        release_compiled_calls()
 
     def fused_optimizer_refusal(self, optimizer_class, hyperparameters: dict):
         """Why ``optimizer_class(**hyperparameters)`` has no fused equivalent here, or None."""
@@ -89,3 +100,22 @@ class Backend:
 
     def describe(self) -> dict:
         return {"name": self.name, "device": self.device_name(), "lazy": self.is_lazy, "reason": self.reason}
+
+
+def _caller(module):
+    def call_module(*args, **kwargs):
+        return module._call_impl(*args, **kwargs)
+
+    return call_module
+
+
+def compile_calls(module, **compile_options):
+    """``torch.compile`` of calling ``module`` (hooks and ``forward``, as ``Module.compile()`` does),
+    through a function of autogaudi's own, so that its cache entries can be dropped alone."""
+    return torch.compile(_caller(module), **compile_options)
+
+
+def release_compiled_calls() -> None:
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    if eval_frame is not None:
+        eval_frame.reset_code(_caller(None).__code__)

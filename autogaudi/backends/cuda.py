@@ -1,9 +1,11 @@
 """The CUDA backend: torch's own fused kernels and CUDA graphs (via torch.compile)."""
 from __future__ import annotations
 
+import sys
+
 import torch
 
-from autogaudi.backends.base import Backend, MemoryStats
+from autogaudi.backends.base import Backend, MemoryStats, compile_calls, release_compiled_calls
 
 
 class CudaBackend(Backend):
@@ -21,12 +23,23 @@ class CudaBackend(Backend):
         total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
         return MemoryStats(torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated(), total)
 
-    def graph_forward(self, module, exact_random: bool = False):
+    def graph_forward(self, module, exact_random: bool = False, static_outputs: bool = True):
         # "reduce-overhead" is torch.compile's CUDA-graphs mode: replay instead of re-launching. A
         # mode and options cannot be passed together; the mode stands for inductor's triton.cudagraphs.
-        if exact_random:
-            return torch.compile(module.forward, options={"triton.cudagraphs": True, "fallback_random": True})
-        return torch.compile(module.forward, mode="reduce-overhead")
+        # Without static outputs (a module called again while its last outputs are in use), plain
+        # inductor kernels: fewer launches, and no replay writing over live outputs.
+        self._trees_were_started = "torch._inductor.cudagraph_trees" in sys.modules
+        options = {"triton.cudagraphs": static_outputs, "fallback_random": exact_random}
+        if static_outputs and not exact_random:
+            return compile_calls(module, mode="reduce-overhead")
+        return compile_calls(module, options=options)
+
+    def release_graphs(self, graphed) -> None:
+        release_compiled_calls()
+        if not self._trees_were_started:  # only autogaudi's: the trees (and their memory pool) go
+            trees = sys.modules.get("torch._inductor.cudagraph_trees")
+            if trees is not None:
+                trees.reset_cudagraph_trees()
 
 
 def probe():

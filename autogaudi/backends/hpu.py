@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from autogaudi.backends.base import Backend, MemoryStats
+from autogaudi.backends.base import Backend, MemoryStats, compile_calls
 
 # torch.optim arguments the Gaudi fused optimizers do not have, with the value that means "unused".
 _UNSUPPORTED_UNLESS = {"amsgrad": False, "maximize": False, "foreach": None, "capturable": False,
@@ -64,18 +64,26 @@ class HpuBackend(Backend):
         stats = self._hpu.memory_stats()
         return MemoryStats(stats["InUse"], stats["MaxInUse"], stats["Limit"])
 
-    def graph_forward(self, module, exact_random: bool = False, max_graphs: int = 10):
+    @property
+    def graphs_can_keep_outputs(self) -> bool:
+        return not self.is_lazy  # ModuleCacher replays into the same output tensors
+
+    def graph_forward(self, module, exact_random: bool = False, static_outputs: bool = True, max_graphs: int = 10):
         if self.is_lazy:
             # The Gaudi guide's training API. It can only work in place (it sets module.forward);
-            # the cached forward it made is taken back out so the module is left as it was and the
-            # graph_capture unit can switch between the two through its own (wrapt) wrapper.
+            # the cached forward it made is taken back out so the module is left as it was, and the
+            # graph_capture unit routes calls to it.
             original = vars(module).get("forward")
             self._hpu.ModuleCacher(max_graphs=max_graphs)(model=module, inplace=True)
             cached = vars(module).pop("forward")
             if original is not None:
                 vars(module)["forward"] = original
             return cached
-        return torch.compile(module.forward, backend="hpu_backend")
+        return compile_calls(module, backend="hpu_backend")
+
+    def release_graphs(self, graphed) -> None:
+        if not self.is_lazy:
+            super().release_graphs(graphed)
 
     def fused_optimizer_refusal(self, optimizer_class, hyperparameters: dict):
         name = optimizer_class.__name__

@@ -10,8 +10,11 @@ How: ``model.to(memory_format=...)`` converts parameters in place (the Parameter
 the optimizer's references, stay the same), and the optimizer's per-parameter buffers (momentum,
 Adam moments) are converted with them; a forward pre-hook (torch's own) converts 4-D tensor
 inputs. The math is the same, up to float reassociation in the kernels; ``state_dict`` tensors are
-ordinary tensors in either format and load into a plain model. Revert converts the model back.
-Models with no Conv2d are left alone.
+ordinary tensors in either format and load into a plain model. A trial that is not kept, and revert,
+convert the model back and remove the hook. Models with no Conv2d, and models the script already
+put in channels_last, are left alone, and so is a model graph_capture holds (captured or on trial):
+compiled graphs assert the strides they were built for, and switching the format under them crashed
+compiled backward passes on CUDA (docs/units/channels_last.md).
 """
 from __future__ import annotations
 
@@ -26,13 +29,21 @@ def _convert(value):
     return value
 
 
+def in_channels_last(model) -> bool:
+    """Every 4-D parameter already laid out channels_last (and not also plain contiguous: 1x1)."""
+    weights = [p for p in model.parameters() if p.dim() == 4 and not p.is_contiguous()]
+    return bool(weights) and all(p.is_contiguous(memory_format=torch.channels_last) for p in weights)
+
+
 class ChannelsLast(ActsOnProfile):
     targets = ("<training model> parameters (memory format)", "<training model> forward pre-hook (4-D inputs)")
 
     def apply(self) -> None:
         self._model = None
         self._optimizer = None
+        self._candidate = None
         self._on = False
+        self.on_revert(self._release)
         self.reason = "waiting for the step profile"
         self.when_profiled(self._profiled)
 
@@ -41,11 +52,20 @@ class ChannelsLast(ActsOnProfile):
         if model is None or not any(isinstance(m, torch.nn.Conv2d) for m in model.modules()):
             self.reason = "no Conv2d in the training model"
             return
+        if in_channels_last(model):
+            self.reason = "left as is: the script already put the model in channels_last"
+            return
+        capture = self.session.unit("graph_capture")
+        if capture is not None and capture in self.session.applied and capture.holds(model):
+            # Compiled graphs fix the strides they were built for: a later switch of format crashed
+            # inductor's compiled backward (stride assertion) on CUDA in the siamese and mnist scripts.
+            self.reason = "stepped aside: graph_capture holds this model, and its graphs fix the memory format"
+            return
         self._model = model
         self._optimizer = profile.optimizer
-        self.on_revert(lambda: self._switch(False))
-        handle = model.register_forward_pre_hook(self._inputs, with_kwargs=True)
-        self.on_revert(handle.remove)
+        self._candidate = self.scope.child()
+        self._candidate.add(lambda: self._switch(False))
+        self._candidate.add(model.register_forward_pre_hook(self._inputs, with_kwargs=True).remove)
         if self.switch_on_or_try(self._switch, self._decided):
             self.reason = f"{type(model).__name__} in channels_last (without a trial)"
         else:
@@ -74,7 +94,16 @@ class ChannelsLast(ActsOnProfile):
     def _decided(self, keep: bool, record: dict) -> None:
         self.figures["speedup"] = record["speedup"]
         name = type(self._model).__name__
-        self.reason = f"{name} in channels_last: measured faster" if keep else f"{name} kept as is: not faster"
+        self.reason = f"{name} in channels_last: measured faster" if keep else f"rejected: {name} kept as is, not faster"
+        if not keep:
+            self._release()
+
+    def _release(self) -> None:
+        """Back to the model's own format, hook removed, no reference to the model or optimizer kept."""
+        if self._candidate is not None:
+            self.notes.extend(self._candidate.close() or ())
+        self._candidate = None
+        self._model = self._optimizer = None
 
     def _inputs(self, _module, args, kwargs):
         converted = None

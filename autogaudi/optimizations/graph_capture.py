@@ -10,9 +10,21 @@ CPU ``torch.compile``.
 
 Which module: the outermost module called in the profiled step that owns most of the optimizer's
 parameters; for a DistributedDataParallel model its inner module, so DDP's hooks stay outside the
-graph (the guide's order: graphs first, DDP around them). The module's ``forward`` is wrapped
-(wrapt), so the user's references, hooks, ``state_dict`` and checkpoints are untouched. A model the
-script (or a framework: ``Trainer(torch_compile=True)``) already compiled is left alone.
+graph (the guide's order: graphs first, DDP around them). Its calls are routed through
+``nn.Module``'s own compiled-call slot (what ``Module.compile()`` sets, :func:`route_calls`): the
+module's type, ``forward``, hooks and ``state_dict`` stay its own, and ``torch.save``, ``pickle``
+and ``copy.deepcopy`` drop the slot (``Module.__getstate__``), so a saved or copied model is a plain
+one. A model the script (or a framework: ``Trainer(torch_compile=True)``) already compiled is left
+alone. A capture that is not kept is released: the slot, the compiled code's cache entries, and
+CUDA graph trees autogaudi started (their memory pool) are dropped, and no reference to the model
+stays.
+
+Outputs that outlive a replay: CUDA graphs and HPU graphs write every replay's outputs into the
+same static tensors. A module called more than once per step (a GAN's discriminator on real then
+fake images, both losses backpropagated) would see its first output overwritten; the step profile
+counts the calls, and such a module is compiled without CUDA graphs (CUDA) or not captured (HPU
+lazy). Any exception raised by the captured call switches capture off and re-runs that call eagerly,
+so a user's own error surfaces as it would in a plain run.
 
 HPU lazy graphs hold gradient tensors (``Backend.graphs_hold_gradients``): while they are on,
 ``zero_grad`` keeps the tensors (``set_to_none=False``, the guide's rule) — done only when every
@@ -51,6 +63,20 @@ def input_shapes(args, kwargs) -> tuple:
     return tuple(tuple(value.shape) for value in (*args, *kwargs.values()) if isinstance(value, torch.Tensor))
 
 
+def route_calls(module, call):
+    """Make ``module(...)`` call ``call(...)`` instead of the module's own ``_call_impl``, through
+    the slot ``nn.Module.compile()`` uses; return the undo. Nothing else on the module changes."""
+    module._compiled_call_impl = call
+
+    def undo():
+        if vars(module).get("_compiled_call_impl") is not call:
+            return f"{type(module).__name__}'s compiled-call slot was replaced after autogaudi set it; left as is"
+        del module._compiled_call_impl
+        return None
+
+    return undo
+
+
 def compiled_by_the_script(module) -> bool:
     """``torch.compile(model)`` (an ``OptimizedModule``, maybe nested) or ``model.compile()`` (which
     sets ``_compiled_call_impl``) already graphs the model; a second capture around it would compile
@@ -66,25 +92,45 @@ def uses_gradient_checkpointing(module) -> bool:
 
 
 class GraphCapture(ActsOnProfile):
-    targets = ("<training model>.forward (instance attribute, wrapt)",
+    targets = ("<training model>._compiled_call_impl (nn.Module's compiled-call slot, instance)",
                "HPU lazy: torch.utils.checkpoint.checkpoint (counted), <optimizer>.zero_grad and "
                "<training model>.zero_grad (instance attributes, wrapt)")
 
     def apply(self) -> None:
         self._module = None
+        self._optimizer = None
         self._graphed = None
+        self._candidate = None  # the scope of what capturing set up; closed if it is not kept
         self._on = False
         self._shapes: list = []
-        self._compiled_for = 0  # how many input shapes have been through the graphed forward
+        self._compiled_for = 0  # how many input shapes have been through the graphed call
         self._checkpoint_calls = 0
         if self.backend.graphs_hold_gradients:
             self.wrap(torch.utils.checkpoint, "checkpoint", self._count_checkpoint)
+        self.on_revert(self._release)  # the first undo registered: it runs last
         self.reason = "waiting for the step profile"
         self.when_profiled(self._profiled)
+
+    def holds(self, module) -> bool:
+        """Whether ``module`` is captured or on trial: its graphs are built for its memory format."""
+        return self._candidate is not None and module is self._module
 
     def _count_checkpoint(self, wrapped, instance, args, kwargs):
         self._checkpoint_calls += 1
         return wrapped(*args, **kwargs)
+
+    def _refusal(self, profile, forced: bool):
+        """Why the profiled model is not captured, or None."""
+        if profile.bound != "host" and not forced:
+            return f"not captured: the run is {profile.bound}-bound ({profile.why})"
+        if profile.model is None:
+            return "not captured: no module owning the optimizer's parameters was called in the step"
+        if compiled_by_the_script(profile.model):
+            return "stepped aside: the script (or its framework) already compiles the model with torch.compile"
+        if profile.calls_per_step > 1 and not self.backend.graphs_can_keep_outputs:
+            return (f"not captured: {type(profile.model).__name__} is called {profile.calls_per_step} times per "
+                    f"step, and {self.backend.name} graphs overwrite an earlier call's outputs")
+        return None
 
     def _profiled(self, profile) -> None:
         forced = self.name in self.options.force
@@ -93,35 +139,38 @@ class GraphCapture(ActsOnProfile):
         if too_short:
             self.reason = f"not tried: {too_short}"
             return
-        if profile.bound != "host" and not forced:
-            self.reason = f"not captured: the run is {profile.bound}-bound ({profile.why})"
+        refusal = self._refusal(profile, forced)
+        if refusal:
+            self.reason = refusal
             return
-        if profile.model is None:
-            self.reason = "not captured: no module owning the optimizer's parameters was called in the step"
-            return
-        if compiled_by_the_script(profile.model):
-            self.reason = "stepped aside: the script (or its framework) already compiles the model with torch.compile"
-            return
+        self._candidate = self.scope.child()
         if self.backend.graphs_hold_gradients:
             refusal = self._keep_gradient_tensors(profile)
             if refusal:
                 self.reason = f"not captured: {refusal}"
+                self._release()
                 return
         self._module = profile.model
+        name = type(self._module).__name__
         exact = self.options.exact_random and self.backend.graphs_can_draw_eager_random
         if self.options.exact_random and not exact:
             self.note(f"--exact-random has no effect on {self.backend.name}: its graph compiler has no such setting")
-        self._graphed = self.backend.graph_forward(self._module, exact_random=exact)
-        self.wrap(self._module, "forward", self._forward)
-        self.figures["model"] = type(self._module).__name__
+        several = profile.calls_per_step > 1
+        if several:
+            self.note(f"{name} is called {profile.calls_per_step} times per step: captured without graphs that "
+                      "replay into static outputs (CUDA graphs), which a later call would overwrite")
+        self._graphed = self.backend.graph_forward(self._module, exact_random=exact, static_outputs=not several)
+        self._candidate.add(self._forget_graphs)
+        self._candidate.add(route_calls(self._module, self._call))
+        self.figures["model"] = name
         if any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in self._module.modules()):
             self.note("dropout draws eager's random masks (--exact-random)" if exact else
                       "compiled dropout draws different random masks than eager (same distribution); "
                       "--exact-random makes them the same, at a cost in speed")
         if self.switch_on_or_try(self._switch, self._decided):
-            self.reason = f"captured {type(self._module).__name__} ({'forced' if forced else 'trials off'})"
+            self.reason = f"captured {name} ({'forced' if forced else 'trials off'})"
         else:
-            self.reason = f"host-bound; trial running on {type(self._module).__name__}"
+            self.reason = f"host-bound; trial running on {name}"
 
     def _too_short_to_pay_back(self, profile):
         """Why a trial could not pay for itself before the run ends, where a framework says when."""
@@ -144,13 +193,16 @@ class GraphCapture(ActsOnProfile):
         if without:
             return (f"{without} of {len(params)} optimized parameters had no gradient in the profiled step; "
                     "HPU graphs need zero_grad(set_to_none=False), which would make the optimizer update them")
-        self.wrap(profile.optimizer, "zero_grad", self._zero_grad)
-        self.wrap(profile.model, "zero_grad", self._zero_grad)
+        # On the classes, checked by identity: nothing lands in the user's objects' __dict__.
+        self._optimizer = profile.optimizer
+        self._candidate.wrap(type(profile.optimizer), "zero_grad", self._zero_grad)
+        self._candidate.wrap(type(profile.model), "zero_grad", self._zero_grad)
         self.note("zero_grad(set_to_none=False) while graphs are on: gradient tensors are reused, not freed")
         return None
 
     def _zero_grad(self, wrapped, instance, args, kwargs):
-        return wrapped(set_to_none=False) if self._on else wrapped(*args, **kwargs)
+        ours = instance is not None and (instance is self._module or instance is self._optimizer)
+        return wrapped(set_to_none=False) if self._on and ours else wrapped(*args, **kwargs)
 
     def _switch(self, on: bool) -> None:
         self._on = on
@@ -159,23 +211,52 @@ class GraphCapture(ActsOnProfile):
         name = type(self._module).__name__
         self.figures.update(speedup=record["speedup"], one_off_s=record["one_off_s"])
         self.reason = (f"captured {name}: measured faster" if keep
-                       else f"not kept: {name} captured was not faster in the trial")
+                       else f"rejected: {name} captured was not faster in the trial; released")
+        if not keep:
+            self._release()
 
-    def _forward(self, wrapped, instance, args, kwargs):
+    def _release(self) -> None:
+        """Undo the capture: the call route, wrappers, compiled code and graphs, and the references."""
+        self._on = False
+        if self._candidate is not None:
+            self.notes.extend(self._candidate.close() or ())
+        self._candidate = None
+        self._module = self._optimizer = None
+
+    def _forget_graphs(self) -> None:
+        graphed, self._graphed = self._graphed, None
+        if graphed is not None:
+            self.backend.release_graphs(graphed)
+
+    def _call(self, *args, **kwargs):
+        module = self._module
         if not self._on:
-            return wrapped(*args, **kwargs)
+            return module._call_impl(*args, **kwargs)
         shapes = input_shapes(args, kwargs)
         if shapes not in self._shapes:
             self._shapes.append(shapes)
             if len(self._shapes) > MAX_SHAPES:
-                self._on = False
                 self.session.trials.cancel(self)
                 self.reason = (f"switched off: dynamic shapes, {len(self._shapes)} distinct input shapes "
                                f"(each one a recompilation), e.g. {self._shapes[:4]}")
-                return wrapped(*args, **kwargs)
-        if len(self._shapes) == self._compiled_for:
-            return self._graphed(*args, **kwargs)
-        self._compiled_for = len(self._shapes)
-        with warnings.catch_warnings():  # compiling for a new shape: torch.compile's advice is not the user's
-            warnings.simplefilter("ignore", UserWarning)
-            return self._graphed(*args, **kwargs)
+                self._release()
+                return module._call_impl(*args, **kwargs)
+        try:
+            if len(self._shapes) == self._compiled_for:
+                return self._graphed(*args, **kwargs)
+            self._compiled_for = len(self._shapes)
+            with warnings.catch_warnings():  # compiling for a new shape: torch.compile's advice is not the user's
+                warnings.simplefilter("ignore", UserWarning)
+                return self._graphed(*args, **kwargs)
+        except Exception as error:
+            failure = error
+        # Outside the handler, so that an error raised eagerly is not chained to the captured one.
+        return self._eager_after(failure, module, args, kwargs)
+
+    def _eager_after(self, failure, module, args, kwargs):
+        """The captured call raised: run the call as plain PyTorch would. If that raises too, the
+        error is the user's own and propagates unchanged (capture stays as it was); if it does not,
+        capture was at fault: it is switched off, reported, and the run goes on."""
+        result = module._call_impl(*args, **kwargs)
+        self.session.unit_failed_at_run_time(self, failure)
+        return result

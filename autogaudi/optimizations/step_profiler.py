@@ -41,13 +41,14 @@ from __future__ import annotations
 import statistics
 import time
 import warnings
+import weakref
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autogaudi.ranks import rank_zero_choice
 from autogaudi.trials import Trial
-from autogaudi.unit import Unit
+from autogaudi.unit import Scope, Unit
 
 PAIRS = 5
 INPUT_BOUND = 0.5
@@ -162,96 +163,123 @@ class _KernelTimes:
         self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
         self.profiler.__enter__()
 
-    def stop(self) -> float:
+    def stop(self) -> None:
+        """Ends the profiler session; ``seconds`` is the device time of the step's kernels."""
         torch.cuda.synchronize()
         with warnings.catch_warnings():  # "Profiler clears events at the end of each cycle": not the user's
             warnings.simplefilter("ignore")
             self.profiler.__exit__(None, None, None)
-        return sum(event.time_range.elapsed_us() for event in self.profiler.events()
-                   if event.device_type == torch.autograd.DeviceType.CUDA) / 1e6
+        self.seconds = sum(event.time_range.elapsed_us() for event in self.profiler.events()
+                           if event.device_type == torch.autograd.DeviceType.CUDA) / 1e6
 
 
 class _RootModules:
     """The outermost modules called during a census step (what produced the loss), added to
-    ``called``."""
+    ``called``, and how often each was called in the step (``calls``, by identity): a module called
+    again while an earlier output is still in use cannot replay graphs into static outputs."""
 
-    def __init__(self, called: list):
+    def __init__(self, called: list, scope):
         self.depth = 0
         self.called = called
-        self.handles = [torch.nn.modules.module.register_module_forward_pre_hook(self._enter),
-                        torch.nn.modules.module.register_module_forward_hook(self._leave)]
+        self.calls: dict = {}
+        scope.add(torch.nn.modules.module.register_module_forward_pre_hook(self._enter).remove)
+        scope.add(torch.nn.modules.module.register_module_forward_hook(self._leave, always_call=True).remove)
 
     def _enter(self, module, _args):
-        if self.depth == 0 and not any(module is seen for seen in self.called):
-            self.called.append(module)
+        if self.depth == 0:
+            if not any(module is seen for seen in self.called):
+                self.called.append(module)
+            self.calls[id(module)] = self.calls.get(id(module), 0) + 1
         self.depth += 1
 
     def _leave(self, _module, _args, _output):
         self.depth = max(0, self.depth - 1)
 
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-
 
 class _CensusStep:
     """The observers of one census step, started at its first boundary and stopped at its last; none
-    of them stays on during the clean steps."""
+    of them stays on during the clean steps. Each is registered in a scope as it starts, so one that
+    fails to start takes the others off with it."""
 
     def __init__(self, backend, roots: list):
         self.backend = backend
-        self.roots = _RootModules(roots)
-        if backend.name == "hpu":
-            backend.synchronize()  # the step's device time starts on an idle device
-        self.kernels = _KernelTimes() if backend.name == "cuda" else None
-        self.census = _Census()
-        self.census.__enter__()
-        self.census.calibrate()
+        self.scope = Scope()
+        self.kernels = None
+        try:
+            self.roots = _RootModules(roots, self.scope)
+            if backend.name == "hpu":
+                backend.synchronize()  # the step's device time starts on an idle device
+            if backend.name == "cuda":
+                self.kernels = _KernelTimes()
+                self.scope.add(self.kernels.stop)
+            self.census = _Census()
+            self.census.__enter__()
+            self.scope.add(self._leave_census)
+            self.census.calibrate()
+        except BaseException:
+            self.scope.close()
+            raise
 
     def stop(self) -> tuple:
         """(ops issued, seconds the device was busy, seconds waited for collectives) of the step. The
         last is None where the step ran no collective, and on CUDA and HPU: there collectives run on
         the device (NCCL kernels, HCCL), and their time is in the device's already."""
         self.census.close_gap()
-        kernel_seconds = self.abandon()
+        self.abandon()
         if self.backend.name == "hpu":
             self.backend.mark_step()
             issued = time.perf_counter()
             self.backend.synchronize()
             return self.census.ops, time.perf_counter() - issued, None
         if self.backend.name == "cuda":
-            return self.census.ops, kernel_seconds, None
+            return self.census.ops, self.kernels.seconds, None
         return self.census.ops, self.census.busy_seconds(), self.census.collective_seconds if self.census.collectives else None
 
-    def abandon(self):
-        """Takes the observers off; returns the CUDA kernel seconds (None on other backends)."""
+    def _leave_census(self) -> None:
         self.census.__exit__(None, None, None)
-        self.roots.remove()
-        return self.kernels.stop() if self.kernels is not None else None
+
+    def abandon(self) -> None:
+        """Takes the observers off (newest first: the dispatch mode, the profiler, the hooks)."""
+        self.scope.close()
 
 
-def training_model(roots: list, optimizer):
-    """The root module that owns most of the optimizer's parameters (DDP unwrapped), or None."""
+def training_root(roots: list, optimizer):
+    """The root module that owns most of the optimizer's parameters, or None."""
     optimized = {id(p) for group in optimizer.param_groups for p in group["params"]}
     best, best_count = None, 0
     for module in roots:
         count = sum(p.numel() for p in module.parameters() if id(p) in optimized)
         if count > best_count:
             best, best_count = module, count
-    if isinstance(best, torch.nn.parallel.DistributedDataParallel):
-        best = best.module  # graphs go inside DDP: its hooks must stay outside the captured graph
     return best
 
 
-class StepProfile:
-    """The result: the bound, why, the figures, and the module that produced the step's loss."""
+def _weak(value):
+    return None if value is None else weakref.ref(value)
 
-    def __init__(self, bound: str, why: str, figures: dict, model, optimizer):
+
+class StepProfile:
+    """The result: the bound, why, the figures, the module that produced the step's loss (inside
+    DDP: graphs go inside it, its hooks stay outside) and how often it was called per step. The
+    model and optimizer are held weakly: the profile must not keep the user's objects alive."""
+
+    def __init__(self, bound: str, why: str, figures: dict, root, optimizer, calls_per_step: int = 1):
         self.bound = bound
         self.why = why
         self.figures = figures
-        self.model = model
-        self.optimizer = optimizer  # the optimizer whose step ended the census step
+        if isinstance(root, torch.nn.parallel.DistributedDataParallel):
+            root = root.module
+        self._model = _weak(root)
+        self._optimizer = _weak(optimizer)  # the optimizer whose step ended the census step
+        self.calls_per_step = calls_per_step
+
+    @property
+    def model(self):
+        return self._model() if self._model is not None else None
+
+    @property
+    def optimizer(self):
+        return self._optimizer() if self._optimizer is not None else None
 
 
 class StepProfiler(Unit):
@@ -267,6 +295,7 @@ class StepProfiler(Unit):
         self._census_step = None
         self._censuses: list = []  # (ops, busy seconds, collective wait seconds or None) of each census step
         self._roots: list = []
+        self._calls: list = []  # calls of each root module (by id) in each census step
         self._pacer = None
         self._done = 0
         steps = self.session.steps
@@ -306,6 +335,7 @@ class StepProfiler(Unit):
         if done:
             census_step, self._census_step = self._census_step, None  # a failing stop is not undone twice
             self._censuses.append(census_step.stop())
+            self._calls.append(census_step.roots.calls)
         if done == 2 * PAIRS:
             self._finish_census(optimizer)
         else:
@@ -334,12 +364,15 @@ class StepProfiler(Unit):
         bound, why = rank_zero_choice(measured)
         if bound != measured[0]:
             self.note(f"this rank measured {measured[0]}-bound ({measured[1]}); every rank follows rank 0")
-        model = training_model(self._roots, optimizer)
-        self.profile = StepProfile(bound, why, figures, model, optimizer)
+        root = training_root(self._roots, optimizer)
+        calls = max((step_calls.get(id(root), 0) for step_calls in self._calls), default=0) if root else 0
+        self.profile = StepProfile(bound, why, figures, root, optimizer, calls_per_step=calls)
         self.figures.update(bound=bound, **figures)
         self.reason = f"{bound}-bound: {why}"
-        if model is not None:
-            self.figures["model"] = type(model).__name__
+        if root is not None:
+            self.figures["model"] = type(self.profile.model).__name__
+            self.figures["model_calls_per_step"] = calls
+        self._roots, self._calls, self._pacer = [], [], None  # hold none of the user's objects
         self.session.steps.forget(self)  # classified once: no more work on every step and batch
         subscribers, self._subscribers = self._subscribers, []
         for unit, callback in subscribers:
@@ -347,6 +380,7 @@ class StepProfiler(Unit):
                 continue  # reverted (failed, or disable()) since it subscribed
             with unit.fail_open():
                 callback(self.profile)
+        self.session.check_settled()
 
 
 class ActsOnProfile(Unit):

@@ -51,7 +51,7 @@ def test_trial_steps_train_like_plain_and_are_reported():
     losses, _ = train(cnn(), STEPS + 35)
     torch.testing.assert_close(losses, plain, rtol=1e-4, atol=1e-5)
     (trial,) = autogaudi.report().trials
-    assert trial["candidate"] == "channels_last" and trial["decision"] in ("kept", "reverted")
+    assert trial["candidate"] == "channels_last" and trial["decision"] in ("kept", "rejected")
     reason = autogaudi.report().unit("channels_last")["reason"]
     assert reason.endswith("measured faster") == (trial["decision"] == "kept"), reason
 
