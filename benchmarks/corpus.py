@@ -1,0 +1,362 @@
+"""Run public training scripts nobody here wrote, plain and under autogaudi, and compare what they did.
+
+    python benchmarks/corpus.py [--corpus ../shared/corpus] [--cases a,b] [--short] [--jobs N]
+
+For every case of the corpus manifest that fits the machine (``cpu`` cases without a GPU, all with
+one), the whole corpus is copied to a scratch folder per variant (the scripts write next to
+themselves and reach for their neighbours' files), the case's set-up commands run there, and then
+its command runs in a fresh interpreter:
+
+- ``plain``: ``python script args``;
+- ``autogaudi``: ``python -m autogaudi script args`` (defaults);
+- ``capture forced``: ``--force graph_capture,channels_last --no-trials``, the code paths a GPU takes
+  by measurement, driven on any machine.
+
+Per case and variant it records the exit code (must equal plain's), the result line (the manifest's
+regex, last match; its numbers compared with plain's, see :func:`compare_results`), the wall time
+and its ratio to plain, autogaudi's JSON report, and every file the run wrote: the same files must
+exist under autogaudi, and each checkpoint must load with plain ``torch.load`` in a process without
+autogaudi, holding the same keys, dtypes and shapes as plain's. Writes
+``benchmarks/results/corpus-<machine>.{json,md}``; the test suite runs the ``cpu`` cases with
+``--short`` (the cases' own arguments made shorter; the scripts are never edited).
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+DEFAULT_CORPUS = REPO.parent / "shared" / "corpus"
+
+VARIANTS = {
+    "plain": [],
+    "autogaudi": ["-m", "autogaudi"],
+    "capture forced": ["-m", "autogaudi", "--force", "graph_capture,channels_last", "--no-trials"],
+}
+# The result line's numbers against plain's: relative, per number. Fused kernels and compiled code
+# reassociate float sums, and a trajectory drifts over hundreds of steps (5%). Forced capture also
+# draws dropout masks from another random stream (same distribution): a different trajectory of the
+# same training, compared loosely (25%), and the table says so.
+TOLERANCE = {"plain": 0.0, "autogaudi": 0.05, "capture forced": 0.25}
+# Cases whose result cannot be compared with another run's: the script draws unseeded random numbers.
+UNSEEDED = {"regression": "the script draws unseeded random data every step; its exit (converged) is compared"}
+# A variant whose whole run takes this much longer than plain's is "slower".
+SLOWER = 1.10
+CHECKPOINT_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin")
+# --short: each case's own arguments, shortened (name -> (argument replacements, the result regex
+# that then matches the last report line)). For a CI run on 2 cores; the scripts stay as they are.
+SHORT = {
+    "mingpt-adder": ({"--trainer.max_iters=300": "--trainer.max_iters=40"}, r"iter 30: train loss [0-9.]+"),
+    "mingpt-adder-workers": ({"--trainer.max_iters=300": "--trainer.max_iters=40"}, r"iter 30: train loss [0-9.]+"),
+    "mingpt-chargpt": ({"--trainer.max_iters=100": "--trainer.max_iters=40"},
+                       r"iter_dt [0-9.]+ms; iter [0-9]+: train loss [0-9.]+"),
+    "makemore-transformer": ({"150": "40"}, r"step 30 \| loss [0-9.]+"),
+    "makemore-gru": ({"150": "40"}, r"step 30 \| loss [0-9.]+"),
+}
+# Numbers in a result line that are timings, not results ("iter_dt 12.3ms").
+TIMING = re.compile(r"[0-9.]+\s*m?s\b")
+NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
+
+LOAD_CHECKPOINTS = r"""
+import json, sys, torch
+summaries = {}
+for path in sys.argv[1:]:
+    try:
+        value = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as error:
+        summaries[path] = {"error": f"{type(error).__name__}: {error}"[:300]}
+        continue
+    if isinstance(value, torch.nn.Module):
+        kind, value = f"module {type(value).__name__}", value.state_dict()
+    else:
+        kind = type(value).__name__
+    tensors = value.items() if isinstance(value, dict) else ()
+    summaries[path] = {"kind": kind, "tensors": {str(k): [str(v.dtype), list(v.shape)]
+                                                   for k, v in tensors if isinstance(v, torch.Tensor)}}
+print(json.dumps(summaries))
+"""
+
+
+def machine_name() -> str:
+    sys.path.insert(0, str(HERE))
+    from run import machine_name as name  # noqa: PLC0415 (benchmarks/ is not a package)
+
+    return name()
+
+
+def load_cases(corpus: Path, where: str, names) -> list:
+    manifest = json.loads((corpus / "corpus.json").read_text())
+    cases = [case for case in manifest["cases"] if where in case["where"]]
+    if names:
+        unknown = sorted(set(names) - {case["name"] for case in manifest["cases"]})
+        if unknown:
+            raise SystemExit(f"unknown case(s) {', '.join(unknown)}; valid: "
+                             + ", ".join(case["name"] for case in manifest["cases"]))
+        cases = [case for case in manifest["cases"] if case["name"] in names]
+    return cases
+
+
+def shortened(case: dict) -> dict:
+    replacements, result = SHORT.get(case["name"], ({}, case["result"]))
+    return {**case, "command": [replacements.get(arg, arg) for arg in case["command"]], "result": result}
+
+
+def missing_requirements(case: dict) -> list:
+    return [name for name in case.get("requires", ()) if importlib.util.find_spec(name) is None]
+
+
+def clean_env(case: dict, variant: str) -> dict:
+    """The user's environment less autogaudi's own variables, plus the case's; autogaudi variants
+    find the package from this checkout even where it is not installed (the GPU machine)."""
+    env = {key: value for key, value in os.environ.items() if not key.startswith("AUTOGAUDI")}
+    env.update(case.get("env", {}))
+    env["PYTHONUNBUFFERED"] = "1"
+    if VARIANTS[variant]:
+        env["PYTHONPATH"] = os.pathsep.join(part for part in (env.get("PYTHONPATH"), str(REPO)) if part)
+    return env
+
+
+def snapshot(folder: Path) -> dict:
+    return {str(path.relative_to(folder)): (path.stat().st_size, path.stat().st_mtime_ns)
+            for path in folder.rglob("*") if path.is_file() and "__pycache__" not in path.parts}
+
+
+def normalised(name: str) -> str:
+    """File names that carry a time, host or process id (TensorBoard's event files) compared by kind."""
+    return re.sub(r"events\.out\.tfevents\..*", "events.out.tfevents.*", name)
+
+
+def written_files(before: dict, after: dict) -> list:
+    return sorted(name for name, stamp in after.items() if before.get(name) != stamp)
+
+
+def result_numbers(text):
+    return None if text is None else [float(n) for n in NUMBER.findall(TIMING.sub("", text))]
+
+
+def compare_results(case: dict, variant: str, plain, mine) -> tuple:
+    """(same, why): the numbers of the result line within ``TOLERANCE[variant]`` of plain's."""
+    if case["name"] in UNSEEDED:
+        return True, f"not compared: {UNSEEDED[case['name']]}"
+    if mine is None:
+        return False, "no result line"
+    if plain is None:
+        return True, "plain printed no result line"
+    a, b = result_numbers(mine), result_numbers(plain)
+    if len(a) != len(b):
+        return False, f"result {mine!r} is not shaped like plain's {plain!r}"
+    worst = max((abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b)), default=0.0)
+    bound = TOLERANCE[variant]
+    if worst > bound:
+        return False, f"result differs by {worst:.1%} (bound {bound:.0%}): {mine!r} vs plain {plain!r}"
+    return True, f"within {bound:.0%} (largest difference {worst:.2%})"
+
+
+def check_checkpoints(folder: Path, files: list, case: dict) -> dict:
+    """Load each checkpoint with plain torch (no autogaudi in that process), in the case's folder."""
+    checkpoints = [name for name in files if name.endswith(CHECKPOINT_SUFFIXES)]
+    if not checkpoints:
+        return {}
+    env = clean_env(case, "plain")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), str(folder / case["dir"])) if p)
+    done = subprocess.run([sys.executable, "-c", LOAD_CHECKPOINTS, *checkpoints], cwd=folder, env=env,
+                          capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        return {name: {"error": done.stderr[-300:]} for name in checkpoints}
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def _text(output) -> str:
+    return output.decode(errors="replace") if isinstance(output, bytes) else (output or "")
+
+
+def run_variant(corpus: Path, case: dict, variant: str, scratch: Path, timeout: float) -> dict:
+    root = scratch / case["name"] / variant.replace(" ", "-")
+    copy = root / "corpus"
+    shutil.copytree(corpus, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    folder = copy / case["dir"]
+    env = clean_env(case, "plain")
+    for command in case.get("setup", ()):
+        subprocess.run([sys.executable, *command], cwd=folder, env=env, check=True, capture_output=True, timeout=600)
+    before = snapshot(copy)
+    report_path = root / "autogaudi-report.json"
+    extra = [*VARIANTS[variant], "--report", str(report_path)] if VARIANTS[variant] else []
+    began = time.perf_counter()
+    try:
+        done = subprocess.run([sys.executable, *extra, *case["command"]], cwd=folder, env=clean_env(case, variant),
+                              capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as expired:
+        done = subprocess.CompletedProcess(expired.cmd, f"timed out after {timeout} s",
+                                           _text(expired.stdout), _text(expired.stderr) + f"\nkilled after {timeout} s")
+    seconds = time.perf_counter() - began
+    matches = re.findall(f"(?:{case['result']})", done.stdout + done.stderr)
+    files = written_files(before, snapshot(copy))
+    record = {"exit_code": done.returncode, "seconds": round(seconds, 2), "result": matches[-1] if matches else None,
+              "files": sorted({normalised(name) for name in files}),
+              "checkpoints": check_checkpoints(copy, files, case),
+              "output_tail": (done.stdout[-1500:] + "\n--- stderr ---\n" + done.stderr[-3000:]).strip()}
+    if report_path.exists():
+        record["report"] = json.loads(report_path.read_text())
+    return record
+
+
+def verdict(case: dict, variant: str, plain: dict, mine: dict) -> dict:
+    """same / differs / crashed / slower, with every reason found (worst first)."""
+    problems = {"crashed": [], "differs": [], "slower": []}
+    if mine["exit_code"] != plain["exit_code"]:
+        problems["crashed"].append(f"exit code {mine['exit_code']}, plain {plain['exit_code']}")
+    same, why = compare_results(case, variant, plain["result"], mine["result"])
+    if not same:
+        problems["differs"].append(why)
+    missing = sorted(set(plain["files"]) - set(mine["files"]))
+    if missing:
+        problems["crashed" if mine["exit_code"] else "differs"].append(f"files plain wrote are missing: {missing}")
+    for name, summary in mine["checkpoints"].items():
+        if "error" in summary and "error" not in plain["checkpoints"].get(name, {"error": None}):
+            problems["crashed"].append(f"{name} does not load with plain torch.load: {summary['error']}")
+        elif name in plain["checkpoints"] and summary != plain["checkpoints"][name]:
+            problems["differs"].append(f"{name} holds other keys, dtypes or shapes than plain's")
+    ratio = mine["seconds"] / plain["seconds"]
+    if ratio > SLOWER:
+        problems["slower"].append(f"whole run {ratio:.2f}x plain's wall time")
+    worst = next((kind for kind, found in problems.items() if found), "same")
+    return {"verdict": worst, "why": [text for found in problems.values() for text in found] or [why],
+            "time_ratio": round(ratio, 3)}
+
+
+def run_case(corpus: Path, case: dict, variants: list, scratch: Path, log, timeout: float) -> dict:
+    missing = missing_requirements(case)
+    if missing:
+        return {"name": case["name"], "skipped": f"needs {', '.join(missing)}, not installed here"}
+    runs = {}
+    for variant in variants:
+        runs[variant] = run_variant(corpus, case, variant, scratch, timeout)
+        log(f"  {case['name']}: {variant} exit {runs[variant]['exit_code']} in {runs[variant]['seconds']:.1f} s, "
+            f"result {runs[variant]['result']!r}")
+    row = {"name": case["name"], "command": case["command"], "traits": case.get("traits", ""), "runs": runs}
+    plain = runs.get("plain")
+    if plain is not None and plain["exit_code"] != 0:
+        row["plain_failed"] = plain["output_tail"][-600:]
+    if plain is not None:
+        for variant in variants[1:]:
+            runs[variant].update(verdict(case, variant, plain, runs[variant]))
+    return row
+
+
+def what_autogaudi_did(report) -> str:
+    """The units that changed something or measured, and the trials, in one cell."""
+    if not report:
+        return "no report"
+    parts = []
+    for unit in report.get("units", []):
+        if unit["name"] in ("graph_capture", "channels_last", "loader_workers", "fused_optimizer", "step_profiler") \
+                and unit["status"] != "skipped":
+            parts.append(f"{unit['name']}: {unit['reason']}"[:160])
+        elif unit["status"] == "failed":
+            parts.append(f"{unit['name']} FAILED: {unit['reason']}"[:200])
+    for trial in report.get("trials", []):
+        parts.append(f"trial {trial['candidate']}: {trial.get('speedup')}x, one-off {trial.get('one_off_s')} s, "
+                     f"{trial.get('decision')}")
+    return "; ".join(parts)
+
+
+def markdown(results: dict) -> str:
+    variants = results["variants"]
+    lines = [f"# Corpus on {results['machine']} (torch {results['torch']}, {results['mode']})", "",
+             f"Cases run {results['jobs']} at a time; whole-process wall times (interpreter start, set-up "
+             "excluded). Verdicts against plain: same / differs / crashed / slower "
+             f"(> {SLOWER:.2f}x plain's wall time). Result tolerance: "
+             + ", ".join(f"{v} {TOLERANCE[v]:.0%}" for v in variants[1:]) + " relative, per number "
+             "(forced capture draws dropout masks from another stream).", "",
+             *(f"- {note}" for note in results.get("notes", ())), "",
+             "| case | " + " | ".join(variants) + " |", "|---" * (len(variants) + 1) + "|"]
+    for row in results["cases"]:
+        if "skipped" in row:
+            lines.append(f"| {row['name']} | not run: {row['skipped']} |" + " |" * (len(variants) - 1))
+            continue
+        cells = []
+        for variant in variants:
+            run = row["runs"][variant]
+            if variant == "plain":
+                cells.append(f"exit {run['exit_code']}, {run['seconds']:.1f} s, `{run['result']}`")
+            else:
+                cells.append(f"**{run['verdict']}** {run['time_ratio']:.2f}x, exit {run['exit_code']}, `{run['result']}`")
+        lines.append(f"| {row['name']} | " + " | ".join(cells) + " |")
+    lines += ["", "## Details", ""]
+    for row in results["cases"]:
+        if "skipped" in row:
+            continue
+        lines.append(f"### {row['name']}: `{' '.join(row['command'])}`")
+        lines.append(f"Traits: {row['traits']}")
+        if "plain_failed" in row:
+            lines.append(f"- plain failed: `{row['plain_failed'][-300:]}`")
+        for variant in variants[1:]:
+            run = row["runs"][variant]
+            lines.append(f"- {variant}: **{run['verdict']}** ({'; '.join(run['why'])}). "
+                         f"{what_autogaudi_did(run.get('report'))}")
+        lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS)
+    parser.add_argument("--cases", help="comma-separated case names (default: every case that fits the machine)")
+    parser.add_argument("--where", choices=("cpu", "gpu"), help="default: gpu when CUDA is available, else cpu")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help=f"comma-separated, plain first (default: all): {', '.join(VARIANTS)}")
+    parser.add_argument("--short", action="store_true", help="shorter runs through the cases' own arguments (CI)")
+    parser.add_argument("--jobs", type=int, default=1, help="cases run at once (timings then share the machine)")
+    parser.add_argument("--out", type=Path, help="default: benchmarks/results/corpus-<machine>.json")
+    parser.add_argument("--scratch", type=Path, help="where the copies run (default: a temporary folder)")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds one run may take before it is killed")
+    args = parser.parse_args(argv)
+    import torch
+
+    variants = args.variants.split(",")
+    if variants[0] != "plain" or set(variants) - set(VARIANTS):
+        parser.error(f"--variants must start with plain and name only: {', '.join(VARIANTS)}")
+    where = args.where or ("gpu" if torch.cuda.is_available() else "cpu")
+    cases = load_cases(args.corpus, where, args.cases.split(",") if args.cases else None)
+    if args.short:
+        cases = [shortened(case) for case in cases]
+    machine = machine_name()
+    out = args.out or HERE / "results" / f"corpus-{machine}.json"
+    scratch = args.scratch or Path(tempfile.mkdtemp(prefix="autogaudi-corpus-"))
+
+    def log(text):
+        print(text, file=sys.stderr, flush=True)
+
+    results = {"machine": machine, "torch": torch.__version__, "where": where, "jobs": args.jobs,
+               "mode": "short runs (--short)" if args.short else "the manifest's commands",
+               "variants": variants, "tolerance": {v: TOLERANCE[v] for v in variants}, "cases": []}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    order = {case["name"]: index for index, case in enumerate(cases)}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        pending = [pool.submit(run_case, args.corpus, case, variants, scratch, log, args.timeout) for case in cases]
+        for finished in concurrent.futures.as_completed(pending):  # written as cases end: a cut run keeps its rows
+            results["cases"] = sorted([*results["cases"], finished.result()], key=lambda row: order[row["name"]])
+            out.write_text(json.dumps(results, indent=1, default=str) + "\n")
+            out.with_suffix(".md").write_text(markdown(results))
+    rows = results["cases"]
+    print(markdown(results))
+    if not args.scratch:
+        shutil.rmtree(scratch, ignore_errors=True)
+    failed = [row["name"] for row in rows for run in row.get("runs", {}).values()
+              if run.get("verdict") == "crashed"]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
