@@ -9,12 +9,16 @@ How, per backend:
   kernel). If torch refuses it for these parameters (device, dtype), it is built without.
 - HPU: the user's ``torch.optim`` object is built as written and keeps every user-visible aspect
   (type, ``param_groups``, ``state``, schedulers, ``add_param_group``); its ``step`` runs an hpex
-  fused optimizer that shares those very group dicts and state, with every hyperparameter passed
-  explicitly (FusedAdamW's own defaults, eps 1e-6 and weight_decay 0.0, differ from torch's), and
-  empty groups hidden from the fused object only. The user's step hooks still fire once.
+  fused optimizer that shares that state and mirrors each of the user's groups in a group of its
+  own (its extra settings added, empty groups left out), with every hyperparameter passed
+  explicitly (FusedAdamW's own defaults, eps 1e-6 and weight_decay 0.0, differ from torch's). The
+  mirrors persist from step to step: the bridge's FusedAdamW counts steps in its group
+  (``group["step"]``), and a mirror rebuilt each step made every step its first (a constant
+  learning rate of sqrt(1-beta2)/(1-beta1) times the user's). The user's step hooks fire once.
 
 Checkpoints stay plain PyTorch both ways: ``state_dict()`` reports the user's own ``fused`` value
-and torch's tensor ``step``; ``load_state_dict()`` accepts a plain checkpoint.
+and torch's per-parameter tensor ``step``, taken from the group counter; ``load_state_dict()``
+accepts a plain checkpoint and the group counters continue from its steps.
 Skipped per optimizer (with the reason) when the script chose ``fused``/``foreach`` itself, for
 subclasses (their ``step`` may be their own), and for arguments the fused kernel lacks
 (amsgrad, maximize, differentiable, … on HPU). Optimizers built while enabled stay fused after
@@ -57,6 +61,7 @@ class FusedOptimizer(Unit):
         self.figures.update(optimizers_fused=0, optimizers_kept=0)
         self._native = self.backend.name != "hpu"
         self._delegates = weakref.WeakKeyDictionary()  # HPU: user's optimizer -> hpex optimizer
+        self._mirrors = weakref.WeakKeyDictionary()  # HPU: user's optimizer -> {id(group): (group, mirror)}
         self._steps_wrapped = set()
         self._extra_settings = {}  # optimizer class -> hpex-only group settings (bias_correction, ...)
         self._hooked_delegate_step = torch.optim.Optimizer.profile_hook_step(self._delegate_step)
@@ -122,7 +127,7 @@ class FusedOptimizer(Unit):
         self._extra_settings[owner] = {key: value for key, value in delegate.defaults.items()
                                        if key not in instance.defaults}
         self._share_groups(instance, delegate)
-        instance.register_state_dict_post_hook(self._torch_format_checkpoint)
+        instance.register_state_dict_post_hook(functools.partial(_torch_format_checkpoint, steps=self._group_steps))
         instance.register_load_state_dict_post_hook(self._fused_format_state)
         self._fused_format_state(instance)
         self._delegates[instance] = delegate
@@ -135,11 +140,28 @@ class FusedOptimizer(Unit):
 
     def _share_groups(self, instance, delegate) -> None:
         """Point the hpex optimizer at the user's state (``load_state_dict`` replaces that dict) and
-        the user's groups as it needs them: its own extra settings added and empty groups left out
-        (it rejects them), without touching the user's group dicts."""
+        at one mirror per non-empty user group (it rejects empty ones): the user's current values
+        (a scheduler's lr) plus its own settings and counters, kept across steps. A new group (or
+        one ``load_state_dict`` rebuilt) starts its counter from its parameters' saved steps."""
         delegate.state = instance.state
         extra = self._extra_settings[type(instance)]
-        delegate.param_groups = [{**extra, **group} for group in instance.param_groups if group["params"]]
+        known = self._mirrors.setdefault(instance, {})
+        mirrors = {}
+        for group in instance.param_groups:
+            if not group["params"]:
+                continue
+            _, mirror = known.get(id(group), (None, None))
+            if mirror is None or known[id(group)][0] is not group:
+                mirror = {**extra, **_saved_step(group, instance.state)}
+            mirror.update(group)
+            mirrors[id(group)] = (group, mirror)
+        self._mirrors[instance] = mirrors
+        delegate.param_groups = [mirror for _, mirror in mirrors.values()]
+
+    def _group_steps(self, optimizer) -> dict:
+        """The step count of each parameter, from its group's counter (the bridge keeps no other)."""
+        return {id(param): mirror["step"] for _, mirror in self._mirrors.get(optimizer, {}).values()
+                if "step" in mirror for param in mirror["params"]}
 
     def _step(self, wrapped, instance, args, kwargs):
         if instance not in self._delegates:
@@ -163,13 +185,6 @@ class FusedOptimizer(Unit):
         return loss
 
     @staticmethod
-    def _torch_format_checkpoint(optimizer, state_dict):
-        # Copies: the per-parameter dicts in state_dict() are the live state the fused kernel uses.
-        state = {index: {**values, "step": _torch_step(values["step"])} if "step" in values else values
-                 for index, values in state_dict["state"].items()}
-        return {**state_dict, "state": state}
-
-    @staticmethod
     def _fused_format_state(optimizer) -> None:
         for state in optimizer.state.values():
             if torch.is_tensor(state.get("step")):
@@ -177,15 +192,34 @@ class FusedOptimizer(Unit):
 
     def _hand_state_back_to_torch(self) -> None:
         for optimizer in list(self._delegates):
-            for state in optimizer.state.values():
+            steps = self._group_steps(optimizer)
+            for param, state in optimizer.state.items():
                 if "step" in state:
-                    state["step"] = _torch_step(state["step"])
+                    state["step"] = _torch_step(steps.get(id(param), state["step"]))
         self._delegates.clear()
+        self._mirrors.clear()
 
 
 def _torch_step(step):
     """torch keeps ``step`` as a float32 tensor; the hpex optimizers keep a Python int."""
     return torch.tensor(float(step)) if isinstance(step, int) else step
+
+
+def _saved_step(group, state) -> dict:
+    """``{"step": n}`` for a group whose parameters carry a saved step (a loaded checkpoint), else {}."""
+    saved = [int(state[param]["step"]) for param in group["params"] if "step" in state.get(param, {})]
+    return {"step": max(saved)} if saved and max(saved) > 0 else {}
+
+
+def _torch_format_checkpoint(optimizer, state_dict, steps):
+    """Torch's checkpoint format: each parameter's ``step`` a tensor, counted by its group. Copies:
+    the per-parameter dicts in ``state_dict()`` are the live state the fused kernel uses."""
+    indexed = {index: param for group, saved in zip(optimizer.param_groups, state_dict["param_groups"])
+               for index, param in zip(saved["params"], group["params"])}
+    group_steps = steps(optimizer)
+    state = {index: {**values, "step": _torch_step(group_steps.get(id(indexed.get(index)), values["step"]))}
+             if "step" in values else values for index, values in state_dict["state"].items()}
+    return {**state_dict, "state": state}
 
 
 def _with_fused(optimizer, state_dict, value):

@@ -6,7 +6,8 @@ import autogaudi
 from tests.optimizations.test_step_marks import (
     MARK, accumulation_loop, lbfgs_loop, standard_loop, two_optimizers_with_grad_scaler)
 
-ADAMW = ["FusedAdamW.step", MARK]  # the bridge's FusedAdamW marks a step itself in lazy mode
+# The bridge's FusedAdamW marks a step itself in lazy mode: before its (one) param group and after.
+ADAMW = ["FusedAdamW.step", MARK, MARK]
 SGD = ["FusedSGD.step", MARK]
 CLIP = "FusedClipNorm.clip_norm"
 # step_profiler: after 3 warm-up steps and one clean step, its first census step starts on an idle device
@@ -19,7 +20,7 @@ def sequence(hpu_double, loop):
     autogaudi.enable(device="hpu")
     calls.reset()
     losses = loop()
-    torch.testing.assert_close(losses, plain, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(losses, plain, rtol=2e-4, atol=1e-5)  # FusedAdamW's eps placement
     return calls.names()
 
 

@@ -1,8 +1,13 @@
 """Gaudi fused optimizers with the bridge's own defaults and quirks, computing on the CPU.
 
-FusedAdamW: eps 1e-6 and weight_decay 0.0 by default (torch.optim.AdamW: 1e-8 and 1e-2), no
-amsgrad/maximize/foreach/fused/capturable, ``step`` kept as a Python int in the state, empty param
-groups rejected, and a mark_step at the end of every step() in lazy mode.
+FusedAdamW (bridge ``hpex/optimizers/FusedAdamW.py``, read 2026-11-23): eps 1e-6 and weight_decay
+0.0 by default (torch.optim.AdamW: 1e-8 and 1e-2), no amsgrad/maximize/foreach/fused/capturable.
+The step counter lives in the param group (``group["step"]``, counted only for a group with a
+gradient); each parameter's ``state["step"]`` is set to the int 0 once and never counted. The
+kernel's update, from the optimizer's arguments: weights times ``1 - lr * weight_decay``, then
+``p -= lr * sqrt(1 - beta2^t) / (1 - beta1^t) * m / (sqrt(v) + eps)``, eps added to the
+un-corrected ``sqrt(v)`` (torch AdamW adds it to the corrected one). In lazy mode a step is marked
+before each group and after ``step()``.
 """
 import math
 
@@ -39,28 +44,38 @@ class _FusedOptimizer(torch.optim.Optimizer):
 
 
 class FusedAdamW(_FusedOptimizer):
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0,
-                 bias_correction=True, moments_dtype=None):
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                        bias_correction=bias_correction, moments_dtype=moments_dtype)
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0, bias_correction=True):
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction)
         super().__init__(params, defaults)
 
-    @staticmethod
-    def _update(group, param, state):
-        beta1, beta2 = group["betas"]
-        if not state:
-            state["step"] = 0
-            state["exp_avg"] = torch.zeros_like(param)
-            state["exp_avg_sq"] = torch.zeros_like(param)
-        state["step"] += 1
-        step = state["step"]
-        param.mul_(1 - group["lr"] * group["weight_decay"])
-        state["exp_avg"].lerp_(param.grad, 1 - beta1)
-        state["exp_avg_sq"].mul_(beta2).addcmul_(param.grad, param.grad, value=1 - beta2)
-        correction1 = 1 - beta1 ** step if group["bias_correction"] else 1.0
-        correction2 = 1 - beta2 ** step if group["bias_correction"] else 1.0
-        denominator = (state["exp_avg_sq"].sqrt() / math.sqrt(correction2)).add_(group["eps"])
-        param.addcdiv_(state["exp_avg"], denominator, value=-group["lr"] / correction1)
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        record("FusedAdamW.step", groups=len(self.param_groups))
+        for group in self.param_groups:
+            if is_lazy():
+                mark_step()
+            params = [param for param in group["params"] if param.grad is not None]
+            for param in params:
+                state = self.state[param]
+                if not state:
+                    state.update(step=0, exp_avg=torch.zeros_like(param), exp_avg_sq=torch.zeros_like(param))
+            if not params:
+                continue
+            group["step"] = group.get("step", 0) + 1
+            beta1, beta2 = group["betas"]
+            step_size = group["lr"]
+            if group["bias_correction"]:
+                step_size *= math.sqrt(1 - beta2 ** group["step"]) / (1 - beta1 ** group["step"])
+            for param in params:
+                state = self.state[param]
+                param.mul_(1 - group["weight_decay"] * group["lr"])
+                state["exp_avg"].lerp_(param.grad, 1 - beta1)
+                state["exp_avg_sq"].mul_(beta2).addcmul_(param.grad, param.grad, value=1 - beta2)
+                param.addcdiv_(state["exp_avg"], state["exp_avg_sq"].sqrt().add_(group["eps"]), value=-step_size)
+        if is_lazy():
+            mark_step()
+        return loss
 
 
 class FusedSGD(_FusedOptimizer):
