@@ -21,11 +21,20 @@ def train(model, steps=10):
     return [p.detach().clone() for p in model.parameters()]
 
 
+# torch 2.13's gloo teardown sometimes aborts a worker after its work is done ("terminate called
+# without an active exception", SIGABRT at exit): seen in 1 of 6 plain torchrun runs of ddp_train.py,
+# autogaudi absent. Such a job is run once more; any other failure is the test's.
+GLOO_TEARDOWN_ABORT = "terminate called without an active exception"
+
+
 def torchrun(tmp_path, *args, env=None, **extra):
     """Run a 2-rank job; return (CompletedProcess, each rank's result, by rank)."""
-    results = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
-    results.mkdir()
-    result = run_python(*args, env=clean_env(RESULTS=results, **(env or {})), **extra)
+    for attempt in range(2):
+        results = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
+        results.mkdir()
+        result = run_python(*args, env=clean_env(RESULTS=results, **(env or {})), **extra)
+        if not (result.returncode != 0 and GLOO_TEARDOWN_ABORT in result.stderr and attempt == 0):
+            break
     rows = [json.loads(path.read_text()) for path in sorted(results.glob("rank*.json"))]
     return result, rows
 
