@@ -122,4 +122,6 @@ def _format_steps(steps: dict) -> str:
     if "steps_per_s" in steps:
         text += (f"; {steps['steps_per_s']} steps/s over {steps['timed_steps']} steps"
                  f" after {steps['warmup_steps']} warm-up")
+    if steps.get("decisions_settled_at_step") is not None:
+        text += f"; every decision made by step {steps['decisions_settled_at_step']}"
     return text
