@@ -30,6 +30,7 @@ class UnitRow:
         unit = self.unit
         reason = unit.reason if unit is not None and self.status == APPLIED else self.reason
         return {"name": self.name, "summary": self.summary, "status": self.status,
+                "changes": unit.changes() if unit is not None and self.status == APPLIED else [],
                 "targets": list(unit.targets) if unit else [], "reason": reason,
                 "figures": dict(unit.figures) if unit else {}, "notes": list(unit.notes) if unit else []}
 
@@ -60,8 +61,13 @@ class Report:
     def as_dict(self) -> dict:
         return {"autogaudi": __version__, "torch": self.torch_version, "enabled_by": list(self.enabled_by),
                 "active": self.active, "backend": self.backend, "options": self.options,
-                "steps": self.steps, "memory": self.memory, "units": self.units, "trials": self.trials,
+                "steps": self.steps, "memory": self.memory, "changed": self.changed(), "units": self.units,
+                "trials": self.trials,
                 "ranks": None if self.ranks is None else {str(rank): rows for rank, rows in self.ranks.items()}}
+
+    def changed(self) -> list:
+        """What autogaudi changed in this run, unit by unit: the report's headline."""
+        return [{"unit": row["name"], "what": what} for row in self.units for what in row.get("changes", ())]
 
     def to_json(self) -> str:
         return json.dumps(self.as_dict(), indent=2, default=str)
@@ -76,6 +82,10 @@ class Report:
                  f"  steps    {_format_steps(self.steps)}"]
         if self.memory:
             lines.append("  memory   " + ", ".join(f"{k} {v}" for k, v in self.memory.items()))
+        changed = self.changed()
+        lines.append(f"  changed  {len(changed)} thing{'' if len(changed) == 1 else 's'}"
+                     + (":" if changed else " (each unit's reason below says why)"))
+        lines.extend(f"           {row['unit']}: {row['what']}" for row in changed)
         width = max([len(row["name"]) for row in self.units] + [4])
         lines.append(f"  {'unit'.ljust(width)}  {'status':<8} reason")
         for row in self.units:
@@ -119,6 +129,8 @@ def _format_ranks(ranks: dict) -> str:
 
 def _format_steps(steps: dict) -> str:
     text = f"{steps.get('optimizer_steps', 0)} optimizer steps, {steps.get('backward_passes', 0)} backward passes"
+    if steps.get("steps_counted_by"):
+        text = f"{steps['steps']} training steps (counted by {steps['steps_counted_by']}): " + text
     if "steps_per_s" in steps:
         text += (f"; {steps['steps_per_s']} steps/s over {steps['timed_steps']} steps"
                  f" after {steps['warmup_steps']} warm-up")

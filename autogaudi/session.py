@@ -36,7 +36,7 @@ class Session:
         self.rank_rows = None  # on rank 0 of a multi-rank job: every rank's unit rows, once gathered
         self._shared_with_ranks = False
         self._scope = Scope()
-        self.settled_at_step = None  # the optimizer step after which every decision was made
+        self.settled_at_step = None  # the training step after which every decision was made
 
     def start(self) -> None:
         self.backend = backends.select(self.options.device)
@@ -95,7 +95,7 @@ class Session:
 
     def check_settled(self) -> None:
         if self.settled_at_step is None and self.settled():
-            self.settled_at_step = self.steps.optimizer_steps
+            self.settled_at_step = self.steps.steps
 
     def unit(self, name: str):
         """The live unit called ``name`` (applied or not yet decided), or None."""

@@ -6,16 +6,27 @@ and ``scaler.scale(loss).backward()`` both go through it), and optimizer steps c
 own ``register_optimizer_step_post_hook``, which fires for every optimizer, including
 ``GradScaler.step`` and ``step(closure)``. Listeners are units; a listener that raises fails only
 its own unit. Timing reads the clock at step boundaries and adds no device synchronisation.
+
+A *training step* is one iteration of the user's loop: a step of one optimizer, the pacer (the first
+to step; a GAN's two optimizers or forward-forward's per-layer ones make one iteration one step; the
+pacer passes to another optimizer that steps ``REPACE_AFTER`` times in a row without it). A loop that
+updates its parameters by hand (no ``torch.optim`` step after ``NO_OPTIMIZER_AFTER`` backward passes)
+has its steps counted by backward passes; an optimizer that steps later takes over the count.
 """
 from __future__ import annotations
 
 import time
+import weakref
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.data import dataloader
 
 from autogaudi.unit import Scope
+
+NO_OPTIMIZER_AFTER = 16  # backward passes with no optimizer step before backward passes count as steps
+REPACE_AFTER = 8  # steps of another optimizer in a row, the pacer silent, before it paces instead
+BY_OPTIMIZER, BY_BACKWARD = "optimizer steps", "backward passes"
 
 
 class TrainingSteps:
@@ -24,12 +35,18 @@ class TrainingSteps:
         self.options = options
         self.backwards = 0
         self.optimizer_steps = 0
+        self.steps = 0  # training steps: iterations of the user's loop
+        self.counted_by = None  # BY_OPTIMIZER or BY_BACKWARD once the first step is seen
+        self._pacer = None  # weak reference to the optimizer whose steps are the training steps
+        self._others_in_a_row = 0
+        self._in_optimizer_step = 0  # backward passes inside step(closure) (LBFGS) are not steps
         self._loader_adjusters: list = []
         self._epoch_listeners: list = []
         self._before_batch_listeners: list = []
         self._after_batch_listeners: list = []
         self._before_backward_listeners: list = []
         self._after_backward_listeners: list = []
+        self._after_optimizer_listeners: list = []
         self._after_step_listeners: list = []
         self._scope = Scope()
         self._timed_from = None  # (step number, clock) once warm-up is over
@@ -41,6 +58,7 @@ class TrainingSteps:
 
     def install(self) -> None:
         self._scope.wrap(torch.autograd, "backward", self._backward)
+        self._scope.add(register_optimizer_step_pre_hook(self._before_optimizer_step).remove)
         self._scope.add(register_optimizer_step_post_hook(self._after_optimizer_step).remove)
         self._scope.wrap(dataloader._BaseDataLoaderIter, "__next__", self._next_batch)
         self._scope.wrap(dataloader.DataLoader, "__init__", self._new_loader)
@@ -74,6 +92,12 @@ class TrainingSteps:
         self._after_backward_listeners.append((unit, listener))
 
     def after_optimizer_step(self, unit, listener) -> None:
+        """``listener(optimizer)`` after every step of every optimizer."""
+        self._after_optimizer_listeners.append((unit, listener))
+
+    def after_step(self, unit, listener) -> None:
+        """``listener(optimizer or None)`` at the end of each training step (see the module's docstring):
+        the pacing optimizer, or None where steps are counted by backward passes."""
         self._after_step_listeners.append((unit, listener))
 
     def forget(self, unit) -> None:
@@ -81,11 +105,11 @@ class TrainingSteps:
         for listeners in (self._loader_adjusters, self._epoch_listeners,
                           self._before_batch_listeners, self._after_batch_listeners,
                           self._before_backward_listeners, self._after_backward_listeners,
-                          self._after_step_listeners):
+                          self._after_optimizer_listeners, self._after_step_listeners):
             listeners[:] = [(owner, fn) for owner, fn in listeners if owner is not unit]
 
     def forget_listener(self, unit, listener) -> None:
-        """Drop one step listener of a unit (e.g. a finished trial's)."""
+        """Drop one training-step listener of a unit (e.g. a finished trial's)."""
         self._after_step_listeners[:] = [(owner, fn) for owner, fn in self._after_step_listeners
                                          if not (owner is unit and fn == listener)]
 
@@ -117,14 +141,41 @@ class TrainingSteps:
         result = wrapped(*args, **kwargs)
         self.backwards += 1
         self._notify(self._after_backward_listeners)
+        if self._in_optimizer_step:
+            return result
+        if self.counted_by is None and self.backwards >= NO_OPTIMIZER_AFTER and not self.optimizer_steps:
+            self.counted_by = BY_BACKWARD
+        if self.counted_by == BY_BACKWARD:
+            self._end_step(None)
         return result
 
+    def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
+        self._in_optimizer_step += 1
+
     def _after_optimizer_step(self, optimizer, args, kwargs) -> None:
+        self._in_optimizer_step = max(0, self._in_optimizer_step - 1)
         self.optimizer_steps += 1
+        self._notify(self._after_optimizer_listeners, optimizer)
+        if self._paces(optimizer):
+            self._end_step(optimizer)
+
+    def _paces(self, optimizer) -> bool:
+        pacer = self._pacer() if self._pacer is not None else None
+        if pacer is optimizer:
+            self._others_in_a_row = 0
+            return True
+        self._others_in_a_row += 1
+        if pacer is None or self._others_in_a_row > REPACE_AFTER:
+            self._pacer, self._others_in_a_row, self.counted_by = weakref.ref(optimizer), 0, BY_OPTIMIZER
+            return True
+        return False
+
+    def _end_step(self, optimizer) -> None:
+        self.steps += 1
         now = time.perf_counter()
         self.last_step_clock = now
-        if self.optimizer_steps == self.options.warmup_steps + 1:
-            self._timed_from = (self.optimizer_steps, now)
+        if self.steps == self.options.warmup_steps + 1:
+            self._timed_from = (self.steps, now)
         self._notify(self._after_step_listeners, optimizer)
 
     def _notify(self, listeners, *args) -> None:
@@ -135,14 +186,15 @@ class TrainingSteps:
     @property
     def timed(self):
         """(steps, seconds) since the end of warm-up, or None before two timed step boundaries."""
-        if self._timed_from is None or self.optimizer_steps <= self._timed_from[0]:
+        if self._timed_from is None or self.steps <= self._timed_from[0]:
             return None
         first_step, first_clock = self._timed_from
-        return self.optimizer_steps - first_step, self.last_step_clock - first_clock
+        return self.steps - first_step, self.last_step_clock - first_clock
 
     def figures(self) -> dict:
         """Counts and the steady-state rate (steps after warm-up, between step boundaries)."""
-        figures = {"backward_passes": self.backwards, "optimizer_steps": self.optimizer_steps}
+        figures = {"steps": self.steps, "steps_counted_by": self.counted_by,
+                   "backward_passes": self.backwards, "optimizer_steps": self.optimizer_steps}
         if self.timed:
             steps, seconds = self.timed
             figures["steps_per_s"] = round(steps / seconds, 3)

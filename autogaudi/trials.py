@@ -11,7 +11,8 @@ reported apart. The candidate is kept only when its median step is at least ``MA
 Faithfulness: trial steps are the user's real steps, each batch seen exactly once; both arms compute
 the same math (the units that use trials change only how it is executed, up to float reassociation).
 Trials run one at a time (two at once would confound each other), in the order they were asked for.
-Steps are timed boundary to boundary at optimizer steps, with no added device synchronisation: the
+Steps are timed boundary to boundary at training steps (the session's: whole iterations), with no
+added device synchronisation: the
 user's loop syncs where it reads a loss, and a block of several steps smooths what it does not.
 On distributed runs each rank measures its own steps; the decision is rank 0's, broadcast to the
 others when a process group is up, so every rank runs the same code path.
@@ -92,7 +93,7 @@ class TrialRunner:
             self.on_idle()
         else:
             self.last_clock = None
-            self.steps.after_optimizer_step(self.current.unit, self._after_step)
+            self.steps.after_step(self.current.unit, self._after_step)
             self._flip(self.current.schedule[0])
 
     def _flip(self, on: bool) -> None:

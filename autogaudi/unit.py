@@ -97,6 +97,9 @@ class Unit:
     backends: tuple = ALL_BACKENDS
     min_torch: tuple = (2, 4)  # the oldest torch whose APIs the unit relies on
     why_not_elsewhere = ""  # why the other backends do not need it, for the report
+    # (figure, text): the figure that counts what the unit changed in the run, and how the report's
+    # headline says it ("{}" is the count). Units that only measure leave it empty.
+    changed_figure: tuple = ()
 
     def __init__(self, session, info):
         self.session = session
@@ -126,6 +129,12 @@ class Unit:
 
     def apply(self) -> None:
         raise NotImplementedError
+
+    def changes(self) -> list:
+        """What this unit changed in the run, for the report's headline; [] where nothing changed."""
+        figure, text = self.changed_figure or (None, "")
+        count = self.figures.get(figure) if figure else None
+        return [text.format(count)] if count else []
 
     def revert(self) -> None:
         self.notes.extend(self.scope.close() or ())

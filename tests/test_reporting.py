@@ -50,3 +50,23 @@ def test_log_every_prints_progress_lines():
     progress = [line for line in result.stderr.splitlines() if line.startswith("autogaudi: step")]
     assert [line.split(" | ")[0] for line in progress] == ["autogaudi: step 5", "autogaudi: step 10"]
     assert "steps/s" in progress[1] and "mem" in progress[1]
+
+
+def test_the_report_leads_with_what_autogaudi_changed(tmp_path):
+    path = tmp_path / "report.json"
+    result = run_python("-m", "autogaudi", "--report", path, SCRIPTS / "train_tiny.py")
+    report = json.loads(path.read_text())
+    changed = {row["unit"] for row in report["changed"]}
+    assert "fused_optimizer" in changed  # train_tiny's optimizer runs fused
+    assert "step_profiler" not in changed and "throughput_meter" not in changed  # they only measure
+    applied = {unit["name"] for unit in report["units"] if unit["changes"]}
+    assert applied == changed
+    lines = result.stderr.splitlines()
+    headline = next(index for index, line in enumerate(lines) if line.startswith("  changed  "))
+    assert headline < next(index for index, line in enumerate(lines) if line.startswith("  unit "))
+    assert lines[headline] == f"  changed  {len(report['changed'])} thing{'' if len(report['changed']) == 1 else 's'}:"
+
+
+def test_nothing_changed_is_said_so(tmp_path):
+    result = run_python("-m", "autogaudi", "--only", "step_profiler", SCRIPTS / "train_tiny.py")
+    assert "  changed  0 things (each unit's reason below says why)" in result.stderr

@@ -13,7 +13,7 @@ class FakeSteps:
     def __init__(self):
         self.listeners = []
 
-    def after_optimizer_step(self, _unit, listener):
+    def after_step(self, _unit, listener):
         self.listeners.append(listener)
 
     def forget_listener(self, _unit, listener):

@@ -71,6 +71,10 @@ class Backend:
         at a cost in speed. ``static_outputs=False``: outputs must survive the next call."""
         return compile_calls(module, options={"fallback_random": True} if exact_random else None)
 
+    def graph_kind(self, module) -> str:
+        """What ``graph_forward`` captures with here, for the report."""
+        return "torch.compile"
+
     def release_graphs(self, graphed) -> None:
         """Drop what ``graph_forward`` built: compiled code, its guards (which hold the module) and
         graphs. Only autogaudi's own cache entries go: they sit on a function of its own."""

@@ -30,9 +30,13 @@ class CudaBackend(Backend):
         # inductor kernels: fewer launches, and no replay writing over live outputs.
         self._trees_were_started = "torch._inductor.cudagraph_trees" in sys.modules
         options = {"triton.cudagraphs": static_outputs, "fallback_random": exact_random}
+        self._graph_kind = "CUDA graphs" if static_outputs else "torch.compile without CUDA graphs"
         if static_outputs and not exact_random:
             return compile_calls(module, mode="reduce-overhead")
         return compile_calls(module, options=options)
+
+    def graph_kind(self, module) -> str:
+        return self._graph_kind
 
     def release_graphs(self, graphed) -> None:
         release_compiled_calls()

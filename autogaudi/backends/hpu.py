@@ -81,6 +81,9 @@ class HpuBackend(Backend):
             return cached
         return compile_calls(module, backend="hpu_backend")
 
+    def graph_kind(self, module) -> str:
+        return "HPU graphs, ModuleCacher" if self.is_lazy else "torch.compile, hpu_backend"
+
     def release_graphs(self, graphed) -> None:
         if not self.is_lazy:
             super().release_graphs(graphed)

@@ -36,6 +36,7 @@ def hpu_bucket_megabytes(module) -> int:
 
 
 class DdpTuning(Unit):
+    changed_figure = ("ddp_models_tuned", "{} DistributedDataParallel model(s) tuned")
     targets = ("torch.nn.parallel.DistributedDataParallel.__init__",)
 
     def apply(self) -> None:

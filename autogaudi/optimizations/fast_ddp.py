@@ -110,6 +110,7 @@ class FlatAllReduce:
 
 
 class FastDdp(Unit):
+    changed_figure = ("models", "{} DDP model(s) averaging gradients in one flat all-reduce")
     targets = ("torch.nn.parallel.DistributedDataParallel.forward",
                "torch.autograd.backward (via the session's step watcher)")
 

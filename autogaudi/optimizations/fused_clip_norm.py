@@ -24,6 +24,7 @@ _MAX_CACHED_SETS = 8
 
 
 class FusedClipNormUnit(Unit):
+    changed_figure = ("fused_calls", "{} clip_grad_norm_ calls through FusedClipNorm")
     targets = ("torch.nn.utils.clip_grad_norm_", "torch.nn.utils.clip_grad.clip_grad_norm_")
     backends = ("hpu",)
     why_not_elsewhere = "torch's clip_grad_norm_ already runs its foreach kernels there"

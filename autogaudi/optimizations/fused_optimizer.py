@@ -54,6 +54,7 @@ def _raw_step(optimizer):
 
 
 class FusedOptimizer(Unit):
+    changed_figure = ("optimizers_fused", "{} optimizer(s) run as one fused kernel per step")
     targets = tuple(f"torch.optim.{cls.__name__}.__init__" for cls in FUSABLE) + (
         "torch.optim.{Adam,AdamW,SGD}.step (HPU only)",)
 

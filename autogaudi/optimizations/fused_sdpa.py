@@ -40,6 +40,7 @@ def fallback_reason(call: dict):
 
 
 class FusedSdpa(Unit):
+    changed_figure = ("fused_calls", "{} attention calls through FusedSDPA")
     targets = ("torch.nn.functional.scaled_dot_product_attention",)
     backends = ("hpu",)
     why_not_elsewhere = "torch already dispatches this op to its fused kernels there"

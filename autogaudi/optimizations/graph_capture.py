@@ -111,6 +111,16 @@ class GraphCapture(ActsOnProfile):
         self.reason = "waiting for the step profile"
         self.when_profiled(self._profiled)
 
+    def changes(self) -> list:
+        if not (self._on and self._module is not None):
+            return []
+        text = f"{type(self._module).__name__} captured ({self.backend.graph_kind(self._module)})"
+        if "speedup" in self.figures:
+            text += f", {self.figures['speedup']}x per step in its trial, one-off {self.figures['one_off_s']} s"
+        if "pays_back_after_steps" in self.figures:
+            text += f", pays back after {self.figures['pays_back_after_steps']} steps"
+        return [text]
+
     def holds(self, module) -> bool:
         """Whether ``module`` is captured or on trial: its graphs are built for its memory format."""
         return self._candidate is not None and module is self._module
@@ -188,6 +198,8 @@ class GraphCapture(ActsOnProfile):
         """Make ``zero_grad`` keep gradient tensors while graphs are on; or say why graphs cannot be."""
         if self._checkpoint_calls or uses_gradient_checkpointing(profile.model):
             return "the model uses gradient checkpointing, which HPU graphs cannot replay"
+        if profile.optimizer is None:
+            return "the loop updates its parameters without torch.optim, and HPU graphs need zero_grad(set_to_none=False)"
         params = [p for group in profile.optimizer.param_groups for p in group["params"]]
         without = sum(p.grad is None for p in params)
         if without:
@@ -210,6 +222,8 @@ class GraphCapture(ActsOnProfile):
     def _decided(self, keep: bool, record: dict) -> None:
         name = type(self._module).__name__
         self.figures.update(speedup=record["speedup"], one_off_s=record["one_off_s"])
+        if "pays_back_after_steps" in record:
+            self.figures["pays_back_after_steps"] = record["pays_back_after_steps"]
         self.reason = (f"captured {name}: measured faster" if keep
                        else f"rejected: {name} captured was not faster in the trial; released")
         if not keep:

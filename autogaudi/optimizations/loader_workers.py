@@ -94,6 +94,7 @@ class _Loader:
 
 
 class LoaderWorkers(Unit):
+    changed_figure = ("loaders_tuned", "{} DataLoader(s) given worker processes")
     targets = ("torch.utils.data.DataLoader.__init__", "torch.utils.data.DataLoader.__iter__",
                "torch.utils.data.dataloader._BaseDataLoaderIter.__next__")  # via the session's watcher
 

@@ -18,6 +18,7 @@ _PIN_MEMORY_POSITION = 7  # DataLoader(dataset, batch_size, shuffle, sampler, ba
 
 
 class PinMemory(Unit):
+    changed_figure = ("loaders_pinned", "{} DataLoader(s) pinning memory")
     targets = ("torch.utils.data.DataLoader.__init__",)  # via the session's watcher
     backends = ("hpu", "cuda")
     why_not_elsewhere = "pinning does nothing without a device to copy to"

@@ -11,6 +11,7 @@ from autogaudi.optimizations.step_marks import LazyModeUnit
 
 
 class PipeliningFwdBwd(LazyModeUnit):
+    changed_figure = ("mark_steps", "{} extra mark_step calls before backward")
     targets = ("torch.autograd.backward",)
 
     def apply(self) -> None:

@@ -36,6 +36,7 @@ class LazyModeUnit(Unit):
 
 
 class StepMarks(LazyModeUnit):
+    changed_figure = ("mark_steps", "{} mark_step calls after backward and optimizer steps")
     targets = ("torch.autograd.backward", "torch.optim.optimizer.register_optimizer_step_post_hook",
                "torch.utils.data.dataloader._BaseDataLoaderIter.__next__")  # via the session's watcher
 

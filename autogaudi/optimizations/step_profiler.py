@@ -244,8 +244,12 @@ class _CensusStep:
 
 
 def training_root(roots: list, optimizer):
-    """The root module that owns most of the optimizer's parameters, or None."""
-    optimized = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    """The root module that owns most of the optimizer's parameters (without an optimizer: of the
+    parameters the step gave a gradient), or None."""
+    if optimizer is not None:
+        optimized = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    else:
+        optimized = {id(p) for module in roots for p in module.parameters() if p.grad is not None}
     best, best_count = None, 0
     for module in roots:
         count = sum(p.numel() for p in module.parameters() if id(p) in optimized)
@@ -296,10 +300,9 @@ class StepProfiler(Unit):
         self._censuses: list = []  # (ops, busy seconds, collective wait seconds or None) of each census step
         self._roots: list = []
         self._calls: list = []  # calls of each root module (by id) in each census step
-        self._pacer = None
         self._done = 0
         steps = self.session.steps
-        steps.after_optimizer_step(self, self._after_step)
+        steps.after_step(self, self._after_step)
         steps.after_batch(self, self._after_batch)
         self.on_revert(self._abandon_census)
         self.reason = f"waiting for {self.options.warmup_steps} warm-up steps"
@@ -318,13 +321,9 @@ class StepProfiler(Unit):
 
     def _after_step(self, optimizer) -> None:
         """Warm-up ends at ``done == 0``; odd ``done`` ends a clean step, even ``done`` a census step.
-        Steps are counted on one optimizer, the first to step after warm-up: a loop that steps two
-        (a GAN's) would otherwise pair half an iteration with the other half."""
-        if self.session.steps.optimizer_steps < self.options.warmup_steps:
-            return
-        if self._pacer is None:
-            self._pacer = optimizer
-        elif optimizer is not self._pacer:
+        Training steps are whole iterations (the session paces them on one optimizer, or on backward
+        passes where no optimizer steps)."""
+        if self.session.steps.steps < self.options.warmup_steps:
             return
         done, self._done = self._done, self._done + 1
         if done % 2:
@@ -372,7 +371,7 @@ class StepProfiler(Unit):
         if root is not None:
             self.figures["model"] = type(self.profile.model).__name__
             self.figures["model_calls_per_step"] = calls
-        self._roots, self._calls, self._pacer = [], [], None  # hold none of the user's objects
+        self._roots, self._calls = [], []  # hold none of the user's objects
         self.session.steps.forget(self)  # classified once: no more work on every step and batch
         subscribers, self._subscribers = self._subscribers, []
         for unit, callback in subscribers:

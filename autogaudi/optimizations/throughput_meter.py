@@ -33,12 +33,12 @@ class ThroughputMeter(Unit):
     def apply(self) -> None:
         self._timed_samples = 0
         self.session.steps.after_batch(self, self._count)
-        self.session.steps.after_optimizer_step(self, self._after_step)
+        self.session.steps.after_step(self, self._after_step)
         every = self.options.log_every
         self.reason = f"progress every {every} steps" if every else "final figures only (--log-every N for progress)"
 
     def _count(self, _iterator, batch, _waited) -> None:
-        if self.session.steps.optimizer_steps >= self.options.warmup_steps + 1:
+        if self.session.steps.steps >= self.options.warmup_steps + 1:
             self._timed_samples += leading_dimension(batch) or 0
 
     def _after_step(self, _optimizer) -> None:
@@ -46,14 +46,14 @@ class ThroughputMeter(Unit):
         if timed and self._timed_samples:
             self.figures["samples_per_s"] = round(self._timed_samples / timed[1], 1)
         every = self.options.log_every
-        if every and self.session.steps.optimizer_steps % every == 0 and is_rank_zero():
+        if every and self.session.steps.steps % every == 0 and is_rank_zero():
             self._log_progress()
 
     def _log_progress(self) -> None:
         # The only place that waits for the device, and only every `log_every` steps.
         self.backend.synchronize()
         figures = self.session.steps.figures()
-        line = f"step {figures['optimizer_steps']}"
+        line = f"step {figures['steps']}"
         if "steps_per_s" in figures:
             line += f" | {figures['steps_per_s']:.2f} steps/s"
         if "samples_per_s" in self.figures:

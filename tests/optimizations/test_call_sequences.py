@@ -31,11 +31,12 @@ def test_standard_loop_with_clipping(hpu_double):
 
 
 def test_grad_scaler_with_two_optimizers(hpu_double):
-    # Adam without weight decay runs as FusedAdamW; each optimizer step is followed by a mark. The
-    # profiler counts steps on the first optimizer to step after warm-up: SGD, in the second iteration.
+    # Adam without weight decay runs as FusedAdamW; each optimizer step is followed by a mark. One
+    # iteration is one training step, paced by the first optimizer to step (SGD): 3 warm-up
+    # iterations, a clean one, and the profiler's first census step starts after SGD's 4th step.
     iteration = [MARK, *SGD, MARK, *ADAMW, MARK]
-    expected = iteration * 2 + [MARK, *SGD, MARK, CENSUS_BEGINS, *ADAMW, MARK]
-    assert sequence(hpu_double, two_optimizers_with_grad_scaler) == expected
+    expected = iteration * 3 + [MARK, *SGD, MARK, CENSUS_BEGINS, *ADAMW, MARK]
+    assert sequence(hpu_double, lambda: two_optimizers_with_grad_scaler(steps=4)) == expected
 
 
 def test_gradient_accumulation(hpu_double):

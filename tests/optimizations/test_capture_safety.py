@@ -80,6 +80,7 @@ def test_a_captured_model_saves_pickles_and_copies_as_a_plain_one():
     keys = set(vars(model))
     train(model, batches(), STEPS + 3)
     assert unit_row("graph_capture")["reason"] == "captured Sequential (forced)"
+    assert autogaudi.report().changed() == [{"unit": "graph_capture", "what": "Sequential captured (torch.compile)"}]
     assert type(model) is nn.Sequential and model.forward.__func__ is nn.Sequential.forward
     assert_plain_copies(model, torch.randn(4, 16))
     autogaudi.disable()
@@ -136,6 +137,7 @@ def test_a_rejected_trial_leaves_the_process_and_the_model_as_they_were(monkeypa
         records = autogaudi.report().trials
         assert [(r["candidate"], r["decision"]) for r in records] == [(candidate, "rejected")], records
         assert unit_row(candidate)["reason"].startswith("rejected")
+        assert autogaudi.report().changed() == []  # a rejected candidate changed nothing
         assert autogaudi.settled() and autogaudi.report().steps["decisions_settled_at_step"] is not None
         assert process_state() == before
         assert set(vars(model)) == model_keys and set(vars(optimizer)) == optimizer_keys

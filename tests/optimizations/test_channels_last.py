@@ -64,3 +64,14 @@ def test_models_without_convolutions_are_left_alone():
         model(torch.randn(2, 4)).sum().backward()
         optimizer.step()
     assert autogaudi.report().unit("channels_last")["reason"] == "no Conv2d in the training model"
+
+
+def test_no_trial_on_an_input_bound_step(monkeypatch):
+    """Both arms would time mostly the wait for data (0.42x read on an input-bound ResNet-18)."""
+    from autogaudi.optimizations import step_profiler
+
+    monkeypatch.setattr(step_profiler, "classify", lambda *a, **k: ("input", "waiting for data 70% of each step"))
+    autogaudi.enable(device="cpu", only="step_profiler,channels_last")
+    train(cnn(), STEPS + 10)
+    assert autogaudi.report().trials == []
+    assert autogaudi.report().unit("channels_last")["reason"].startswith("not tried: the step is input-bound")

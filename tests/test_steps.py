@@ -1,0 +1,87 @@
+"""Training steps are iterations of the user's loop, however it updates its parameters: by hand
+(no torch.optim), with two optimizers per iteration (a GAN), with per-layer optimizers that train
+one after another (forward-forward), or with LBFGS's closure (many backward passes per step)."""
+import torch
+from torch import nn
+
+import autogaudi
+from autogaudi.steps import NO_OPTIMIZER_AFTER, REPACE_AFTER
+
+
+def steps_figures():
+    return autogaudi.report().as_dict()["steps"]
+
+
+def data(seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    while True:
+        yield torch.randn(8, 4, generator=generator), torch.randn(8, 1, generator=generator)
+
+
+def test_a_loop_that_updates_its_parameters_by_hand_is_profiled():
+    """pytorch/examples' regression and word_language_model: p.data.add_(p.grad, alpha=-lr)."""
+    autogaudi.enable(device="cpu", only="step_profiler")
+    model = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1))
+    iterations = 40
+    for _, (inputs, targets) in zip(range(iterations), data()):
+        model.zero_grad()
+        nn.functional.mse_loss(model(inputs), targets).backward()
+        for param in model.parameters():
+            param.data.add_(param.grad, alpha=-0.01)
+    figures = steps_figures()
+    assert figures["steps_counted_by"] == "backward passes"
+    assert figures["steps"] == iterations - NO_OPTIMIZER_AFTER + 1 and figures["optimizer_steps"] == 0
+    row = autogaudi.report().unit("step_profiler")
+    assert row["figures"]["bound"] in ("host", "device") and row["figures"]["model"] == "Sequential", row
+    assert "training steps (counted by backward passes)" in autogaudi.report().format()
+
+
+def test_two_optimizers_per_iteration_make_one_step():
+    autogaudi.enable(device="cpu", only="throughput_meter")
+    generator_net, critic = nn.Linear(4, 4), nn.Linear(4, 1)
+    opt_g = torch.optim.SGD(generator_net.parameters(), lr=0.01)
+    opt_d = torch.optim.SGD(critic.parameters(), lr=0.01)
+    for _, (inputs, _targets) in zip(range(12), data()):
+        critic(generator_net(inputs).detach()).mean().backward()
+        opt_d.step()
+        opt_d.zero_grad()
+        critic(generator_net(inputs)).mean().backward()
+        opt_g.step()
+        opt_g.zero_grad()
+    figures = steps_figures()
+    assert (figures["steps"], figures["optimizer_steps"], figures["steps_counted_by"]) == (12, 24, "optimizer steps")
+
+
+def test_per_layer_optimizers_that_train_in_turn_hand_the_count_on():
+    """forward-forward: layer 1 trains with its optimizer, then layer 2 with its own."""
+    autogaudi.enable(device="cpu", only="throughput_meter")
+    layers = [nn.Linear(4, 4), nn.Linear(4, 4)]
+    optimizers = [torch.optim.SGD(layer.parameters(), lr=0.01) for layer in layers]  # both kept, as there
+    for layer, optimizer in zip(layers, optimizers):
+        for _, (inputs, _targets) in zip(range(20), data()):
+            layer(inputs).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    # layer 2's optimizer paces once it has stepped REPACE_AFTER + 1 times with layer 1's silent
+    assert steps_figures()["steps"] == 20 + 20 - REPACE_AFTER
+
+
+def test_lbfgs_closure_backward_passes_are_inside_one_step():
+    autogaudi.enable(device="cpu", only="throughput_meter")
+    model = nn.Linear(4, 1)
+    optimizer = torch.optim.LBFGS(model.parameters(), max_iter=NO_OPTIMIZER_AFTER + 4,
+                                  tolerance_grad=0.0, tolerance_change=0.0)  # every iteration runs
+    inputs, targets = next(data())
+
+    def closure():
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(model(inputs), targets)
+        loss.backward()
+        return loss
+
+    for _ in range(3):
+        optimizer.step(closure)
+    figures = steps_figures()
+    assert figures["steps_counted_by"] == "optimizer steps"
+    assert figures["steps"] == figures["optimizer_steps"] == 3
+    assert figures["backward_passes"] > NO_OPTIMIZER_AFTER
