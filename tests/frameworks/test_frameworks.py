@@ -3,12 +3,13 @@
 Trainer.fit. Each script runs plain and under autogaudi in fresh interpreters: the losses must match
 within tolerance, and the report must say what autogaudi did and where it stepped aside because the
 framework already does the same thing."""
+
 import json
 
 import pytest
 import torch
 
-from tests.helpers import TESTS, clean_env, run_python
+from tests.helpers import TESTS, clean_env, run_python, run_ranks
 
 HERE = TESTS / "frameworks"
 # Trainer/Lightning/accelerate steps under autogaudi differ from plain ones by float reassociation
@@ -48,13 +49,26 @@ def test_accelerate_launch_with_two_processes_trains_alike(tmp_path):
     script = HERE / "accelerate_loop.py"
     # accelerate's torchrun-based launcher is behind --multi_gpu (--cpu would start one process);
     # the script's Accelerator(cpu=True) then trains on gloo.
-    launch = ("-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-              "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0")
+    launch = (
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        "0",
+    )
     runs = {}
     for name, env in (("plain", {}), ("autogaudi", {"AUTOGAUDI": "1", "AUTOGAUDI_QUIET": "1"})):
         results = tmp_path / name
         results.mkdir()
-        result = run_python(*launch, script, env=clean_env(RESULTS=results, **env), timeout=600)
+        result = run_ranks(*launch, script, env=clean_env(RESULTS=results, **env), timeout=600)
         assert result.returncode == 0, result.stderr[-4000:]
         runs[name] = [json.loads((results / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     for plain, tuned in zip(runs["plain"], runs["autogaudi"]):

@@ -1,9 +1,10 @@
 """What the DDP units' tests share: a tiny model, a training loop, and a 2-rank torchrun job."""
+
 import json
 
 import torch
 
-from tests.helpers import clean_env, run_python
+from tests.helpers import clean_env, run_ranks
 
 
 def mlp():
@@ -21,20 +22,11 @@ def train(model, steps=10):
     return [p.detach().clone() for p in model.parameters()]
 
 
-# torch 2.13's gloo teardown sometimes aborts a worker after its work is done ("terminate called
-# without an active exception", SIGABRT at exit): seen in 1 of 6 plain torchrun runs of ddp_train.py,
-# autogaudi absent. Such a job is run once more; any other failure is the test's.
-GLOO_TEARDOWN_ABORT = "terminate called without an active exception"
-
-
 def torchrun(tmp_path, *args, env=None, **extra):
     """Run a 2-rank job; return (CompletedProcess, each rank's result, by rank)."""
-    for attempt in range(2):
-        results = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
-        results.mkdir()
-        result = run_python(*args, env=clean_env(RESULTS=results, **(env or {})), **extra)
-        if not (result.returncode != 0 and GLOO_TEARDOWN_ABORT in result.stderr and attempt == 0):
-            break
+    results = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
+    results.mkdir()
+    result = run_ranks(*args, env=clean_env(RESULTS=results, **(env or {})), **extra)
     rows = [json.loads(path.read_text()) for path in sorted(results.glob("rank*.json"))]
     return result, rows
 
