@@ -4,6 +4,7 @@ Three ways in, one behaviour: ``python -m autogaudi train.py``, ``autogaudi.enab
 ``AUTOGAUDI=1`` in the environment. Importing this package is cheap and never imports torch; the
 optimizations are applied when torch is imported (or at once if it already is).
 """
+
 from autogaudi._version import __version__
 from autogaudi.errors import OptionsError
 from autogaudi.runtime import active_options, disable, enable, is_enabled, report, settled
@@ -19,4 +20,14 @@ def doctor(script: str, *args: str, steps: int = 20, module: bool = False):
     return diagnose(script, list(args), steps=steps, is_module=module)[0]
 
 
-__all__ = ["OptionsError", "__version__", "active_options", "disable", "doctor", "enable", "is_enabled", "report", "settled"]
+__all__ = [
+    "OptionsError",
+    "__version__",
+    "active_options",
+    "disable",
+    "doctor",
+    "enable",
+    "is_enabled",
+    "report",
+    "settled",
+]

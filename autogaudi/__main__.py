@@ -1,4 +1,5 @@
 """``python -m autogaudi``: see :mod:`autogaudi.launcher`."""
+
 import sys
 
 from autogaudi.launcher import main

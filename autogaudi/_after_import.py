@@ -6,6 +6,7 @@ importing wrapt costs 110-150 ms here (it pulls in asyncio and importlib.metadat
 start-up budget of 20 ms for every Python process under ``AUTOGAUDI=1``; this one-shot finder costs
 nothing until torch is imported, and wrapt is loaded only then, when patching starts.
 """
+
 from __future__ import annotations
 
 import sys

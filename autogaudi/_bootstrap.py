@@ -3,6 +3,7 @@
 Runs during interpreter start-up of every Python process that has ``AUTOGAUDI`` set, so it must be
 cheap (no torch, no wrapt) and must never break the process for a reason other than a bad option.
 """
+
 from __future__ import annotations
 
 import os

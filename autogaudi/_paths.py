@@ -1,4 +1,5 @@
 """Where the child-process bootstrap folder (holding ``sitecustomize.py``) lives."""
+
 from __future__ import annotations
 
 import os

@@ -12,6 +12,7 @@ Before the script starts, the launcher imports only autogaudi's light modules (n
 options are validated, then exported to the environment together with ``AUTOGAUDI=1`` and the
 bootstrap folder on ``PYTHONPATH``, so child processes (torchrun workers) are optimized too.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,20 +47,20 @@ def build_parser() -> argparse.ArgumentParser:
         prog=PROG,
         usage=f"{PROG} [options] (script.py | -m module) [args ...]",
         description="Run an unmodified PyTorch training script with the optimizations that suit the "
-                    "hardware it finds (Intel Gaudi, CUDA or CPU), then report what was applied and why.",
+        "hardware it finds (Intel Gaudi, CUDA or CPU), then report what was applied and why.",
         epilog=f"optimization units (switch off with --disable, restrict with --only):\n{units}\n\n"
-               f"environment (CLI flags win over it; enable(**kwargs) wins over both):\n"
-               f"  {'AUTOGAUDI=1':<24} enable in any Python process, without the launcher\n{env}",
+        f"environment (CLI flags win over it; enable(**kwargs) wins over both):\n"
+        f"  {'AUTOGAUDI=1':<24} enable in any Python process, without the launcher\n{env}",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"autogaudi {__version__}")
     for option in OPTIONS:
         if option.is_switch:
-            parser.add_argument(option.flag, dest=option.name, action="store_const", const=True,
-                                default=None, help=option.help)
+            parser.add_argument(
+                option.flag, dest=option.name, action="store_const", const=True, default=None, help=option.help
+            )
         else:
-            parser.add_argument(option.flag, dest=option.name, default=None, metavar=option.metavar,
-                                help=option.help)
+            parser.add_argument(option.flag, dest=option.name, default=None, metavar=option.metavar, help=option.help)
     return parser
 
 
@@ -75,13 +76,13 @@ def split_command_line(argv: list, value_flags=_VALUE_FLAGS):
         word = argv[index]
         if word == "-m" or (word.startswith("-m") and not word.startswith("--")):
             module = word[2:] or (argv[index + 1] if index + 1 < len(argv) else None)
-            rest = argv[index + 1:] if word[2:] else argv[index + 2:]
+            rest = argv[index + 1 :] if word[2:] else argv[index + 2 :]
             return ours, module, rest, True
         if word == "--":
             target = argv[index + 1] if index + 1 < len(argv) else None
-            return ours, target, argv[index + 2:], False
+            return ours, target, argv[index + 2 :], False
         if not word.startswith("-") or word == "-":
-            return ours, word, argv[index + 1:], False
+            return ours, word, argv[index + 1 :], False
         ours.append(word)
         if word in value_flags and index + 1 < len(argv):
             ours.append(argv[index + 1])
@@ -180,14 +181,14 @@ def _new_main(**attributes) -> types.ModuleType:
 
 def _load_script_main(path: str):
     absolute = os.path.abspath(path)
-    if os.path.isdir(absolute) or (os.path.isfile(absolute) and not absolute.endswith(".py")
-                                   and _is_zip(absolute)):
+    if os.path.isdir(absolute) or (os.path.isfile(absolute) and not absolute.endswith(".py") and _is_zip(absolute)):
         spec = importlib.machinery.PathFinder.find_spec("__main__", [absolute])
         if spec is None:
             raise _CannotRun(f"can't find '__main__' module in {path!r}", 1)
         sys.path[0] = absolute
         return spec.loader.get_code("__main__"), _new_main(
-            __file__=spec.origin, __loader__=spec.loader, __spec__=None, __package__="")
+            __file__=spec.origin, __loader__=spec.loader, __spec__=None, __package__=""
+        )
     try:
         with io.open_code(absolute) as handle:
             source = handle.read()
@@ -215,13 +216,16 @@ def _load_module_main(name: str):
             package = name
             spec = importlib.util.find_spec(name + ".__main__")
             if spec is None:
-                raise _CannotRun(f"No module named {package}.__main__; '{package}' is a package and "
-                                 f"cannot be directly executed", 1)
+                raise _CannotRun(
+                    f"No module named {package}.__main__; '{package}' is a package and cannot be directly executed", 1
+                )
     except ImportError as error:
-        raise _CannotRun(f"Error while finding module specification for {name!r} "
-                         f"({type(error).__name__}: {error})", 1) from None
+        raise _CannotRun(
+            f"Error while finding module specification for {name!r} ({type(error).__name__}: {error})", 1
+        ) from None
     if spec is None:
         raise _CannotRun(f"No module named {name}", 1)
     code = spec.loader.get_code(spec.name)
-    return code, _new_main(__file__=spec.origin, __loader__=spec.loader, __spec__=spec,
-                           __package__=spec.parent, __cached__=spec.cached)
+    return code, _new_main(
+        __file__=spec.origin, __loader__=spec.loader, __spec__=spec, __package__=spec.parent, __cached__=spec.cached
+    )

@@ -9,6 +9,7 @@ overlays its keywords on whatever the environment says.
 This module is imported by the ``AUTOGAUDI=1`` bootstrap of every Python process, so it avoids
 ``typing``/``dataclasses`` and imports nothing heavy.
 """
+
 from __future__ import annotations
 
 import os
@@ -56,9 +57,7 @@ def _parse_units(name: str, value) -> tuple:
     units = tuple(dict.fromkeys(str(item).strip() for item in items if str(item).strip()))
     unknown = [unit for unit in units if unit not in UNIT_NAMES]
     if unknown:
-        raise OptionsError(
-            f"{name}: unknown optimization unit(s) {', '.join(unknown)}; {_choices(name, UNIT_NAMES)}"
-        )
+        raise OptionsError(f"{name}: unknown optimization unit(s) {', '.join(unknown)}; {_choices(name, UNIT_NAMES)}")
     return units
 
 
@@ -116,37 +115,66 @@ class Option:
 
 
 OPTIONS: tuple = (
-    Option("device", "auto", _choice(DEVICES),
-           "backend to optimize for: auto detects hpu, then cuda, then cpu", "{" + ",".join(DEVICES) + "}"),
-    Option("disable", (), _parse_units,
-           "comma-separated optimization units to switch off", "UNIT,..."),
-    Option("only", None, _parse_optional_units,
-           "comma-separated optimization units to consider, all others switched off (default: all)", "UNIT,..."),
-    Option("force", (), _parse_units,
-           "comma-separated units to switch on where they are off by default (opt-in: "
-           + ", ".join(OPT_IN_UNITS) + "), or to apply without measuring first (graph_capture: even if not "
-           "host-bound; graph_capture, channels_last: without a trial)", "UNIT,..."),
-    Option("sdpa_recompute", "auto", _choice(SDPA_RECOMPUTE),
-           "HPU FusedSDPA recompute mode (saves memory, costs time): auto leaves the bridge's default",
-           "{" + ",".join(SDPA_RECOMPUTE) + "}"),
-    Option("last_batch", "repeat", _choice(LAST_BATCH),
-           "static_last_batch policy: repeat samples from the epoch's start, or drop the short batch",
-           "{" + ",".join(LAST_BATCH) + "}"),
-    Option("report", None, _parse_path,
-           "also write the exit report as JSON to this path", "PATH"),
-    Option("log_every", 0, _parse_count,
-           "throughput_meter prints a progress line every N optimizer steps (0: never)", "N"),
-    Option("warmup_steps", 3, _parse_count,
-           "steps excluded from the timing figures (compilation, caches)", "N"),
-    Option("no_trials", False, parse_bool,
-           "do not A/B-test the units whose benefit depends on the workload (graph_capture, channels_last) "
-           "inside the run; apply them by their static rule instead"),
-    Option("exact_random", False, parse_bool,
-           "graph_capture compiles with inductor's fallback_random: dropout draws the same masks as "
-           "eager PyTorch, so losses match a plain run exactly (slower: issue 5 measured 0.80x of the "
-           "default compiled speed on a 2-core CPU); no effect on HPU"),
-    Option("quiet", False, parse_bool,
-           "do not print the exit report (the JSON report is still written)"),
+    Option(
+        "device",
+        "auto",
+        _choice(DEVICES),
+        "backend to optimize for: auto detects hpu, then cuda, then cpu",
+        "{" + ",".join(DEVICES) + "}",
+    ),
+    Option("disable", (), _parse_units, "comma-separated optimization units to switch off", "UNIT,..."),
+    Option(
+        "only",
+        None,
+        _parse_optional_units,
+        "comma-separated optimization units to consider, all others switched off (default: all)",
+        "UNIT,...",
+    ),
+    Option(
+        "force",
+        (),
+        _parse_units,
+        "comma-separated units to switch on where they are off by default (opt-in: "
+        + ", ".join(OPT_IN_UNITS)
+        + "), or to apply without measuring first (graph_capture: even if not "
+        "host-bound; graph_capture, channels_last: without a trial)",
+        "UNIT,...",
+    ),
+    Option(
+        "sdpa_recompute",
+        "auto",
+        _choice(SDPA_RECOMPUTE),
+        "HPU FusedSDPA recompute mode (saves memory, costs time): auto leaves the bridge's default",
+        "{" + ",".join(SDPA_RECOMPUTE) + "}",
+    ),
+    Option(
+        "last_batch",
+        "repeat",
+        _choice(LAST_BATCH),
+        "static_last_batch policy: repeat samples from the epoch's start, or drop the short batch",
+        "{" + ",".join(LAST_BATCH) + "}",
+    ),
+    Option("report", None, _parse_path, "also write the exit report as JSON to this path", "PATH"),
+    Option(
+        "log_every", 0, _parse_count, "throughput_meter prints a progress line every N optimizer steps (0: never)", "N"
+    ),
+    Option("warmup_steps", 3, _parse_count, "steps excluded from the timing figures (compilation, caches)", "N"),
+    Option(
+        "no_trials",
+        False,
+        parse_bool,
+        "do not A/B-test the units whose benefit depends on the workload (graph_capture, channels_last) "
+        "inside the run; apply them by their static rule instead",
+    ),
+    Option(
+        "exact_random",
+        False,
+        parse_bool,
+        "graph_capture compiles with inductor's fallback_random: dropout draws the same masks as "
+        "eager PyTorch, so losses match a plain run exactly (slower: issue 5 measured 0.80x of the "
+        "default compiled speed on a 2-core CPU); no effect on HPU",
+    ),
+    Option("quiet", False, parse_bool, "do not print the exit report (the JSON report is still written)"),
 )
 OPTIONS_BY_NAME = {option.name: option for option in OPTIONS}
 
@@ -159,9 +187,7 @@ class Options:
     def __init__(self, **values):
         unknown = sorted(set(values) - set(OPTIONS_BY_NAME))
         if unknown:
-            raise OptionsError(
-                f"unknown option(s) {', '.join(unknown)}; {_choices('options', OPTIONS_BY_NAME)}"
-            )
+            raise OptionsError(f"unknown option(s) {', '.join(unknown)}; {_choices('options', OPTIONS_BY_NAME)}")
         for option in OPTIONS:
             value = values.get(option.name, option.default)
             object.__setattr__(self, option.name, option.parse(option.name, value))
@@ -170,7 +196,7 @@ class Options:
         raise AttributeError("Options are immutable; use replace()")
 
     @classmethod
-    def from_env(cls, environ=None) -> "Options":
+    def from_env(cls, environ=None) -> Options:
         environ = os.environ if environ is None else environ
         values = {}
         for option in OPTIONS:
@@ -181,7 +207,7 @@ class Options:
                     raise OptionsError(f"environment: {error}") from None
         return cls(**values)
 
-    def replace(self, **changes) -> "Options":
+    def replace(self, **changes) -> Options:
         return Options(**{**self.as_dict(), **changes})
 
     def as_dict(self) -> dict:

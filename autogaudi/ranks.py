@@ -7,6 +7,7 @@ sets one key; rank 0 waits for the others at most ``GATHER_TIMEOUT_S`` and names
 answer. It happens before ``destroy_process_group()`` (the store goes with the group), or at exit
 when the script never destroys it.
 """
+
 from __future__ import annotations
 
 import os
@@ -61,8 +62,13 @@ def gather_from_ranks(payload: str, timeout_s: float = GATHER_TIMEOUT_S):
     if not several_ranks():
         return None
     distributed = _distributed()
-    return gather_through_store(distributed.distributed_c10d._get_default_store(), distributed.get_rank(),
-                                distributed.get_world_size(), payload, timeout_s)
+    return gather_through_store(
+        distributed.distributed_c10d._get_default_store(),
+        distributed.get_rank(),
+        distributed.get_world_size(),
+        payload,
+        timeout_s,
+    )
 
 
 def gather_through_store(store, rank: int, world: int, payload: str, timeout_s: float):

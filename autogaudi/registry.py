@@ -4,6 +4,7 @@ The registry names each unit and says in one line what it does; the unit's modul
 once torch is imported) says what it patches, when it applies, and how it is undone. Keeping the
 list here, free of torch imports, lets option validation and ``--help`` run before torch loads.
 """
+
 from __future__ import annotations
 
 
@@ -35,7 +36,8 @@ UNITS: tuple[UnitInfo, ...] = (
     ),
     UnitInfo(
         "step_profiler",
-        "classifies the run host-, device-, communication- or input-bound from a sampled window of steps, for the report and other units",
+        "classifies the run host-, device-, communication- or input-bound from a sampled window of steps, "
+        "for the report and other units",
         "autogaudi.optimizations.step_profiler:StepProfiler",
     ),
     UnitInfo(
@@ -55,7 +57,8 @@ UNITS: tuple[UnitInfo, ...] = (
     ),
     UnitInfo(
         "graph_capture",
-        "host-bound runs: the training model replays captured graphs (HPU graphs, CUDA graphs, torch.compile), if a trial finds it faster",
+        "host-bound runs: the training model replays captured graphs (HPU graphs, CUDA graphs, torch.compile), "
+        "if a trial finds it faster",
         "autogaudi.optimizations.graph_capture:GraphCapture",
     ),
     UnitInfo(
@@ -85,7 +88,8 @@ UNITS: tuple[UnitInfo, ...] = (
     ),
     UnitInfo(
         "fast_ddp",
-        "opt-in: DistributedDataParallel gradients averaged by one flattened all-reduce after backward, not DDP's hooks",
+        "opt-in: DistributedDataParallel gradients averaged by one flattened all-reduce after backward, "
+        "not DDP's hooks",
         "autogaudi.optimizations.fast_ddp:FastDdp",
         opt_in=True,
     ),

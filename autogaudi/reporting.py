@@ -3,6 +3,7 @@
 The same content is printed as a table on stderr at exit (rank 0 only) and written as JSON when the
 ``report`` option names a path, so a person and a script read the same facts.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,15 +30,22 @@ class UnitRow:
     def as_dict(self) -> dict:
         unit = self.unit
         reason = unit.reason if unit is not None and self.status == APPLIED else self.reason
-        return {"name": self.name, "summary": self.summary, "status": self.status,
-                "changes": unit.changes() if unit is not None and self.status == APPLIED else [],
-                "targets": list(unit.targets) if unit else [], "reason": reason,
-                "figures": dict(unit.figures) if unit else {}, "notes": list(unit.notes) if unit else []}
+        return {
+            "name": self.name,
+            "summary": self.summary,
+            "status": self.status,
+            "changes": unit.changes() if unit is not None and self.status == APPLIED else [],
+            "targets": list(unit.targets) if unit else [],
+            "reason": reason,
+            "figures": dict(unit.figures) if unit else {},
+            "notes": list(unit.notes) if unit else [],
+        }
 
 
 class Report:
-    def __init__(self, *, torch_version, enabled_by, active, backend, options, steps, memory, units, trials=(),
-                 ranks=None):
+    def __init__(
+        self, *, torch_version, enabled_by, active, backend, options, steps, memory, units, trials=(), ranks=None
+    ):
         self.torch_version = torch_version
         self.enabled_by = enabled_by
         self.active = active
@@ -50,20 +58,36 @@ class Report:
         self.ranks = ranks  # multi-rank jobs, on rank 0: {rank: that rank's unit rows, or None if it never answered}
 
     @classmethod
-    def not_started(cls, options) -> "Report":
-        return cls(torch_version=None, enabled_by=[], active=False, backend=None,
-                   options=options.as_dict() if options is not None else None,
-                   steps={}, memory=None, units=[])
+    def not_started(cls, options) -> Report:
+        return cls(
+            torch_version=None,
+            enabled_by=[],
+            active=False,
+            backend=None,
+            options=options.as_dict() if options is not None else None,
+            steps={},
+            memory=None,
+            units=[],
+        )
 
     def unit(self, name: str) -> dict:
         return next(row for row in self.units if row["name"] == name)
 
     def as_dict(self) -> dict:
-        return {"autogaudi": __version__, "torch": self.torch_version, "enabled_by": list(self.enabled_by),
-                "active": self.active, "backend": self.backend, "options": self.options,
-                "steps": self.steps, "memory": self.memory, "changed": self.changed(), "units": self.units,
-                "trials": self.trials,
-                "ranks": None if self.ranks is None else {str(rank): rows for rank, rows in self.ranks.items()}}
+        return {
+            "autogaudi": __version__,
+            "torch": self.torch_version,
+            "enabled_by": list(self.enabled_by),
+            "active": self.active,
+            "backend": self.backend,
+            "options": self.options,
+            "steps": self.steps,
+            "memory": self.memory,
+            "changed": self.changed(),
+            "units": self.units,
+            "trials": self.trials,
+            "ranks": None if self.ranks is None else {str(rank): rows for rank, rows in self.ranks.items()},
+        }
 
     def changed(self) -> list:
         """What autogaudi changed in this run, unit by unit: the report's headline."""
@@ -76,15 +100,18 @@ class Report:
         if self.backend is None:
             return f"autogaudi {__version__}: enabled, waiting for torch to be imported\n"
         backend = self.backend
-        lines = [f"autogaudi {__version__} report (torch {self.torch_version}"
-                 f"{'' if self.active else ', disabled since'})",
-                 f"  backend  {backend['name']}: {backend['device']} ({backend['reason']})",
-                 f"  steps    {_format_steps(self.steps)}"]
+        lines = [
+            f"autogaudi {__version__} report (torch {self.torch_version}{'' if self.active else ', disabled since'})",
+            f"  backend  {backend['name']}: {backend['device']} ({backend['reason']})",
+            f"  steps    {_format_steps(self.steps)}",
+        ]
         if self.memory:
             lines.append("  memory   " + ", ".join(f"{k} {v}" for k, v in self.memory.items()))
         changed = self.changed()
-        lines.append(f"  changed  {len(changed)} thing{'' if len(changed) == 1 else 's'}"
-                     + (":" if changed else " (each unit's reason below says why)"))
+        lines.append(
+            f"  changed  {len(changed)} thing{'' if len(changed) == 1 else 's'}"
+            + (":" if changed else " (each unit's reason below says why)")
+        )
         lines.extend(f"           {row['unit']}: {row['what']}" for row in changed)
         width = max([len(row["name"]) for row in self.units] + [4])
         lines.append(f"  {'unit'.ljust(width)}  {'status':<8} reason")
@@ -104,8 +131,10 @@ class Report:
 
 
 def _format_trial(trial: dict) -> str:
-    text = (f"{trial['candidate']}: {trial['ms_per_step_with']} ms/step with, {trial['ms_per_step_without']} without "
-            f"({trial['speedup']}x) over {trial['steps']} steps, one-off {trial['one_off_s']} s -> {trial['decision']}")
+    text = (
+        f"{trial['candidate']}: {trial['ms_per_step_with']} ms/step with, {trial['ms_per_step_without']} without "
+        f"({trial['speedup']}x) over {trial['steps']} steps, one-off {trial['one_off_s']} s -> {trial['decision']}"
+    )
     if "pays_back_after_steps" in trial:
         text += f", pays back after {trial['pays_back_after_steps']} steps"
     return text
@@ -122,9 +151,14 @@ def _format_ranks(ranks: dict) -> str:
     differing = sorted(name for name in names if len({other.get(name) for other in answered.values()}) > 1)
     if not differing:
         return text + "; all the same"
-    return text + "; they differ: " + "; ".join(
-        f"{name}: " + ", ".join(f"rank {rank} {statuses.get(name)}" for rank, statuses in answered.items())
-        for name in differing)
+    return (
+        text
+        + "; they differ: "
+        + "; ".join(
+            f"{name}: " + ", ".join(f"rank {rank} {statuses.get(name)}" for rank, statuses in answered.items())
+            for name in differing
+        )
+    )
 
 
 def _format_steps(steps: dict) -> str:
@@ -132,8 +166,9 @@ def _format_steps(steps: dict) -> str:
     if steps.get("steps_counted_by"):
         text = f"{steps['steps']} training steps (counted by {steps['steps_counted_by']}): " + text
     if "steps_per_s" in steps:
-        text += (f"; {steps['steps_per_s']} steps/s over {steps['timed_steps']} steps"
-                 f" after {steps['warmup_steps']} warm-up")
+        text += (
+            f"; {steps['steps_per_s']} steps/s over {steps['timed_steps']} steps after {steps['warmup_steps']} warm-up"
+        )
     if steps.get("decisions_settled_at_step") is not None:
         text += f"; every decision made by step {steps['decisions_settled_at_step']}"
     return text

@@ -7,6 +7,7 @@ the Hugging Face ``Trainer`` (``state.max_steps``) and Lightning's ``Trainer``
 (``estimated_stepping_batches``). The question is asked from inside their training loop (at the
 profiled step), so the trainer is found on the call stack: nothing of theirs is patched.
 """
+
 from __future__ import annotations
 
 import sys
@@ -21,8 +22,9 @@ def _hugging_face(candidate):
 
 
 def _lightning(candidate):
-    classes = tuple(getattr(sys.modules[name], "Trainer") for name in ("lightning.pytorch", "pytorch_lightning")
-                    if name in sys.modules)
+    classes = tuple(
+        sys.modules[name].Trainer for name in ("lightning.pytorch", "pytorch_lightning") if name in sys.modules
+    )
     if not classes:
         return None
     trainer = candidate if isinstance(candidate, classes) else getattr(candidate, "trainer", None)  # loops hold it

@@ -6,6 +6,7 @@ file; a script under the launcher may call ``enable()`` too). Nothing heavy happ
 session that detects the backend and applies the units starts when torch is imported, or at once
 if it already is.
 """
+
 from __future__ import annotations
 
 import _thread

@@ -5,6 +5,7 @@ is skipped (switched off by an option, or it does not apply here, with the reaso
 failed (its ``apply()`` raised: it is reverted at once). A unit that breaks later, at run time,
 is reverted then and the user's run continues. ``stop()`` reverts every applied unit in reverse.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -139,11 +140,16 @@ class Session:
     def report(self) -> Report:
         memory = self.backend.memory_stats()
         return Report(
-            torch_version=torch.__version__, enabled_by=self.sources, active=self.active,
-            backend=self.backend.describe(), options=self.options.as_dict(),
+            torch_version=torch.__version__,
+            enabled_by=self.sources,
+            active=self.active,
+            backend=self.backend.describe(),
+            options=self.options.as_dict(),
             steps={**self.steps.figures(), "decisions_settled_at_step": self.settled_at_step},
-            memory=memory.as_dict() if memory else None, units=[row.as_dict() for row in self.rows.values()],
-            trials=list(self.trials.records), ranks=self.rank_rows,
+            memory=memory.as_dict() if memory else None,
+            units=[row.as_dict() for row in self.rows.values()],
+            trials=list(self.trials.records),
+            ranks=self.rank_rows,
         )
 
     def finish(self, explicit: bool) -> None:

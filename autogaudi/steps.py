@@ -13,6 +13,7 @@ pacer passes to another optimizer that steps ``REPACE_AFTER`` times in a row wit
 updates its parameters by hand (no ``torch.optim`` step after ``NO_OPTIMIZER_AFTER`` backward passes)
 has its steps counted by backward passes; an optimizer that steps later takes over the count.
 """
+
 from __future__ import annotations
 
 import time
@@ -102,16 +103,23 @@ class TrainingSteps:
 
     def forget(self, unit) -> None:
         """Drop a unit's listeners (it was reverted)."""
-        for listeners in (self._loader_adjusters, self._epoch_listeners,
-                          self._before_batch_listeners, self._after_batch_listeners,
-                          self._before_backward_listeners, self._after_backward_listeners,
-                          self._after_optimizer_listeners, self._after_step_listeners):
+        for listeners in (
+            self._loader_adjusters,
+            self._epoch_listeners,
+            self._before_batch_listeners,
+            self._after_batch_listeners,
+            self._before_backward_listeners,
+            self._after_backward_listeners,
+            self._after_optimizer_listeners,
+            self._after_step_listeners,
+        ):
             listeners[:] = [(owner, fn) for owner, fn in listeners if owner is not unit]
 
     def forget_listener(self, unit, listener) -> None:
         """Drop one training-step listener of a unit (e.g. a finished trial's)."""
-        self._after_step_listeners[:] = [(owner, fn) for owner, fn in self._after_step_listeners
-                                         if not (owner is unit and fn == listener)]
+        self._after_step_listeners[:] = [
+            (owner, fn) for owner, fn in self._after_step_listeners if not (owner is unit and fn == listener)
+        ]
 
     def _new_loader(self, wrapped, instance, args, kwargs):
         if type(instance) is dataloader.DataLoader:
@@ -193,8 +201,12 @@ class TrainingSteps:
 
     def figures(self) -> dict:
         """Counts and the steady-state rate (steps after warm-up, between step boundaries)."""
-        figures = {"steps": self.steps, "steps_counted_by": self.counted_by,
-                   "backward_passes": self.backwards, "optimizer_steps": self.optimizer_steps}
+        figures = {
+            "steps": self.steps,
+            "steps_counted_by": self.counted_by,
+            "backward_passes": self.backwards,
+            "optimizer_steps": self.optimizer_steps,
+        }
         if self.timed:
             steps, seconds = self.timed
             figures["steps_per_s"] = round(steps / seconds, 3)

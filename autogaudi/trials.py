@@ -17,6 +17,7 @@ user's loop syncs where it reads a loss, and a block of several steps smooths wh
 On distributed runs each rank measures its own steps; the decision is rank 0's, broadcast to the
 others when a process group is up, so every rank runs the same code path.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -38,8 +39,9 @@ class Trial:
         self.candidate = candidate
         self.switch = switch
         self.decided = decided
-        self.schedule = [True] * WARMUP + [arm for _ in range(ROUNDS) for arm in (True, False, False, True)
-                                           for _ in range(BLOCK)]
+        self.schedule = [True] * WARMUP + [
+            arm for _ in range(ROUNDS) for arm in (True, False, False, True) for _ in range(BLOCK)
+        ]
         self.times = {True: [], False: []}
         self.warmup_seconds = 0.0
         self.position = 0
@@ -63,9 +65,14 @@ class Trial:
         on, off = statistics.median(self.times[True]), statistics.median(self.times[False])
         keep = on <= off * (1 - MARGIN)
         one_off = max(0.0, self.warmup_seconds - WARMUP * on)
-        record = {"candidate": self.candidate, "ms_per_step_with": round(1000 * on, 3),
-                  "ms_per_step_without": round(1000 * off, 3), "speedup": round(off / on, 3),
-                  "one_off_s": round(one_off, 3), "steps": len(self.schedule)}
+        record = {
+            "candidate": self.candidate,
+            "ms_per_step_with": round(1000 * on, 3),
+            "ms_per_step_without": round(1000 * off, 3),
+            "speedup": round(off / on, 3),
+            "one_off_s": round(one_off, 3),
+            "steps": len(self.schedule),
+        }
         if keep and one_off > 0:
             record["pays_back_after_steps"] = round(one_off / (off - on))
         return keep, record
@@ -129,4 +136,3 @@ class TrialRunner:
         if self.current is not None and self.current.unit is unit:
             self.steps.forget_listener(unit, self._after_step)
             self._start_next()
-

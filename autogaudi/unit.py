@@ -7,6 +7,7 @@ object it was (identity, not equality), in reverse order. When a unit's own code
 it is reverted and reported as failed while the user's call goes on unpatched; the user's own
 exceptions are never caught (the wrapped call always runs outside the unit's ``try``).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -58,7 +59,7 @@ class Scope:
     def wrap(self, owner, attribute: str, wrapper) -> None:
         self.add(wrap_attribute(owner, attribute, wrapper))
 
-    def child(self) -> "Scope":
+    def child(self) -> Scope:
         """A scope closed on its own (a trial's candidate) or, at the latest, with this one."""
         scope = Scope()
         self.add(scope.close)

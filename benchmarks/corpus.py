@@ -20,6 +20,7 @@ autogaudi, holding the same keys, dtypes and shapes as plain's. Writes
 ``benchmarks/results/corpus-<machine>.{json,md}``; the test suite runs the ``cpu`` cases with
 ``--short`` (the cases' own arguments made shorter; the scripts are never edited).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,8 +60,10 @@ CHECKPOINT_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin")
 SHORT = {
     "mingpt-adder": ({"--trainer.max_iters=300": "--trainer.max_iters=40"}, r"iter 30: train loss [0-9.]+"),
     "mingpt-adder-workers": ({"--trainer.max_iters=300": "--trainer.max_iters=40"}, r"iter 30: train loss [0-9.]+"),
-    "mingpt-chargpt": ({"--trainer.max_iters=100": "--trainer.max_iters=40"},
-                       r"iter_dt [0-9.]+ms; iter [0-9]+: train loss [0-9.]+"),
+    "mingpt-chargpt": (
+        {"--trainer.max_iters=100": "--trainer.max_iters=40"},
+        r"iter_dt [0-9.]+ms; iter [0-9]+: train loss [0-9.]+",
+    ),
     "makemore-transformer": ({"150": "40"}, r"step 30 \| loss [0-9.]+"),
     "makemore-gru": ({"150": "40"}, r"step 30 \| loss [0-9.]+"),
 }
@@ -101,8 +104,9 @@ def load_cases(corpus: Path, where: str, names) -> list:
     if names:
         unknown = sorted(set(names) - {case["name"] for case in manifest["cases"]})
         if unknown:
-            raise SystemExit(f"unknown case(s) {', '.join(unknown)}; valid: "
-                             + ", ".join(case["name"] for case in manifest["cases"]))
+            raise SystemExit(
+                f"unknown case(s) {', '.join(unknown)}; valid: " + ", ".join(case["name"] for case in manifest["cases"])
+            )
         cases = [case for case in manifest["cases"] if case["name"] in names]
     return cases
 
@@ -128,8 +132,11 @@ def clean_env(case: dict, variant: str) -> dict:
 
 
 def snapshot(folder: Path) -> dict:
-    return {str(path.relative_to(folder)): (path.stat().st_size, path.stat().st_mtime_ns)
-            for path in folder.rglob("*") if path.is_file() and "__pycache__" not in path.parts}
+    return {
+        str(path.relative_to(folder)): (path.stat().st_size, path.stat().st_mtime_ns)
+        for path in folder.rglob("*")
+        if path.is_file() and "__pycache__" not in path.parts
+    }
 
 
 def normalised(name: str) -> str:
@@ -170,8 +177,14 @@ def check_checkpoints(folder: Path, files: list, case: dict) -> dict:
         return {}
     env = clean_env(case, "plain")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), str(folder / case["dir"])) if p)
-    done = subprocess.run([sys.executable, "-c", LOAD_CHECKPOINTS, *checkpoints], cwd=folder, env=env,
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-c", LOAD_CHECKPOINTS, *checkpoints],
+        cwd=folder,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     if done.returncode != 0:
         return {name: {"error": done.stderr[-300:]} for name in checkpoints}
     return json.loads(done.stdout.splitlines()[-1])
@@ -194,18 +207,32 @@ def run_variant(corpus: Path, case: dict, variant: str, scratch: Path, timeout: 
     extra = [*VARIANTS[variant], "--report", str(report_path)] if VARIANTS[variant] else []
     began = time.perf_counter()
     try:
-        done = subprocess.run([sys.executable, *extra, *case["command"]], cwd=folder, env=clean_env(case, variant),
-                              capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(
+            [sys.executable, *extra, *case["command"]],
+            cwd=folder,
+            env=clean_env(case, variant),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
     except subprocess.TimeoutExpired as expired:
-        done = subprocess.CompletedProcess(expired.cmd, f"timed out after {timeout} s",
-                                           _text(expired.stdout), _text(expired.stderr) + f"\nkilled after {timeout} s")
+        done = subprocess.CompletedProcess(
+            expired.cmd,
+            f"timed out after {timeout} s",
+            _text(expired.stdout),
+            _text(expired.stderr) + f"\nkilled after {timeout} s",
+        )
     seconds = time.perf_counter() - began
     matches = re.findall(f"(?:{case['result']})", done.stdout + done.stderr)
     files = written_files(before, snapshot(copy))
-    record = {"exit_code": done.returncode, "seconds": round(seconds, 2), "result": matches[-1] if matches else None,
-              "files": sorted({normalised(name) for name in files}),
-              "checkpoints": check_checkpoints(copy, files, case),
-              "output_tail": (done.stdout[-1500:] + "\n--- stderr ---\n" + done.stderr[-3000:]).strip()}
+    record = {
+        "exit_code": done.returncode,
+        "seconds": round(seconds, 2),
+        "result": matches[-1] if matches else None,
+        "files": sorted({normalised(name) for name in files}),
+        "checkpoints": check_checkpoints(copy, files, case),
+        "output_tail": (done.stdout[-1500:] + "\n--- stderr ---\n" + done.stderr[-3000:]).strip(),
+    }
     if report_path.exists():
         record["report"] = json.loads(report_path.read_text())
     return record
@@ -231,8 +258,11 @@ def verdict(case: dict, variant: str, plain: dict, mine: dict) -> dict:
     if ratio > SLOWER:
         problems["slower"].append(f"whole run {ratio:.2f}x plain's wall time")
     worst = next((kind for kind, found in problems.items() if found), "same")
-    return {"verdict": worst, "why": [text for found in problems.values() for text in found] or [why],
-            "time_ratio": round(ratio, 3)}
+    return {
+        "verdict": worst,
+        "why": [text for found in problems.values() for text in found] or [why],
+        "time_ratio": round(ratio, 3),
+    }
 
 
 def run_case(corpus: Path, case: dict, variants: list, scratch: Path, log, timeout: float) -> dict:
@@ -242,8 +272,10 @@ def run_case(corpus: Path, case: dict, variants: list, scratch: Path, log, timeo
     runs = {}
     for variant in variants:
         runs[variant] = run_variant(corpus, case, variant, scratch, timeout)
-        log(f"  {case['name']}: {variant} exit {runs[variant]['exit_code']} in {runs[variant]['seconds']:.1f} s, "
-            f"result {runs[variant]['result']!r}")
+        log(
+            f"  {case['name']}: {variant} exit {runs[variant]['exit_code']} in {runs[variant]['seconds']:.1f} s, "
+            f"result {runs[variant]['result']!r}"
+        )
     row = {"name": case["name"], "command": case["command"], "traits": case.get("traits", ""), "runs": runs}
     plain = runs.get("plain")
     if plain is not None and plain["exit_code"] != 0:
@@ -260,27 +292,38 @@ def what_autogaudi_did(report) -> str:
         return "no report"
     parts = []
     for unit in report.get("units", []):
-        if unit["name"] in ("graph_capture", "channels_last", "loader_workers", "fused_optimizer", "step_profiler") \
-                and unit["status"] != "skipped":
+        if (
+            unit["name"] in ("graph_capture", "channels_last", "loader_workers", "fused_optimizer", "step_profiler")
+            and unit["status"] != "skipped"
+        ):
             parts.append(f"{unit['name']}: {unit['reason']}"[:160])
         elif unit["status"] == "failed":
             parts.append(f"{unit['name']} FAILED: {unit['reason']}"[:200])
     for trial in report.get("trials", []):
-        parts.append(f"trial {trial['candidate']}: {trial.get('speedup')}x, one-off {trial.get('one_off_s')} s, "
-                     f"{trial.get('decision')}")
+        parts.append(
+            f"trial {trial['candidate']}: {trial.get('speedup')}x, one-off {trial.get('one_off_s')} s, "
+            f"{trial.get('decision')}"
+        )
     return "; ".join(parts)
 
 
 def markdown(results: dict) -> str:
     variants = results["variants"]
-    lines = [f"# Corpus on {results['machine']} (torch {results['torch']}, {results['mode']})", "",
-             f"Cases run {results['jobs']} at a time; whole-process wall times (interpreter start, set-up "
-             "excluded). Verdicts against plain: same / differs / crashed / slower "
-             f"(> {SLOWER:.2f}x plain's wall time). Result tolerance: "
-             + ", ".join(f"{v} {TOLERANCE[v]:.0%}" for v in variants[1:]) + " relative, per number "
-             "(forced capture draws dropout masks from another stream).", "",
-             *(f"- {note}" for note in results.get("notes", ())), "",
-             "| case | " + " | ".join(variants) + " |", "|---" * (len(variants) + 1) + "|"]
+    lines = [
+        f"# Corpus on {results['machine']} (torch {results['torch']}, {results['mode']})",
+        "",
+        f"Cases run {results['jobs']} at a time; whole-process wall times (interpreter start, set-up "
+        "excluded). Verdicts against plain: same / differs / crashed / slower "
+        f"(> {SLOWER:.2f}x plain's wall time). Result tolerance: "
+        + ", ".join(f"{v} {TOLERANCE[v]:.0%}" for v in variants[1:])
+        + " relative, per number "
+        "(forced capture draws dropout masks from another stream).",
+        "",
+        *(f"- {note}" for note in results.get("notes", ())),
+        "",
+        "| case | " + " | ".join(variants) + " |",
+        "|---" * (len(variants) + 1) + "|",
+    ]
     for row in results["cases"]:
         if "skipped" in row:
             lines.append(f"| {row['name']} | not run: {row['skipped']} |" + " |" * (len(variants) - 1))
@@ -291,7 +334,9 @@ def markdown(results: dict) -> str:
             if variant == "plain":
                 cells.append(f"exit {run['exit_code']}, {run['seconds']:.1f} s, `{run['result']}`")
             else:
-                cells.append(f"**{run['verdict']}** {run['time_ratio']:.2f}x, exit {run['exit_code']}, `{run['result']}`")
+                cells.append(
+                    f"**{run['verdict']}** {run['time_ratio']:.2f}x, exit {run['exit_code']}, `{run['result']}`"
+                )
         lines.append(f"| {row['name']} | " + " | ".join(cells) + " |")
     lines += ["", "## Details", ""]
     for row in results["cases"]:
@@ -303,8 +348,9 @@ def markdown(results: dict) -> str:
             lines.append(f"- plain failed: `{row['plain_failed'][-300:]}`")
         for variant in variants[1:]:
             run = row["runs"][variant]
-            lines.append(f"- {variant}: **{run['verdict']}** ({'; '.join(run['why'])}). "
-                         f"{what_autogaudi_did(run.get('report'))}")
+            lines.append(
+                f"- {variant}: **{run['verdict']}** ({'; '.join(run['why'])}). {what_autogaudi_did(run.get('report'))}"
+            )
         lines.append("")
     return "\n".join(lines) + "\n"
 
@@ -314,8 +360,11 @@ def main(argv=None) -> int:
     parser.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS)
     parser.add_argument("--cases", help="comma-separated case names (default: every case that fits the machine)")
     parser.add_argument("--where", choices=("cpu", "gpu"), help="default: gpu when CUDA is available, else cpu")
-    parser.add_argument("--variants", default=",".join(VARIANTS),
-                        help=f"comma-separated, plain first (default: all): {', '.join(VARIANTS)}")
+    parser.add_argument(
+        "--variants",
+        default=",".join(VARIANTS),
+        help=f"comma-separated, plain first (default: all): {', '.join(VARIANTS)}",
+    )
     parser.add_argument("--short", action="store_true", help="shorter runs through the cases' own arguments (CI)")
     parser.add_argument("--jobs", type=int, default=1, help="cases run at once (timings then share the machine)")
     parser.add_argument("--out", type=Path, help="default: benchmarks/results/corpus-<machine>.json")
@@ -338,9 +387,16 @@ def main(argv=None) -> int:
     def log(text):
         print(text, file=sys.stderr, flush=True)
 
-    results = {"machine": machine, "torch": torch.__version__, "where": where, "jobs": args.jobs,
-               "mode": "short runs (--short)" if args.short else "the manifest's commands",
-               "variants": variants, "tolerance": {v: TOLERANCE[v] for v in variants}, "cases": []}
+    results = {
+        "machine": machine,
+        "torch": torch.__version__,
+        "where": where,
+        "jobs": args.jobs,
+        "mode": "short runs (--short)" if args.short else "the manifest's commands",
+        "variants": variants,
+        "tolerance": {v: TOLERANCE[v] for v in variants},
+        "cases": [],
+    }
     out.parent.mkdir(parents=True, exist_ok=True)
     order = {case["name"]: index for index, case in enumerate(cases)}
     with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
@@ -353,8 +409,7 @@ def main(argv=None) -> int:
     print(markdown(results))
     if not args.scratch:
         shutil.rmtree(scratch, ignore_errors=True)
-    failed = [row["name"] for row in rows for run in row.get("runs", {}).values()
-              if run.get("verdict") == "crashed"]
+    failed = [row["name"] for row in rows for run in row.get("runs", {}).values() if run.get("verdict") == "crashed"]
     return 1 if failed else 0
 
 

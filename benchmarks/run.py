@@ -15,6 +15,7 @@ plain PyTorch's (a relative bound: fused kernels reassociate float sums and traj
 over hundreds of steps, by as much for the hand-tuned script as for autogaudi) and with the
 hand-tuned script's, which applies the same math as autogaudi and should match it closely.
 """
+
 import argparse
 import json
 import os
@@ -37,8 +38,14 @@ WORKLOADS = {
     "w2_transformer": [str(HERE / "workloads" / "transformer.py")],
     "w3_cnn": [str(HERE / "workloads" / "cnn.py")],
     "w4_loader_bound": [str(HERE / "workloads" / "loader_bound.py")],
-    "w5_ddp_2_ranks": ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                       str(HERE / "workloads" / "ddp_mlp.py")],
+    "w5_ddp_2_ranks": [
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(HERE / "workloads" / "ddp_mlp.py"),
+    ],
 }
 # (interpreter arguments before the workload, arguments after it)
 VARIANTS = {
@@ -102,8 +109,12 @@ def step_rates(workload: list, rounds: int, variants: dict) -> dict:
             before, after = variants[name]
             began = time.perf_counter()
             result = run_json(before + workload + after)
-            print(f"  {Path(workload[-1]).stem} round {round_number + 1}: {name} "
-                  f"{result['steps_per_s']:.1f} steps/s ({time.perf_counter() - began:.1f} s)", file=sys.stderr, flush=True)
+            print(
+                f"  {Path(workload[-1]).stem} round {round_number + 1}: {name} "
+                f"{result['steps_per_s']:.1f} steps/s ({time.perf_counter() - began:.1f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
             rates[name].append(result["steps_per_s"])
             if "total_seconds" in result:
                 totals[name].append(result["total_seconds"])
@@ -115,19 +126,28 @@ def step_rates(workload: list, rounds: int, variants: dict) -> dict:
     for name, values in rates.items():
         vs_plain = per_round(values, rates["plain"])
         drift = max(abs(a - b) / abs(b) for a, b in zip(losses[name], losses["plain"]))
-        rows[name] = {"steps_per_s": summary(values), "steps_per_s_by_round": values,
-                      "ratio_vs_plain": statistics.median(vs_plain), "ratio_vs_plain_range": [min(vs_plain), max(vs_plain)],
-                      "ratio_vs_hand_tuned": statistics.median(per_round(values, rates["hand-tuned"])),
-                      "max_relative_loss_difference": drift, "losses_match": drift <= LOSS_TOLERANCE,
-                      "max_loss_difference_vs_hand_tuned": max(
-                          abs(a - b) for a, b in zip(losses[name], losses["hand-tuned"]))}
+        rows[name] = {
+            "steps_per_s": summary(values),
+            "steps_per_s_by_round": values,
+            "ratio_vs_plain": statistics.median(vs_plain),
+            "ratio_vs_plain_range": [min(vs_plain), max(vs_plain)],
+            "ratio_vs_hand_tuned": statistics.median(per_round(values, rates["hand-tuned"])),
+            "max_relative_loss_difference": drift,
+            "losses_match": drift <= LOSS_TOLERANCE,
+            "max_loss_difference_vs_hand_tuned": max(abs(a - b) for a, b in zip(losses[name], losses["hand-tuned"])),
+        }
         if totals[name]:
             rows[name]["total_seconds"] = summary(totals[name])
             rows[name]["total_speedup_vs_plain"] = statistics.median(per_round(totals["plain"], totals[name]))
         if one_offs[name]:
-            rows[name].update(timed_from_step=timed_from[name],
-                              **break_even(statistics.median(one_offs[name]) - statistics.median(one_offs["plain"]),
-                                           statistics.median(rates["plain"]), statistics.median(values)))
+            rows[name].update(
+                timed_from_step=timed_from[name],
+                **break_even(
+                    statistics.median(one_offs[name]) - statistics.median(one_offs["plain"]),
+                    statistics.median(rates["plain"]),
+                    statistics.median(values),
+                ),
+            )
     return rows
 
 
@@ -162,11 +182,18 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--out", type=Path, help="default: benchmarks/results/<machine>.json")
-    parser.add_argument("--render", type=Path, metavar="RESULTS_JSON",
-                        help="run nothing: rewrite the Markdown table and the chart of an existing results file")
+    parser.add_argument(
+        "--render",
+        type=Path,
+        metavar="RESULTS_JSON",
+        help="run nothing: rewrite the Markdown table and the chart of an existing results file",
+    )
     parser.add_argument("--only", help="comma-separated workloads to run (default: all): " + ", ".join(WORKLOADS))
-    parser.add_argument("--control", action="store_true",
-                        help="also run plain PyTorch twice per round, to read the noise floor of the ratios")
+    parser.add_argument(
+        "--control",
+        action="store_true",
+        help="also run plain PyTorch twice per round, to read the noise floor of the ratios",
+    )
     args = parser.parse_args()
     if args.render:
         results = json.loads(args.render.read_text())
@@ -184,11 +211,14 @@ def main():
     import torch
 
     results = {
-        "machine": machine_name(), "cpu": platform.processor() or platform.machine(),
+        "machine": machine_name(),
+        "cpu": platform.processor() or platform.machine(),
         "cpu_cores": psutil.cpu_count(logical=False),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "torch_cuda": torch.version.cuda,
-        "python": platform.python_version(), "torch": torch.__version__, "rounds": args.rounds,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "rounds": args.rounds,
         "workloads": {},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -208,8 +238,10 @@ def main():
 
 def companions(results_path: Path) -> tuple:
     """Where the Markdown table and the chart of a results file go: beside it."""
-    return (results_path.with_name(results_path.stem + "-table.md"),
-            results_path.with_name(results_path.stem + "-chart.png"))
+    return (
+        results_path.with_name(results_path.stem + "-table.md"),
+        results_path.with_name(results_path.stem + "-chart.png"),
+    )
 
 
 def write_results(results: dict, path: Path, table_path: Path) -> None:
@@ -219,16 +251,23 @@ def write_results(results: dict, path: Path, table_path: Path) -> None:
 
 def table_header(results: dict) -> str:
     paired = all("steps_per_s_by_round" in row for rows in results["workloads"].values() for row in rows.values())
-    return (f"# {results['machine']} (torch {results['torch']}, median of {results['rounds']} rounds)\n\n"
-            + ("Ratios: the median of the rounds' own ratios (variants of a round run back to back).\n\n"
-               if paired else "Ratios: of the medians (this file predates ratios paired by round).\n\n")
-            + "| workload | variant | steps/s median (min-max) | vs plain | vs hand-tuned | "
-            "max rel. loss diff vs plain | max loss diff vs hand-tuned |\n|---|---|---|---|---|---|---|")
+    return (
+        f"# {results['machine']} (torch {results['torch']}, median of {results['rounds']} rounds)\n\n"
+        + (
+            "Ratios: the median of the rounds' own ratios (variants of a round run back to back).\n\n"
+            if paired
+            else "Ratios: of the medians (this file predates ratios paired by round).\n\n"
+        )
+        + "| workload | variant | steps/s median (min-max) | vs plain | vs hand-tuned | "
+        "max rel. loss diff vs plain | max loss diff vs hand-tuned |\n|---|---|---|---|---|---|---|"
+    )
 
 
 def startup_line(start: dict) -> str:
-    return (f"startup `python -c pass`: plain {start['ms']['plain']['median']:.1f} ms, AUTOGAUDI=1 "
-            f"{start['ms']['AUTOGAUDI=1']['median']:.1f} ms (+{start['added_ms']:.1f} ms), torch not imported")
+    return (
+        f"startup `python -c pass`: plain {start['ms']['plain']['median']:.1f} ms, AUTOGAUDI=1 "
+        f"{start['ms']['AUTOGAUDI=1']['median']:.1f} ms (+{start['added_ms']:.1f} ms), torch not imported"
+    )
 
 
 def markdown_table(results: dict) -> str:
@@ -274,7 +313,9 @@ def write_chart(results: dict, path: Path) -> str:
     axes.axhline(1.0, color="black", linewidth=0.8)
     axes.set_xticks(range(len(workloads)), workloads)
     axes.set_ylabel("steady-state steps/s vs plain PyTorch")
-    axes.set_title(f"{results['machine']}, torch {results['torch']}, median ratio of {results['rounds']} rounds (min-max)")
+    axes.set_title(
+        f"{results['machine']}, torch {results['torch']}, median ratio of {results['rounds']} rounds (min-max)"
+    )
     axes.legend(fontsize="small")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
@@ -289,14 +330,19 @@ def table_row(workload: str, name: str, row: dict) -> str:
         flag += f" (whole run incl. warm-up and one-off costs: {row['total_speedup_vs_plain']:.2f}x plain)"
     if row.get("one_off_s_vs_plain") is not None and name != "plain":
         steps = row["break_even_steps"]
-        flag += (f" (one-off {row['one_off_s_vs_plain']:+.2f} s vs plain; ahead of plain on the whole run "
-                 + ("never: not faster" if steps is None else f"from step {steps}") + ")")
+        flag += (
+            f" (one-off {row['one_off_s_vs_plain']:+.2f} s vs plain; ahead of plain on the whole run "
+            + ("never: not faster" if steps is None else f"from step {steps}")
+            + ")"
+        )
         unsettled = sum(step is None for step in row["timed_from_step"])
         if unsettled:
             flag += f" (NOT SETTLED in {unsettled} round(s): timed from warm-up)"
-    return (f"| {workload} | {name} | {rate['median']:.1f} ({rate['min']:.1f}-{rate['max']:.1f}) | "
-            f"{row['ratio_vs_plain']:.3f}x | {row['ratio_vs_hand_tuned']:.3f}x | "
-            f"{row['max_relative_loss_difference']:.1e}{flag} | {row['max_loss_difference_vs_hand_tuned']:.1e} |")
+    return (
+        f"| {workload} | {name} | {rate['median']:.1f} ({rate['min']:.1f}-{rate['max']:.1f}) | "
+        f"{row['ratio_vs_plain']:.3f}x | {row['ratio_vs_hand_tuned']:.3f}x | "
+        f"{row['max_relative_loss_difference']:.1e}{flag} | {row['max_loss_difference_vs_hand_tuned']:.1e} |"
+    )
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@
 
 Writes docs/options.md and the table between the options markers in README.md.
 """
+
 from pathlib import Path
 
 from autogaudi.options import OPTIONS

@@ -6,6 +6,7 @@ anywhere without downloads. Run it directly or under autogaudi and compare:
     python examples/train_mnist_mlp.py
     python -m autogaudi examples/train_mnist_mlp.py
 """
+
 import argparse
 
 import torch

@@ -6,6 +6,7 @@ Python process started below it enables autogaudi before its own code runs, even
 without us: this module steps out of the way, imports the next one on ``sys.path`` and leaves it
 as ``sys.modules["sitecustomize"]``.
 """
+
 import os
 import sys
 

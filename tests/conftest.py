@@ -1,4 +1,5 @@
 """Shared fixtures: subprocess runner, the HPU test double, and a guaranteed disable() after each test."""
+
 import importlib
 import sys
 
@@ -7,6 +8,7 @@ import torch
 
 import autogaudi
 from tests.helpers import HPU_DOUBLE
+
 
 @pytest.fixture(autouse=True)
 def autogaudi_disabled_after_test():

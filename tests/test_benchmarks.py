@@ -1,4 +1,5 @@
 """The benchmark suite's outputs, from a results file: the Markdown table and the PNG chart."""
+
 import importlib.util
 import json
 import subprocess
@@ -18,21 +19,32 @@ def load_run():
 
 def fake_results(run) -> dict:
     def row(median, plain, tuned, matching=True):
-        return {"steps_per_s": {"median": median, "min": median * 0.9, "max": median * 1.1, "rounds": 5},
-                "steps_per_s_by_round": [median * 0.9, median, median, median * 1.1, median],
-                "ratio_vs_plain": median / plain, "ratio_vs_plain_range": [0.9 * median / plain, 1.1 * median / plain],
-                "ratio_vs_hand_tuned": median / tuned,
-                "max_relative_loss_difference": 1e-6 if matching else 0.5, "losses_match": matching,
-                "max_loss_difference_vs_hand_tuned": 0.0}
+        return {
+            "steps_per_s": {"median": median, "min": median * 0.9, "max": median * 1.1, "rounds": 5},
+            "steps_per_s_by_round": [median * 0.9, median, median, median * 1.1, median],
+            "ratio_vs_plain": median / plain,
+            "ratio_vs_plain_range": [0.9 * median / plain, 1.1 * median / plain],
+            "ratio_vs_hand_tuned": median / tuned,
+            "max_relative_loss_difference": 1e-6 if matching else 0.5,
+            "losses_match": matching,
+            "max_loss_difference_vs_hand_tuned": 0.0,
+        }
 
     rates = {"plain": 100.0, "autogaudi": 120.0, "hand-tuned": 125.0, "autogaudi, all units off": 99.0}
     assert set(rates) == set(run.VARIANTS)
     ddp_rates = {**rates, **dict.fromkeys(run.EXTRA_VARIANTS["w5_ddp_2_ranks"], 110.0)}
-    return {"machine": "test-machine", "torch": "2.13.0", "rounds": 5,
-            "workloads": {"w1_mlp": {name: row(rate, 100.0, 125.0, name != "autogaudi, all units off")
-                                     for name, rate in rates.items()},
-                          "w5_ddp_2_ranks": {name: row(rate, 100.0, 125.0) for name, rate in ddp_rates.items()}},
-            "startup": {"ms": {"plain": {"median": 17.0}, "AUTOGAUDI=1": {"median": 26.0}}, "added_ms": 9.0}}
+    return {
+        "machine": "test-machine",
+        "torch": "2.13.0",
+        "rounds": 5,
+        "workloads": {
+            "w1_mlp": {
+                name: row(rate, 100.0, 125.0, name != "autogaudi, all units off") for name, rate in rates.items()
+            },
+            "w5_ddp_2_ranks": {name: row(rate, 100.0, 125.0) for name, rate in ddp_rates.items()},
+        },
+        "startup": {"ms": {"plain": {"median": 17.0}, "AUTOGAUDI=1": {"median": 26.0}}, "added_ms": 9.0},
+    }
 
 
 def test_the_table_states_ratios_and_flags_different_training():
@@ -68,8 +80,9 @@ def test_render_writes_the_table_and_a_png_chart_beside_the_results(tmp_path):
     run = load_run()
     results = tmp_path / "machine.json"
     results.write_text(json.dumps(fake_results(run)))
-    subprocess.run([sys.executable, str(REPO / "benchmarks" / "run.py"), "--render", str(results)], check=True,
-                   capture_output=True)
+    subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "run.py"), "--render", str(results)], check=True, capture_output=True
+    )
     table, chart = run.companions(results)
     assert table.read_text() == run.markdown_table(fake_results(run))
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and chart.stat().st_size > 5000

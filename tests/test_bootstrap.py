@@ -1,11 +1,14 @@
 """AUTOGAUDI=1 without the launcher: the .pth file, the sitecustomize bootstrap, and child processes."""
+
 import json
 
 from autogaudi._paths import bootstrap_dir
 from tests.helpers import SCRIPTS, clean_env, run_python
 
-PROBE = ("import json, sys; import autogaudi.runtime as r; "
-         "print(json.dumps({'torch': 'torch' in sys.modules, 'enabled': r.is_enabled(), 'sources': r._STATE.sources}))")
+PROBE = (
+    "import json, sys; import autogaudi.runtime as r; "
+    "print(json.dumps({'torch': 'torch' in sys.modules, 'enabled': r.is_enabled(), 'sources': r._STATE.sources}))"
+)
 
 
 def probe(env):
@@ -42,8 +45,10 @@ def test_users_own_sitecustomize_still_runs_in_children(tmp_path):
     user_site = tmp_path / "site"
     user_site.mkdir()
     (user_site / "sitecustomize.py").write_text("import os\nos.environ['USER_SITECUSTOMIZE'] = 'ran'\n")
-    child = ("import json, os, sys, sitecustomize, autogaudi; print(json.dumps("
-             "[os.environ.get('USER_SITECUSTOMIZE'), sitecustomize.__file__, autogaudi.is_enabled()]))")
+    child = (
+        "import json, os, sys, sitecustomize, autogaudi; print(json.dumps("
+        "[os.environ.get('USER_SITECUSTOMIZE'), sitecustomize.__file__, autogaudi.is_enabled()]))"
+    )
     script = tmp_path / "parent.py"
     script.write_text(f"import subprocess, sys\nsubprocess.run([sys.executable, '-c', {child!r}], check=True)\n")
     result = run_python("-m", "autogaudi", "--quiet", script, env=clean_env(PYTHONPATH=user_site))

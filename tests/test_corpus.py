@@ -1,6 +1,7 @@
 """The corpus harness: its verdicts on made-up runs, and the corpus's CPU cases in CI, run plain,
 under autogaudi and with capture forced, with no crash, no exit-code difference and every
 checkpoint written and loadable with plain torch."""
+
 import importlib.util
 import json
 import subprocess
@@ -21,9 +22,15 @@ def load_corpus():
 
 
 def run(exit_code=0, seconds=10.0, result="loss 1.000", files=("model.pt",), checkpoints=None):
-    return {"exit_code": exit_code, "seconds": seconds, "result": result, "files": list(files),
-            "checkpoints": {"model.pt": {"kind": "OrderedDict", "tensors": {"w": ["torch.float32", [2]]}}}
-            if checkpoints is None else checkpoints}
+    return {
+        "exit_code": exit_code,
+        "seconds": seconds,
+        "result": result,
+        "files": list(files),
+        "checkpoints": {"model.pt": {"kind": "OrderedDict", "tensors": {"w": ["torch.float32", [2]]}}}
+        if checkpoints is None
+        else checkpoints,
+    }
 
 
 CASE = {"name": "a-case", "result": "loss [0-9.]+"}
@@ -32,21 +39,25 @@ CASE = {"name": "a-case", "result": "loss [0-9.]+"}
 def test_timings_in_a_result_line_are_not_compared():
     corpus = load_corpus()
     assert corpus.result_numbers("iter_dt 12.69ms; iter 90: train loss 2.61085") == [90.0, 2.61085]
-    same, _ = corpus.compare_results(CASE, "autogaudi", "iter_dt 12.7ms; iter 90: train loss 2.6108",
-                                     "iter_dt 5.4ms; iter 90: train loss 2.6110")
+    same, _ = corpus.compare_results(
+        CASE, "autogaudi", "iter_dt 12.7ms; iter 90: train loss 2.6108", "iter_dt 5.4ms; iter 90: train loss 2.6110"
+    )
     assert same
 
 
-@pytest.mark.parametrize("mine, expected", [
-    (run(), "same"),
-    (run(seconds=12.0), "slower"),
-    (run(result="loss 1.200"), "differs"),
-    (run(exit_code=1), "crashed"),
-    (run(files=()), "differs"),
-    (run(exit_code=1, files=()), "crashed"),
-    (run(checkpoints={"model.pt": {"error": "UnpicklingError: object proxy"}}), "crashed"),
-    (run(checkpoints={"model.pt": {"kind": "OrderedDict", "tensors": {"w": ["torch.bfloat16", [2]]}}}), "differs"),
-])
+@pytest.mark.parametrize(
+    "mine, expected",
+    [
+        (run(), "same"),
+        (run(seconds=12.0), "slower"),
+        (run(result="loss 1.200"), "differs"),
+        (run(exit_code=1), "crashed"),
+        (run(files=()), "differs"),
+        (run(exit_code=1, files=()), "crashed"),
+        (run(checkpoints={"model.pt": {"error": "UnpicklingError: object proxy"}}), "crashed"),
+        (run(checkpoints={"model.pt": {"kind": "OrderedDict", "tensors": {"w": ["torch.bfloat16", [2]]}}}), "differs"),
+    ],
+)
 def test_verdicts_against_plain(mine, expected):
     assert load_corpus().verdict(CASE, "autogaudi", run(), mine)["verdict"] == expected
 
@@ -59,13 +70,30 @@ def test_forced_capture_is_compared_more_loosely_and_unseeded_cases_not_at_all()
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not (CORPUS / "corpus.json").exists(),
-                    reason=f"no corpus at {CORPUS}: it comes with the project's shared folder, beside the repository")
+@pytest.mark.skipif(
+    not (CORPUS / "corpus.json").exists(),
+    reason=f"no corpus at {CORPUS}: it comes with the project's shared folder, beside the repository",
+)
 def test_the_cpu_cases_run_plain_under_autogaudi_and_with_capture_forced(tmp_path):
     out = tmp_path / "corpus.json"
-    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "corpus.py"), "--corpus", str(CORPUS),
-                           "--where", "cpu", "--short", "--out", str(out), "--scratch", str(tmp_path / "runs")],
-                          capture_output=True, text=True, timeout=1200)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "corpus.py"),
+            "--corpus",
+            str(CORPUS),
+            "--where",
+            "cpu",
+            "--short",
+            "--out",
+            str(out),
+            "--scratch",
+            str(tmp_path / "runs"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     assert out.exists(), done.stderr[-3000:]
     results = json.loads(out.read_text())
     assert {row["name"] for row in results["cases"]} >= {"regression", "mingpt-adder", "makemore-gru"}

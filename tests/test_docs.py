@@ -1,4 +1,5 @@
 """Docs that are generated from code must match it."""
+
 import importlib.util
 
 from tests.helpers import REPO
@@ -29,7 +30,11 @@ def test_the_docs_build_with_every_page_in_the_nav_and_no_broken_link(tmp_path):
     import pytest
 
     pytest.importorskip("mkdocs")
-    result = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path)],
-                            cwd=REPO, capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert (tmp_path / "doctor" / "index.html").is_file()

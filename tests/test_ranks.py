@@ -1,4 +1,5 @@
 """Rank awareness: the store-based gathering of every rank's unit rows and how rank 0 reports them."""
+
 import time
 
 import torch.distributed as dist
@@ -22,18 +23,29 @@ def rows(**statuses):
 
 
 def report_with(ranks):
-    return Report(torch_version="2.13", enabled_by=["launcher"], active=True,
-                  backend={"name": "cpu", "device": "cpu", "reason": "test"}, options={}, steps={},
-                  memory=None, units=[], ranks=ranks)
+    return Report(
+        torch_version="2.13",
+        enabled_by=["launcher"],
+        active=True,
+        backend={"name": "cpu", "device": "cpu", "reason": "test"},
+        options={},
+        steps={},
+        memory=None,
+        units=[],
+        ranks=ranks,
+    )
 
 
 def test_the_report_says_whether_the_ranks_decided_alike():
     same = report_with({0: rows(fast_ddp="applied"), 1: rows(fast_ddp="applied")})
     assert "ranks    2 of 2 reported their unit decisions; all the same" in same.format()
-    differing = report_with({0: rows(fast_ddp="applied", ddp_tuning="applied"),
-                             1: rows(fast_ddp="failed", ddp_tuning="applied"), 2: None})
-    assert ("ranks    2 of 3 reported their unit decisions (no answer from rank 2); "
-            "they differ: fast_ddp: rank 0 applied, rank 1 failed") in differing.format()
+    differing = report_with(
+        {0: rows(fast_ddp="applied", ddp_tuning="applied"), 1: rows(fast_ddp="failed", ddp_tuning="applied"), 2: None}
+    )
+    assert (
+        "ranks    2 of 3 reported their unit decisions (no answer from rank 2); "
+        "they differ: fast_ddp: rank 0 applied, rank 1 failed"
+    ) in differing.format()
     assert differing.as_dict()["ranks"]["2"] is None and differing.as_dict()["ranks"]["1"][0]["status"] == "failed"
 
 

@@ -1,4 +1,5 @@
 """The exit report: table on stderr, JSON on request, quiet, rank 0 only; the launcher always reports."""
+
 import json
 
 import torch

@@ -1,4 +1,5 @@
 """The process-wide guard: every ordering of import, enable and disable, each in a fresh process."""
+
 import json
 
 import pytest

@@ -1,6 +1,7 @@
 """Training steps are iterations of the user's loop, however it updates its parameters: by hand
 (no torch.optim), with two optimizers per iteration (a GAN), with per-layer optimizers that train
 one after another (forward-forward), or with LBFGS's closure (many backward passes per step)."""
+
 import torch
 from torch import nn
 
@@ -69,8 +70,9 @@ def test_per_layer_optimizers_that_train_in_turn_hand_the_count_on():
 def test_lbfgs_closure_backward_passes_are_inside_one_step():
     autogaudi.enable(device="cpu", only="throughput_meter")
     model = nn.Linear(4, 1)
-    optimizer = torch.optim.LBFGS(model.parameters(), max_iter=NO_OPTIMIZER_AFTER + 4,
-                                  tolerance_grad=0.0, tolerance_change=0.0)  # every iteration runs
+    optimizer = torch.optim.LBFGS(
+        model.parameters(), max_iter=NO_OPTIMIZER_AFTER + 4, tolerance_grad=0.0, tolerance_change=0.0
+    )  # every iteration runs
     inputs, targets = next(data())
 
     def closure():

@@ -1,5 +1,6 @@
 """The trial engine on fakes whose speeds are known: it keeps the faster, measures the one-off cost
 apart, runs every step exactly once, and leaves the candidate in the state it decided."""
+
 import time
 
 import pytest
@@ -43,7 +44,7 @@ def run_trial(on_seconds, off_seconds, one_off=0.0):
 
 def test_keeps_the_candidate_that_is_faster():
     state, decisions, ran, runner = run_trial(on_seconds=0.002, off_seconds=0.006, one_off=0.05)
-    (keep, record), = decisions
+    ((keep, record),) = decisions
     assert keep and state["on"] and record["decision"] == "kept"
     assert 2.0 < record["speedup"] < 4.5
     assert record["one_off_s"] == pytest.approx(0.05, abs=0.03)
@@ -55,7 +56,7 @@ def test_keeps_the_candidate_that_is_faster():
 
 def test_reverts_a_candidate_that_is_slower():
     state, decisions, _, _ = run_trial(on_seconds=0.006, off_seconds=0.002)
-    (keep, record), = decisions
+    ((keep, record),) = decisions
     assert not keep and not state["on"] and record["decision"] == "rejected"
     assert record["speedup"] < 0.6
 
@@ -69,8 +70,9 @@ def test_trials_run_one_after_another():
     steps, order = FakeSteps(), []
     runner = trials.TrialRunner(steps)
     for name in ("first", "second"):
-        runner.submit(trials.Trial(object(), name, lambda on, name=name: order.append((name, on)),
-                                   lambda keep, record: None))
+        runner.submit(
+            trials.Trial(object(), name, lambda on, name=name: order.append((name, on)), lambda keep, record: None)
+        )
     while steps.listeners:
         for listener in list(steps.listeners):
             listener(None)

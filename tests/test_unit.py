@@ -1,4 +1,5 @@
 """The unit contract: exact undo through wrapt, fail-open in apply() and at run time, user errors untouched."""
+
 import importlib
 import types
 

@@ -1,4 +1,5 @@
 """Backend detection: HPU, then CUDA, then CPU, unless the ``device`` option names one."""
+
 from __future__ import annotations
 
 from autogaudi.backends import cpu, cuda, hpu

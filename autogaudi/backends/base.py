@@ -1,11 +1,12 @@
 """What a backend offers the optimization units, and the torch-native defaults CUDA and CPU share."""
+
 from __future__ import annotations
 
 import sys
 
 import torch
 
-GB = 1024 ** 3
+GB = 1024**3
 
 
 class MemoryStats:
@@ -26,8 +27,7 @@ class MemoryStats:
         }
 
     def format(self) -> str:
-        return (f"mem {self.allocated / GB:.2f} GB (peak {self.max_allocated / GB:.2f} GB"
-                f" of {self.total / GB:.1f} GB)")
+        return f"mem {self.allocated / GB:.2f} GB (peak {self.max_allocated / GB:.2f} GB of {self.total / GB:.1f} GB)"
 
 
 class Backend:

@@ -1,4 +1,5 @@
 """The CPU backend: always available; memory figures are this process's resident memory."""
+
 from __future__ import annotations
 
 import platform

@@ -1,4 +1,5 @@
 """The CUDA backend: torch's own fused kernels and CUDA graphs (via torch.compile)."""
+
 from __future__ import annotations
 
 import sys

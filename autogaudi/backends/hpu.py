@@ -6,6 +6,7 @@ exercised against the API-faithful test double in ``tests/hpu_double``. Everythi
 until ``mark_step()`` and captures graphs with ``ModuleCacher``; eager mode (the default since)
 has no step marks and compiles with ``torch.compile(backend="hpu_backend")``.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -13,13 +14,17 @@ import importlib.util
 import os
 import sys
 
-import torch
-
 from autogaudi.backends.base import Backend, MemoryStats, compile_calls
 
 # torch.optim arguments the Gaudi fused optimizers do not have, with the value that means "unused".
-_UNSUPPORTED_UNLESS = {"amsgrad": False, "maximize": False, "foreach": None, "capturable": False,
-                       "differentiable": False, "fused": None}
+_UNSUPPORTED_UNLESS = {
+    "amsgrad": False,
+    "maximize": False,
+    "foreach": None,
+    "capturable": False,
+    "differentiable": False,
+    "fused": None,
+}
 _FUSED_ARGUMENTS = {
     "FusedAdamW": ("lr", "betas", "eps", "weight_decay"),
     "FusedSGD": ("lr", "momentum", "weight_decay", "dampening", "nesterov"),
@@ -94,8 +99,11 @@ class HpuBackend(Backend):
         if fused_name is None:
             detail = " with L2 weight decay (it decays like AdamW)" if name == "Adam" else ""
             return f"no Gaudi fused optimizer for {name}{detail}"
-        unsupported = [f"{argument}={hyperparameters[argument]!r}" for argument, unused in _UNSUPPORTED_UNLESS.items()
-                       if hyperparameters.get(argument, unused) != unused]
+        unsupported = [
+            f"{argument}={hyperparameters[argument]!r}"
+            for argument, unused in _UNSUPPORTED_UNLESS.items()
+            if hyperparameters.get(argument, unused) != unused
+        ]
         if unsupported:
             return f"{fused_name} has no {', '.join(unsupported)}"
         return None

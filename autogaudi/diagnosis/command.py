@@ -7,6 +7,7 @@ JSON (schema ``autogaudi.doctor/1``) to ``--json``. Exit status 0 whatever was f
 a gate), 1 with ``--fail-on`` when a finding of a named kind is present, the script's own status
 when it failed before the steps were done.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,16 +25,26 @@ VALUE_FLAGS = ("--steps", "--json", "--fail-on")
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog=PROG, usage=f"{PROG} [--steps N] [--json PATH] [--fail-on KINDS] (script.py | -m module) [args ...]",
+        prog=PROG,
+        usage=f"{PROG} [--steps N] [--json PATH] [--fail-on KINDS] (script.py | -m module) [args ...]",
         description="Run a training script for a few steps, observing only, and list what would make it "
-                    "slow on Intel Gaudi: host syncs, dynamic shapes, graph blockers, unsupported dtypes, "
-                    "input stalls, tile sizes, bf16 readiness.")
-    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS,
-                        help=f"optimizer steps to observe before stopping the script (default {DEFAULT_STEPS})")
+        "slow on Intel Gaudi: host syncs, dynamic shapes, graph blockers, unsupported dtypes, "
+        "input stalls, tile sizes, bf16 readiness.",
+    )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=DEFAULT_STEPS,
+        help=f"optimizer steps to observe before stopping the script (default {DEFAULT_STEPS})",
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the findings as JSON to PATH")
-    parser.add_argument("--fail-on", metavar="KINDS", default="",
-                        help="exit 1 if a finding of one of these comma-separated kinds is present "
-                             f"('all' for any); kinds: {', '.join(KINDS)}")
+    parser.add_argument(
+        "--fail-on",
+        metavar="KINDS",
+        default="",
+        help="exit 1 if a finding of one of these comma-separated kinds is present "
+        f"('all' for any); kinds: {', '.join(KINDS)}",
+    )
     return parser
 
 

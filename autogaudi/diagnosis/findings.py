@@ -4,6 +4,7 @@ Every rule is one function ``rule(observer) -> [Finding]`` in ``RULES``. Severit
 the pattern costs on Gaudi (high: every step pays it; medium: some steps or some compilations;
 low: efficiency left on the table); within a severity, findings with the larger figure come first.
 """
+
 from __future__ import annotations
 
 import os
@@ -15,11 +16,26 @@ from autogaudi.diagnosis import gaudi_facts as facts
 
 SCHEMA = "autogaudi.doctor/1"
 SEVERITIES = ("high", "medium", "low")
-KINDS = ("host_sync", "graph_blocker", "dynamic_ops", "dynamic_shapes", "last_batch", "cpu_fallback",
-         "input_bound", "tile_size", "mixed_precision")
-_READS = {"item": "`.item()`", "condition": "a tensor used as a Python condition", "scalar":
-          "a tensor converted to a Python number", "tolist": "`.tolist()`", "cpu": "`.cpu()`",
-          "numpy": "`.numpy()`", "print": "printing a tensor"}
+KINDS = (
+    "host_sync",
+    "graph_blocker",
+    "dynamic_ops",
+    "dynamic_shapes",
+    "last_batch",
+    "cpu_fallback",
+    "input_bound",
+    "tile_size",
+    "mixed_precision",
+)
+_READS = {
+    "item": "`.item()`",
+    "condition": "a tensor used as a Python condition",
+    "scalar": "a tensor converted to a Python number",
+    "tolist": "`.tolist()`",
+    "cpu": "`.cpu()`",
+    "numpy": "`.numpy()`",
+    "print": "printing a tensor",
+}
 
 
 class Finding:
@@ -38,8 +54,16 @@ class Finding:
 
     def as_dict(self) -> dict:
         where = {"file": self.location[0], "line": self.location[1]} if self.location else None
-        return {"kind": self.kind, "severity": self.severity, "title": self.title, "location": where,
-                "evidence": self.evidence, "why": self.why, "fix": self.fix, "fixed_by_unit": self.fixed_by}
+        return {
+            "kind": self.kind,
+            "severity": self.severity,
+            "title": self.title,
+            "location": where,
+            "evidence": self.evidence,
+            "why": self.why,
+            "fix": self.fix,
+            "fixed_by_unit": self.fixed_by,
+        }
 
 
 def _per_step(observer, counts_by_step: Counter) -> float:
@@ -58,25 +82,37 @@ def host_reads(observer) -> list:
         rate = _per_step(observer, by_step)
         if rate == 0:
             continue  # set-up code before the loop: paid once
-        findings.append(Finding(
-            "host_sync", "high" if rate >= 1 else "medium",
-            f"{_READS[kind]} reads a device value {rate:g}x per step", location,
-            {"reads_per_step": rate, "read": kind, "steps_measured": len(observer.measured_steps)},
-            "the host waits until the device has computed the value, and in lazy mode the graph is cut "
-            "there, so the host cannot run ahead of the device (Gaudi guide: no .item(), printing or "
-            ".cpu() of device tensors inside the training loop)",
-            "keep the value on the device (e.g. accumulate the loss in a tensor) and read it every N "
-            "steps or after the loop; for progress use autogaudi's --log-every N", score=rate))
+        findings.append(
+            Finding(
+                "host_sync",
+                "high" if rate >= 1 else "medium",
+                f"{_READS[kind]} reads a device value {rate:g}x per step",
+                location,
+                {"reads_per_step": rate, "read": kind, "steps_measured": len(observer.measured_steps)},
+                "the host waits until the device has computed the value, and in lazy mode the graph is cut "
+                "there, so the host cannot run ahead of the device (Gaudi guide: no .item(), printing or "
+                ".cpu() of device tensors inside the training loop)",
+                "keep the value on the device (e.g. accumulate the loss in a tensor) and read it every N "
+                "steps or after the loop; for progress use autogaudi's --log-every N",
+                score=rate,
+            )
+        )
     for (kind, location), by_step in inside.items():
         rate = _per_step(observer, by_step) or sum(by_step.values())
-        findings.append(Finding(
-            "graph_blocker", "high", f"data-dependent control flow in forward: {_READS[kind]}", location,
-            {"reads_per_step": rate, "read": kind},
-            "a graph (HPU graphs, torch.compile) is captured once and replayed; a Python decision on a "
-            "device value inside forward cannot be captured: ModuleCacher requires no data-dependent "
-            "control flow, torch.compile breaks the graph there",
-            "compute both branches and select with torch.where or a mask, or move the decision out of "
-            "forward", score=rate))
+        findings.append(
+            Finding(
+                "graph_blocker",
+                "high",
+                f"data-dependent control flow in forward: {_READS[kind]}",
+                location,
+                {"reads_per_step": rate, "read": kind},
+                "a graph (HPU graphs, torch.compile) is captured once and replayed; a Python decision on a "
+                "device value inside forward cannot be captured: ModuleCacher requires no data-dependent "
+                "control flow, torch.compile breaks the graph there",
+                "compute both branches and select with torch.where or a mask, or move the decision out of forward",
+                score=rate,
+            )
+        )
     return findings
 
 
@@ -84,20 +120,30 @@ def dynamic_ops(observer) -> list:
     counts = defaultdict(Counter)
     for (step, op, location), count in observer.dynamic_ops.items():
         counts[(op, location)][step] += count
-    return [Finding(
-        "dynamic_ops", "medium", f"`{op}` in forward: its output shape depends on the data", location,
-        {"op": op, "calls_per_step": _per_step(observer, by_step) or sum(by_step.values())},
-        f"every new output shape is a new graph to compile on HPU ({facts.SOURCES['dynamic_shapes']})",
-        "keep shapes static: a mask with torch.where instead of boolean indexing, fixed-size outputs "
-        "(e.g. nonzero_static, padding to a maximum)", score=sum(by_step.values()))
-        for (op, location), by_step in counts.items()]
+    return [
+        Finding(
+            "dynamic_ops",
+            "medium",
+            f"`{op}` in forward: its output shape depends on the data",
+            location,
+            {"op": op, "calls_per_step": _per_step(observer, by_step) or sum(by_step.values())},
+            f"every new output shape is a new graph to compile on HPU ({facts.SOURCES['dynamic_shapes']})",
+            "keep shapes static: a mask with torch.where instead of boolean indexing, fixed-size outputs "
+            "(e.g. nonzero_static, padding to a maximum)",
+            score=sum(by_step.values()),
+        )
+        for (op, location), by_step in counts.items()
+    ]
 
 
 def short_last_batches(observer) -> list:
     """(where the loader was built, batch size, dataset length, last batch size) for every loader
     whose epoch ends in a short batch."""
-    return [(location, batch, length, length % batch) for location, batch, length, drop_last in observer.loaders
-            if batch and length and not drop_last and length % batch]
+    return [
+        (location, batch, length, length % batch)
+        for location, batch, length, drop_last in observer.loaders
+        if batch and length and not drop_last and length % batch
+    ]
 
 
 def _model_name(observer, label: str) -> str:
@@ -112,28 +158,48 @@ def dynamic_shapes(observer) -> list:
         if len([key for key in shapes if not (key and all(shape and shape[0] in short for shape in key))]) < 2:
             continue
         seen = [{"shapes": [list(shape) for shape in key], "calls": count} for key, count in shapes.most_common()]
-        findings.append(Finding(
-            "dynamic_shapes", "high" if len(shapes) > 2 else "medium",
-            f"{_model_name(observer, label)} was called with {len(shapes)} different input shapes",
-            observer.call_sites.get(label),
-            {"module": _model_name(observer, label), "distinct_shapes": len(shapes), "shapes_seen": seen[:8],
-             "predicted_recompilations_per_epoch": f">= {len(shapes)} (one graph per input shape)"},
-            "each new input shape is a graph recompilation on HPU (lazy mode and HPU graphs cache one "
-            "graph per shape)",
-            "pad inputs to a few fixed sizes (bucket sequence lengths), keep the batch size fixed",
-            score=len(shapes)))
+        findings.append(
+            Finding(
+                "dynamic_shapes",
+                "high" if len(shapes) > 2 else "medium",
+                f"{_model_name(observer, label)} was called with {len(shapes)} different input shapes",
+                observer.call_sites.get(label),
+                {
+                    "module": _model_name(observer, label),
+                    "distinct_shapes": len(shapes),
+                    "shapes_seen": seen[:8],
+                    "predicted_recompilations_per_epoch": f">= {len(shapes)} (one graph per input shape)",
+                },
+                "each new input shape is a graph recompilation on HPU (lazy mode and HPU graphs cache one "
+                "graph per shape)",
+                "pad inputs to a few fixed sizes (bucket sequence lengths), keep the batch size fixed",
+                score=len(shapes),
+            )
+        )
     return findings
 
 
 def last_batch(observer) -> list:
-    return [Finding(
-        "last_batch", "medium", f"the last batch of each epoch has {size} samples instead of {batch_size}", location,
-        {"dataset_length": length, "batch_size": batch_size, "last_batch_size": size,
-         "predicted_recompilations_per_epoch": 1},
-        "the short last batch is a new input shape: one more graph compilation (and on HPU graphs "
-        "one more cached graph) per loader",
-        "drop_last=True, or pad the epoch to whole batches", fixed_by="static_last_batch", score=1)
-        for location, batch_size, length, size in short_last_batches(observer)]
+    return [
+        Finding(
+            "last_batch",
+            "medium",
+            f"the last batch of each epoch has {size} samples instead of {batch_size}",
+            location,
+            {
+                "dataset_length": length,
+                "batch_size": batch_size,
+                "last_batch_size": size,
+                "predicted_recompilations_per_epoch": 1,
+            },
+            "the short last batch is a new input shape: one more graph compilation (and on HPU graphs "
+            "one more cached graph) per loader",
+            "drop_last=True, or pad the epoch to whole batches",
+            fixed_by="static_last_batch",
+            score=1,
+        )
+        for location, batch_size, length, size in short_last_batches(observer)
+    ]
 
 
 def cpu_fallback(observer) -> list:
@@ -142,14 +208,25 @@ def cpu_fallback(observer) -> list:
     for (dtype, op, location), count in observer.dtype_ops.items():
         counts[(dtype, location)] += count
         ops[(dtype, location)].add(op)
-    return [Finding(
-        "cpu_fallback", "high", f"{dtype} tensors: Gaudi has no {dtype} support", location,
-        {"dtype": dtype, "op_calls": count, "ops": sorted(ops[(dtype, location)])[:10],
-         "facts": f"{facts.SOURCES['support_matrix']} (retrieved {facts.RETRIEVED})"},
-        "the Support Matrix lists float64 and complex types as unsupported: such ops fall back to the "
-        "CPU (a host round trip each) or fail",
-        "use float32 (e.g. torch.from_numpy(array).float(), dtype=torch.float32)", score=count)
-        for (dtype, location), count in counts.items()]
+    return [
+        Finding(
+            "cpu_fallback",
+            "high",
+            f"{dtype} tensors: Gaudi has no {dtype} support",
+            location,
+            {
+                "dtype": dtype,
+                "op_calls": count,
+                "ops": sorted(ops[(dtype, location)])[:10],
+                "facts": f"{facts.SOURCES['support_matrix']} (retrieved {facts.RETRIEVED})",
+            },
+            "the Support Matrix lists float64 and complex types as unsupported: such ops fall back to the "
+            "CPU (a host round trip each) or fail",
+            "use float32 (e.g. torch.from_numpy(array).float(), dtype=torch.float32)",
+            score=count,
+        )
+        for (dtype, location), count in counts.items()
+    ]
 
 
 def input_bound(observer) -> list:
@@ -160,14 +237,23 @@ def input_bound(observer) -> list:
     fraction = waited / step
     if fraction < 0.1:
         return []
-    return [Finding(
-        "input_bound", "high" if fraction >= 0.5 else "medium" if fraction >= 0.2 else "low",
-        f"the step waits for the DataLoader {fraction:.0%} of the time", observer.loaders[0][0],
-        {"input_wait_fraction": round(fraction, 3), "step_ms": round(step * 1000, 2),
-         "wait_ms_per_step": round(waited * 1000, 2)},
-        "while the host prepares batches the device idles; a faster device only makes it worse",
-        "DataLoader(num_workers=..., pin_memory=True, persistent_workers=True)",
-        fixed_by="loader_workers, pin_memory", score=fraction)]
+    return [
+        Finding(
+            "input_bound",
+            "high" if fraction >= 0.5 else "medium" if fraction >= 0.2 else "low",
+            f"the step waits for the DataLoader {fraction:.0%} of the time",
+            observer.loaders[0][0],
+            {
+                "input_wait_fraction": round(fraction, 3),
+                "step_ms": round(step * 1000, 2),
+                "wait_ms_per_step": round(waited * 1000, 2),
+            },
+            "while the host prepares batches the device idles; a faster device only makes it worse",
+            "DataLoader(num_workers=..., pin_memory=True, persistent_workers=True)",
+            fixed_by="loader_workers, pin_memory",
+            score=fraction,
+        )
+    ]
 
 
 def tile_sizes(observer) -> list:
@@ -175,11 +261,18 @@ def tile_sizes(observer) -> list:
     batch_sizes = sorted({batch for _, batch, _, _ in observer.loaders if batch})
     odd = [batch for batch in batch_sizes if batch % facts.BATCH_MULTIPLE]
     if odd:
-        findings.append(Finding(
-            "tile_size", "low", f"batch size {odd[0]} is not a multiple of {facts.BATCH_MULTIPLE}", None,
-            {"batch_sizes": batch_sizes},
-            "the matrix engine works on fixed tiles; a remainder leaves part of a tile idle",
-            f"a batch size that is a multiple of {facts.BATCH_MULTIPLE}", score=1))
+        findings.append(
+            Finding(
+                "tile_size",
+                "low",
+                f"batch size {odd[0]} is not a multiple of {facts.BATCH_MULTIPLE}",
+                None,
+                {"batch_sizes": batch_sizes},
+                "the matrix engine works on fixed tiles; a remainder leaves part of a tile idle",
+                f"a batch size that is a multiple of {facts.BATCH_MULTIPLE}",
+                score=1,
+            )
+        )
     layers = []
     for label, model in observer.models.items():
         for name, module in model.named_modules():
@@ -187,12 +280,19 @@ def tile_sizes(observer) -> list:
             if any(dim >= facts.LARGE_DIMENSION and dim % facts.MATRIX_MULTIPLE for dim in dims):
                 layers.append(f"{name or _model_name(observer, label)} {type(module).__name__}{tuple(dims)}")
     if layers:
-        findings.append(Finding(
-            "tile_size", "low", f"{len(layers)} large layer(s) with a dimension not a multiple of "
-            f"{facts.MATRIX_MULTIPLE}", None, {"layers": layers[:10]},
-            f"large matrices (>= {facts.LARGE_DIMENSION}) fill the matrix engine best in multiples of "
-            f"{facts.MATRIX_MULTIPLE} in bf16",
-            f"round hidden sizes to a multiple of {facts.MATRIX_MULTIPLE}", score=len(layers)))
+        findings.append(
+            Finding(
+                "tile_size",
+                "low",
+                f"{len(layers)} large layer(s) with a dimension not a multiple of {facts.MATRIX_MULTIPLE}",
+                None,
+                {"layers": layers[:10]},
+                f"large matrices (>= {facts.LARGE_DIMENSION}) fill the matrix engine best in multiples of "
+                f"{facts.MATRIX_MULTIPLE} in bf16",
+                f"round hidden sizes to a multiple of {facts.MATRIX_MULTIPLE}",
+                score=len(layers),
+            )
+        )
     return findings
 
 
@@ -211,22 +311,37 @@ def mixed_precision(observer) -> list:
     shares = Counter()
     for op, seconds in observer.forward_op_seconds.items():
         name = facts.ATEN_ALIASES.get(op, op)
-        shares["bf16" if name in facts.AUTOCAST_BF16_OPS else "fp32" if name in facts.AUTOCAST_FP32_OPS
-               else "other"] += seconds
+        shares[
+            "bf16" if name in facts.AUTOCAST_BF16_OPS else "fp32" if name in facts.AUTOCAST_FP32_OPS else "other"
+        ] += seconds
     bf16 = shares["bf16"] / total
     if bf16 < 0.3:
         return []
-    top = [op for op, _ in observer.forward_op_seconds.most_common()
-           if facts.ATEN_ALIASES.get(op, op) in facts.AUTOCAST_BF16_OPS][:6]
+    top = [
+        op
+        for op, _ in observer.forward_op_seconds.most_common()
+        if facts.ATEN_ALIASES.get(op, op) in facts.AUTOCAST_BF16_OPS
+    ][:6]
     fp32 = sorted(op for op in observer.forward_op_seconds if facts.ATEN_ALIASES.get(op, op) in facts.AUTOCAST_FP32_OPS)
-    return [Finding(
-        "mixed_precision", "low", f"bf16-ready: {bf16:.0%} of forward time is in ops Gaudi autocast runs in bf16",
-        None, {"bf16_share": round(bf16, 3), "fp32_share": round(shares["fp32"] / total, 3),
-               "bf16_ops": top, "fp32_ops": fp32, "facts": f"{facts.SOURCES['autocast']} (retrieved {facts.RETRIEVED})"},
-        "the script trains in float32; Gaudi's autocast runs these ops in bfloat16 on the matrix engine "
-        "and keeps the listed fp32 ops in float32",
-        'wrap forward and loss in torch.autocast(device_type="hpu", dtype=torch.bfloat16); check the loss curve',
-        score=bf16)]
+    return [
+        Finding(
+            "mixed_precision",
+            "low",
+            f"bf16-ready: {bf16:.0%} of forward time is in ops Gaudi autocast runs in bf16",
+            None,
+            {
+                "bf16_share": round(bf16, 3),
+                "fp32_share": round(shares["fp32"] / total, 3),
+                "bf16_ops": top,
+                "fp32_ops": fp32,
+                "facts": f"{facts.SOURCES['autocast']} (retrieved {facts.RETRIEVED})",
+            },
+            "the script trains in float32; Gaudi's autocast runs these ops in bfloat16 on the matrix engine "
+            "and keeps the listed fp32 ops in float32",
+            'wrap forward and loss in torch.autocast(device_type="hpu", dtype=torch.bfloat16); check the loss curve',
+            score=bf16,
+        )
+    ]
 
 
 RULES = (host_reads, dynamic_ops, dynamic_shapes, last_batch, cpu_fallback, input_bound, tile_sizes, mixed_precision)
@@ -247,24 +362,38 @@ class Diagnosis:
         self.outcome = outcome  # "stopped", "finished" or "raised"
         self.device = _device_of(observer)
         step = observer.step_seconds()
-        self.figures = {"step_ms": round(step * 1000, 3) if step else None,
-                        "steps_measured": len(observer.measured_steps)}
+        self.figures = {
+            "step_ms": round(step * 1000, 3) if step else None,
+            "steps_measured": len(observer.measured_steps),
+        }
         self.findings = judge(observer)
 
     def kinds(self) -> set:
         return {finding.kind for finding in self.findings}
 
     def as_dict(self) -> dict:
-        return {"schema": SCHEMA, "script": self.script, "steps_requested": self.steps_requested,
-                "steps_run": self.steps_run, "outcome": self.outcome, "device": self.device,
-                "figures": self.figures, "facts_retrieved": facts.RETRIEVED,
-                "findings": [finding.as_dict() for finding in self.findings]}
+        return {
+            "schema": SCHEMA,
+            "script": self.script,
+            "steps_requested": self.steps_requested,
+            "steps_run": self.steps_run,
+            "outcome": self.outcome,
+            "device": self.device,
+            "figures": self.figures,
+            "facts_retrieved": facts.RETRIEVED,
+            "findings": [finding.as_dict() for finding in self.findings],
+        }
 
     def format(self) -> str:
-        ending = {"stopped": "then stopped", "finished": "the script ended first",
-                  "raised": "the script raised (traceback above)"}[self.outcome]
-        lines = [f"autogaudi doctor: {self.script}: {self.steps_run} of {self.steps_requested} training "
-                 f"steps observed on {self.device} ({ending}); nothing was changed or optimized"]
+        ending = {
+            "stopped": "then stopped",
+            "finished": "the script ended first",
+            "raised": "the script raised (traceback above)",
+        }[self.outcome]
+        lines = [
+            f"autogaudi doctor: {self.script}: {self.steps_run} of {self.steps_requested} training "
+            f"steps observed on {self.device} ({ending}); nothing was changed or optimized"
+        ]
         if self.steps_run == 0:
             lines.append("  no optimizer step was seen: is this a training script?")
         if not self.findings:

@@ -20,6 +20,7 @@ Every event is filed under the step it happened in (0 = up to the end of the fir
 which includes the script's set-up) and under the first stack frame outside torch, wrapt,
 autogaudi and the standard library: the user's file:line.
 """
+
 from __future__ import annotations
 
 import linecache
@@ -43,12 +44,22 @@ from autogaudi.optimizations.graph_capture import input_shapes
 from autogaudi.unit import Scope
 
 # Ops whose output shape depends on the values of their input: every new shape a recompilation.
-DATA_DEPENDENT_SHAPE_OPS = frozenset({"nonzero", "masked_select", "unique", "_unique", "_unique2",
-                                      "unique_consecutive", "unique_dim", "repeat_interleave"})
+DATA_DEPENDENT_SHAPE_OPS = frozenset(
+    {
+        "nonzero",
+        "masked_select",
+        "unique",
+        "_unique",
+        "_unique2",
+        "unique_consecutive",
+        "unique_dim",
+        "repeat_interleave",
+    }
+)
 UNSUPPORTED_DTYPES = frozenset(getattr(torch, name) for name in gaudi_facts.UNSUPPORTED_DTYPES)
-_LIBRARY_DIRS = tuple(os.path.dirname(os.path.abspath(module.__file__)) + os.sep
-                      for module in (torch, wrapt, autogaudi)) + (
-    sysconfig.get_paths()["stdlib"] + os.sep, "<frozen")
+_LIBRARY_DIRS = tuple(
+    os.path.dirname(os.path.abspath(module.__file__)) + os.sep for module in (torch, wrapt, autogaudi)
+) + (sysconfig.get_paths()["stdlib"] + os.sep, "<frozen")
 _HOST_READ_METHODS = {"tolist": "tolist", "cpu": "cpu", "numpy": "numpy", "__repr__": "print"}
 
 
@@ -115,8 +126,9 @@ class Observer:
     def install(self) -> None:
         self._scope.add(register_optimizer_step_post_hook(self._after_step).remove)
         self._scope.add(torch.nn.modules.module.register_module_forward_pre_hook(self._before_forward).remove)
-        self._scope.add(torch.nn.modules.module.register_module_forward_hook(
-            self._after_forward, always_call=True).remove)
+        self._scope.add(
+            torch.nn.modules.module.register_module_forward_hook(self._after_forward, always_call=True).remove
+        )
         self._scope.wrap(dataloader.DataLoader, "__init__", self._new_loader)
         self._scope.wrap(dataloader._BaseDataLoaderIter, "__next__", self._next_batch)
         for method, kind in _HOST_READ_METHODS.items():
@@ -134,7 +146,8 @@ class Observer:
 
     def _is_device_value(self, value) -> bool:
         return isinstance(value, torch.Tensor) and (
-            isinstance(value, torch.nn.Parameter) or value in self._device_values)
+            isinstance(value, torch.nn.Parameter) or value in self._device_values
+        )
 
     def saw_op(self, func, args, kwargs, result, seconds: float) -> None:
         name = func.overloadpacket.__name__
@@ -151,7 +164,8 @@ class Observer:
             self.forward_op_seconds[name] += seconds
             bool_mask = name == "index" and any(
                 isinstance(index, torch.Tensor) and index.dtype in (torch.bool, torch.uint8)
-                for index in _pytree.tree_leaves(args[1:]))
+                for index in _pytree.tree_leaves(args[1:])
+            )
             if name in DATA_DEPENDENT_SHAPE_OPS or bool_mask:
                 label = "index with a boolean mask" if bool_mask else name
                 self.dynamic_ops[(self.steps, label, user_location(sys._getframe(1)))] += 1

@@ -16,6 +16,7 @@ put in channels_last, are left alone, and so is a model graph_capture holds (cap
 compiled graphs assert the strides they were built for, and switching the format under them crashed
 compiled backward passes on CUDA (docs/units/channels_last.md).
 """
+
 from __future__ import annotations
 
 import torch
@@ -105,7 +106,9 @@ class ChannelsLast(ActsOnProfile):
     def _decided(self, keep: bool, record: dict) -> None:
         self.figures["speedup"] = record["speedup"]
         name = type(self._model).__name__
-        self.reason = f"{name} in channels_last: measured faster" if keep else f"rejected: {name} kept as is, not faster"
+        self.reason = (
+            f"{name} in channels_last: measured faster" if keep else f"rejected: {name} kept as is, not faster"
+        )
         if not keep:
             self._release()
 

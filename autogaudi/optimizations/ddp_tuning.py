@@ -13,8 +13,10 @@ buckets to overlap with the backward pass; CUDA and CPU keep torch's 25 MB (tune
 Never changed: any argument the script passed (positionally or by name), ``find_unused_parameters``
 and ``static_graph`` (both need proof from a first step, and torch refuses ``static_graph`` once a
 step has run: ``set_static_graph() should be called before training loop starts``; the report
-suggests it where the script asked DDP to search for unused parameters), and DDP subclasses. The maths is unchanged: gradients are the same all-reduced values.
+suggests it where the script asked DDP to search for unused parameters), and DDP subclasses. The
+maths is unchanged: gradients are the same all-reduced values.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -23,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from autogaudi.unit import Unit
 
-MB = 1024 ** 2
+MB = 1024**2
 
 
 def gradient_megabytes(module) -> float:
@@ -41,8 +43,9 @@ class DdpTuning(Unit):
 
     def apply(self) -> None:
         self._signature = inspect.signature(DistributedDataParallel.__init__)
-        self._buffer_sync = ("forward_sync_buffers" if "forward_sync_buffers" in self._signature.parameters
-                             else "broadcast_buffers")
+        self._buffer_sync = (
+            "forward_sync_buffers" if "forward_sync_buffers" in self._signature.parameters else "broadcast_buffers"
+        )
         self.figures["ddp_models_tuned"] = 0
         self.wrap(DistributedDataParallel, "__init__", self._init)
         self.reason = "gradient_as_bucket_view" + (", bucket size from the model" if self.backend.name == "hpu" else "")
@@ -69,10 +72,12 @@ class DdpTuning(Unit):
         if self.backend.name == "hpu" and "bucket_cap_mb" not in given:
             changes["bucket_cap_mb"] = hpu_bucket_megabytes(module)
         if given.get("find_unused_parameters") and "static_graph" not in given:
-            self.note("find_unused_parameters=True: DDP searches the autograd graph for unused parameters every "
-                      "step; if the same parameters are used in every step, static_graph=True skips that search. "
-                      "torch accepts it only before the first step, before autogaudi could see the steps, so it is "
-                      "left to you")
+            self.note(
+                "find_unused_parameters=True: DDP searches the autograd graph for unused parameters every "
+                "step; if the same parameters are used in every step, static_graph=True skips that search. "
+                "torch accepts it only before the first step, before autogaudi could see the steps, so it is "
+                "left to you"
+            )
         kept = sorted(name for name in ("gradient_as_bucket_view", "bucket_cap_mb", *buffer_choice) if name in given)
         if kept:
             self.note(f"kept the script's own {', '.join(kept)}")

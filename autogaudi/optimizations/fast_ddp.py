@@ -26,6 +26,7 @@ gradient, as DDP's ``find_unused_parameters=True`` does. DDP keeps, from the sta
 gradient sync the script customised: ``static_graph``, communication hooks, ``mixed_precision``,
 the Join context for uneven inputs, compiled DDP; and parameters of several dtypes or devices.
 """
+
 from __future__ import annotations
 
 import weakref
@@ -42,10 +43,13 @@ def why_ddp_keeps(model) -> str | None:
     if type(model) is not DistributedDataParallel:
         return f"{type(model).__name__} subclasses DistributedDataParallel"
     # getattr: the private flags came with different torch versions; absent means not in use.
-    settings = {"static_graph": model.static_graph, "a communication hook": getattr(model, "_comm_hooks", ()),
-                "mixed_precision": getattr(model, "mixed_precision", None) is not None,
-                "compiled DDP (python reducer)": getattr(model, "_use_python_reducer", False),
-                "delayed all-reduce of all parameters": getattr(model, "_delay_all_reduce_all_params", False)}
+    settings = {
+        "static_graph": model.static_graph,
+        "a communication hook": getattr(model, "_comm_hooks", ()),
+        "mixed_precision": getattr(model, "mixed_precision", None) is not None,
+        "compiled DDP (python reducer)": getattr(model, "_use_python_reducer", False),
+        "delayed all-reduce of all parameters": getattr(model, "_delay_all_reduce_all_params", False),
+    }
     custom = [name for name, used in settings.items() if used]
     if custom:
         return f"the script set {', '.join(custom)}"
@@ -90,14 +94,14 @@ class FlatAllReduce:
         pieces = [(g if g is not None else anchor.new_zeros(p.shape)).reshape(-1) for p, g in zip(self.params, grads)]
         present = torch.tensor([g is not None for g in grads], dtype=anchor.dtype, device=anchor.device)
         buffer = torch.cat([*pieces, present])
-        buffer[:self.numel].div_(self.world)
+        buffer[: self.numel].div_(self.world)
         dist.all_reduce(buffer, group=self.group)
-        counts = buffer[self.numel:]
+        counts = buffer[self.numel :]
         if self.first_counts is None:
             self.first_counts = read_counts(counts)  # in the first step only
         else:
             self.unchecked_counts = counts
-        averaged = buffer[:self.numel].split(self.sizes)
+        averaged = buffer[: self.numel].split(self.sizes)
         # Where this rank has no gradient, whether another rank had one decides between the average
         # and None: only then are this step's counts read at once (a sync, for models with unused
         # parameters only).
@@ -111,8 +115,10 @@ class FlatAllReduce:
 
 class FastDdp(Unit):
     changed_figure = ("models", "{} DDP model(s) averaging gradients in one flat all-reduce")
-    targets = ("torch.nn.parallel.DistributedDataParallel.forward",
-               "torch.autograd.backward (via the session's step watcher)")
+    targets = (
+        "torch.nn.parallel.DistributedDataParallel.forward",
+        "torch.autograd.backward (via the session's step watcher)",
+    )
 
     def apply(self) -> None:
         self._models = weakref.WeakKeyDictionary()  # DDP model -> FlatAllReduce, or None where DDP keeps it
@@ -158,6 +164,8 @@ class FastDdp(Unit):
             state.average()
             self.figures["flat_all_reduces"] += 1
             if changed:
-                state.handed_back = (f"the set of parameters with gradients changed (ranks per parameter "
-                                     f"{list(state.first_counts)} at first, then {list(changed)})")
+                state.handed_back = (
+                    f"the set of parameters with gradients changed (ranks per parameter "
+                    f"{list(state.first_counts)} at first, then {list(changed)})"
+                )
                 self.reason = f"handed back to DDP's reducer: {state.handed_back}"

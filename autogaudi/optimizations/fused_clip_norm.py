@@ -10,6 +10,7 @@ Both public spellings are patched; a reference bound before autogaudi started
 (``from torch.nn.utils import clip_grad_norm_`` at the top of a script imported earlier) keeps
 torch's version.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -35,7 +36,7 @@ class FusedClipNormUnit(Unit):
         self._clippers = {}  # (parameter ids, max_norm) -> (parameters, clip)
         self.figures.update(fused_calls=0, torch_calls=0)
         for owner in (torch.nn.utils, torch.nn.utils.clip_grad):
-            if getattr(owner, "clip_grad_norm_") is original:
+            if owner.clip_grad_norm_ is original:
                 self.wrap(owner, "clip_grad_norm_", self._clip)
         self.reason = "hpex FusedClipNorm"
 

@@ -24,6 +24,7 @@ subclasses (their ``step`` may be their own), and for arguments the fused kernel
 (amsgrad, maximize, differentiable, … on HPU). Optimizers built while enabled stay fused after
 ``disable()``; it affects optimizers built afterwards.
 """
+
 from __future__ import annotations
 
 import functools
@@ -56,7 +57,8 @@ def _raw_step(optimizer):
 class FusedOptimizer(Unit):
     changed_figure = ("optimizers_fused", "{} optimizer(s) run as one fused kernel per step")
     targets = tuple(f"torch.optim.{cls.__name__}.__init__" for cls in FUSABLE) + (
-        "torch.optim.{Adam,AdamW,SGD}.step (HPU only)",)
+        "torch.optim.{Adam,AdamW,SGD}.step (HPU only)",
+    )
 
     def apply(self) -> None:
         self.figures.update(optimizers_fused=0, optimizers_kept=0)
@@ -125,8 +127,9 @@ class FusedOptimizer(Unit):
         delegate = self.backend.fused_optimizer(owner, params, hyperparameters)
         # Share the user's state and mirror their groups before each step: schedulers,
         # param_groups edits and checkpoints act on the user's object, the kernel sees the result.
-        self._extra_settings[owner] = {key: value for key, value in delegate.defaults.items()
-                                       if key not in instance.defaults}
+        self._extra_settings[owner] = {
+            key: value for key, value in delegate.defaults.items() if key not in instance.defaults
+        }
         self._share_groups(instance, delegate)
         instance.register_state_dict_post_hook(functools.partial(_torch_format_checkpoint, steps=self._group_steps))
         instance.register_load_state_dict_post_hook(self._fused_format_state)
@@ -161,8 +164,12 @@ class FusedOptimizer(Unit):
 
     def _group_steps(self, optimizer) -> dict:
         """The step count of each parameter, from its group's counter (the bridge keeps no other)."""
-        return {id(param): mirror["step"] for _, mirror in self._mirrors.get(optimizer, {}).values()
-                if "step" in mirror for param in mirror["params"]}
+        return {
+            id(param): mirror["step"]
+            for _, mirror in self._mirrors.get(optimizer, {}).values()
+            if "step" in mirror
+            for param in mirror["params"]
+        }
 
     def _step(self, wrapped, instance, args, kwargs):
         if instance not in self._delegates:
@@ -215,11 +222,18 @@ def _saved_step(group, state) -> dict:
 def _torch_format_checkpoint(optimizer, state_dict, steps):
     """Torch's checkpoint format: each parameter's ``step`` a tensor, counted by its group. Copies:
     the per-parameter dicts in ``state_dict()`` are the live state the fused kernel uses."""
-    indexed = {index: param for group, saved in zip(optimizer.param_groups, state_dict["param_groups"])
-               for index, param in zip(saved["params"], group["params"])}
+    indexed = {
+        index: param
+        for group, saved in zip(optimizer.param_groups, state_dict["param_groups"])
+        for index, param in zip(saved["params"], group["params"])
+    }
     group_steps = steps(optimizer)
-    state = {index: {**values, "step": _torch_step(group_steps.get(id(indexed.get(index)), values["step"]))}
-             if "step" in values else values for index, values in state_dict["state"].items()}
+    state = {
+        index: {**values, "step": _torch_step(group_steps.get(id(indexed.get(index)), values["step"]))}
+        if "step" in values
+        else values
+        for index, values in state_dict["state"].items()
+    }
     return {**state_dict, "state": state}
 
 

@@ -10,6 +10,7 @@ Any other call runs torch's op, counted by reason. ``--sdpa-recompute on|off`` s
 recompute mode; ``auto`` leaves the bridge's default.
 CUDA and CPU: skipped, torch already dispatches this op to its fused kernels there.
 """
+
 from __future__ import annotations
 
 import torch
@@ -59,9 +60,16 @@ class FusedSdpa(Unit):
             reason = fallback_reason(call)
             if reason is None:
                 output = self._fused.apply(
-                    call["query"], call["key"], call["value"], call.get("attn_mask"),
-                    call.get("dropout_p", 0.0), call.get("is_causal", False), call.get("scale"),
-                    "None", self._recompute)
+                    call["query"],
+                    call["key"],
+                    call["value"],
+                    call.get("attn_mask"),
+                    call.get("dropout_p", 0.0),
+                    call.get("is_causal", False),
+                    call.get("scale"),
+                    "None",
+                    self._recompute,
+                )
                 self.figures["fused_calls"] += 1
             else:
                 self.figures["torch_calls"] += 1

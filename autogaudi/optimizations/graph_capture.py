@@ -42,6 +42,7 @@ last batch, bucket sequence lengths). Semantics: compiled dropout draws its mask
 random stream than eager (same distribution); the report notes it when the model has dropout, and
 the ``exact_random`` option compiles with inductor's ``fallback_random`` to draw eager's masks.
 """
+
 from __future__ import annotations
 
 import sys
@@ -82,8 +83,11 @@ def compiled_by_the_script(module) -> bool:
     sets ``_compiled_call_impl``) already graphs the model; a second capture around it would compile
     a compiled module. No dynamo imported means nothing was compiled."""
     dynamo = sys.modules.get("torch._dynamo.eval_frame")
-    return any((dynamo is not None and isinstance(sub, dynamo.OptimizedModule))
-               or getattr(sub, "_compiled_call_impl", None) is not None for sub in module.modules())
+    return any(
+        (dynamo is not None and isinstance(sub, dynamo.OptimizedModule))
+        or getattr(sub, "_compiled_call_impl", None) is not None
+        for sub in module.modules()
+    )
 
 
 def uses_gradient_checkpointing(module) -> bool:
@@ -92,9 +96,11 @@ def uses_gradient_checkpointing(module) -> bool:
 
 
 class GraphCapture(ActsOnProfile):
-    targets = ("<training model>._compiled_call_impl (nn.Module's compiled-call slot, instance)",
-               "HPU lazy: torch.utils.checkpoint.checkpoint (counted), <optimizer>.zero_grad and "
-               "<training model>.zero_grad (instance attributes, wrapt)")
+    targets = (
+        "<training model>._compiled_call_impl (nn.Module's compiled-call slot, instance)",
+        "HPU lazy: torch.utils.checkpoint.checkpoint (counted), <optimizer>.zero_grad and "
+        "<training model>.zero_grad (instance attributes, wrapt)",
+    )
 
     def apply(self) -> None:
         self._module = None
@@ -138,8 +144,10 @@ class GraphCapture(ActsOnProfile):
         if compiled_by_the_script(profile.model):
             return "stepped aside: the script (or its framework) already compiles the model with torch.compile"
         if profile.calls_per_step > 1 and not self.backend.graphs_can_keep_outputs:
-            return (f"not captured: {type(profile.model).__name__} is called {profile.calls_per_step} times per "
-                    f"step, and {self.backend.name} graphs overwrite an earlier call's outputs")
+            return (
+                f"not captured: {type(profile.model).__name__} is called {profile.calls_per_step} times per "
+                f"step, and {self.backend.name} graphs overwrite an earlier call's outputs"
+            )
         return None
 
     def _profiled(self, profile) -> None:
@@ -167,16 +175,21 @@ class GraphCapture(ActsOnProfile):
             self.note(f"--exact-random has no effect on {self.backend.name}: its graph compiler has no such setting")
         several = profile.calls_per_step > 1
         if several:
-            self.note(f"{name} is called {profile.calls_per_step} times per step: captured without graphs that "
-                      "replay into static outputs (CUDA graphs), which a later call would overwrite")
+            self.note(
+                f"{name} is called {profile.calls_per_step} times per step: captured without graphs that "
+                "replay into static outputs (CUDA graphs), which a later call would overwrite"
+            )
         self._graphed = self.backend.graph_forward(self._module, exact_random=exact, static_outputs=not several)
         self._candidate.add(self._forget_graphs)
         self._candidate.add(route_calls(self._module, self._call))
         self.figures["model"] = name
         if any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in self._module.modules()):
-            self.note("dropout draws eager's random masks (--exact-random)" if exact else
-                      "compiled dropout draws different random masks than eager (same distribution); "
-                      "--exact-random makes them the same, at a cost in speed")
+            self.note(
+                "dropout draws eager's random masks (--exact-random)"
+                if exact
+                else "compiled dropout draws different random masks than eager (same distribution); "
+                "--exact-random makes them the same, at a cost in speed"
+            )
         if self.switch_on_or_try(self._switch, self._decided):
             self.reason = f"captured {name} ({'forced' if forced else 'trials off'})"
         else:
@@ -191,20 +204,26 @@ class GraphCapture(ActsOnProfile):
         most_saved_s = steps * profile.figures["ms_per_step"] / 1000 * (1 - profile.figures["compute_fraction"])
         if most_saved_s >= MIN_ONE_OFF_S:
             return None
-        return (f"{steps} steps left ({source}) could save at most {most_saved_s:.2f} s, less than the "
-                f"{MIN_ONE_OFF_S:g} s that any capture's one-off cost exceeds")
+        return (
+            f"{steps} steps left ({source}) could save at most {most_saved_s:.2f} s, less than the "
+            f"{MIN_ONE_OFF_S:g} s that any capture's one-off cost exceeds"
+        )
 
     def _keep_gradient_tensors(self, profile):
         """Make ``zero_grad`` keep gradient tensors while graphs are on; or say why graphs cannot be."""
         if self._checkpoint_calls or uses_gradient_checkpointing(profile.model):
             return "the model uses gradient checkpointing, which HPU graphs cannot replay"
         if profile.optimizer is None:
-            return "the loop updates its parameters without torch.optim, and HPU graphs need zero_grad(set_to_none=False)"
+            return (
+                "the loop updates its parameters without torch.optim, and HPU graphs need zero_grad(set_to_none=False)"
+            )
         params = [p for group in profile.optimizer.param_groups for p in group["params"]]
         without = sum(p.grad is None for p in params)
         if without:
-            return (f"{without} of {len(params)} optimized parameters had no gradient in the profiled step; "
-                    "HPU graphs need zero_grad(set_to_none=False), which would make the optimizer update them")
+            return (
+                f"{without} of {len(params)} optimized parameters had no gradient in the profiled step; "
+                "HPU graphs need zero_grad(set_to_none=False), which would make the optimizer update them"
+            )
         # On the classes, checked by identity: nothing lands in the user's objects' __dict__.
         self._optimizer = profile.optimizer
         self._candidate.wrap(type(profile.optimizer), "zero_grad", self._zero_grad)
@@ -224,8 +243,11 @@ class GraphCapture(ActsOnProfile):
         self.figures.update(speedup=record["speedup"], one_off_s=record["one_off_s"])
         if "pays_back_after_steps" in record:
             self.figures["pays_back_after_steps"] = record["pays_back_after_steps"]
-        self.reason = (f"captured {name}: measured faster" if keep
-                       else f"rejected: {name} captured was not faster in the trial; released")
+        self.reason = (
+            f"captured {name}: measured faster"
+            if keep
+            else f"rejected: {name} captured was not faster in the trial; released"
+        )
         if not keep:
             self._release()
 
@@ -251,8 +273,10 @@ class GraphCapture(ActsOnProfile):
             self._shapes.append(shapes)
             if len(self._shapes) > MAX_SHAPES:
                 self.session.trials.cancel(self)
-                self.reason = (f"switched off: dynamic shapes, {len(self._shapes)} distinct input shapes "
-                               f"(each one a recompilation), e.g. {self._shapes[:4]}")
+                self.reason = (
+                    f"switched off: dynamic shapes, {len(self._shapes)} distinct input shapes "
+                    f"(each one a recompilation), e.g. {self._shapes[:4]}"
+                )
                 self._release()
                 return module._call_impl(*args, **kwargs)
         try:

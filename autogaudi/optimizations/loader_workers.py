@@ -20,6 +20,7 @@ per-worker generators (as PyTorch defines it), which would change the numbers. A
 loaders whose script chose ``num_workers``, DataLoader subclasses, and iterable datasets (each
 worker would replay the whole stream unless it shards itself).
 """
+
 from __future__ import annotations
 
 import os
@@ -51,8 +52,11 @@ def worker_budget():
 def random_state() -> tuple:
     """Everything ``__getitem__`` could draw random numbers from in this process."""
     numpy = sys.modules.get("numpy")
-    return (torch.random.get_rng_state(), random.getstate(),
-            numpy.random.get_state()[1].tobytes() if numpy is not None else None)
+    return (
+        torch.random.get_rng_state(),
+        random.getstate(),
+        numpy.random.get_state()[1].tobytes() if numpy is not None else None,
+    )
 
 
 def _same(first: tuple, second: tuple) -> bool:
@@ -95,8 +99,11 @@ class _Loader:
 
 class LoaderWorkers(Unit):
     changed_figure = ("loaders_tuned", "{} DataLoader(s) given worker processes")
-    targets = ("torch.utils.data.DataLoader.__init__", "torch.utils.data.DataLoader.__iter__",
-               "torch.utils.data.dataloader._BaseDataLoaderIter.__next__")  # via the session's watcher
+    targets = (
+        "torch.utils.data.DataLoader.__init__",
+        "torch.utils.data.DataLoader.__iter__",
+        "torch.utils.data.dataloader._BaseDataLoaderIter.__next__",
+    )  # via the session's watcher
 
     def apply(self) -> None:
         self.figures.update(loaders_tuned=0, loaders_kept=0)
@@ -172,11 +179,15 @@ class LoaderWorkers(Unit):
             self.figures["input_bound_fraction"] = round(before.input_bound, 3)
             self.figures["ms_per_batch_before"] = round(before.ms_per_batch, 3)
             if state.draws_randomness:
-                self._kept("kept in-process: its __getitem__ draws from the global random generators, "
-                           "which worker processes would replace by their own")
+                self._kept(
+                    "kept in-process: its __getitem__ draws from the global random generators, "
+                    "which worker processes would replace by their own"
+                )
             elif before.input_bound < INPUT_BOUND:
-                self._kept(f"kept in-process: waiting for data is {before.input_bound:.0%} of a step "
-                           f"(workers are tried from {INPUT_BOUND:.0%})")
+                self._kept(
+                    f"kept in-process: waiting for data is {before.input_bound:.0%} of a step "
+                    f"(workers are tried from {INPUT_BOUND:.0%})"
+                )
             elif loader is not None:
                 self._tune(loader, state)
             if not self.figures["loaders_tuned"]:
@@ -188,9 +199,11 @@ class LoaderWorkers(Unit):
                 self._untune(loader, state)
                 self.figures["loaders_tuned"] -= 1
                 self.figures["main_threads"] = torch.get_num_threads()
-                self._kept(f"workers measured no faster ({after.ms_per_batch:.2f} vs "
-                           f"{before.ms_per_batch:.2f} ms per batch, worker start-up included): "
-                           f"put back to num_workers=0")
+                self._kept(
+                    f"workers measured no faster ({after.ms_per_batch:.2f} vs "
+                    f"{before.ms_per_batch:.2f} ms per batch, worker start-up included): "
+                    f"put back to num_workers=0"
+                )
                 if not self.figures["loaders_tuned"]:
                     self.reason = "measured: workers were tried and were no faster, all kept in-process"
 
@@ -202,8 +215,9 @@ class LoaderWorkers(Unit):
             self._threads_before = torch.get_num_threads()
             torch.set_num_threads(min(threads, self._threads_before))
         state.phase = "after"
-        self.figures.update(loaders_tuned=self.figures["loaders_tuned"] + 1, workers=workers,
-                            main_threads=torch.get_num_threads())
+        self.figures.update(
+            loaders_tuned=self.figures["loaders_tuned"] + 1, workers=workers, main_threads=torch.get_num_threads()
+        )
         self.reason = f"{workers} workers from epoch 2 for input-bound loaders"
 
     def _untune(self, loader, state) -> None:

@@ -9,6 +9,7 @@ result of an unfinished copy would return garbage. The one semantic cost: the so
 not be modified in place on the host right after the copy (batches from a DataLoader never are).
 CPU-only runs: skipped, there is no host-to-device copy.
 """
+
 from __future__ import annotations
 
 import torch
@@ -31,8 +32,7 @@ def wants_non_blocking(tensor, args, kwargs, accelerator: str) -> bool:
     that did not choose ``non_blocking`` itself (positionally: ``to(device, dtype, non_blocking)``)."""
     if "non_blocking" in kwargs or len(args) > 2 or (len(args) == 2 and not isinstance(args[1], torch.dtype)):
         return False
-    return (target_device_type(args, kwargs) == accelerator and tensor.device.type == "cpu"
-            and tensor.is_pinned())
+    return target_device_type(args, kwargs) == accelerator and tensor.device.type == "cpu" and tensor.is_pinned()
 
 
 class NonBlockingCopy(Unit):
@@ -61,8 +61,12 @@ class NonBlockingCopy(Unit):
     def _cuda(self, wrapped, instance, args, kwargs):
         asynchronous = False
         with self.fail_open():
-            asynchronous = ("non_blocking" not in kwargs and len(args) < 2 and instance.device.type == "cpu"
-                            and instance.is_pinned())
+            asynchronous = (
+                "non_blocking" not in kwargs
+                and len(args) < 2
+                and instance.device.type == "cpu"
+                and instance.is_pinned()
+            )
         if asynchronous:
             self.figures["non_blocking_copies"] += 1
             kwargs = {**kwargs, "non_blocking": True}

@@ -8,13 +8,16 @@ pinning device is the backend's (``"hpu"`` on Gaudi) on torch versions that stil
 Cost: pinned memory is locked host memory (one batch per worker in flight).
 CPU-only runs: skipped, pinning does nothing without a device to copy to.
 """
+
 from __future__ import annotations
 
 import torch
 
 from autogaudi.unit import Unit
 
-_PIN_MEMORY_POSITION = 7  # DataLoader(dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, collate_fn, pin_memory)
+_PIN_MEMORY_POSITION = (
+    7  # DataLoader(dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, collate_fn, pin_memory)
+)
 
 
 class PinMemory(Unit):

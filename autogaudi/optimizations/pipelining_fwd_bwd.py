@@ -5,6 +5,7 @@ graph, so host and device work overlap (optimum-habana's ``pipelining_fwd_bwd``)
 Cost: the forward's activations are materialised on the device before backward needs them, which
 raises peak device memory; that is why it is off unless asked for (``--force pipelining_fwd_bwd``).
 """
+
 from __future__ import annotations
 
 from autogaudi.optimizations.step_marks import LazyModeUnit

@@ -12,6 +12,7 @@ than torch's plain Random/SequentialSampler (wrapping, say, a DistributedSampler
 epochs that already divide evenly.
 Elsewhere skipped until graph capture (which also needs static shapes) is switched on.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -64,8 +65,12 @@ class StaticLastBatch(Unit):
         values.apply_defaults()
         call = {name: value for name, value in values.arguments.items() if name != "self"}
         dataset, batch_size = call["dataset"], call["batch_size"]
-        if (call["drop_last"] or call["batch_sampler"] is not None or batch_size is None
-                or isinstance(dataset, IterableDataset)):
+        if (
+            call["drop_last"]
+            or call["batch_sampler"] is not None
+            or batch_size is None
+            or isinstance(dataset, IterableDataset)
+        ):
             return None
         # The sampler DataLoader itself would build, or the script's own if it is one of those.
         sampler = call["sampler"]
@@ -73,7 +78,9 @@ class StaticLastBatch(Unit):
             self.note(f"a loader with its own {type(sampler).__name__} is not padded (its sampler stays the script's)")
             return None
         if sampler is None:
-            sampler = RandomSampler(dataset, generator=call["generator"]) if call["shuffle"] else SequentialSampler(dataset)
+            sampler = (
+                RandomSampler(dataset, generator=call["generator"]) if call["shuffle"] else SequentialSampler(dataset)
+            )
         remainder = len(sampler) % batch_size
         if remainder == 0:
             return None

@@ -12,6 +12,7 @@ that already mark by hand lose nothing). Eager mode (``PT_HPU_LAZY_MODE=0``) has
 Covers ``loss.backward()``, ``torch.autograd.backward``, GradScaler, gradient accumulation, several
 optimizers and ``step(closure)``: all go through the session's step watcher.
 """
+
 from __future__ import annotations
 
 import torch
@@ -37,8 +38,11 @@ class LazyModeUnit(Unit):
 
 class StepMarks(LazyModeUnit):
     changed_figure = ("mark_steps", "{} mark_step calls after backward and optimizer steps")
-    targets = ("torch.autograd.backward", "torch.optim.optimizer.register_optimizer_step_post_hook",
-               "torch.utils.data.dataloader._BaseDataLoaderIter.__next__")  # via the session's watcher
+    targets = (
+        "torch.autograd.backward",
+        "torch.optim.optimizer.register_optimizer_step_post_hook",
+        "torch.utils.data.dataloader._BaseDataLoaderIter.__next__",
+    )  # via the session's watcher
 
     def apply(self) -> None:
         self.figures.update(mark_steps=0, eval_marks=0)

@@ -36,6 +36,7 @@ each rank measures its own steps and all follow rank 0's classification (a broad
 census step), so every rank starts the same trials at the same step: ranks that decided apart would wait in
 different collectives.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -169,8 +170,14 @@ class _KernelTimes:
         with warnings.catch_warnings():  # "Profiler clears events at the end of each cycle": not the user's
             warnings.simplefilter("ignore")
             self.profiler.__exit__(None, None, None)
-        self.seconds = sum(event.time_range.elapsed_us() for event in self.profiler.events()
-                           if event.device_type == torch.autograd.DeviceType.CUDA) / 1e6
+        self.seconds = (
+            sum(
+                event.time_range.elapsed_us()
+                for event in self.profiler.events()
+                if event.device_type == torch.autograd.DeviceType.CUDA
+            )
+            / 1e6
+        )
 
 
 class _RootModules:
@@ -233,7 +240,11 @@ class _CensusStep:
             return self.census.ops, time.perf_counter() - issued, None
         if self.backend.name == "cuda":
             return self.census.ops, self.kernels.seconds, None
-        return self.census.ops, self.census.busy_seconds(), self.census.collective_seconds if self.census.collectives else None
+        return (
+            self.census.ops,
+            self.census.busy_seconds(),
+            self.census.collective_seconds if self.census.collectives else None,
+        )
 
     def _leave_census(self) -> None:
         self.census.__exit__(None, None, None)
@@ -287,8 +298,11 @@ class StepProfile:
 
 
 class StepProfiler(Unit):
-    targets = ("torch.optim.Optimizer step post hook (session)", "DataLoader batch fetch (session)",
-               "global module forward hooks and a TorchDispatchMode, during five census steps")
+    targets = (
+        "torch.optim.Optimizer step post hook (session)",
+        "DataLoader batch fetch (session)",
+        "global module forward hooks and a TorchDispatchMode, during five census steps",
+    )
 
     def apply(self) -> None:
         self.profile = None
@@ -349,14 +363,19 @@ class StepProfiler(Unit):
         waiting = sum(waited for _seconds, waited in self._clean) / sum(seconds for seconds, _waited in self._clean)
         # Per pair: (busy + collective wait, busy, collective wait) as shares of the clean step; the
         # median pair by their sum decides (PAIRS is odd).
-        pairs = sorted(((busy_s + (collective_s or 0.0)) / seconds, busy_s / seconds, (collective_s or 0.0) / seconds)
-                       for (seconds, _waited), (_ops, busy_s, collective_s) in zip(self._clean, self._censuses))
+        pairs = sorted(
+            ((busy_s + (collective_s or 0.0)) / seconds, busy_s / seconds, (collective_s or 0.0) / seconds)
+            for (seconds, _waited), (_ops, busy_s, collective_s) in zip(self._clean, self._censuses)
+        )
         _, busy_share, collective_share = pairs[len(pairs) // 2]
         busy = sorted(share for _, share, _ in pairs)
-        figures = {"ms_per_step": round(1000 * step_s, 3), "input_wait_fraction": round(waiting, 3),
-                   "ops_per_step": int(statistics.median(ops for ops, _busy, _collective in self._censuses)),
-                   "compute_fraction": round(min(busy_share, 1.0), 3),
-                   "compute_fraction_range": [round(min(busy[0], 1.0), 3), round(min(busy[-1], 1.0), 3)]}
+        figures = {
+            "ms_per_step": round(1000 * step_s, 3),
+            "input_wait_fraction": round(waiting, 3),
+            "ops_per_step": int(statistics.median(ops for ops, _busy, _collective in self._censuses)),
+            "compute_fraction": round(min(busy_share, 1.0), 3),
+            "compute_fraction_range": [round(min(busy[0], 1.0), 3), round(min(busy[-1], 1.0), 3)],
+        }
         if any(collective_s is not None for _ops, _busy, collective_s in self._censuses):
             figures["collective_wait_fraction"] = round(min(collective_share, 1.0), 3)
         measured = classify(waiting, busy_share, collective_share)

@@ -6,6 +6,7 @@ adds no per-step host-device sync. Samples are counted from the batches DataLoad
 leading dimension of the first tensor in each batch); the first ``--warmup-steps`` steps are left
 out, as compilation and caches make them unrepresentative. Only rank 0 prints.
 """
+
 from __future__ import annotations
 
 import torch
@@ -27,8 +28,10 @@ def leading_dimension(batch):
 
 
 class ThroughputMeter(Unit):
-    targets = ("torch.utils.data.dataloader._BaseDataLoaderIter.__next__",
-               "torch.optim.optimizer.register_optimizer_step_post_hook")  # via the session's watcher
+    targets = (
+        "torch.utils.data.dataloader._BaseDataLoaderIter.__next__",
+        "torch.optim.optimizer.register_optimizer_step_post_hook",
+    )  # via the session's watcher
 
     def apply(self) -> None:
         self._timed_samples = 0

@@ -2,12 +2,12 @@
 
 The workload where memory format matters: the hand-tuned script converts model and inputs to
 channels_last, which the HF single-GPU guide recommends for convolutions."""
+
 import argparse
 
 import torch
-from torch import nn
-
 from timing import DEVICE, add_arguments, report_steps
+from torch import nn
 
 
 def block(inputs: int, outputs: int) -> nn.Sequential:
@@ -20,12 +20,22 @@ def main():
     parser.add_argument("--batch", type=int, default=64)
     args = parser.parse_args()
     torch.manual_seed(0)
-    model = nn.Sequential(block(3, 32), block(32, 64), nn.MaxPool2d(2), block(64, 128), nn.MaxPool2d(2),
-                          block(128, 128), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(128, 10)).to(DEVICE)
+    model = nn.Sequential(
+        block(3, 32),
+        block(32, 64),
+        nn.MaxPool2d(2),
+        block(64, 128),
+        nn.MaxPool2d(2),
+        block(128, 128),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(128, 10),
+    ).to(DEVICE)
     layout = torch.channels_last if args.hand_tuned else torch.contiguous_format
     model = model.to(memory_format=layout)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9,
-                                **({"fused": True} if args.hand_tuned else {}))
+    optimizer = torch.optim.SGD(
+        model.parameters(), lr=0.05, momentum=0.9, **({"fused": True} if args.hand_tuned else {})
+    )
     total = args.steps + args.warmup
     images, labels = torch.randn(total, args.batch, 3, 32, 32), torch.randint(0, 10, (total, args.batch))
 

@@ -5,14 +5,14 @@ batch of 200; rank 0 prints the figures (its own losses: every rank's differ, it
 No dropout, so that the loss check speaks about gradient averaging (fast_ddp) and not about compiled
 dropout's random stream. 1500 timed steps: two ranks, the torchrun agent and 2 cores make shorter
 windows too noisy to read (a 300-step run spread 0.85-1.3x between identical variants)."""
+
 import argparse
 
 import torch
 import torch.distributed as dist
+from timing import add_arguments, report_steps
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-
-from timing import add_arguments, report_steps
 
 
 def main():
@@ -24,8 +24,9 @@ def main():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(784, 128), nn.ReLU(), nn.Linear(128, 10))
     # Hand-tuned: what ddp_tuning sets, written out, and the fused optimizer.
-    model = DistributedDataParallel(model, **({"gradient_as_bucket_view": True, "broadcast_buffers": False}
-                                              if args.hand_tuned else {}))
+    model = DistributedDataParallel(
+        model, **({"gradient_as_bucket_view": True, "broadcast_buffers": False} if args.hand_tuned else {})
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, **({"fused": True} if args.hand_tuned else {}))
     total = args.steps + args.warmup
     generator = torch.Generator().manual_seed(rank)

@@ -4,16 +4,16 @@
 Prints one JSON line: steps/s over the epochs after the first (steady state: autogaudi decides in
 epoch 1 and tunes from epoch 2) and, separately, the whole run's wall time including epoch 1.
 """
+
 import argparse
 import json
 import os
 import time
 
 import torch
+from timing import DEVICE
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
-
-from timing import DEVICE
 
 
 class Augmented(Dataset):
@@ -39,16 +39,20 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--batches", type=int, default=20)
-    parser.add_argument("--hand-tuned", action="store_true",
-                        help="what an expert writes by hand: workers (2, or up to 8 on a bigger host), "
-                             "one main-process thread, pinned memory when there is a GPU")
+    parser.add_argument(
+        "--hand-tuned",
+        action="store_true",
+        help="what an expert writes by hand: workers (2, or up to 8 on a bigger host), "
+        "one main-process thread, pinned memory when there is a GPU",
+    )
     args = parser.parse_args()
     torch.manual_seed(0)
     if args.hand_tuned:
         torch.set_num_threads(1)
     tuned = {"num_workers": max(2, min(8, (os.cpu_count() or 2) - 1)), "pin_memory": DEVICE.type == "cuda"}
-    loader = DataLoader(Augmented(200 * args.batches), batch_size=200, shuffle=True,
-                        **(tuned if args.hand_tuned else {}))
+    loader = DataLoader(
+        Augmented(200 * args.batches), batch_size=200, shuffle=True, **(tuned if args.hand_tuned else {})
+    )
     model = nn.Sequential(nn.Linear(784, 128), nn.ReLU(), nn.Dropout(0.2), nn.Linear(128, 10)).to(DEVICE)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     losses = []
@@ -63,8 +67,15 @@ def main():
             optimizer.step()
             losses.append(loss.item())
     end = time.perf_counter()
-    print(json.dumps({"steps_per_s": (len(losses) - steady_steps) / (end - steady_start),
-                      "total_seconds": end - start, "losses": losses}))
+    print(
+        json.dumps(
+            {
+                "steps_per_s": (len(losses) - steady_steps) / (end - steady_start),
+                "total_seconds": end - start,
+                "losses": losses,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

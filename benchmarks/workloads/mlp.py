@@ -1,10 +1,10 @@
 """W1: the MNIST-sized MLP (784-128-10, dropout, batch 200, AdamW) on synthetic data."""
+
 import argparse
 
 import torch
-from torch import nn
-
 from timing import DEVICE, add_arguments, report_steps
+from torch import nn
 
 
 def main():

@@ -2,13 +2,13 @@
 
 Compute-bound, and fed through a plain DataLoader so that autogaudi's loader measurement runs on it
 too (and must leave the loader alone: "no harm")."""
+
 import argparse
 
 import torch
+from timing import DEVICE, add_arguments, report_steps
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
-
-from timing import DEVICE, add_arguments, report_steps
 
 
 class Classifier(nn.Module):

@@ -1,10 +1,10 @@
 """Backend detection and primitives: plain CPU for real, HPU against the API-faithful double."""
+
 import pytest
 import torch
 
 from autogaudi import backends
 from autogaudi.backends.base import GB
-
 
 CUDA = torch.cuda.is_available()
 
@@ -54,7 +54,8 @@ def test_cpu_fuses_through_torchs_own_kernels_where_torch_has_them():
     assert backend.fused_optimizer(torch.optim.AdamW, params, adamw) is None  # no separate object: fused=True
     assert backend.fused_optimizer_refusal(torch.optim.Adadelta, {}) == "torch has no fused Adadelta"
     assert backend.fused_optimizer_refusal(torch.optim.AdamW, {**adamw, "foreach": True}) == (
-        "foreach=True cannot be combined with fused=True")
+        "foreach=True cannot be combined with fused=True"
+    )
 
 
 def test_hpu_lazy_mode_against_the_double(hpu_double):
@@ -71,7 +72,10 @@ def test_hpu_lazy_mode_against_the_double(hpu_double):
     backend.synchronize()
     assert calls.names() == ["mark_step", "synchronize"]
     assert backend.memory_stats().as_dict() == {
-        "memory_allocated_gb": 2.0, "max_memory_allocated_gb": 3.0, "total_memory_available_gb": 96.0}
+        "memory_allocated_gb": 2.0,
+        "max_memory_allocated_gb": 3.0,
+        "total_memory_available_gb": 96.0,
+    }
     model = torch.nn.Linear(2, 2)
     replay = backend.graph_forward(model)
     assert "forward" not in vars(model)  # the module is left as it was
@@ -103,11 +107,16 @@ def test_hpu_fused_adamw_gets_torchs_values_not_its_own_defaults(hpu_double):
     assert (fused.defaults["eps"], fused.defaults["weight_decay"]) == (1e-8, 1e-2)
     assert backend.fused_optimizer(torch.optim.AdamW, params, {**defaults, "amsgrad": True}) is None
     assert backend.fused_optimizer_refusal(torch.optim.AdamW, {**defaults, "amsgrad": True, "maximize": True}) == (
-        "FusedAdamW has no amsgrad=True, maximize=True")
+        "FusedAdamW has no amsgrad=True, maximize=True"
+    )
     adam_l2 = torch.optim.Adam(params, weight_decay=0.1).defaults
     assert backend.fused_optimizer_refusal(torch.optim.Adam, adam_l2) == (
-        "no Gaudi fused optimizer for Adam with L2 weight decay (it decays like AdamW)")
-    assert type(backend.fused_optimizer(torch.optim.SGD, params, torch.optim.SGD(params, lr=0.1).defaults)).__name__ == "FusedSGD"
+        "no Gaudi fused optimizer for Adam with L2 weight decay (it decays like AdamW)"
+    )
+    assert (
+        type(backend.fused_optimizer(torch.optim.SGD, params, torch.optim.SGD(params, lr=0.1).defaults)).__name__
+        == "FusedSGD"
+    )
 
 
 def test_hpu_fused_adamw_matches_torch_adamw_numerically(hpu_double):

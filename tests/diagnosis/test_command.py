@@ -1,6 +1,7 @@
 """The doctor: one script per finding kind under tests/diagnosis/scripts, each marking the line the
 finding must point at with ``# doctor: <kind>``; a clean script yields none; the script stops
 after N steps and computes exactly what it computes without the doctor."""
+
 import json
 import subprocess
 import sys
@@ -16,8 +17,11 @@ SCRIPTS = Path(__file__).parent / "scripts"
 
 def marked_lines(script: Path) -> dict:
     """{"host_sync item": line, ...} from the ``# doctor: ...`` markers of a script."""
-    return {line.split("# doctor:")[1].strip(): number
-            for number, line in enumerate(script.read_text().splitlines(), 1) if "# doctor:" in line}
+    return {
+        line.split("# doctor:")[1].strip(): number
+        for number, line in enumerate(script.read_text().splitlines(), 1)
+        if "# doctor:" in line
+    }
 
 
 def diagnose(name: str, *args, steps=8):
@@ -71,8 +75,12 @@ def test_a_short_last_batch_is_named_with_its_size():
     diagnosis = diagnose("last_batch.py", steps=12)  # 7 batches per epoch: the short one was seen
     (finding,) = only(diagnosis, "last_batch")
     assert at_line(finding, "last_batch.py", "last_batch")
-    assert finding.evidence == {"dataset_length": 100, "batch_size": 16, "last_batch_size": 4,
-                                "predicted_recompilations_per_epoch": 1}
+    assert finding.evidence == {
+        "dataset_length": 100,
+        "batch_size": 16,
+        "last_batch_size": 4,
+        "predicted_recompilations_per_epoch": 1,
+    }
     assert finding.fixed_by == "static_last_batch"
     assert not only(diagnosis, "dynamic_shapes")  # the last batch alone is not reported twice
 
@@ -104,12 +112,28 @@ def test_tile_sizes_and_bf16_readiness():
 @pytest.mark.slow
 def test_the_command_stops_the_script_after_n_steps_without_changing_its_numerics(tmp_path):
     script = SCRIPTS / "host_sync.py"
-    plain = subprocess.run([sys.executable, str(script), str(tmp_path / "plain")],
-                           capture_output=True, text=True, check=True)
+    plain = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "plain")], capture_output=True, text=True, check=True
+    )
     report = tmp_path / "doctor.json"
-    doctored = subprocess.run([sys.executable, "-m", "autogaudi", "doctor", "--steps", "5", "--json", str(report),
-                               "--fail-on", "host_sync", str(script), str(tmp_path / "doctored")],
-                              capture_output=True, text=True)
+    doctored = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "autogaudi",
+            "doctor",
+            "--steps",
+            "5",
+            "--json",
+            str(report),
+            "--fail-on",
+            "host_sync",
+            str(script),
+            str(tmp_path / "doctored"),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert doctored.returncode == 1  # --fail-on host_sync, and there are some
     lines = doctored.stdout.splitlines()
     assert lines == plain.stdout.splitlines()[:5]  # same losses, bit for bit, then nothing more
@@ -119,13 +143,18 @@ def test_the_command_stops_the_script_after_n_steps_without_changing_its_numeric
     assert data["schema"] == SCHEMA and data["steps_run"] == 5 and data["outcome"] == "stopped"
     assert {finding["kind"] for finding in data["findings"]} <= set(KINDS)
     assert data["findings"][0]["location"]["line"] in marked_lines(script).values()
-    without_gate = subprocess.run([sys.executable, "-m", "autogaudi", "doctor", "--steps", "2", str(script), "x"],
-                                  capture_output=True, text=True, cwd=tmp_path)
+    without_gate = subprocess.run(
+        [sys.executable, "-m", "autogaudi", "doctor", "--steps", "2", str(script), "x"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
     assert without_gate.returncode == 0  # findings alone do not fail the command
 
 
 def test_bad_fail_on_kinds_are_named():
-    result = subprocess.run([sys.executable, "-m", "autogaudi", "doctor", "--fail-on", "speed", "x.py"],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "autogaudi", "doctor", "--fail-on", "speed", "x.py"], capture_output=True, text=True
+    )
     assert result.returncode == 2
     assert "unknown kind(s) speed; valid: all, host_sync" in result.stderr

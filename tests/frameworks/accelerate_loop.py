@@ -2,6 +2,7 @@
 launched with several processes), the optimizer and the DataLoader; accumulate() and backward()
 handle gradient accumulation (no_sync), clip_grad_norm_ clips. Each process writes its losses and,
 under autogaudi, its report rows to $RESULTS/rank<N>.json."""
+
 import json
 import os
 import sys
@@ -16,12 +17,13 @@ def main():
     model = torch.nn.Sequential(torch.nn.Linear(20, 32), torch.nn.ReLU(), torch.nn.Linear(32, 2))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     generator = torch.Generator().manual_seed(1)
-    data = torch.utils.data.TensorDataset(torch.randn(256, 20, generator=generator),
-                                          torch.randint(0, 2, (256,), generator=generator))
+    data = torch.utils.data.TensorDataset(
+        torch.randn(256, 20, generator=generator), torch.randint(0, 2, (256,), generator=generator)
+    )
     loader = torch.utils.data.DataLoader(data, batch_size=16, shuffle=True, generator=generator)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     losses = []
-    for epoch in range(2):
+    for _epoch in range(2):
         for inputs, labels in loader:
             with accelerator.accumulate(model):
                 loss = torch.nn.functional.cross_entropy(model(inputs), labels)
@@ -32,9 +34,12 @@ def main():
                 optimizer.zero_grad()
             losses.append(loss.item())
     runtime = sys.modules.get("autogaudi.runtime")
-    result = {"rank": accelerator.process_index, "losses": losses,
-              "checksum": [round(float(p.detach().double().sum()), 6) for p in model.parameters()],
-              "units": {row["name"]: row for row in runtime.report().as_dict()["units"]} if runtime else {}}
+    result = {
+        "rank": accelerator.process_index,
+        "losses": losses,
+        "checksum": [round(float(p.detach().double().sum()), 6) for p in model.parameters()],
+        "units": {row["name"]: row for row in runtime.report().as_dict()["units"]} if runtime else {},
+    }
     with open(os.path.join(os.environ["RESULTS"], f"rank{accelerator.process_index}.json"), "w") as handle:
         json.dump(result, handle)
     accelerator.end_training()

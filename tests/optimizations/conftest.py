@@ -1,4 +1,5 @@
 """Fixtures of the optimization units' tests."""
+
 import pytest
 import torch.distributed as dist
 

@@ -1,10 +1,16 @@
 """Every default unit on, against the HPU double in lazy mode: the exact order of bridge calls for
 the loop shapes scripts use, and losses equal to plain PyTorch's."""
+
 import torch
 
 import autogaudi
 from tests.optimizations.test_step_marks import (
-    MARK, accumulation_loop, lbfgs_loop, standard_loop, two_optimizers_with_grad_scaler)
+    MARK,
+    accumulation_loop,
+    lbfgs_loop,
+    standard_loop,
+    two_optimizers_with_grad_scaler,
+)
 
 # The bridge's FusedAdamW marks a step itself in lazy mode: before its (one) param group and after.
 ADAMW = ["FusedAdamW.step", MARK, MARK]

@@ -1,6 +1,7 @@
 """Capture never breaks a script and leaves nothing behind (issue 18): the user's objects stay
 picklable and copyable while captured, a rejected trial and disable() leave the process as it was,
 a module called several times per step is found, and a captured call that fails runs eagerly."""
+
 import copy
 import gc
 import io
@@ -28,8 +29,9 @@ def mlp():
 
 def cnn():
     torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-                         nn.Linear(8, 3))
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 3)
+    )
 
 
 def batches(shape=(16,), size=8):
@@ -57,10 +59,14 @@ def unit_row(name):
 def process_state():
     """What a capture or a trial must leave as it found it, process-wide."""
     module = torch.nn.modules.module
-    return {"global_hooks": (len(module._global_forward_pre_hooks), len(module._global_forward_hooks)),
-            "dispatch_modes": torch._C._len_torch_dispatch_stack(), "threads": torch.get_num_threads(),
-            "autogaudi_compiled_entries": len(torch._dynamo.eval_frame._debug_get_cache_entry_list(
-                base._caller(None).__code__))}
+    return {
+        "global_hooks": (len(module._global_forward_pre_hooks), len(module._global_forward_hooks)),
+        "dispatch_modes": torch._C._len_torch_dispatch_stack(),
+        "threads": torch.get_num_threads(),
+        "autogaudi_compiled_entries": len(
+            torch._dynamo.eval_frame._debug_get_cache_entry_list(base._caller(None).__code__)
+        ),
+    }
 
 
 def assert_plain_copies(model, inputs):
@@ -112,9 +118,15 @@ def read_as(monkeypatch, bound):
     monkeypatch.setattr(step_profiler, "classify", lambda *a, **k: (bound, f"read as {bound}-bound by the test"))
 
 
-@pytest.mark.parametrize("make, shape, bound, candidate", [
-    (mlp, (16,), "host", "graph_capture"), (cnn, (3, 8, 8), "host", "graph_capture"),
-    (cnn, (3, 8, 8), "device", "channels_last")], ids=["mlp-capture", "cnn-capture", "cnn-channels-last"])
+@pytest.mark.parametrize(
+    "make, shape, bound, candidate",
+    [
+        (mlp, (16,), "host", "graph_capture"),
+        (cnn, (3, 8, 8), "host", "graph_capture"),
+        (cnn, (3, 8, 8), "device", "channels_last"),
+    ],
+    ids=["mlp-capture", "cnn-capture", "cnn-channels-last"],
+)
 def test_a_rejected_trial_leaves_the_process_and_the_model_as_they_were(monkeypatch, make, shape, bound, candidate):
     slow_graphs(monkeypatch)
     read_as(monkeypatch, bound)

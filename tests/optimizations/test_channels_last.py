@@ -1,5 +1,6 @@
 """channels_last: conv models (and their optimizer buffers) switch format with the same numerics,
 the trial's steps train like plain ones, models without convolutions and disable() are left as is."""
+
 import torch
 from torch import nn
 
@@ -9,9 +10,17 @@ from tests.optimizations.test_step_profiler import STEPS
 
 def cnn():
     torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
-                         nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-                         nn.Linear(16, 4))
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(8, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(16, 4),
+    )
 
 
 def train(model, steps):
@@ -33,7 +42,9 @@ def test_forced_converts_model_inputs_and_momentum_with_the_same_losses():
     autogaudi.enable(device="cpu", only="step_profiler,channels_last", force="channels_last")
     model = cnn()
     seen = []
-    model[0].register_forward_pre_hook(lambda _m, args: seen.append(args[0].is_contiguous(memory_format=torch.channels_last)))
+    model[0].register_forward_pre_hook(
+        lambda _m, args: seen.append(args[0].is_contiguous(memory_format=torch.channels_last))
+    )
     losses, optimizer = train(model, STEPS + 10)
     torch.testing.assert_close(losses, plain, rtol=1e-4, atol=1e-5)
     weight = model[0].weight

@@ -1,5 +1,6 @@
 """ddp_tuning: in-process DDP (gloo, world size 1) for the settings and the numerics; torchrun with
 2 ranks for the three launch forms, agreement with plain DDP, and failures reported as torchrun does."""
+
 import json
 import warnings
 
@@ -15,7 +16,11 @@ from tests.optimizations.ddp_helpers import TORCHRUN, mlp, torchrun, train
 
 
 def syncs_buffers_every_forward(model) -> bool:
-    return getattr(model, "forward_sync_buffers", None) if hasattr(model, "forward_sync_buffers") else model.broadcast_buffers
+    return (
+        getattr(model, "forward_sync_buffers", None)
+        if hasattr(model, "forward_sync_buffers")
+        else model.broadcast_buffers
+    )
 
 
 def test_defaults_tuned_and_numerics_unchanged(process_group):
@@ -44,13 +49,15 @@ def test_explicit_arguments_buffers_and_subclasses_are_kept(process_group):
         pass
 
     assert MyDDP(mlp()).gradient_as_bucket_view is False
-    assert "kept the script's own broadcast_buffers, bucket_cap_mb, gradient_as_bucket_view" in (
-        autogaudi.report().unit("ddp_tuning")["notes"])
+    assert (
+        "kept the script's own broadcast_buffers, bucket_cap_mb, gradient_as_bucket_view"
+        in (autogaudi.report().unit("ddp_tuning")["notes"])
+    )
 
 
 def test_hpu_bucket_size_follows_the_gaudi_guide():
     def params(megabytes):
-        return torch.nn.Linear(1, int(megabytes * 1024 ** 2 / 4), bias=False)
+        return torch.nn.Linear(1, int(megabytes * 1024**2 / 4), bias=False)
 
     assert hpu_bucket_megabytes(params(98)) == 98  # ResNet50-sized gradients: about 100 MB
     assert hpu_bucket_megabytes(params(400)) == 230  # optimum-habana's cap
@@ -64,8 +71,9 @@ def test_every_launch_form_enables_each_worker_once_and_trains_like_plain_ddp(tm
     assert result.returncode == 0, result.stderr[-3000:]
     assert plain[0]["checksum"] == plain[1]["checksum"] and not plain[0]["autogaudi"]
     forms = {
-        "launcher around torchrun": torchrun(tmp_path, "-m", "autogaudi", "--report", tmp_path / "report.json",
-                                             *TORCHRUN, script),
+        "launcher around torchrun": torchrun(
+            tmp_path, "-m", "autogaudi", "--report", tmp_path / "report.json", *TORCHRUN, script
+        ),
         "torchrun around the launcher": torchrun(tmp_path, *TORCHRUN, "-m", "autogaudi", script),
         "AUTOGAUDI=1": torchrun(tmp_path, *TORCHRUN, script, env={"AUTOGAUDI": "1"}),
     }

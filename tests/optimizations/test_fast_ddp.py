@@ -1,6 +1,7 @@
 """fast_ddp: 2 gloo ranks under torchrun for what only several ranks show (averaging, no_sync,
 unused parameters, the hand-back to DDP when the parameter set changes); in-process DDP with one rank
 for the cases where DDP keeps its own gradient sync."""
+
 import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -20,11 +21,15 @@ def keep_local_gradients(_state, bucket):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("knobs", [
-    {},
-    {"ACCUMULATE": "3", "CLIP": "1"},  # no_sync micro-steps are not averaged; clipping sees averages
-    {"BRANCH": "rank1"},  # a layer only rank 1 uses: rank 0 must get the average too, as with DDP
-], ids=["plain-loop", "accumulate-and-clip", "layer-used-by-one-rank"])
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        {},
+        {"ACCUMULATE": "3", "CLIP": "1"},  # no_sync micro-steps are not averaged; clipping sees averages
+        {"BRANCH": "rank1"},  # a layer only rank 1 uses: rank 0 must get the average too, as with DDP
+    ],
+    ids=["plain-loop", "accumulate-and-clip", "layer-used-by-one-rank"],
+)
 def test_ranks_end_equal_to_each_other_and_to_plain_ddp(tmp_path, knobs):
     script = str(SCRIPTS / "ddp_train.py")
     result, plain = torchrun(tmp_path, *TORCHRUN, script, env=knobs)
@@ -63,7 +68,10 @@ def test_ddp_keeps_models_whose_gradient_sync_the_script_customised(process_grou
     assert row["figures"]["flat_all_reduces"] == 0
     assert row["notes"] == ["DDP kept its own gradient sync: the script set static_graph"]
     train(hooked, steps=1)
-    assert "DDP kept its own gradient sync: the script set a communication hook" in autogaudi.report().unit("fast_ddp")["notes"]
+    assert (
+        "DDP kept its own gradient sync: the script set a communication hook"
+        in autogaudi.report().unit("fast_ddp")["notes"]
+    )
 
 
 def test_one_rank_trains_exactly_like_ddp_and_disable_restores_forward(process_group):

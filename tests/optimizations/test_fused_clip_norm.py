@@ -1,5 +1,6 @@
 """fused_clip_norm against the HPU double: same total norm and clipped gradients as torch, one
 FusedClipNorm per parameter set, and torch's own path for calls FusedClipNorm cannot serve."""
+
 import pytest
 import torch
 
@@ -39,12 +40,15 @@ def test_built_once_per_parameter_set_and_max_norm(calls):
         torch.nn.utils.clip_grad.clip_grad_norm_(model.parameters(), 1.0)
     torch.nn.utils.clip_grad_norm_(model.parameters(), 2.0)
     assert calls.names() == ["FusedClipNorm"] + ["FusedClipNorm.clip_norm"] * 3 + [
-        "FusedClipNorm", "FusedClipNorm.clip_norm"]
+        "FusedClipNorm",
+        "FusedClipNorm.clip_norm",
+    ]
     assert autogaudi.report().unit("fused_clip_norm")["figures"] == {"fused_calls": 4, "torch_calls": 0}
 
 
-@pytest.mark.parametrize("kwargs", [{"norm_type": 1.0}, {"norm_type": float("inf")},
-                                    {"error_if_nonfinite": True}, {"foreach": False}])
+@pytest.mark.parametrize(
+    "kwargs", [{"norm_type": 1.0}, {"norm_type": float("inf")}, {"error_if_nonfinite": True}, {"foreach": False}]
+)
 def test_calls_it_cannot_serve_run_torchs_own(calls, kwargs):
     reference, model = grads(), grads()
     autogaudi.disable()

@@ -1,4 +1,5 @@
 """fused_optimizer on the real CPU (torch fused=True) and against the HPU double (hpex FusedAdamW/FusedSGD)."""
+
 import io
 
 import pytest
@@ -43,13 +44,16 @@ def train(make_optimizer, steps=STEPS, scheduler=False):
 
 OPTIMIZERS = {
     "adamw": lambda net: torch.optim.AdamW(net.parameters(), lr=3e-3),
-    "adamw_hyper": lambda net: torch.optim.AdamW(net.parameters(), lr=2e-3, betas=(0.8, 0.95), eps=1e-5,
-                                                 weight_decay=0.1),
+    "adamw_hyper": lambda net: torch.optim.AdamW(
+        net.parameters(), lr=2e-3, betas=(0.8, 0.95), eps=1e-5, weight_decay=0.1
+    ),
     "adam": lambda net: torch.optim.Adam(net.parameters(), lr=3e-3),
-    "sgd_momentum": lambda net: torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9, nesterov=True,
-                                                weight_decay=1e-4),
-    "per_group": lambda net: torch.optim.AdamW([{"params": net[0].parameters(), "weight_decay": 0.0},
-                                                {"params": net[3].parameters(), "lr": 1e-3}], lr=3e-3),
+    "sgd_momentum": lambda net: torch.optim.SGD(
+        net.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-4
+    ),
+    "per_group": lambda net: torch.optim.AdamW(
+        [{"params": net[0].parameters(), "weight_decay": 0.0}, {"params": net[3].parameters(), "lr": 1e-3}], lr=3e-3
+    ),
 }
 
 
@@ -92,7 +96,7 @@ class BridgeAdamW(torch.optim.Optimizer):
                 p.mul_(1 - group["lr"] * group["weight_decay"])
                 state["m"].mul_(b1).add_(p.grad, alpha=1 - b1)
                 state["v"].mul_(b2).add_(p.grad * p.grad, alpha=1 - b2)
-                size = group["lr"] * (1 - b2 ** t) ** 0.5 / (1 - b1 ** t)
+                size = group["lr"] * (1 - b2**t) ** 0.5 / (1 - b1**t)
                 p.sub_(size * state["m"] / (state["v"].sqrt() + group["eps"]))
 
 
@@ -120,7 +124,11 @@ def test_cpu_builds_the_users_own_class_with_fused_true():
     optimizer = torch.optim.AdamW(net.parameters(), lr=2e-3, eps=1e-7)
     assert type(optimizer) is torch.optim.AdamW
     assert optimizer.defaults["fused"] is True
-    assert (optimizer.defaults["lr"], optimizer.defaults["eps"], optimizer.defaults["weight_decay"]) == (2e-3, 1e-7, 1e-2)
+    assert (optimizer.defaults["lr"], optimizer.defaults["eps"], optimizer.defaults["weight_decay"]) == (
+        2e-3,
+        1e-7,
+        1e-2,
+    )
 
 
 def test_hpu_keeps_the_users_object_and_passes_torchs_values_to_fused_adamw(hpu_double):
@@ -144,7 +152,7 @@ def test_hpu_step_hooks_and_scheduler_see_the_users_object(hpu_double):
     seen = []
     optimizer.register_step_pre_hook(lambda opt, args, kwargs: seen.append(("pre", opt)))
     optimizer.register_step_post_hook(lambda opt, args, kwargs: seen.append(("post", opt)))
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda epoch: 0.5 ** epoch)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda epoch: 0.5**epoch)
     net(torch.randn(2, 10)).sum().backward()
     optimizer.step()
     schedule.step()
@@ -173,8 +181,11 @@ def saved(*objects):
     return torch.load(buffer)
 
 
-BATCHES = [(torch.randn(8, 10, generator=g), torch.randint(0, 3, (8,), generator=g))
-           for g in [torch.Generator().manual_seed(7)] for _ in range(20)]
+BATCHES = [
+    (torch.randn(8, 10, generator=g), torch.randint(0, 3, (8,), generator=g))
+    for g in [torch.Generator().manual_seed(7)]
+    for _ in range(20)
+]
 
 
 def run(net, optimizer, first, last):

@@ -1,5 +1,6 @@
 """fused_sdpa against the HPU double: FusedSDPA for the calls it computes exactly (also from
 nn.TransformerEncoderLayer), torch's op for the rest, and identical outputs either way."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -41,11 +42,14 @@ def test_reaches_transformer_layers_and_keeps_their_numerics(calls):
     assert calls.names() == ["FusedSDPA.apply"]
 
 
-@pytest.mark.parametrize("make_call, reason", [
-    (lambda: qkv(2, 8, 16), "3-D inputs"),
-    (lambda: qkv(2, 4, 8, 16, dtype=torch.float64), "dtype torch.float64"),
-    (lambda: [qkv(2, 4, 8, 16)[0], *qkv(1, 4, 8, 16)[1:]], "batch broadcasting"),
-])
+@pytest.mark.parametrize(
+    "make_call, reason",
+    [
+        (lambda: qkv(2, 8, 16), "3-D inputs"),
+        (lambda: qkv(2, 4, 8, 16, dtype=torch.float64), "dtype torch.float64"),
+        (lambda: [qkv(2, 4, 8, 16)[0], *qkv(1, 4, 8, 16)[1:]], "batch broadcasting"),
+    ],
+)
 def test_calls_it_cannot_serve_run_torchs_op(calls, make_call, reason):
     q, k, v = make_call()
     reference = F.scaled_dot_product_attention.__wrapped__(q, k, v)

@@ -1,6 +1,7 @@
 """graph_capture: not on a device-bound run; forced on the HPU double it caches the module inside
 DDP through ModuleCacher with the same numerics; a recompile storm switches it off; on the CPU a
 host-bound run gets a torch.compile trial whose steps train like plain ones."""
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -60,7 +61,7 @@ def test_forced_on_the_double_caches_the_module_inside_ddp(hpu_double, tmp_path)
         first = names.index("module_cacher")
         assert calls.CALLS[first][1] == {"module": "Sequential", "max_graphs": 10}
         # one graph for the one input shape, replayed on every later step
-        assert names[first + 1:].count("module_cacher_capture") == 1
+        assert names[first + 1 :].count("module_cacher_capture") == 1
         replays = [details for name, details in calls.CALLS[first:] if name == "module_cacher_replay"]
         assert len(replays) >= 5
         # zero_grad(set_to_none=False) while graphs are on: every replay sees the same gradient tensors
@@ -103,11 +104,14 @@ class PartlyUnused(nn.Module):
         return self.body(inputs)
 
 
-@pytest.mark.parametrize("model, refusal", [
-    (Checkpointed, "not captured: the model uses gradient checkpointing"),
-    (FlaggedCheckpointing, "not captured: the model uses gradient checkpointing"),
-    (PartlyUnused, "not captured: 2 of 6 optimized parameters had no gradient"),
-])
+@pytest.mark.parametrize(
+    "model, refusal",
+    [
+        (Checkpointed, "not captured: the model uses gradient checkpointing"),
+        (FlaggedCheckpointing, "not captured: the model uses gradient checkpointing"),
+        (PartlyUnused, "not captured: 2 of 6 optimized parameters had no gradient"),
+    ],
+)
 def test_hpu_graphs_are_refused_where_they_would_crash_or_change_training(hpu_double, model, refusal):
     calls = hpu_double(lazy=True)
     plain = losses_of(model(), batches())
@@ -134,7 +138,9 @@ def test_a_model_the_script_compiles_itself_is_left_alone(hpu_double, model):
     plain = losses_of(model(), batches())
     autogaudi.enable(device="hpu", only="step_profiler,graph_capture", force="graph_capture")
     losses = losses_of(model(), batches())
-    assert row()["reason"] == "stepped aside: the script (or its framework) already compiles the model with torch.compile"
+    assert (
+        row()["reason"] == "stepped aside: the script (or its framework) already compiles the model with torch.compile"
+    )
     assert "module_cacher" not in calls.names()
     torch.testing.assert_close(losses, plain, rtol=1e-5, atol=1e-6)
 

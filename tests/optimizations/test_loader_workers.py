@@ -1,5 +1,6 @@
 """loader_workers on the real CPU: a loader-bound run gets workers from epoch 2 with the same batches
 and losses; compute-bound runs, random __getitem__, explicit choices and iterables are left alone."""
+
 import time
 
 import pytest

@@ -1,6 +1,7 @@
 """non_blocking_copy: which calls become asynchronous. No accelerator exists here, so the decision is
 tested on real CPU tensors (a CPU-only torch cannot pin memory: is_pinned() is genuinely False),
 and the unit's application per backend; the copy itself is verified on a GPU when one is lent."""
+
 import pytest
 import torch
 
@@ -8,10 +9,18 @@ import autogaudi
 from autogaudi.optimizations.non_blocking_copy import target_device_type, wants_non_blocking
 
 
-@pytest.mark.parametrize("args, kwargs, expected", [
-    (("cuda",), {}, "cuda"), (("cuda:1",), {}, "cuda"), ((torch.device("hpu"),), {}, "hpu"),
-    ((), {"device": "hpu"}, "hpu"), ((torch.float16,), {}, None), ((torch.ones(1),), {}, None), ((0,), {}, None),
-])
+@pytest.mark.parametrize(
+    "args, kwargs, expected",
+    [
+        (("cuda",), {}, "cuda"),
+        (("cuda:1",), {}, "cuda"),
+        ((torch.device("hpu"),), {}, "hpu"),
+        ((), {"device": "hpu"}, "hpu"),
+        ((torch.float16,), {}, None),
+        ((torch.ones(1),), {}, None),
+        ((0,), {}, None),
+    ],
+)
 def test_target_device_type(args, kwargs, expected):
     assert target_device_type(args, kwargs) == expected
 

@@ -1,5 +1,6 @@
 """pin_memory: loaders without a choice are pinned when an accelerator is the target (HPU double);
 the script's own choice is kept; CPU-only runs are skipped."""
+
 import warnings
 
 import torch

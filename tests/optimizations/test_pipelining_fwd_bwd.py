@@ -1,4 +1,5 @@
 """pipelining_fwd_bwd: opt-in; when forced, one more mark_step just before each backward."""
+
 import autogaudi
 from tests.optimizations.test_step_marks import MARK, standard_loop
 

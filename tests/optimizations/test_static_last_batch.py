@@ -1,5 +1,6 @@
 """static_last_batch against the HPU double (lazy): every batch full, every sample still seen,
 the plain order kept for the original samples, and the alternatives and exclusions."""
+
 import pytest
 import torch
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, SequentialSampler, TensorDataset
@@ -42,13 +43,17 @@ def test_drop_policy_and_positional_calls(lazy):
     assert autogaudi.report().unit("static_last_batch")["figures"]["samples_added_per_epoch"] == -2
 
 
-@pytest.mark.parametrize("make", [
-    lambda: DataLoader(DATA, batch_size=4, drop_last=True),
-    lambda: DataLoader(DATA, batch_sampler=BatchSampler(SequentialSampler(DATA), 4, False)),
-    lambda: DataLoader(DATA, batch_size=5),
-    lambda: DataLoader(DATA, batch_size=None),
-    lambda: DataLoader(DATA, batch_size=4, sampler=DistributedSampler(DATA, num_replicas=2, rank=0)),
-], ids=["drop_last", "batch_sampler", "divides_evenly", "no_batching", "own_sampler"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: DataLoader(DATA, batch_size=4, drop_last=True),
+        lambda: DataLoader(DATA, batch_sampler=BatchSampler(SequentialSampler(DATA), 4, False)),
+        lambda: DataLoader(DATA, batch_size=5),
+        lambda: DataLoader(DATA, batch_size=None),
+        lambda: DataLoader(DATA, batch_size=4, sampler=DistributedSampler(DATA, num_replicas=2, rank=0)),
+    ],
+    ids=["drop_last", "batch_sampler", "divides_evenly", "no_batching", "own_sampler"],
+)
 def test_loaders_it_leaves_alone(lazy, make):
     plain = epochs(make)
     autogaudi.enable(device="hpu", only="static_last_batch")

@@ -1,4 +1,5 @@
 """step_marks against the HPU double: the exact mark_step sequence for each loop shape, and unchanged losses."""
+
 import pytest
 import torch
 
@@ -38,7 +39,7 @@ def accumulation_loop(steps=3, micro=2):
     losses = []
     data = batches(steps * micro)
     for step in range(steps):
-        for inputs, targets in data[step * micro:(step + 1) * micro]:
+        for inputs, targets in data[step * micro : (step + 1) * micro]:
             loss = torch.nn.functional.mse_loss(model(inputs), targets) / micro
             torch.autograd.backward(loss)
             losses.append(loss.item())
@@ -96,12 +97,15 @@ def manual_update_loop(steps=3):
     return losses
 
 
-@pytest.mark.parametrize("loop, expected_marks", [
-    (standard_loop, [MARK, MARK] * 4),  # after backward, after step
-    (accumulation_loop, [MARK, MARK, MARK] * 3),  # two backwards, one step
-    (two_optimizers_with_grad_scaler, [MARK, MARK, MARK] * 3),  # one backward, two steps
-    (manual_update_loop, [MARK] * 3),  # no optimizer: after backward only
-])
+@pytest.mark.parametrize(
+    "loop, expected_marks",
+    [
+        (standard_loop, [MARK, MARK] * 4),  # after backward, after step
+        (accumulation_loop, [MARK, MARK, MARK] * 3),  # two backwards, one step
+        (two_optimizers_with_grad_scaler, [MARK, MARK, MARK] * 3),  # one backward, two steps
+        (manual_update_loop, [MARK] * 3),  # no optimizer: after backward only
+    ],
+)
 def test_mark_sequence_and_unchanged_losses(hpu_double, loop, expected_marks):
     calls = hpu_double(lazy=True)
     plain = loop()
@@ -125,10 +129,13 @@ def test_lbfgs_closure_marks_every_evaluation_and_every_step(hpu_double):
     assert calls.names() == [MARK] * (backwards + steps)
 
 
-@pytest.mark.parametrize("lazy, options, reason", [
-    (False, {"only": "step_marks"}, "HPU eager mode (PT_HPU_LAZY_MODE=0) runs ops as issued"),
-    (True, {"disable": "step_marks,fused_optimizer"}, "switched off by --disable / AUTOGAUDI_DISABLE"),
-])
+@pytest.mark.parametrize(
+    "lazy, options, reason",
+    [
+        (False, {"only": "step_marks"}, "HPU eager mode (PT_HPU_LAZY_MODE=0) runs ops as issued"),
+        (True, {"disable": "step_marks,fused_optimizer"}, "switched off by --disable / AUTOGAUDI_DISABLE"),
+    ],
+)
 def test_skipped_with_the_reason_and_no_marks(hpu_double, lazy, options, reason):
     calls = hpu_double(lazy=lazy)
     autogaudi.enable(device="hpu", **options)

@@ -1,6 +1,7 @@
 """step_profiler: the classification rule, CPU fixtures that are host-, device- and input-bound,
 one stalled step that must not flip them, the HPU path through the double's timing hook, and which
 module it names as the training model."""
+
 import importlib
 import time
 
@@ -127,8 +128,9 @@ def test_one_stalled_census_step_leaves_a_host_bound_run_host_bound():
     (Three times the Python work of the plain fixture: the steps right after a stall run slow, and
     on a busy machine that pushed the plain fixture's median pair to 60%.)"""
     autogaudi.enable(device="cpu", only="step_profiler")
-    model = StallsOnce(nn.Sequential(*[Bookkeeping(work=9000) for _ in range(30)], nn.Linear(8, 3)),
-                       at=3 + 2, in_op=True)  # the first census step
+    model = StallsOnce(
+        nn.Sequential(*[Bookkeeping(work=9000) for _ in range(30)], nn.Linear(8, 3)), at=3 + 2, in_op=True
+    )  # the first census step
     train(model, endless(lambda: (torch.randn(4, 8), torch.randint(0, 3, (4,)))))
     figures = profile_row()["figures"]
     assert figures["bound"] == "host", profile_row()

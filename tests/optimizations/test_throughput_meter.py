@@ -1,4 +1,5 @@
 """throughput_meter: samples/s consistent with steps/s × batch size; batch sizes found in nested batches."""
+
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 

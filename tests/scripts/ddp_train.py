@@ -11,6 +11,7 @@ STEPS=N trains N steps (default 10). SLOW_DATA_RANK=N feeds rank N from a DataLo
 N spend 20 ms of Python before each forward, so that it measures itself host-bound and the other
 ranks wait for it in the all-reduce.
 """
+
 import json
 import os
 import sys
@@ -50,7 +51,9 @@ def main():
     branch = os.environ.get("BRANCH", "")
     accumulate = int(os.environ.get("ACCUMULATE", "1"))
     torch.manual_seed(0)
-    model = DistributedDataParallel(Net(), find_unused_parameters=True) if branch else DistributedDataParallel(Net().body)
+    model = (
+        DistributedDataParallel(Net(), find_unused_parameters=True) if branch else DistributedDataParallel(Net().body)
+    )
     optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
     generator = torch.Generator().manual_seed(rank)
     steps = int(os.environ.get("STEPS", "10"))
@@ -77,14 +80,16 @@ def main():
         if step == 0 and os.environ.get("FAIL_RANK") == str(rank):
             raise RuntimeError(f"rank {rank} failed on purpose")
     runtime = sys.modules.get("autogaudi.runtime")
-    result = json.dumps({
-        "rank": rank,
-        "checksum": [round(float(p.detach().double().sum()), 6) for p in model.parameters()],
-        "autogaudi": runtime.is_enabled() if runtime else False,
-        "sources": runtime._STATE.sources if runtime else [],
-        "bucket_view": model.gradient_as_bucket_view,
-        "units": {row["name"]: row for row in runtime.report().as_dict()["units"]} if runtime else {},
-    })
+    result = json.dumps(
+        {
+            "rank": rank,
+            "checksum": [round(float(p.detach().double().sum()), 6) for p in model.parameters()],
+            "autogaudi": runtime.is_enabled() if runtime else False,
+            "sources": runtime._STATE.sources if runtime else [],
+            "bucket_view": model.gradient_as_bucket_view,
+            "units": {row["name"]: row for row in runtime.report().as_dict()["units"]} if runtime else {},
+        }
+    )
     with open(os.path.join(os.environ["RESULTS"], f"rank{rank}.json"), "w") as handle:
         handle.write(result)
     dist.destroy_process_group()

@@ -1,5 +1,6 @@
 """A loader-bound script using the spawn start method, its Dataset defined here (so workers must
 unpickle it from __main__). Prints its losses and each epoch's num_workers as JSON."""
+
 import json
 import multiprocessing
 import time

@@ -1,4 +1,5 @@
 """A Dataset class defined in the script, loaded by spawned DataLoader workers (needs pickling)."""
+
 import torch
 from torch.utils.data import DataLoader, Dataset
 

@@ -1,4 +1,5 @@
 """Ten SGD steps on a linear model; prints the final loss. TRAIN=0 imports torch but does not train."""
+
 import os
 
 import torch

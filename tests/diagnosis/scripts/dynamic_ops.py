@@ -15,7 +15,7 @@ class Sparse(nn.Module):
 torch.manual_seed(0)
 model = Sparse()
 optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-for step in range(50):
+for _step in range(50):
     loss = model(torch.randn(8, 16))
     optimizer.zero_grad()
     loss.backward()

@@ -1,4 +1,5 @@
 """A sequence model fed batches padded to the longest sequence: the length changes every step."""
+
 import torch
 from torch import nn
 

@@ -16,7 +16,7 @@ class Gated(nn.Module):
 torch.manual_seed(0)
 model = Gated()
 optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-for step in range(50):
+for _step in range(50):
     loss = model(torch.randn(8, 16)).pow(2).mean()
     optimizer.zero_grad()
     loss.backward()

@@ -1,5 +1,6 @@
 """Reads device values every step: .item(), a condition, .tolist(), print. Prints each step's loss
 (for the numerics check) and writes a file after the loop (for the stop check)."""
+
 import sys
 
 import torch

@@ -1,8 +1,13 @@
 """Test double of habana_frameworks.torch: importing it "loads the bridge" and registers torch.hpu."""
+
 import torch
 
-from habana_frameworks.torch import core, hpu, utils  # noqa: F401
-from habana_frameworks.torch import hpex  # noqa: F401
+from habana_frameworks.torch import (  # noqa: F401
+    core,
+    hpex,  # noqa: F401
+    hpu,
+    utils,
+)
 
 __version__ = "1.19.0-double"
 

@@ -1,8 +1,18 @@
 """Not part of the real bridge: the double's record of every bridge call, for the tests."""
+
 CALLS = []
-MEMORY = {"Limit": 96 * 1024 ** 3, "InUse": 0, "MaxInUse": 0, "NumAllocs": 0, "NumFrees": 0,
-          "ActiveAllocs": 0, "MaxAllocSize": 0, "TotalSystemAllocs": 0, "TotalSystemFrees": 0,
-          "TotalActiveAllocs": 0}
+MEMORY = {
+    "Limit": 96 * 1024**3,
+    "InUse": 0,
+    "MaxInUse": 0,
+    "NumAllocs": 0,
+    "NumFrees": 0,
+    "ActiveAllocs": 0,
+    "MaxAllocSize": 0,
+    "TotalSystemAllocs": 0,
+    "TotalSystemFrees": 0,
+    "TotalActiveAllocs": 0,
+}
 
 
 # Timing hook: how long hpu.synchronize() waits, as if the device were still busy (the double runs

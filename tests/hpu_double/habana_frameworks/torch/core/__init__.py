@@ -1,4 +1,5 @@
 """habana_frameworks.torch.core: mark_step & co.; in eager mode mark_step is a no-op that warns once."""
+
 import warnings
 
 import habana_frameworks.torch.hpu  # noqa: F401  (importing core loads the bridge too)
@@ -13,7 +14,8 @@ else:
 
     def mark_step(device_str="", sync=False):
         if not _warned:
-            warnings.warn("mark_step is a no-op in eager mode (PT_HPU_LAZY_MODE=0)")
+            warnings.warn("mark_step is a no-op in eager mode (PT_HPU_LAZY_MODE=0)", stacklevel=2)
             _warned.append(True)
+
 
 __all__ = ["add_step_closure", "is_lazy", "iter_mark_step", "mark_step"]

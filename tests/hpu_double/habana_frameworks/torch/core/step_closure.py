@@ -1,4 +1,5 @@
 """mark_step and step closures: in lazy mode a mark flushes the queued graph and runs closures."""
+
 from habana_frameworks.torch._calls import record
 
 _CLOSURES = []

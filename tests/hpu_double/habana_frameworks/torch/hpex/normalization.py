@@ -1,4 +1,5 @@
 """FusedClipNorm: L2 (norm_type 2.0) gradient clipping, built once for a set of parameters."""
+
 import torch
 
 from habana_frameworks.torch._calls import record

@@ -9,6 +9,7 @@ kernel's update, from the optimizer's arguments: weights times ``1 - lr * weight
 un-corrected ``sqrt(v)`` (torch AdamW adds it to the corrected one). In lazy mode a step is marked
 before each group and after ``step()``.
 """
+
 import math
 
 import torch
@@ -80,8 +81,7 @@ class FusedAdamW(_FusedOptimizer):
 
 class FusedSGD(_FusedOptimizer):
     def __init__(self, params, lr, momentum=0, weight_decay=0, dampening=0, nesterov=False):
-        defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, dampening=dampening,
-                        nesterov=nesterov)
+        defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, dampening=dampening, nesterov=nesterov)
         super().__init__(params, defaults)
 
     @staticmethod

@@ -1,6 +1,7 @@
 """habana_frameworks.torch.hpu (torch.hpu once loaded): device, memory, streams, and, in lazy mode
 only, the HPU-graph API. One Gaudi 2 device with 96 GiB is simulated; the memory figures come from
 the double's MEMORY table so tests can set them."""
+
 import contextlib
 import time
 
@@ -147,4 +148,9 @@ from habana_frameworks.torch.hpu import metrics  # noqa: E402,F401
 
 if is_lazy():
     from habana_frameworks.torch.hpu.graphs import (  # noqa: E402,F401
-        HPUGraph, ModuleCacher, graph, make_graphed_callables, wrap_in_hpu_graph)
+        HPUGraph,
+        ModuleCacher,
+        graph,
+        make_graphed_callables,
+        wrap_in_hpu_graph,
+    )

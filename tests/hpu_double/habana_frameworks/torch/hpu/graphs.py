@@ -1,6 +1,7 @@
 """HPU graphs (exported by hpu only in lazy mode). Graphs are keyed like the bridge keys them
 (input shapes + autocast state); "capture" and "replay" just call the eager forward on the CPU and
 are recorded, so tests see when a new graph would be compiled."""
+
 import torch
 
 from habana_frameworks.torch._calls import record
@@ -29,8 +30,9 @@ class graph:
         self.hpu_graph.capture_end()
 
 
-def make_graphed_callables(callables, sample_args, warmups=0, allow_unused_input=False,
-                           asynchronous=False, disable_tensor_cache=False):
+def make_graphed_callables(
+    callables, sample_args, warmups=0, allow_unused_input=False, asynchronous=False, disable_tensor_cache=False
+):
     record("make_graphed_callables", warmups=warmups)
     return callables
 
@@ -86,8 +88,18 @@ class ModuleCacher:
     def __init__(self, max_graphs=10):
         self.max_graphs = max_graphs
 
-    def __call__(self, model, use_lfu=False, inplace=True, allow_unused_input=False, asynchronous=False,
-                 have_grad_accumulation=False, log_frequency=100, verbose=False, disable_tensor_cache=False):
+    def __call__(
+        self,
+        model,
+        use_lfu=False,
+        inplace=True,
+        allow_unused_input=False,
+        asynchronous=False,
+        have_grad_accumulation=False,
+        log_frequency=100,
+        verbose=False,
+        disable_tensor_cache=False,
+    ):
         original = model.forward
         cached = _cached_forward(model, original, self.max_graphs, "module_cacher")
 

@@ -1,4 +1,5 @@
 """metric_global(name).stats() -> [(tag, value)], as the bridge's metrics API returns them."""
+
 import contextlib
 
 _METRICS = {
