@@ -78,6 +78,21 @@ def route_calls(module, call):
     return undo
 
 
+def own_gradient_tensors(optimizer, graphs_on: bool) -> None:
+    """Graphs that hold gradients (HPU lazy) write them into static tensors. Before they go on, every
+    parameter gets a gradient tensor of its own (zeros, where ``zero_grad`` had set None), so that
+    the first graphed backward accumulates into it instead of adopting a static buffer as ``p.grad``;
+    when they go off, each gradient is copied, so that eager steps and a later ``set_to_none`` never
+    share a tensor with a graph. Zeros train as None here: capture requires that every optimized
+    parameter had a gradient in the profiled step."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if graphs_on and param.grad is None:
+                param.grad = torch.zeros_like(param)
+            elif not graphs_on and param.grad is not None:
+                param.grad = param.grad.clone()
+
+
 def compiled_by_the_script(module) -> bool:
     """``torch.compile(model)`` (an ``OptimizedModule``, maybe nested) or ``model.compile()`` (which
     sets ``_compiled_call_impl``) already graphs the model; a second capture around it would compile
@@ -236,6 +251,8 @@ class GraphCapture(ActsOnProfile):
         return wrapped(set_to_none=False) if self._on and ours else wrapped(*args, **kwargs)
 
     def _switch(self, on: bool) -> None:
+        if self.backend.graphs_hold_gradients and self._optimizer is not None and on != self._on:
+            own_gradient_tensors(self._optimizer, on)
         self._on = on
 
     def _decided(self, keep: bool, record: dict) -> None:
@@ -253,7 +270,7 @@ class GraphCapture(ActsOnProfile):
 
     def _release(self) -> None:
         """Undo the capture: the call route, wrappers, compiled code and graphs, and the references."""
-        self._on = False
+        self._switch(False)
         if self._candidate is not None:
             self.notes.extend(self._candidate.close() or ())
         self._candidate = None

@@ -216,3 +216,21 @@ def test_exact_random_compiles_dropout_to_eager_masks(exact):
     else:  # what the option is for: compiled dropout trains on other masks
         assert "different random masks" in notes
         assert max(abs(a - b) for a, b in zip(losses, plain)) > 1e-3
+
+
+def test_hpu_graphs_and_eager_steps_never_share_a_gradient_tensor(hpu_double):
+    """HPU lazy graphs write gradients into static tensors: while they are on, zero_grad keeps the
+    tensors; once they are off, every gradient is a copy of its own, so an eager step (or a later
+    set_to_none) never writes into, or frees, a tensor a graph still owns."""
+    hpu_double(lazy=True)
+    plain = losses_of(mlp(), batches())
+    autogaudi.enable(device="hpu", only="step_profiler,graph_capture", force="graph_capture")
+    model = mlp()
+    losses = losses_of(model, batches())  # zero_grad() with torch's default set_to_none=True
+    torch.testing.assert_close(losses, plain, rtol=1e-5, atol=1e-6)
+    held = [p.grad for p in model.parameters()]
+    assert all(grad is not None for grad in held)  # kept as tensors while the graphs were on
+    autogaudi.disable()
+    mine = [p.grad for p in model.parameters()]
+    assert all(a is not b and a.data_ptr() != b.data_ptr() for a, b in zip(mine, held))
+    torch.testing.assert_close(mine, held)
