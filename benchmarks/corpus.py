@@ -307,6 +307,11 @@ def what_autogaudi_did(report) -> str:
     return "; ".join(parts)
 
 
+def _code(text) -> str:
+    """A result line as a table cell: in backticks, its pipes escaped (makemore prints 'step 140 | loss')."""
+    return f"`{str(text).replace('|', chr(92) + '|')}`"
+
+
 def markdown(results: dict) -> str:
     variants = results["variants"]
     lines = [
@@ -332,10 +337,10 @@ def markdown(results: dict) -> str:
         for variant in variants:
             run = row["runs"][variant]
             if variant == "plain":
-                cells.append(f"exit {run['exit_code']}, {run['seconds']:.1f} s, `{run['result']}`")
+                cells.append(f"exit {run['exit_code']}, {run['seconds']:.1f} s, {_code(run['result'])}")
             else:
                 cells.append(
-                    f"**{run['verdict']}** {run['time_ratio']:.2f}x, exit {run['exit_code']}, `{run['result']}`"
+                    f"**{run['verdict']}** {run['time_ratio']:.2f}x, exit {run['exit_code']}, {_code(run['result'])}"
                 )
         lines.append(f"| {row['name']} | " + " | ".join(cells) + " |")
     lines += ["", "## Details", ""]
