@@ -35,7 +35,7 @@ class UnitRow:
             "summary": self.summary,
             "status": self.status,
             "changes": unit.changes() if unit is not None and self.status == APPLIED else [],
-            "targets": list(unit.targets) if unit else [],
+            "targets": list(unit.targets) + list(unit.acts_on) if unit else [],
             "reason": reason,
             "figures": dict(unit.figures) if unit else {},
             "notes": list(unit.notes) if unit else [],

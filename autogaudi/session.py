@@ -23,6 +23,9 @@ from autogaudi.steps import TrainingSteps
 from autogaudi.trials import TrialRunner
 from autogaudi.unit import Scope, warn
 
+# What the session itself patches, besides its step watcher's (steps.TARGETS).
+TARGETS = ("torch.distributed.destroy_process_group",)
+
 
 class Session:
     def __init__(self, options, sources: tuple):

@@ -25,6 +25,13 @@ from torch.utils.data import dataloader
 
 from autogaudi.unit import Scope
 
+# What the step watcher patches (dotted owner.attribute), besides torch's optimizer-step hooks.
+TARGETS = (
+    "torch.autograd.backward",
+    "torch.utils.data.dataloader._BaseDataLoaderIter.__next__",
+    "torch.utils.data.DataLoader.__init__",
+    "torch.utils.data.DataLoader.__iter__",
+)
 NO_OPTIMIZER_AFTER = 16  # backward passes with no optimizer step before backward passes count as steps
 REPACE_AFTER = 8  # steps of another optimizer in a row, the pacer silent, before it paces instead
 BY_OPTIMIZER, BY_BACKWARD = "optimizer steps", "backward passes"

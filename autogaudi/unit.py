@@ -89,12 +89,16 @@ def _dotted(owner, attribute: str) -> str:
 class Unit:
     """Base class of an optimization unit; one subclass per module in ``autogaudi.optimizations``.
 
-    Subclasses set ``targets`` (what they patch or hook, for the report and the undo tests) and
+    Subclasses set ``targets`` (the dotted ``owner.attribute`` paths the unit itself patches, for the
+    report and the generated contract test: each is wrapped while the unit is on where it applies and
+    the very original object after revert), ``acts_on`` (what they change on the user's own objects
+    or through the session's step watcher, in words), and
     ``backends`` (where they can apply), may refine :meth:`skip_reason`, and implement
     :meth:`apply`. ``self.figures`` collects what the unit measured, for the report.
     """
 
     targets: tuple = ()
+    acts_on: tuple = ()
     backends: tuple = ALL_BACKENDS
     min_torch: tuple = (2, 4)  # the oldest torch whose APIs the unit relies on
     why_not_elsewhere = ""  # why the other backends do not need it, for the report

@@ -37,7 +37,7 @@ def in_channels_last(model) -> bool:
 
 
 class ChannelsLast(ActsOnProfile):
-    targets = ("<training model> parameters (memory format)", "<training model> forward pre-hook (4-D inputs)")
+    acts_on = ("<training model> parameters (memory format)", "<training model> forward pre-hook (4-D inputs)")
 
     def apply(self) -> None:
         self._model = None

@@ -115,10 +115,8 @@ class FlatAllReduce:
 
 class FastDdp(Unit):
     changed_figure = ("models", "{} DDP model(s) averaging gradients in one flat all-reduce")
-    targets = (
-        "torch.nn.parallel.DistributedDataParallel.forward",
-        "torch.autograd.backward (via the session's step watcher)",
-    )
+    targets = ("torch.nn.parallel.DistributedDataParallel.forward",)
+    acts_on = ("after each backward pass (the session's step watcher)",)
 
     def apply(self) -> None:
         self._models = weakref.WeakKeyDictionary()  # DDP model -> FlatAllReduce, or None where DDP keeps it

@@ -56,9 +56,8 @@ def _raw_step(optimizer):
 
 class FusedOptimizer(Unit):
     changed_figure = ("optimizers_fused", "{} optimizer(s) run as one fused kernel per step")
-    targets = tuple(f"torch.optim.{cls.__name__}.__init__" for cls in FUSABLE) + (
-        "torch.optim.{Adam,AdamW,SGD}.step (HPU only)",
-    )
+    targets = tuple(f"torch.optim.{cls.__name__}.__init__" for cls in FUSABLE)
+    acts_on = ("HPU: torch.optim.{Adam,AdamW,SGD}.step, wrapped when the first such optimizer is built",)
 
     def apply(self) -> None:
         self.figures.update(optimizers_fused=0, optimizers_kept=0)

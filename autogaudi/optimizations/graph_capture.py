@@ -111,10 +111,11 @@ def uses_gradient_checkpointing(module) -> bool:
 
 
 class GraphCapture(ActsOnProfile):
-    targets = (
+    targets = ("torch.utils.checkpoint.checkpoint",)  # HPU lazy only: calls counted (graphs refuse them)
+    acts_on = (
         "<training model>._compiled_call_impl (nn.Module's compiled-call slot, instance)",
-        "HPU lazy: torch.utils.checkpoint.checkpoint (counted), <optimizer>.zero_grad and "
-        "<training model>.zero_grad (instance attributes, wrapt)",
+        "HPU lazy: zero_grad of the optimizer's and the training model's classes (wrapt, acting on those "
+        "two objects only)",
     )
 
     def apply(self) -> None:

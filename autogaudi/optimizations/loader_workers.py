@@ -99,11 +99,7 @@ class _Loader:
 
 class LoaderWorkers(Unit):
     changed_figure = ("loaders_tuned", "{} DataLoader(s) given worker processes")
-    targets = (
-        "torch.utils.data.DataLoader.__init__",
-        "torch.utils.data.DataLoader.__iter__",
-        "torch.utils.data.dataloader._BaseDataLoaderIter.__next__",
-    )  # via the session's watcher
+    acts_on = ("DataLoader construction, epochs and batch fetches (the session's step watcher)",)
 
     def apply(self) -> None:
         self.figures.update(loaders_tuned=0, loaders_kept=0)

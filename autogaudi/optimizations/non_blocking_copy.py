@@ -37,7 +37,8 @@ def wants_non_blocking(tensor, args, kwargs, accelerator: str) -> bool:
 
 class NonBlockingCopy(Unit):
     changed_figure = ("non_blocking_copies", "{} host-to-device copies made non-blocking")
-    targets = ("torch.Tensor.to", "torch.Tensor.cuda")
+    targets = ("torch.Tensor.to",)
+    acts_on = ("CUDA: torch.Tensor.cuda",)
     backends = ("hpu", "cuda")
     why_not_elsewhere = "a CPU-only run makes no host-to-device copies"
 

@@ -22,7 +22,7 @@ _PIN_MEMORY_POSITION = (
 
 class PinMemory(Unit):
     changed_figure = ("loaders_pinned", "{} DataLoader(s) pinning memory")
-    targets = ("torch.utils.data.DataLoader.__init__",)  # via the session's watcher
+    acts_on = ("DataLoader construction (the session's step watcher)",)
     backends = ("hpu", "cuda")
     why_not_elsewhere = "pinning does nothing without a device to copy to"
 

@@ -13,7 +13,7 @@ from autogaudi.optimizations.step_marks import LazyModeUnit
 
 class PipeliningFwdBwd(LazyModeUnit):
     changed_figure = ("mark_steps", "{} extra mark_step calls before backward")
-    targets = ("torch.autograd.backward",)
+    acts_on = ("before each backward pass (the session's step watcher)",)
 
     def apply(self) -> None:
         self.figures["mark_steps"] = 0

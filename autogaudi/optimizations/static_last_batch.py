@@ -45,7 +45,7 @@ class PaddedSampler(Sampler):
 
 class StaticLastBatch(Unit):
     changed_figure = ("loaders_padded", "{} DataLoader(s) padded to whole batches")
-    targets = ("torch.utils.data.DataLoader.__init__",)  # via the session's watcher
+    acts_on = ("DataLoader construction (the session's step watcher)",)
     backends = ("hpu",)
     why_not_elsewhere = "shapes only need to be static under graph capture, which is not on"
 

@@ -38,11 +38,7 @@ class LazyModeUnit(Unit):
 
 class StepMarks(LazyModeUnit):
     changed_figure = ("mark_steps", "{} mark_step calls after backward and optimizer steps")
-    targets = (
-        "torch.autograd.backward",
-        "torch.optim.optimizer.register_optimizer_step_post_hook",
-        "torch.utils.data.dataloader._BaseDataLoaderIter.__next__",
-    )  # via the session's watcher
+    acts_on = ("after each backward pass and optimizer step, before each batch (the session's step watcher)",)
 
     def apply(self) -> None:
         self.figures.update(mark_steps=0, eval_marks=0)

@@ -298,9 +298,8 @@ class StepProfile:
 
 
 class StepProfiler(Unit):
-    targets = (
-        "torch.optim.Optimizer step post hook (session)",
-        "DataLoader batch fetch (session)",
+    acts_on = (
+        "training steps and batch fetches (the session's step watcher)",
         "global module forward hooks and a TorchDispatchMode, during five census steps",
     )
 

@@ -28,10 +28,7 @@ def leading_dimension(batch):
 
 
 class ThroughputMeter(Unit):
-    targets = (
-        "torch.utils.data.dataloader._BaseDataLoaderIter.__next__",
-        "torch.optim.optimizer.register_optimizer_step_post_hook",
-    )  # via the session's watcher
+    acts_on = ("training steps and batch fetches (the session's step watcher)",)
 
     def apply(self) -> None:
         self._timed_samples = 0
