@@ -35,6 +35,7 @@ class UnitRow:
             "summary": self.summary,
             "status": self.status,
             "changes": unit.changes() if unit is not None and self.status == APPLIED else [],
+            "recommendations": list(unit.recommendations) if unit else [],
             "targets": list(unit.targets) + list(unit.acts_on) if unit else [],
             "reason": reason,
             "figures": dict(unit.figures) if unit else {},
@@ -84,6 +85,7 @@ class Report:
             "steps": self.steps,
             "memory": self.memory,
             "changed": self.changed(),
+            "recommendations": self.recommended(),
             "units": self.units,
             "trials": self.trials,
             "ranks": None if self.ranks is None else {str(rank): rows for rank, rows in self.ranks.items()},
@@ -92,6 +94,10 @@ class Report:
     def changed(self) -> list:
         """What autogaudi changed in this run, unit by unit: the report's headline."""
         return [{"unit": row["name"], "what": what} for row in self.units for what in row.get("changes", ())]
+
+    def recommended(self) -> list:
+        """What autogaudi measured but leaves to the user, with what to try."""
+        return [{"unit": row["name"], "what": what} for row in self.units for what in row.get("recommendations", ())]
 
     def to_json(self) -> str:
         return json.dumps(self.as_dict(), indent=2, default=str)
@@ -123,6 +129,8 @@ class Report:
             lines.extend(f"  {''.ljust(width)}  {'':<8} note: {note}" for note in row["notes"])
         for trial in self.trials:
             lines.append(f"  trial    {_format_trial(trial)}")
+        for row in self.recommended():
+            lines.append(f"  advice   {row['unit']}: {row['what']}")
         if self.ranks is not None:
             lines.append(f"  ranks    {_format_ranks(self.ranks)}")
         return "\n".join(lines) + "\n"

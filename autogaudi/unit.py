@@ -113,6 +113,7 @@ class Unit:
         self.reason = ""  # why it applied the way it did, for the report
         self.figures: dict = {}
         self.notes: list = []
+        self.recommendations: list = []
         self.scope = Scope()
 
     @property
@@ -151,6 +152,11 @@ class Unit:
         """Add a line to the unit's report notes, once however often the situation recurs."""
         if text not in self.notes:
             self.notes.append(text)
+
+    def recommend(self, text: str) -> None:
+        """Something autogaudi measured but will not change for the user, with what to do; once."""
+        if text not in self.recommendations:
+            self.recommendations.append(text)
 
     def on_revert(self, undo) -> None:
         """Register how to undo something done outside :meth:`wrap` (e.g. ``handle.remove``)."""

@@ -113,6 +113,10 @@ class LoaderWorkers(Unit):
         steps.before_batch(self, self._before_batch)
         steps.after_batch(self, self._after_batch)
         self.on_revert(self._untune_all)
+        self._script_workers: list = []  # num_workers of the loaders whose script chose it
+        profiler = self.session.unit("step_profiler")
+        if profiler is not None and profiler in self.session.applied:
+            profiler.when_profiled(self, self._advise)
         self.reason = "measuring each loader's first epoch"
 
     def _kept(self, reason: str) -> None:
@@ -123,11 +127,30 @@ class LoaderWorkers(Unit):
         dataset = kwargs.get("dataset", args[0] if args else None)
         if "num_workers" in kwargs or len(args) > _NUM_WORKERS_POSITION:
             self._kept("a loader whose script chose num_workers is kept as is")
+            chosen = kwargs["num_workers"] if "num_workers" in kwargs else args[_NUM_WORKERS_POSITION]
+            self._script_workers.append(chosen)
         elif isinstance(dataset, IterableDataset):
             self._kept("iterable datasets are kept in-process: each worker would replay the whole stream")
         else:
             self._loaders[loader] = _Loader(loader)
         return None
+
+    def _advise(self, profile) -> None:
+        """A step that waits for data from a loader whose script chose num_workers: the script's choice
+        is kept (worker random streams would differ), but what was measured and what to try is said."""
+        if profile.bound != "input" or not self._script_workers:
+            return
+        workers, _threads = worker_budget()
+        chosen = max(self._script_workers)
+        if chosen >= workers:
+            return
+        cores = psutil.cpu_count(logical=False) or os.cpu_count() or 1
+        ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        self.recommend(
+            f"the step waits for data {profile.figures['input_wait_fraction']:.0%} of the time and the script "
+            f"chose num_workers={chosen}; this machine has {cores} cores for {ranks} local rank(s): "
+            f"try num_workers={workers} (worker random streams then differ from this run's, same distribution)"
+        )
 
     def _new_epoch(self, loader) -> None:
         state = self._loaders.get(loader)

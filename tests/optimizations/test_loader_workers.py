@@ -122,3 +122,30 @@ def test_spawned_workers_under_the_launcher_unpickle_the_scripts_dataset():
     plain, tuned = json.loads(plain.stdout), json.loads(tuned.stdout)
     assert tuned["losses"] == plain["losses"]
     assert plain["workers"] == [0, 0, 0] and tuned["workers"][0] == 0 and tuned["workers"][1] >= 2
+
+
+@pytest.mark.parametrize("chosen, advised", [(0, True), (64, False)])
+def test_a_starving_loader_the_script_configured_gets_advice_not_a_change(chosen, advised):
+    """ResNet-18 with the script's -j 4 on 16 cores waited for data 68% of each step: autogaudi keeps
+    the script's num_workers and says what it measured and what to try (not where the script already
+    asked for more workers than the machine's budget)."""
+    from autogaudi.optimizations.loader_workers import worker_budget
+
+    autogaudi.enable(device="cpu", only="step_profiler,loader_workers")
+    loader = DataLoader(Slow(), batch_size=8, num_workers=chosen)
+    loader.num_workers = 0  # the test's run stays in-process; autogaudi saw the script's choice
+    model = torch.nn.Linear(8, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for inputs, labels in loader:
+        torch.nn.functional.cross_entropy(model(inputs), labels).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert autogaudi.report().unit("step_profiler")["figures"]["bound"] == "input"
+    assert loader.num_workers == 0  # nothing changed on the script's loader
+    advice = autogaudi.report().recommended()
+    if advised:
+        (row,) = advice
+        assert row["unit"] == "loader_workers" and "chose num_workers=0" in row["what"]
+        assert f"try num_workers={worker_budget()[0]}" in row["what"]
+    else:
+        assert advice == []
