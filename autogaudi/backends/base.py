@@ -71,7 +71,7 @@ class Backend:
         at a cost in speed. ``static_outputs=False``: outputs must survive the next call."""
         return compile_calls(module, options={"fallback_random": True} if exact_random else None)
 
-    def graph_kind(self, module) -> str:
+    def graph_kind(self) -> str:
         """What ``graph_forward`` captures with here, for the report."""
         return "torch.compile"
 

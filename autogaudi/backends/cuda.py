@@ -36,7 +36,7 @@ class CudaBackend(Backend):
             return compile_calls(module, mode="reduce-overhead")
         return compile_calls(module, options=options)
 
-    def graph_kind(self, module) -> str:
+    def graph_kind(self) -> str:
         return self._graph_kind
 
     def release_graphs(self, graphed) -> None:

@@ -86,7 +86,7 @@ class HpuBackend(Backend):
             return cached
         return compile_calls(module, backend="hpu_backend")
 
-    def graph_kind(self, module) -> str:
+    def graph_kind(self) -> str:
         return "HPU graphs, ModuleCacher" if self.is_lazy else "torch.compile, hpu_backend"
 
     def release_graphs(self, graphed) -> None:

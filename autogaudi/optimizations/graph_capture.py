@@ -136,7 +136,7 @@ class GraphCapture(ActsOnProfile):
     def changes(self) -> list:
         if not (self._on and self._module is not None):
             return []
-        text = f"{type(self._module).__name__} captured ({self.backend.graph_kind(self._module)})"
+        text = f"{type(self._module).__name__} captured ({self.backend.graph_kind()})"
         if "speedup" in self.figures:
             text += f", {self.figures['speedup']}x per step in its trial, one-off {self.figures['one_off_s']} s"
         if "pays_back_after_steps" in self.figures:
