@@ -42,6 +42,9 @@ class Backend:
     graphs_hold_gradients = False
     # Whether graph_forward(exact_random=True) can make random ops draw eager's numbers.
     graphs_can_draw_eager_random = True
+    # The smallest one-off cost (compile, capture) a capture trial was measured to add on this backend,
+    # in seconds: a run that cannot save this much cannot pay back a real one (docs/units/graph_capture.md).
+    least_capture_one_off_s = 2.0
     # Whether graph_forward(static_outputs=False) can capture a module whose outputs outlive the next
     # call (called several times per step): False where every replay writes into the same tensors.
     graphs_can_keep_outputs = True

@@ -13,6 +13,7 @@ class CudaBackend(Backend):
     name = "cuda"
     device_type = "cuda"
     pin_memory_device = "cuda"
+    least_capture_one_off_s = 3.0
 
     def device_name(self) -> str:
         return torch.cuda.get_device_name()

@@ -44,6 +44,7 @@ class HpuBackend(Backend):
     device_type = "hpu"
     pin_memory_device = "hpu"
     graphs_can_draw_eager_random = False  # an inductor setting; the Gaudi graph compilers have none
+    least_capture_one_off_s = 1.0  # never measured (no Gaudi): the earlier, conservative floor
 
     def __init__(self, reason: str, core, hpu, lazy: bool):
         super().__init__(reason)

@@ -34,7 +34,8 @@ them off too).
 
 Run length: where a framework knows how many steps are left (Hugging Face or Lightning Trainer,
 :mod:`autogaudi.run_length`) and even skipping every non-compute part of those steps would not win
-back ``MIN_ONE_OFF_S``, no trial starts: it would cost more than it could ever return.
+back the smallest one-off a capture was measured to cost on this backend
+(``Backend.least_capture_one_off_s``), no trial starts: it would cost more than it could ever return.
 
 Guard: input shapes are counted while capture is on; past ``MAX_SHAPES`` distinct ones every new
 shape is a recompilation, so capture is switched off and the report lists the shapes seen (pad the
@@ -55,9 +56,6 @@ from autogaudi.optimizations.step_profiler import ActsOnProfile
 from autogaudi.run_length import remaining_steps
 
 MAX_SHAPES = 8
-# Less than any capture's one-off cost measured here (torch.compile: 7.6-54 s on the 2-core CPU, CUDA
-# graphs 4.7 s on an H100): a run too short to win this back cannot win back a real one.
-MIN_ONE_OFF_S = 1.0
 
 
 def input_shapes(args, kwargs) -> tuple:
@@ -218,11 +216,12 @@ class GraphCapture(ActsOnProfile):
             return None
         steps, source = remaining
         most_saved_s = steps * profile.figures["ms_per_step"] / 1000 * (1 - profile.figures["compute_fraction"])
-        if most_saved_s >= MIN_ONE_OFF_S:
+        least = self.backend.least_capture_one_off_s
+        if most_saved_s >= least:
             return None
         return (
             f"{steps} steps left ({source}) could save at most {most_saved_s:.2f} s, less than the "
-            f"{MIN_ONE_OFF_S:g} s that any capture's one-off cost exceeds"
+            f"{least:g} s, the least one-off a capture was measured to cost on {self.backend.name}"
         )
 
     def _keep_gradient_tensors(self, profile):
