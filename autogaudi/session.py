@@ -95,7 +95,7 @@ class Session:
         unless a unit fails or a guard switches it off."""
         profiler = self.unit("step_profiler")
         profiling = profiler is not None and profiler in self.applied and profiler.profile is None
-        return not profiling and self.trials.idle and not self.trials.queue
+        return not profiling and self.trials.idle
 
     def check_settled(self) -> None:
         if self.settled_at_step is None and self.settled():

@@ -128,7 +128,8 @@ class TrialRunner:
 
     @property
     def idle(self) -> bool:
-        return self.current is None
+        """No trial running or queued (the queue only waits behind a running trial)."""
+        return self.current is None and not self.queue
 
     def cancel(self, unit) -> None:
         """Drop a unit's trials (the unit was reverted)."""

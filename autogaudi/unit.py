@@ -143,7 +143,12 @@ class Unit:
         return [text.format(count)] if count else []
 
     def revert(self) -> None:
-        self.notes.extend(self.scope.close() or ())
+        self.close_scope(self.scope)
+
+    def close_scope(self, scope) -> None:
+        """Close ``scope`` (None: nothing to close); its undos' notes join the report."""
+        if scope is not None:
+            self.notes.extend(scope.close() or ())
 
     def wrap(self, owner, attribute: str, wrapper) -> None:
         self.scope.wrap(owner, attribute, wrapper)

@@ -114,8 +114,7 @@ class ChannelsLast(ActsOnProfile):
 
     def _release(self) -> None:
         """Back to the model's own format, hook removed, no reference to the model or optimizer kept."""
-        if self._candidate is not None:
-            self.notes.extend(self._candidate.close() or ())
+        self.close_scope(self._candidate)
         self._candidate = None
         self._model = self._optimizer = None
 

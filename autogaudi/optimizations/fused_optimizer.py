@@ -153,8 +153,8 @@ class FusedOptimizer(Unit):
         for group in instance.param_groups:
             if not group["params"]:
                 continue
-            _, mirror = known.get(id(group), (None, None))
-            if mirror is None or known[id(group)][0] is not group:
+            kept, mirror = known.get(id(group), (None, None))
+            if kept is not group:  # a new group, or one whose id was reused
                 mirror = {**extra, **_saved_step(group, instance.state)}
             mirror.update(group)
             mirrors[id(group)] = (group, mirror)

@@ -271,8 +271,7 @@ class GraphCapture(ActsOnProfile):
     def _release(self) -> None:
         """Undo the capture: the call route, wrappers, compiled code and graphs, and the references."""
         self._switch(False)
-        if self._candidate is not None:
-            self.notes.extend(self._candidate.close() or ())
+        self.close_scope(self._candidate)
         self._candidate = None
         self._module = self._optimizer = None
 
