@@ -13,6 +13,7 @@ class FakeSteps:
 
     def __init__(self):
         self.listeners = []
+        self.steps = 0
 
     def after_step(self, _unit, listener):
         self.listeners.append(listener)
@@ -21,22 +22,31 @@ class FakeSteps:
         self.listeners.remove(listener)
 
 
-def run_trial(on_seconds, off_seconds, one_off=0.0):
-    steps, state, decisions, ran = FakeSteps(), {"on": False, "switches": 0}, [], []
+def run_trial(on_seconds, off_seconds, one_off=0.0, off_after_on=None, **trial):
+    """The user's loop around one trial; ``off_after_on``: what an "off" step takes once the
+    candidate has been on (an arm slowed by what the other left behind)."""
+    steps, state, decisions, ran = FakeSteps(), {"on": False, "switches": 0, "was_on": False}, [], []
 
     def switch(on):
         state["switches"] += 1
         state["on"] = on
+        state["was_on"] |= on
 
     runner = trials.TrialRunner(steps)
-    runner.submit(trials.Trial(object(), "fake", switch, lambda keep, record: decisions.append((keep, record))))
+    runner.submit(
+        trials.Trial(object(), "fake", switch, lambda keep, record: decisions.append((keep, record)), **trial)
+    )
     compiled = False
     while steps.listeners:  # the user's loop: one real step, then the optimizer-step boundary
         if state["on"] and not compiled:
             time.sleep(one_off)
             compiled = True
-        time.sleep(on_seconds if state["on"] else off_seconds)
+        if state["on"]:
+            time.sleep(on_seconds)
+        else:
+            time.sleep(off_after_on if state["was_on"] and off_after_on else off_seconds)
         ran.append(state["on"])
+        steps.steps += 1
         for listener in list(steps.listeners):
             listener(None)
     return state, decisions, ran, runner
@@ -49,9 +59,43 @@ def test_keeps_the_candidate_that_is_faster():
     assert 2.0 < record["speedup"] < 4.5
     assert record["one_off_s"] == pytest.approx(0.05, abs=0.03)
     assert record["pays_back_after_steps"] > 0
-    assert len(ran) == record["steps"] == trials.WARMUP + trials.ROUNDS * 4 * trials.BLOCK
-    assert ran.count(False) == ran.count(True) - trials.WARMUP  # both arms measured equally
+    assert len(ran) == record["steps"] == trials.BLOCK + trials.WARMUP + trials.ROUNDS * 4 * trials.BLOCK
+    assert ran[: trials.BLOCK] == [False] * trials.BLOCK  # timed before the candidate is ever on
+    assert ran.count(False) - trials.BLOCK == ran.count(True) - trials.WARMUP  # both arms measured equally
     assert runner.records == [record]
+
+
+def test_the_one_off_includes_what_setting_the_candidate_up_took():
+    _, decisions, _, _ = run_trial(on_seconds=0.002, off_seconds=0.006, one_off=0.05, set_up_s=1.5)
+    ((_, record),) = decisions
+    assert record["set_up_s"] == 1.5
+    assert record["one_off_s"] == pytest.approx(1.55, abs=0.03)
+
+
+def test_an_off_arm_slowed_by_the_candidate_is_read_from_the_steps_before_the_trial():
+    # Plain steps take 4 ms; the candidate takes 3.9 ms but leaves "off" steps at 8 ms after it has
+    # been on: against the interleaved arm it would read 2x, against the plain steps it is a tie.
+    _, decisions, _, _ = run_trial(on_seconds=0.0039, off_seconds=0.004, off_after_on=0.008)
+    ((keep, record),) = decisions
+    assert record["ms_per_step_without_interleaved"] > 1.6 * record["ms_per_step_before_trial"]
+    assert record["ms_per_step_without"] == record["ms_per_step_before_trial"]
+    assert not keep and record["speedup"] < 1.1
+
+
+def test_a_trial_waits_for_its_step_then_runs_its_whole_schedule():
+    state, decisions, ran, _ = run_trial(on_seconds=0.001, off_seconds=0.002, not_before_step=10)
+    assert ran[:10] == [False] * 10 and state["switches"] > 0
+    assert len(ran) == 10 + decisions[0][1]["steps"]
+
+
+def test_cancelling_a_waiting_trial_leaves_no_listener_and_reports_idle():
+    steps, idle = FakeSteps(), []
+    unit = object()
+    runner = trials.TrialRunner(steps, on_idle=lambda: idle.append(True))
+    runner.submit(trials.Trial(unit, "later", lambda on: None, lambda keep, record: None, not_before_step=100))
+    assert len(steps.listeners) == 1 and not runner.idle
+    runner.cancel(unit)
+    assert steps.listeners == [] and runner.idle and idle
 
 
 def test_reverts_a_candidate_that_is_slower():
