@@ -20,6 +20,7 @@ from autogaudi.registry import OPT_IN_UNITS, UNIT_NAMES
 DEVICES = ("auto", "hpu", "cuda", "cpu")
 SDPA_RECOMPUTE = ("auto", "on", "off")
 LAST_BATCH = ("repeat", "drop")
+TRIAL_UNITS = ("graph_capture", "channels_last")  # the units that decide by a trial
 ENV_PREFIX = "AUTOGAUDI_"
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("", "0", "false", "no", "off")
@@ -50,15 +51,21 @@ def _choice(valid):
     return parse
 
 
-def _parse_units(name: str, value) -> tuple:
-    if value is None:
-        return ()
-    items = value.split(",") if isinstance(value, str) else list(value)
-    units = tuple(dict.fromkeys(str(item).strip() for item in items if str(item).strip()))
-    unknown = [unit for unit in units if unit not in UNIT_NAMES]
-    if unknown:
-        raise OptionsError(f"{name}: unknown optimization unit(s) {', '.join(unknown)}; {_choices(name, UNIT_NAMES)}")
-    return units
+def _units_of(valid):
+    def parse(name: str, value) -> tuple:
+        if value is None:
+            return ()
+        items = value.split(",") if isinstance(value, str) else list(value)
+        units = tuple(dict.fromkeys(str(item).strip() for item in items if str(item).strip()))
+        unknown = [unit for unit in units if unit not in valid]
+        if unknown:
+            raise OptionsError(f"{name}: unknown or unsuitable unit(s) {', '.join(unknown)}; {_choices(name, valid)}")
+        return units
+
+    return parse
+
+
+_parse_units = _units_of(UNIT_NAMES)
 
 
 def _parse_optional_units(name: str, value):
@@ -141,6 +148,15 @@ OPTIONS: tuple = (
         "UNIT,...",
     ),
     Option(
+        "trial",
+        (),
+        _units_of(TRIAL_UNITS),
+        "comma-separated units to A/B-test in the run even where the step profile says they would "
+        "not help or could not pay back (graph_capture: not host-bound, or the run too short; "
+        "channels_last: input-bound); kept only if measured faster",
+        "UNIT,...",
+    ),
+    Option(
         "sdpa_recompute",
         "auto",
         _choice(SDPA_RECOMPUTE),
@@ -191,6 +207,8 @@ class Options:
         for option in OPTIONS:
             value = values.get(option.name, option.default)
             object.__setattr__(self, option.name, option.parse(option.name, value))
+        if self.trial and self.no_trials:
+            raise OptionsError(f"trial={','.join(self.trial)} asks for trials that no_trials rules out; choose one")
 
     def __setattr__(self, name, value):
         raise AttributeError("Options are immutable; use replace()")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 
 import torch
 
@@ -50,6 +51,8 @@ class Backend:
     graphs_can_keep_outputs = True
     # torch.optim classes with a fused kernel on this backend (torch >= 2.4 for CPU).
     FUSED_TORCH_OPTIMIZERS = ("Adam", "AdamW", "SGD")
+    # Whether compile workers were up before graph_forward compiled (then none of them are ours).
+    _workers_were_running = True
 
     def __init__(self, reason: str):
         self.reason = reason
@@ -72,7 +75,12 @@ class Backend:
         per-step host overhead), hooks included; ``module`` itself is left as it was.
         ``exact_random``: random ops (dropout) draw eager's numbers (inductor's ``fallback_random``),
         at a cost in speed. ``static_outputs=False``: outputs must survive the next call."""
+        self._workers_were_running = compile_workers_running()
         return compile_calls(module, options={"fallback_random": True} if exact_random else None)
+
+    def graph_refusal(self, module):
+        """Why ``graph_forward`` cannot capture ``module`` faithfully here, or None."""
+        return None
 
     def graph_kind(self) -> str:
         """What ``graph_forward`` captures with here, for the report."""
@@ -82,6 +90,16 @@ class Backend:
         """Drop what ``graph_forward`` built: compiled code, its guards (which hold the module) and
         graphs. Only autogaudi's own cache entries go: they sit on a function of its own."""
         release_compiled_calls()
+        self.stop_compile_workers()
+
+    def stop_compile_workers(self):
+        """Shut down the compiler's worker processes if autogaudi's ``graph_forward`` started them
+        (never the script's own): seconds it took, or None where there was nothing of ours to stop."""
+        if self._workers_were_running or not compile_workers_running():
+            return None
+        started = time.perf_counter()
+        sys.modules["torch._inductor.async_compile"].shutdown_compile_workers()
+        return time.perf_counter() - started
 
     def fused_optimizer_refusal(self, optimizer_class, hyperparameters: dict):
         """Why ``optimizer_class(**hyperparameters)`` has no fused equivalent here, or None."""
@@ -120,6 +138,13 @@ def compile_calls(module, **compile_options):
     """``torch.compile`` of calling ``module`` (hooks and ``forward``, as ``Module.compile()`` does),
     through a function of autogaudi's own, so that its cache entries can be dropped alone."""
     return torch.compile(_caller(module), **compile_options)
+
+
+def compile_workers_running() -> bool:
+    """Whether inductor's compile-worker pools are up (started by the first compile that wants them;
+    they are shut down at exit, which a run pays for)."""
+    async_compile = sys.modules.get("torch._inductor.async_compile")
+    return bool(getattr(async_compile, "_pool_set", None))
 
 
 def release_compiled_calls() -> None:

@@ -6,7 +6,13 @@ import sys
 
 import torch
 
-from autogaudi.backends.base import Backend, MemoryStats, compile_calls, release_compiled_calls
+from autogaudi.backends.base import (
+    Backend,
+    MemoryStats,
+    compile_calls,
+    compile_workers_running,
+    release_compiled_calls,
+)
 
 
 class CudaBackend(Backend):
@@ -31,6 +37,7 @@ class CudaBackend(Backend):
         # Without static outputs (a module called again while its last outputs are in use), plain
         # inductor kernels: fewer launches, and no replay writing over live outputs.
         self._trees_were_started = "torch._inductor.cudagraph_trees" in sys.modules
+        self._workers_were_running = compile_workers_running()
         options = {"triton.cudagraphs": static_outputs, "fallback_random": exact_random}
         self._graph_kind = "CUDA graphs" if static_outputs else "torch.compile without CUDA graphs"
         if static_outputs and not exact_random:
@@ -42,6 +49,7 @@ class CudaBackend(Backend):
 
     def release_graphs(self, graphed) -> None:
         release_compiled_calls()
+        self.stop_compile_workers()
         if not self._trees_were_started:  # only autogaudi's: the trees (and their memory pool) go
             trees = sys.modules.get("torch._inductor.cudagraph_trees")
             if trees is not None:

@@ -56,7 +56,7 @@ class ChannelsLast(ActsOnProfile):
         if in_channels_last(model):
             self.reason = "left as is: the script already put the model in channels_last"
             return
-        if profile.bound == "input" and self.name not in self.options.force:
+        if profile.bound == "input" and self.name not in (*self.options.force, *self.options.trial):
             # Both arms would mostly time the wait for data: a trial measured 0.42x for channels_last
             # on ResNet-18 waiting 68% of each step for its loader (H100).
             self.reason = f"not tried: the step is input-bound ({profile.why}); a trial would time the loader"

@@ -32,10 +32,14 @@ optimized parameter had a gradient in the profiled step, where zeros and None tr
 model using gradient checkpointing is not captured (the graphs crash with it; optimum-habana turns
 them off too).
 
-Run length: where a framework knows how many steps are left (Hugging Face or Lightning Trainer,
-:mod:`autogaudi.run_length`) and even skipping every non-compute part of those steps would not win
-back the smallest one-off a capture was measured to cost on this backend
-(``Backend.least_capture_one_off_s``), no trial starts: it would cost more than it could ever return.
+Run length and one-off: a trial's one-off is every second it adds (``ONE_OFF_PARTS``: set-up with
+the compiler's import, warm-up, compiles for later shapes, compile workers' shutdown at exit). Where
+a framework knows how many steps are left (:mod:`autogaudi.run_length`) and even skipping every
+non-compute part of them would not win back the least one-off a capture was measured to cost on
+this backend (``Backend.least_capture_one_off_s``), no trial starts; where nothing says (a plain
+loop), the trial waits until the steps so far could have saved that much (:meth:`_when_to_try`).
+Calls outside training (eval mode, ``no_grad``) run eagerly: the trial measured training steps
+only, and each such mode would be one more compilation.
 
 Guard: input shapes are counted while capture is on; past ``MAX_SHAPES`` distinct ones every new
 shape is a recompilation, so capture is switched off and the report lists the shapes seen (pad the
@@ -46,20 +50,36 @@ the ``exact_random`` option compiles with inductor's ``fallback_random`` to draw
 
 from __future__ import annotations
 
+import atexit
+import math
 import sys
+import time
 import warnings
 
 import torch
 import torch.utils.checkpoint
 
 from autogaudi.optimizations.step_profiler import ActsOnProfile
+from autogaudi.ranks import rank_zero_choice
 from autogaudi.run_length import remaining_steps
 
 MAX_SHAPES = 8
+# What capture costs once, each measured where it happens: setting it up (importing the compiler
+# included), the trial's warm-up beyond its steady steps, compiles for input shapes met later,
+# and shutting down the compile workers it started, at exit.
+ONE_OFF_PARTS = ("set_up_s", "warm_up_s", "later_compiles_s", "compile_workers_at_exit_s")
 
 
 def input_shapes(args, kwargs) -> tuple:
-    return tuple(tuple(value.shape) for value in (*args, *kwargs.values()) if isinstance(value, torch.Tensor))
+    """What a new graph is built for: tensors' shapes, and the values of plain arguments (an int, a
+    flag), on which torch.compile specialises and which ModuleCacher keys its graphs by as well."""
+
+    def key(value):
+        if isinstance(value, torch.Tensor):
+            return tuple(value.shape)
+        return value if isinstance(value, (bool, int, float, str, type(None))) else type(value).__name__
+
+    return tuple(key(value) for value in args) + tuple((name, key(value)) for name, value in kwargs.items())
 
 
 def route_calls(module, call):
@@ -136,7 +156,13 @@ class GraphCapture(ActsOnProfile):
             return []
         text = f"{type(self._module).__name__} captured ({self.backend.graph_kind()})"
         if "speedup" in self.figures:
-            text += f", {self.figures['speedup']}x per step in its trial, one-off {self.figures['one_off_s']} s"
+            text += f", {self.figures['speedup']}x per step in its trial"
+        parts = {name: self.figures[name] for name in ONE_OFF_PARTS if name in self.figures}
+        if parts:
+            listed = ", ".join(
+                f"{name.removesuffix('_s').replace('_', ' ')} {value} s" for name, value in parts.items()
+            )
+            text += f", one-off {round(sum(parts.values()), 3)} s ({listed})"
         if "pays_back_after_steps" in self.figures:
             text += f", pays back after {self.figures['pays_back_after_steps']} steps"
         return [text]
@@ -149,14 +175,17 @@ class GraphCapture(ActsOnProfile):
         self._checkpoint_calls += 1
         return wrapped(*args, **kwargs)
 
-    def _refusal(self, profile, forced: bool):
-        """Why the profiled model is not captured, or None."""
-        if profile.bound != "host" and not forced:
+    def _refusal(self, profile, any_bound: bool):
+        """Why the profiled model is not captured, or None (``any_bound``: whatever the step is bound by)."""
+        if profile.bound != "host" and not any_bound:
             return f"not captured: the run is {profile.bound}-bound ({profile.why})"
         if profile.model is None:
             return "not captured: no module owning the optimizer's parameters was called in the step"
         if compiled_by_the_script(profile.model):
             return "stepped aside: the script (or its framework) already compiles the model with torch.compile"
+        refusal = self.backend.graph_refusal(profile.model)
+        if refusal:
+            return f"not captured: {refusal}"
         if profile.calls_per_step > 1 and not self.backend.graphs_can_keep_outputs:
             return (
                 f"not captured: {type(profile.model).__name__} is called {profile.calls_per_step} times per "
@@ -166,16 +195,21 @@ class GraphCapture(ActsOnProfile):
 
     def _profiled(self, profile) -> None:
         forced = self.name in self.options.force
-        # First: a run too short to pay back any capture is so whatever the profile says.
-        too_short = None if forced or self.options.no_trials else self._too_short_to_pay_back(profile)
+        asked = self.name in self.options.trial  # --trial: measure it now, whatever the profile reads
+        trial = not (forced or asked or self.options.no_trials)
+        # First: a run too short to pay back any capture is so whatever the profile says. Every rank
+        # takes rank 0's figures: ranks that waited for different steps would start trials apart.
+        too_short, start_at_step = rank_zero_choice(self._when_to_try(profile)) if trial else (None, 0)
         if too_short:
             self.reason = f"not tried: {too_short}"
             return
-        refusal = self._refusal(profile, forced)
+        refusal = self._refusal(profile, forced or asked)
         if refusal:
             self.reason = refusal
             return
+        set_up_started = time.perf_counter()
         self._candidate = self.scope.child()
+        self._training_mode = profile.model.training
         if self.backend.graphs_hold_gradients:
             refusal = self._keep_gradient_tensors(profile)
             if refusal:
@@ -197,6 +231,7 @@ class GraphCapture(ActsOnProfile):
         self._candidate.add(self._forget_graphs)
         self._candidate.add(route_calls(self._module, self._call))
         self.figures["model"] = name
+        set_up_s = time.perf_counter() - set_up_started
         if any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in self._module.modules()):
             self.note(
                 "dropout draws eager's random masks (--exact-random)"
@@ -204,25 +239,41 @@ class GraphCapture(ActsOnProfile):
                 else "compiled dropout draws different random masks than eager (same distribution); "
                 "--exact-random makes them the same, at a cost in speed"
             )
-        if self.switch_on_or_try(self._switch, self._decided):
+        if self.switch_on_or_try(self._switch, self._decided, set_up_s=set_up_s, not_before_step=start_at_step):
+            self.figures["set_up_s"] = round(set_up_s, 3)
             self.reason = f"captured {name} ({'forced' if forced else 'trials off'})"
+        elif start_at_step > self.session.steps.steps:
+            self.figures["trial_waits_for_step"] = start_at_step
+            least = self.backend.least_capture_one_off_s
+            self.reason = (
+                f"host-bound; a trial on {name} waits for training step {start_at_step}: the run's length is "
+                f"unknown, and only from there would its steps so far have lost more than the {least:g} s a "
+                f"capture costs at least on {self.backend.name} (so a shorter run pays nothing for one)"
+            )
         else:
             self.reason = f"host-bound; trial running on {name}"
 
-    def _too_short_to_pay_back(self, profile):
-        """Why a trial could not pay for itself before the run ends, where a framework says when."""
+    def _when_to_try(self, profile) -> tuple:
+        """(why no trial could pay for itself, or None; the training step from which one may start).
+
+        Where a framework says how many steps are left, a trial starts only if they could win back
+        the least one-off a capture costs on this backend. Where nothing says (a plain loop), the
+        trial waits until the steps run so far could have saved that much (rent until renting has
+        cost what buying does): a run that ends before then pays nothing for capture, and a longer
+        one forgoes at most that one-off's worth of savings, so either way the run loses at most
+        about one one-off against the best choice in hindsight."""
+        saved_per_step_s = max(1e-9, profile.figures["ms_per_step"] / 1000 * (1 - profile.figures["compute_fraction"]))
+        least = self.backend.least_capture_one_off_s
         remaining = remaining_steps()
         if remaining is None:
-            return None
+            return None, math.ceil(least / saved_per_step_s)
         steps, source = remaining
-        most_saved_s = steps * profile.figures["ms_per_step"] / 1000 * (1 - profile.figures["compute_fraction"])
-        least = self.backend.least_capture_one_off_s
-        if most_saved_s >= least:
-            return None
+        if steps * saved_per_step_s >= least:
+            return None, 0
         return (
-            f"{steps} steps left ({source}) could save at most {most_saved_s:.2f} s, less than the "
-            f"{least:g} s, the least one-off a capture was measured to cost on {self.backend.name}"
-        )
+            f"{steps} steps left ({source}) could save at most {steps * saved_per_step_s:.2f} s, less than "
+            f"the {least:g} s, the least one-off a capture was measured to cost on {self.backend.name}"
+        ), 0
 
     def _keep_gradient_tensors(self, profile):
         """Make ``zero_grad`` keep gradient tensors while graphs are on; or say why graphs cannot be."""
@@ -257,7 +308,11 @@ class GraphCapture(ActsOnProfile):
 
     def _decided(self, keep: bool, record: dict) -> None:
         name = type(self._module).__name__
-        self.figures.update(speedup=record["speedup"], one_off_s=record["one_off_s"])
+        self.figures.update(
+            speedup=record["speedup"],
+            set_up_s=record["set_up_s"],
+            warm_up_s=round(record["one_off_s"] - record["set_up_s"], 3),
+        )
         if "pays_back_after_steps" in record:
             self.figures["pays_back_after_steps"] = record["pays_back_after_steps"]
         self.reason = (
@@ -284,6 +339,10 @@ class GraphCapture(ActsOnProfile):
         module = self._module
         if not self._on:
             return module._call_impl(*args, **kwargs)
+        if module.training != self._training_mode or not torch.is_grad_enabled():
+            # Evaluation: not what the trial measured, and each mode would be one more compilation.
+            self.note("calls outside training (eval mode or no_grad) run eagerly: only training steps were measured")
+            return module._call_impl(*args, **kwargs)
         shapes = input_shapes(args, kwargs)
         if shapes not in self._shapes:
             self._shapes.append(shapes)
@@ -298,14 +357,32 @@ class GraphCapture(ActsOnProfile):
         try:
             if len(self._shapes) == self._compiled_for:
                 return self._graphed(*args, **kwargs)
-            self._compiled_for = len(self._shapes)
-            with warnings.catch_warnings():  # compiling for a new shape: torch.compile's advice is not the user's
-                warnings.simplefilter("ignore", UserWarning)
-                return self._graphed(*args, **kwargs)
+            return self._compile_for_new_shape(args, kwargs)
         except Exception as error:
             failure = error
         # Outside the handler, so that an error raised eagerly is not chained to the captured one.
         return self._eager_after(failure, module, args, kwargs)
+
+    def _compile_for_new_shape(self, args, kwargs):
+        started = time.perf_counter()
+        with warnings.catch_warnings():  # compiling: torch.compile's advice is not the user's
+            warnings.simplefilter("ignore", UserWarning)
+            result = self._graphed(*args, **kwargs)
+        self._compiled_for = len(self._shapes)
+        if self._compiled_for == 1:
+            # The compiler is loaded now, its exit handlers registered; ours, registered after, runs first.
+            atexit.register(self._stop_compile_workers)
+            self._candidate.add(lambda: atexit.unregister(self._stop_compile_workers))
+        else:  # the first shape's compile is in the trial's warm-up; these come on top
+            seconds = time.perf_counter() - started
+            self.figures["later_compiles_s"] = round(self.figures.get("later_compiles_s", 0.0) + seconds, 3)
+        return result
+
+    def _stop_compile_workers(self) -> None:
+        """At exit, with capture still on: shut down the compile workers it started, timed."""
+        seconds = self.backend.stop_compile_workers()
+        if seconds is not None:
+            self.figures["compile_workers_at_exit_s"] = round(seconds, 3)
 
     def _eager_after(self, failure, module, args, kwargs):
         """The captured call raised: run the call as plain PyTorch would. If that raises too, the

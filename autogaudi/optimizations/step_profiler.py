@@ -384,7 +384,7 @@ class StepProfiler(Unit):
         root = training_root(self._roots, optimizer)
         calls = max((step_calls.get(id(root), 0) for step_calls in self._calls), default=0) if root else 0
         self.profile = StepProfile(bound, why, figures, root, optimizer, calls_per_step=calls)
-        self.figures.update(bound=bound, **figures)
+        self.figures.update(bound=bound, profiled_at_step=self.session.steps.steps, **figures)
         self.reason = f"{bound}-bound: {why}"
         if root is not None:
             self.figures["model"] = type(self.profile.model).__name__
@@ -420,11 +420,12 @@ class ActsOnProfile(Unit):
     def when_profiled(self, callback) -> None:
         self.session.unit("step_profiler").when_profiled(self, callback)
 
-    def switch_on_or_try(self, switch, decided) -> bool:
+    def switch_on_or_try(self, switch, decided, **trial) -> bool:
         """Switch on at once when ``--force``d or with ``--no-trials`` (returns True); otherwise hand
-        ``switch`` to a trial, whose outcome goes to ``decided(keep, record)`` (returns False)."""
+        ``switch`` to a trial, whose outcome goes to ``decided(keep, record)`` (returns False).
+        ``trial``: :class:`Trial`'s ``set_up_s`` and ``not_before_step``."""
         if self.name in self.options.force or self.options.no_trials:
             switch(True)
             return True
-        self.session.trials.submit(Trial(self, self.name, switch, decided))
+        self.session.trials.submit(Trial(self, self.name, switch, decided, **trial))
         return False

@@ -5,6 +5,7 @@ a module called several times per step is found, and a captured call that fails 
 import copy
 import gc
 import io
+import json
 import pickle
 import time
 import weakref
@@ -17,6 +18,7 @@ import autogaudi
 from autogaudi.backends import base
 from autogaudi.backends.cpu import CpuBackend
 from autogaudi.optimizations import step_profiler
+from tests.helpers import REPO, clean_env, run_python
 from tests.optimizations.test_step_profiler import STEPS
 
 CAPTURE_UNITS = "step_profiler,graph_capture,channels_last"
@@ -86,7 +88,9 @@ def test_a_captured_model_saves_pickles_and_copies_as_a_plain_one():
     keys = set(vars(model))
     train(model, batches(), STEPS + 3)
     assert unit_row("graph_capture")["reason"] == "captured Sequential (forced)"
-    assert autogaudi.report().changed() == [{"unit": "graph_capture", "what": "Sequential captured (torch.compile)"}]
+    (change,) = autogaudi.report().changed()
+    assert change["unit"] == "graph_capture"
+    assert change["what"].startswith("Sequential captured (torch.compile), one-off "), change  # set-up at least
     assert type(model) is nn.Sequential and model.forward.__func__ is nn.Sequential.forward
     assert_plain_copies(model, torch.randn(4, 16))
     autogaudi.disable()
@@ -134,6 +138,7 @@ def test_a_rejected_trial_leaves_the_process_and_the_model_as_they_were(monkeypa
     from autogaudi.optimizations import channels_last
 
     monkeypatch.setattr(trials, "MARGIN", 0.0)
+    monkeypatch.setattr(CpuBackend, "least_capture_one_off_s", 0.0)  # a trial at once, not after a wait
     real_convert = channels_last._convert
     monkeypatch.setattr(channels_last, "_convert", lambda value: time.sleep(0.004) or real_convert(value))
     before = process_state()
@@ -346,3 +351,63 @@ def test_a_census_that_fails_to_start_leaves_no_hook_or_mode(monkeypatch):
     train(mlp(), batches(), STEPS)
     assert unit_row("step_profiler")["status"] == "failed"
     assert process_state() == before
+
+
+def test_calls_outside_training_run_eagerly_and_compile_nothing_more():
+    autogaudi.enable(device="cpu", only=CAPTURE_UNITS, force="graph_capture")
+    model = mlp()
+    train(model, batches(), STEPS + 3)
+    compiled = process_state()["autogaudi_compiled_entries"]
+    assert compiled >= 1
+    inputs = torch.randn(4, 16)
+    model.eval()
+    with torch.no_grad():
+        evaluated = model(inputs)
+    model.train()
+    with torch.no_grad():
+        watched = model(inputs)  # a training-mode call under no_grad: not a training step either
+    assert process_state()["autogaudi_compiled_entries"] == compiled  # no eval-mode recompilation
+    torch.testing.assert_close(evaluated, model.eval()._call_impl(inputs))
+    torch.testing.assert_close(watched, model.train()._call_impl(inputs))
+    assert any("outside training" in note for note in unit_row("graph_capture")["notes"])
+    assert unit_row("graph_capture")["reason"] == "captured Sequential (forced)"  # still on for training
+
+
+def test_compiles_for_later_input_shapes_are_part_of_the_one_off():
+    autogaudi.enable(device="cpu", only=CAPTURE_UNITS, force="graph_capture")
+    model = mlp()
+    train(model, batches(), STEPS + 3)
+    assert "later_compiles_s" not in unit_row("graph_capture")["figures"]
+    # A new rank (a batch dimension that dynamo may already treat as dynamic would not recompile).
+    model(torch.randn(2, 4, 16)).sum().backward()
+    figures = unit_row("graph_capture")["figures"]
+    assert figures["later_compiles_s"] > 0
+    (change,) = autogaudi.report().changed()
+    assert "later compiles" in change["what"]
+
+
+EXITS_WITH_COMPILE_WORKERS = """
+import sys, torch
+from torch import nn
+sys.path.insert(0, {repo!r})
+from tests.optimizations.test_capture_safety import batches, mlp, train
+model = mlp()
+train(model, batches(), 30)
+import torch._inductor.async_compile as async_compile
+async_compile.AsyncCompile.process_pool()  # what a compile that wants parallel workers starts
+"""
+
+
+@pytest.mark.slow
+def test_shutting_down_the_compile_workers_capture_started_is_measured_at_exit(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(EXITS_WITH_COMPILE_WORKERS.format(repo=str(REPO)))
+    report = tmp_path / "report.json"
+    result = run_python(
+        "-m", "autogaudi", "--device", "cpu", "--only", CAPTURE_UNITS, "--force", "graph_capture",
+        "--report", str(report), str(script), env=clean_env(),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    (row,) = [unit for unit in json.loads(report.read_text())["units"] if unit["name"] == "graph_capture"]
+    assert row["figures"]["compile_workers_at_exit_s"] > 0
+    assert "compile workers at exit" in result.stderr
