@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import os
 import sys
+
+import torch
 
 from autogaudi.backends.base import Backend, MemoryStats, compile_calls
 
@@ -37,6 +40,16 @@ def _fused_name(name: str, hyperparameters: dict):
         decoupled = name == "AdamW" or hyperparameters.get("decoupled_weight_decay", False)
         return "FusedAdamW" if decoupled or hyperparameters.get("weight_decay", 0) == 0 else None
     return {"SGD": "FusedSGD"}.get(name)
+
+
+def _global_module_hooks() -> bool:
+    module = torch.nn.modules.module
+    return bool(
+        module._global_forward_hooks
+        or module._global_forward_pre_hooks
+        or module._global_backward_hooks
+        or module._global_backward_pre_hooks
+    )
 
 
 class HpuBackend(Backend):
@@ -74,16 +87,40 @@ class HpuBackend(Backend):
     def graphs_can_keep_outputs(self) -> bool:
         return not self.is_lazy  # ModuleCacher replays into the same output tensors
 
+    def graph_refusal(self, module):
+        if not self.is_lazy:
+            return None
+        # ModuleCacher (bridge 1.19, hpu/graphs.py) calls the model by keyword, so it asserts on a
+        # forward with *args or positional-only parameters; a replay runs the recorded graph, not
+        # Python, so module hooks (an activation logger, a pruning mask) would silently stop.
+        kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.VAR_POSITIONAL)
+        if any(p.kind in kinds for p in inspect.signature(module.forward).parameters.values()):
+            return (
+                f"{type(module).__name__}.forward takes *args or positional-only arguments, which ModuleCacher refuses"
+            )
+        hooked = [
+            type(sub).__name__
+            for sub in module.modules()
+            if sub._forward_hooks or sub._forward_pre_hooks or sub._backward_hooks or sub._backward_pre_hooks
+        ]
+        if hooked or _global_module_hooks():
+            where = ", ".join(sorted(set(hooked))) or "all modules (global hooks)"
+            return f"module hooks on {where} would not run when HPU graphs replay"
+        return None
+
     def graph_forward(self, module, exact_random: bool = False, static_outputs: bool = True, max_graphs: int = 10):
         if self.is_lazy:
-            # The Gaudi guide's training API. It can only work in place (it sets module.forward);
-            # the cached forward it made is taken back out so the module is left as it was, and the
-            # graph_capture unit routes calls to it.
-            original = vars(module).get("forward")
+            # The Gaudi guide's training API. It works in place: it sets module.forward and leaves
+            # more attributes (orig_forward, capture_start, ...; bound to the cacher, which a
+            # torch.save of the model would then pickle). All of them are taken back off, so the
+            # module is left as it was; the graph_capture unit routes training calls to the cached
+            # forward (never the cacher's uncached path, which reads orig_forward).
+            before = dict(vars(module))
             self._hpu.ModuleCacher(max_graphs=max_graphs)(model=module, inplace=True)
-            cached = vars(module).pop("forward")
-            if original is not None:
-                vars(module)["forward"] = original
+            cached = vars(module)["forward"]
+            for name in set(vars(module)) - set(before):
+                del vars(module)[name]
+            vars(module).update(before)
             return cached
         return compile_calls(module, backend="hpu_backend")
 

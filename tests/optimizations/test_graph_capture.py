@@ -2,12 +2,17 @@
 DDP through ModuleCacher with the same numerics; a recompile storm switches it off; on the CPU a
 host-bound run gets a torch.compile trial whose steps train like plain ones."""
 
+import gc
+import math
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
 import autogaudi
+from autogaudi.backends.cpu import CpuBackend
 from tests.optimizations.test_step_profiler import STEPS, Bookkeeping, endless, train
 
 
@@ -45,6 +50,16 @@ def test_a_device_bound_run_is_not_captured():
     train(model, endless(lambda: (torch.randn(512, 1024), torch.randint(0, 3, (512,)))))
     assert row()["reason"].startswith("not captured: the run is device-bound")
     assert "forward" not in vars(model)
+
+
+@pytest.mark.slow
+def test_a_trial_asked_for_runs_at_once_on_a_device_bound_run():
+    autogaudi.enable(device="cpu", only="step_profiler,graph_capture", trial="graph_capture")
+    model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 3))
+    train(model, endless(lambda: (torch.randn(256, 256), torch.randint(0, 3, (256,)))), steps=STEPS + 40)
+    profile = autogaudi.report().unit("step_profiler")["figures"]
+    (trial,) = autogaudi.report().trials
+    assert trial["candidate"] == "graph_capture" and trial["started_at_step"] == profile["profiled_at_step"]
 
 
 def test_forced_on_the_double_caches_the_module_inside_ddp(hpu_double, tmp_path):
@@ -104,12 +119,39 @@ class PartlyUnused(nn.Module):
         return self.body(inputs)
 
 
+class VarArgs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = mlp()
+
+    def forward(self, *inputs):
+        return self.body(inputs[0])
+
+
+class Hooked(nn.Module):
+    """An activation logger on a submodule: Python that an HPU graph replay does not run."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = mlp()
+        self.seen = []
+        self.body[0].register_forward_hook(self.log)
+
+    def log(self, module, inputs, output):
+        self.seen.append(tuple(output.shape))
+
+    def forward(self, inputs):
+        return self.body(inputs)
+
+
 @pytest.mark.parametrize(
     "model, refusal",
     [
         (Checkpointed, "not captured: the model uses gradient checkpointing"),
         (FlaggedCheckpointing, "not captured: the model uses gradient checkpointing"),
         (PartlyUnused, "not captured: 2 of 6 optimized parameters had no gradient"),
+        (VarArgs, "not captured: VarArgs.forward takes *args or positional-only arguments"),
+        (Hooked, "not captured: module hooks on Linear would not run when HPU graphs replay"),
     ],
 )
 def test_hpu_graphs_are_refused_where_they_would_crash_or_change_training(hpu_double, model, refusal):
@@ -120,6 +162,67 @@ def test_hpu_graphs_are_refused_where_they_would_crash_or_change_training(hpu_do
     assert row()["reason"].startswith(refusal), row()["reason"]
     assert "module_cacher" not in calls.names()
     torch.testing.assert_close(losses, plain, rtol=1e-5, atol=1e-6)
+
+
+def test_the_double_breaks_where_module_cacher_would(hpu_double):
+    """What the refusals above guard against, as the double (after the bridge's hpu/graphs.py) does it."""
+    hpu_double(lazy=True)
+    from habana_frameworks.torch.hpu import ModuleCacher
+
+    with pytest.raises(AssertionError, match="Unsupported argument type"):
+        ModuleCacher()(model=VarArgs())
+    unused = ModuleCacher()(model=PartlyUnused())
+    with pytest.raises(RuntimeError, match="not have been used in the graph"):
+        unused(torch.randn(4, 16))
+    hooked = ModuleCacher()(model=Hooked())
+    for _ in range(3):  # a capture, then two replays: the hook ran once
+        hooked(torch.randn(4, 16))
+    assert hooked.seen == [(4, 32)]
+    model = ModuleCacher()(model=mlp())
+    first = model(torch.randn(4, 16))
+    second = model(torch.randn(4, 16))  # same graph: replayed into the tensors the first call returned
+    torch.testing.assert_close(first, second)
+    assert {"orig_forward", "forward", "capture_start", "capture_end"} <= set(vars(model))
+
+
+def test_hpu_capture_leaves_no_cacher_attribute_and_the_model_saves_as_a_plain_one(hpu_double):
+    hpu_double(lazy=True)
+    from habana_frameworks.torch.hpu import graphs
+
+    from tests.optimizations.test_capture_safety import assert_plain_copies
+
+    autogaudi.enable(device="hpu", only="step_profiler,graph_capture", force="graph_capture")
+    model = mlp()
+    keys = set(vars(model))
+    losses_of(model, batches())
+    assert row()["reason"] == "captured Sequential (forced)"
+    assert set(vars(model)) == keys | {"_compiled_call_impl"}  # no orig_forward, capture_start, ...
+    assert_plain_copies(model, torch.randn(4, 16))
+    autogaudi.disable()
+    gc.collect()
+    assert set(vars(model)) == keys and not list(graphs.LIVE_CACHERS)  # the cacher and its graphs let go
+
+
+def test_a_rejected_hpu_capture_lets_go_of_the_cacher_and_its_graphs(hpu_double, monkeypatch):
+    hpu_double(lazy=True)
+    from habana_frameworks.torch.hpu import graphs
+
+    from autogaudi import trials
+    from autogaudi.backends.hpu import HpuBackend
+    from autogaudi.optimizations import step_profiler
+
+    monkeypatch.setattr(step_profiler, "classify", lambda *a, **k: ("host", "read as host-bound by the test"))
+    monkeypatch.setattr(HpuBackend, "least_capture_one_off_s", 0.0)
+    monkeypatch.setattr(trials, "MARGIN", 0.0)
+    replay = graphs.ModuleCacher._replay
+    monkeypatch.setattr(graphs.ModuleCacher, "_replay", lambda *a: time.sleep(0.004) or replay(*a))
+    autogaudi.enable(device="hpu", only="step_profiler,graph_capture")
+    model = mlp()
+    keys = set(vars(model))
+    losses_of(model, batches(), steps=STEPS + 40)
+    assert [(t["candidate"], t["decision"]) for t in autogaudi.report().trials] == [("graph_capture", "rejected")]
+    gc.collect()
+    assert set(vars(model)) == keys and not list(graphs.LIVE_CACHERS)
 
 
 def compiled_wrapper():
@@ -167,7 +270,7 @@ def test_a_recompile_storm_switches_capture_off_and_names_the_shapes(hpu_double)
 
 
 @pytest.mark.slow
-def test_host_bound_cpu_run_gets_a_compile_trial_that_trains_like_plain():
+def test_host_bound_plain_loop_gets_a_compile_trial_once_it_could_pay_and_trains_like_plain(monkeypatch):
     def tiny():  # Python-heavy tiny layers: a 20-layer plain MLP sat on the 50% line and flipped
         torch.manual_seed(0)
         return nn.Sequential(*[Bookkeeping() for _ in range(20)], nn.Linear(8, 3))
@@ -177,15 +280,22 @@ def test_host_bound_cpu_run_gets_a_compile_trial_that_trains_like_plain():
         while True:
             yield torch.randn(4, 8, generator=generator), torch.randint(0, 3, (4,), generator=generator)
 
-    steps = STEPS + 30
+    # A cheap capture, so that the loop reaches the step from which a trial could pay (tens of steps).
+    monkeypatch.setattr(CpuBackend, "least_capture_one_off_s", 0.15)
+    steps = STEPS + 200
     plain = losses_of(tiny(), data(), steps=steps)
     autogaudi.enable(device="cpu", only="step_profiler,graph_capture")
     losses = losses_of(tiny(), data(), steps=steps)
     report = autogaudi.report()
-    assert report.unit("step_profiler")["figures"]["bound"] == "host", report.unit("step_profiler")
+    profile = report.unit("step_profiler")["figures"]
+    assert profile["bound"] == "host", profile
+    waited_for = row()["figures"]["trial_waits_for_step"]
+    saved_per_step_s = profile["ms_per_step"] / 1000 * (1 - profile["compute_fraction"])
+    assert waited_for == math.ceil(0.15 / saved_per_step_s) > STEPS
     (trial,) = report.trials
     assert trial["candidate"] == "graph_capture" and trial["decision"] in ("kept", "rejected")
-    assert trial["one_off_s"] > 0  # compilation, measured apart from the steady steps
+    assert trial["started_at_step"] == waited_for
+    assert trial["set_up_s"] > 0 and trial["one_off_s"] > trial["set_up_s"]  # compiler import, then compiling
     torch.testing.assert_close(losses, plain, rtol=1e-4, atol=1e-5)  # same math, float reassociation only
 
 

@@ -1,11 +1,18 @@
-"""HPU graphs (exported by hpu only in lazy mode). Graphs are keyed like the bridge keys them
-(input shapes + autocast state); "capture" and "replay" just call the eager forward on the CPU and
-are recorded, so tests see when a new graph would be compiled."""
+"""HPU graphs (exported by hpu only in lazy mode), following the bridge's ``hpu/graphs.py``
+(HabanaAI/gaudi-pytorch-bridge, read 2026-11-23). "Capture" and "replay" call the eager forward on
+the CPU and are recorded, so tests see when a new graph would be compiled; what a real replay does
+differently from eager (no Python hooks, outputs written into the same tensors) is modelled."""
+
+import contextlib
+import copy
+import inspect
+import weakref
 
 import torch
 
 from habana_frameworks.torch._calls import record
 from habana_frameworks.torch.hpu.metrics import _count_compilation
+from habana_frameworks.torch.utils.internal import is_lazy
 
 
 class HPUGraph:
@@ -82,11 +89,87 @@ def wrap_in_hpu_graph(module, asynchronous=False, disable_tensor_cache=False, ma
     return module
 
 
-class ModuleCacher:
-    """ModuleCacher(max_graphs)(model=..., inplace=True): caches only training forwards with grad."""
+def _argument_names(forward):
+    """The bridge maps every call onto the forward's parameter names (arguments go by keyword to
+    a copy of the model): positional-only and ``*args`` parameters are refused with an assertion
+    when the cacher is applied; ``**kwargs`` is dropped with a printed warning."""
+    names = {}
+    for name, parameter in inspect.signature(forward).parameters.items():
+        assert parameter.kind not in (parameter.POSITIONAL_ONLY, parameter.VAR_POSITIONAL), (
+            f"Unsupported argument type : {parameter.kind}"
+        )
+        if parameter.kind == parameter.VAR_KEYWORD:
+            print("[WARNING] Variable keyword arguments will not be supported.")
+            continue
+        names[name] = parameter.default
+    return names
+
+
+def _input_key(value):
+    """The cache key: shapes (not dtypes) of tensors, values of everything else, and the autocast
+    state, nested through lists, tuples and dicts."""
+    if isinstance(value, dict):
+        return tuple((name, _input_key(item)) for name, item in value.items())
+    if isinstance(value, (list, tuple)) and not isinstance(value, torch.Size):
+        return tuple(_input_key(item) for item in value), torch.is_autocast_enabled()
+    if isinstance(value, torch.Tensor):
+        return tuple(value.shape), value.is_contiguous(), torch.is_autocast_enabled()
+    return value, torch.is_autocast_enabled()
+
+
+def _tensors(value):
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [tensor for item in value for tensor in _tensors(item)]
+    if isinstance(value, dict):
+        return [tensor for item in value.values() for tensor in _tensors(item)]
+    return []
+
+
+@contextlib.contextmanager
+def _python_hooks_silenced(module):
+    """A replay runs the recorded graph, not Python: no module hooks (forward, pre, backward,
+    global) fire. Modelled by emptying them for the duration of the eager stand-in."""
+    saved = []
+    owners = [(sub, name) for sub in module.modules() for name in _HOOK_DICTS]
+    owners += [(torch.nn.modules.module, name) for name in _GLOBAL_HOOK_DICTS]
+    for owner, name in owners:
+        hooks = getattr(owner, name)
+        saved.append((owner, name, hooks.copy()))
+        hooks.clear()
+    try:
+        yield
+    finally:
+        for owner, name, hooks in saved:
+            getattr(owner, name).update(hooks)
+
+
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+_GLOBAL_HOOK_DICTS = (
+    "_global_forward_hooks",
+    "_global_forward_pre_hooks",
+    "_global_backward_hooks",
+    "_global_backward_pre_hooks",
+)
+LIVE_CACHERS = weakref.WeakSet()  # the double's own: lets tests see that a cacher was let go
+
+
+class ModuleCacher(torch.nn.Module):
+    """``ModuleCacher(max_graphs)(model=..., inplace=True)``, following the bridge's rules: the
+    model's ``forward`` becomes the cacher's and the model keeps ``orig_forward``,
+    ``is_hpugraph_tracing``, ``set_iteration_count``, ``capture_start`` and ``capture_end``; only
+    training calls with grad are cached, one graph per input key (``_input_key``); a capture calls a
+    shallow copy of the model by keyword, refuses DataParallel/DDP models and, unless
+    ``allow_unused_input``, raises for a trainable parameter that gets no gradient; a replay runs no
+    Python hooks and writes its outputs into the tensors the previous replay of that graph returned.
+    "Capture" and "replay" run the forward eagerly on the CPU and are recorded."""
 
     def __init__(self, max_graphs=10):
+        super().__init__()
         self.max_graphs = max_graphs
+        self._graphs = {}  # input key -> the outputs its last capture or replay returned
+        LIVE_CACHERS.add(self)
 
     def __call__(
         self,
@@ -99,15 +182,89 @@ class ModuleCacher:
         log_frequency=100,
         verbose=False,
         disable_tensor_cache=False,
+        dry_run=False,
     ):
-        original = model.forward
-        cached = _cached_forward(model, original, self.max_graphs, "module_cacher")
-
-        def forward(*args, **kwargs):
-            if model.training and torch.is_grad_enabled():
-                return cached(*args, **kwargs)
-            return original(*args, **kwargs)
-
-        model.forward = forward
+        model.is_hpugraph_tracing = self.is_hpugraph_tracing
+        if not inplace:
+            model = copy.copy(model)
+        self.orig_model = copy.copy(model)
+        self.forward_params = _argument_names(self.orig_model.forward)
+        self.model = model
+        self.allow_unused_input = allow_unused_input
+        model.orig_forward = model.forward
+        model.forward = self.forward
+        model.set_iteration_count = self.set_iteration_count
+        model.capture_start = self.capture_start
+        model.capture_end = self.capture_end
         record("module_cacher", module=type(model).__name__, max_graphs=self.max_graphs)
         return model
+
+    def is_hpugraph_tracing(self):
+        return False
+
+    def set_iteration_count(self, iteration):
+        pass
+
+    def capture_start(self):
+        pass
+
+    def capture_end(self):
+        pass
+
+    def forward(self, *args, **kwargs):
+        arguments = dict(self.forward_params)
+        arguments.update(zip(self.forward_params, args))
+        arguments.update(kwargs)
+        key = _input_key(arguments)
+        if not (self.model.training and torch.is_grad_enabled() and is_lazy()):
+            return self.model.orig_forward(*args, **kwargs)
+        if key in self._graphs:
+            return self._replay(key, arguments)
+        if len(self._graphs) < self.max_graphs:
+            return self._capture(key, arguments)
+        record("module_cacher_uncached", shapes=_shapes(arguments))
+        return self.model.orig_forward(*args, **kwargs)
+
+    def _capture(self, key, arguments):
+        assert not isinstance(self.orig_model, (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)), (
+            "Use DataParallel/DistributedDataParallel only after wrapping with ModuleCacher"
+        )
+        outputs = self.orig_model(**arguments)
+        trainable = [parameter for parameter in self.orig_model.parameters() if parameter.requires_grad]
+        differentiable = [tensor for tensor in _tensors(outputs) if tensor.requires_grad]
+        if differentiable and trainable and not self.allow_unused_input:
+            gradients = torch.autograd.grad(
+                differentiable,
+                trainable,
+                grad_outputs=[torch.ones_like(tensor) for tensor in differentiable],
+                retain_graph=True,
+                allow_unused=True,
+            )
+            if any(gradient is None for gradient in gradients):
+                raise RuntimeError(
+                    "One of the differentiated Tensors appears to not have been used in the graph. "
+                    "Set allow_unused=True if this is the desired behavior."
+                )
+        self._graphs[key] = outputs
+        self._previous_gradients = []
+        _count_compilation(1000)
+        record("module_cacher_capture", shapes=_shapes(arguments))
+        return outputs
+
+    def _replay(self, key, arguments):
+        with _python_hooks_silenced(self.orig_model):
+            outputs = self.orig_model.forward(**arguments)
+        with torch.no_grad():
+            for static, new in zip(_tensors(self._graphs[key]), _tensors(outputs)):
+                static.data.copy_(new.detach())  # every replay writes into the same output tensors
+        self._graphs[key] = outputs
+        current = _gradients(self.model)
+        previous = self._previous_gradients
+        reused = all(a is not None and a is b for a, b in zip(current, previous)) if previous else None
+        self._previous_gradients = current
+        record("module_cacher_replay", shapes=_shapes(arguments), gradients_reused=reused)
+        return outputs
+
+
+def _shapes(arguments):
+    return tuple(tuple(tensor.shape) for tensor in _tensors(arguments))
