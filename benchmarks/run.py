@@ -23,7 +23,9 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import psutil
@@ -57,6 +59,12 @@ VARIANTS = {
 # Opt-in units are measured where they apply, as one more variant of that workload.
 EXTRA_VARIANTS = {
     "w5_ddp_2_ranks": {"autogaudi --force fast_ddp": (["-m", "autogaudi", "--quiet", "--force", "fast_ddp"], [])},
+    # What a capture trial that is not kept leaves behind: on the 2-core CPU W1's compile trial is
+    # rejected, so its steady state should equal the unit switched off (issue 18).
+    "w1_mlp": {
+        "autogaudi --trial graph_capture": (["-m", "autogaudi", "--quiet", "--trial", "graph_capture"], []),
+        "autogaudi --disable graph_capture": (["-m", "autogaudi", "--quiet", "--disable", "graph_capture"], []),
+    },
 }
 # --control: plain PyTorch a second time in each round. Its ratio to plain should be 1.00x; how far it
 # lands from that is the noise floor of every other ratio in the same table.
@@ -86,6 +94,25 @@ def run_json(command: list) -> dict:
     return json.loads(result.stdout.splitlines()[-1])
 
 
+def trial_decisions(before: list, workload: list, after: list) -> tuple:
+    """The variant's command, with autogaudi asked for its JSON report where it runs, and a reader
+    of the report's trial decisions ("graph_capture rejected"): a ratio says how fast, the decisions
+    say which code ran."""
+    if before[:2] != ["-m", "autogaudi"]:
+        return before + workload + after, lambda: None
+    handle, path = tempfile.mkstemp(suffix=".json")
+    os.close(handle)
+
+    def read():
+        try:
+            trials = json.loads(Path(path).read_text() or "{}").get("trials", [])
+        finally:
+            os.unlink(path)
+        return [f"{trial['candidate']} {trial['decision']}" for trial in trials]
+
+    return [*before[:2], "--report", path, *before[2:], *workload, *after], read
+
+
 def summary(values: list) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "rounds": len(values)}
 
@@ -101,14 +128,19 @@ def step_rates(workload: list, rounds: int, variants: dict) -> dict:
     totals = {name: [] for name in variants}  # whole-run seconds, where a workload reports them
     one_offs = {name: [] for name in variants}  # whole-run seconds beyond what its steady rate explains
     timed_from = {name: [] for name in variants}
+    decisions = {name: [] for name in variants}  # autogaudi's trial decisions, per round
     losses = {}
     names = list(variants)
     for round_number in range(rounds):
         shift = round_number % len(names)
         for name in names[shift:] + names[:shift]:
             before, after = variants[name]
+            command, read_decisions = trial_decisions(before, workload, after)
             began = time.perf_counter()
-            result = run_json(before + workload + after)
+            result = run_json(command)
+            decided = read_decisions()
+            if decided is not None:
+                decisions[name].append(decided)
             print(
                 f"  {Path(workload[-1]).stem} round {round_number + 1}: {name} "
                 f"{result['steps_per_s']:.1f} steps/s ({time.perf_counter() - began:.1f} s)",
@@ -136,6 +168,8 @@ def step_rates(workload: list, rounds: int, variants: dict) -> dict:
             "losses_match": drift <= LOSS_TOLERANCE,
             "max_loss_difference_vs_hand_tuned": max(abs(a - b) for a, b in zip(losses[name], losses["hand-tuned"])),
         }
+        if decisions[name]:
+            rows[name]["trial_decisions_by_round"] = decisions[name]
         if totals[name]:
             rows[name]["total_seconds"] = summary(totals[name])
             rows[name]["total_speedup_vs_plain"] = statistics.median(per_round(totals["plain"], totals[name]))
@@ -338,6 +372,10 @@ def table_row(workload: str, name: str, row: dict) -> str:
         unsettled = sum(step is None for step in row["timed_from_step"])
         if unsettled:
             flag += f" (NOT SETTLED in {unsettled} round(s): timed from warm-up)"
+    if row.get("trial_decisions_by_round"):
+        counted = Counter(decision for decided in row["trial_decisions_by_round"] for decision in decided)
+        rounds = len(row["trial_decisions_by_round"])
+        flag += " (trials: " + (", ".join(f"{text} in {n}/{rounds}" for text, n in counted.items()) or "none") + ")"
     return (
         f"| {workload} | {name} | {rate['median']:.1f} ({rate['min']:.1f}-{rate['max']:.1f}) | "
         f"{row['ratio_vs_plain']:.3f}x | {row['ratio_vs_hand_tuned']:.3f}x | "

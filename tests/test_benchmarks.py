@@ -4,6 +4,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -102,3 +103,17 @@ def test_the_control_variant_runs_the_plain_command_again_in_every_round(monkeyp
     control = next(iter(run.CONTROL_VARIANT))
     assert len(commands) == 2 * len(rows) and commands.count(["workload.py"]) == 4  # plain and control, twice
     assert rows[control]["ratio_vs_plain"] == 1.0 and rows[control]["losses_match"]
+
+
+def test_autogaudi_variants_report_their_trial_decisions_and_the_table_shows_them(tmp_path):
+    run = load_run()
+    command, read = run.trial_decisions(["-m", "autogaudi", "--quiet"], ["w.py"], ["--steps", "3"])
+    assert command[:3] == ["-m", "autogaudi", "--report"] and command[4:] == ["--quiet", "w.py", "--steps", "3"]
+    report = {"trials": [{"candidate": "graph_capture", "decision": "rejected"}]}
+    Path(command[3]).write_text(json.dumps(report))
+    assert read() == ["graph_capture rejected"] and not Path(command[3]).exists()
+    plain_command, plain_read = run.trial_decisions([], ["w.py"], [])
+    assert plain_command == ["w.py"] and plain_read() is None
+    results = fake_results(run)
+    results["workloads"]["w1_mlp"]["autogaudi"]["trial_decisions_by_round"] = [["graph_capture rejected"], []]
+    assert "(trials: graph_capture rejected in 1/2)" in run.markdown_table(results)
