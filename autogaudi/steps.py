@@ -16,6 +16,8 @@ has its steps counted by backward passes; an optimizer that steps later takes ov
 
 from __future__ import annotations
 
+import functools
+import sys
 import time
 import weakref
 
@@ -47,7 +49,7 @@ class TrainingSteps:
         self.counted_by = None  # BY_OPTIMIZER or BY_BACKWARD once the first step is seen
         self._pacer = None  # weak reference to the optimizer whose steps are the training steps
         self._others_in_a_row = 0
-        self._in_optimizer_step = 0  # backward passes inside step(closure) (LBFGS) are not steps
+        self._step_frames: list = []  # steps under way: backward passes in step(closure) (LBFGS) are not steps
         self._loader_adjusters: list = []
         self._epoch_listeners: list = []
         self._before_batch_listeners: list = []
@@ -56,6 +58,7 @@ class TrainingSteps:
         self._after_backward_listeners: list = []
         self._after_optimizer_listeners: list = []
         self._after_step_listeners: list = []
+        self._routes = weakref.WeakKeyDictionary()  # DataLoader iterator -> the iterator yielding its batches
         self._scope = Scope()
         self._timed_from = None  # (step number, clock) once warm-up is over
         self.last_step_clock = None
@@ -65,6 +68,7 @@ class TrainingSteps:
         return self.backwards > 0 or self.optimizer_steps > 0
 
     def install(self) -> None:
+        self._scope.add(self._routes.clear)
         self._scope.wrap(torch.autograd, "backward", self._backward)
         self._scope.add(register_optimizer_step_pre_hook(self._before_optimizer_step).remove)
         self._scope.add(register_optimizer_step_post_hook(self._after_optimizer_step).remove)
@@ -142,7 +146,16 @@ class TrainingSteps:
         self._notify(self._epoch_listeners, instance)
         return wrapped(*args, **kwargs)
 
+    def route_batches(self, iterator, source) -> None:
+        """From now on ``iterator`` (a DataLoader iterator the script holds) yields what ``source``
+        (another DataLoader iterator) yields; listeners still see ``iterator``. The route lives as
+        long as ``iterator`` does, and ``source`` with it."""
+        self._routes[iterator] = source
+
     def _next_batch(self, wrapped, instance, args, kwargs):
+        source = self._routes.get(instance)
+        if source is not None:  # the original __next__, run on the source: not seen twice here
+            wrapped, args, kwargs = functools.partial(wrapped.__func__, source), (), {}
         if not (self._before_batch_listeners or self._after_batch_listeners):
             return wrapped(*args, **kwargs)
         self._notify(self._before_batch_listeners, instance)
@@ -156,7 +169,7 @@ class TrainingSteps:
         result = wrapped(*args, **kwargs)
         self.backwards += 1
         self._notify(self._after_backward_listeners)
-        if self._in_optimizer_step:
+        if self._step_frames and self._inside_an_optimizer_step():
             return result
         if self.counted_by is None and self.backwards >= NO_OPTIMIZER_AFTER and not self.optimizer_steps:
             self.counted_by = BY_BACKWARD
@@ -165,14 +178,27 @@ class TrainingSteps:
         return result
 
     def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
-        self._in_optimizer_step += 1
+        self._step_frames.append(sys._getframe(1))  # torch's step wrapper, which calls the hooks
 
     def _after_optimizer_step(self, optimizer, args, kwargs) -> None:
-        self._in_optimizer_step = max(0, self._in_optimizer_step - 1)
+        if self._step_frames:
+            self._step_frames.pop()
         self.optimizer_steps += 1
         self._notify(self._after_optimizer_listeners, optimizer)
         if self._paces(optimizer):
             self._end_step(optimizer)
+
+    def _inside_an_optimizer_step(self) -> bool:
+        """Whether an optimizer step is still running below this call. A step that raised never
+        reached its post-hook: its frame is gone from the stack, and so is it from the list (a
+        counter would have stayed up and excluded every later backward pass)."""
+        running = set()
+        frame = sys._getframe(1)
+        while frame is not None:
+            running.add(id(frame))
+            frame = frame.f_back
+        self._step_frames = [frame for frame in self._step_frames if id(frame) in running]
+        return bool(self._step_frames)
 
     def _paces(self, optimizer) -> bool:
         pacer = self._pacer() if self._pacer is not None else None

@@ -87,3 +87,30 @@ def test_lbfgs_closure_backward_passes_are_inside_one_step():
     assert figures["steps_counted_by"] == "optimizer steps"
     assert figures["steps"] == figures["optimizer_steps"] == 3
     assert figures["backward_passes"] > NO_OPTIMIZER_AFTER
+
+
+def test_an_optimizer_step_that_raised_does_not_hide_later_backward_passes():
+    """A step(closure) whose closure raises never reaches its post-hook; the loop catches the error
+    and goes on updating by hand: those backward passes are steps again."""
+    autogaudi.enable(device="cpu", only="throughput_meter")
+    model = nn.Linear(4, 1)
+    optimizer = torch.optim.LBFGS(model.parameters())
+    inputs, targets = next(data())
+
+    def failing_closure():
+        nn.functional.mse_loss(model(inputs), targets).backward()
+        raise FloatingPointError("the script's own")
+
+    try:
+        optimizer.step(failing_closure)
+    except FloatingPointError:
+        pass
+    iterations = NO_OPTIMIZER_AFTER + 8
+    for _, (batch, labels) in zip(range(iterations), data()):
+        model.zero_grad()
+        nn.functional.mse_loss(model(batch), labels).backward()
+        for param in model.parameters():
+            param.data.add_(param.grad, alpha=-0.01)
+    figures = steps_figures()
+    assert figures["steps_counted_by"] == "backward passes"
+    assert figures["steps"] == 1 + iterations - NO_OPTIMIZER_AFTER + 1
