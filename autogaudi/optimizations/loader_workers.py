@@ -5,13 +5,18 @@ device (or the compute threads) idle while ``__getitem__`` runs. Workers build b
 But workers also cost: on a 2-core machine one worker was measured slower than none, and a compute-
 bound step loses from the cores the workers take. So nothing is assumed: during the first epoch,
 after two warm-up batches, autogaudi times 16 batches — time waiting for the batch vs time between
-batches — and only when waiting is at least half of it does it tune that loader, in place, from the
-next epoch: ``num_workers`` from the machine (physical cores per local rank, less one for the main
-process, at least 2), ``prefetch_factor=2``, and the main process's intra-op threads cut to the
-cores the workers leave free. The next epoch is timed again; if batches did not come faster the
-loader is put back and the report says so.
+batches — and only when waiting is at least half of it does it tune that loader, in place, at once:
+``num_workers`` from the machine (physical cores per local rank, less one for the main process, at
+least 2), ``prefetch_factor=2``, and the main process's intra-op threads cut to the cores the
+workers leave free. The epoch being measured goes on with workers from its next batch
+(:func:`workers_for_rest_of_epoch`): one long epoch, a one-epoch run and an endless sampler
+(minGPT's, makemore's) gain from the first minutes, not from an epoch 2 they may never reach. The
+next 16 batches are timed again, worker start-up included; if they did not come faster the loader
+is put back from its next epoch (the running one finishes with its workers) and the report says so.
 
-Faithfulness: batches and their order are the same (the sampler still runs in the main process).
+Faithfulness: batches and their order are the same (the sampler still runs in the main process;
+mid-epoch, the workers are fed from the epoch's own sampler iterator, and the seed the new iterator
+draws is undone, so the random stream is the plain run's).
 Workers are not persistent on purpose: a DataLoader draws one seed from the global RNG per epoch
 either way, while persistent workers would skip those draws from epoch 2 on and shift dropout and
 shuffling (measured: 3e-2 loss drift). A dataset whose ``__getitem__`` draws from the global RNGs
@@ -31,7 +36,8 @@ import weakref
 
 import psutil
 import torch
-from torch.utils.data import IterableDataset
+import wrapt
+from torch.utils.data import IterableDataset, dataloader
 
 from autogaudi.unit import Unit
 
@@ -61,6 +67,48 @@ def random_state() -> tuple:
 
 def _same(first: tuple, second: tuple) -> bool:
     return torch.equal(first[0], second[0]) and first[1:] == second[1:]
+
+
+class _RemainingIndices:
+    """What an epoch has not yielded yet: iterating gives the epoch's own sampler iterator, already
+    running, so the order is the one drawn when the epoch began."""
+
+    def __init__(self, sampler_iterator, length: int):
+        self._iterator = sampler_iterator
+        self._length = length
+
+    def __iter__(self):
+        return self._iterator
+
+    def __len__(self):
+        return self._length
+
+
+class _ResumingLoader(wrapt.ObjectProxy):
+    """The loader as a worker iterator built mid-epoch sees it: itself, but for its index sampler."""
+
+    def __init__(self, loader, remaining: _RemainingIndices):
+        super().__init__(loader)
+        self._self_remaining = remaining
+
+    @property
+    def _index_sampler(self):
+        return self._self_remaining
+
+
+def workers_for_rest_of_epoch(iterator, loader):
+    """A worker-process iterator that yields the batches ``iterator`` (in-process, mid-epoch) has not
+    yielded yet, in the same order. Building it draws a base seed from the loader's generator (the
+    global one by default); that draw is undone, so the script's random stream is not shifted."""
+    remaining = _RemainingIndices(iterator._sampler_iter, len(loader._index_sampler))
+    global_state = torch.random.get_rng_state()
+    generator_state = loader.generator.get_state() if loader.generator is not None else None
+    try:
+        return dataloader._MultiProcessingDataLoaderIter(_ResumingLoader(loader, remaining))
+    finally:
+        torch.random.set_rng_state(global_state)
+        if generator_state is not None:
+            loader.generator.set_state(generator_state)
 
 
 class _Timing:
@@ -188,9 +236,9 @@ class LoaderWorkers(Unit):
         state.last_end = now
         state.epoch_batches += 1
         if window.batches == MEASURED_BATCHES:
-            self._decide(state)
+            self._decide(state, iterator)
 
-    def _decide(self, state) -> None:
+    def _decide(self, state, iterator) -> None:
         loader = state.loader()
         before, after = state.windows["before"], state.windows["after"]
         if state.phase == "before":
@@ -208,7 +256,7 @@ class LoaderWorkers(Unit):
                     f"(workers are tried from {INPUT_BOUND:.0%})"
                 )
             elif loader is not None:
-                self._tune(loader, state)
+                self._tune(loader, state, iterator)
             if not self.figures["loaders_tuned"]:
                 self.reason = "measured: no loader starves the step, all kept in-process"
         else:
@@ -226,18 +274,21 @@ class LoaderWorkers(Unit):
                 if not self.figures["loaders_tuned"]:
                     self.reason = "measured: workers were tried and were no faster, all kept in-process"
 
-    def _tune(self, loader, state) -> None:
+    def _tune(self, loader, state, iterator) -> None:
         workers, threads = worker_budget()
         state.original = (loader.num_workers, loader.prefetch_factor)
         loader.num_workers, loader.prefetch_factor = workers, 2
         if self._threads_before is None:
             self._threads_before = torch.get_num_threads()
             torch.set_num_threads(min(threads, self._threads_before))
-        state.phase = "after"
+        if type(iterator) is dataloader._SingleProcessDataLoaderIter:
+            self.session.steps.route_batches(iterator, workers_for_rest_of_epoch(iterator, loader))
+            self.figures["workers_from_batch"] = state.epoch_batches + 1
+        state.phase = "after"  # timed on from the last measured batch: the workers' start-up counts against them
         self.figures.update(
             loaders_tuned=self.figures["loaders_tuned"] + 1, workers=workers, main_threads=torch.get_num_threads()
         )
-        self.reason = f"{workers} workers from epoch 2 for input-bound loaders"
+        self.reason = f"{workers} workers for input-bound loaders, from the batch after the measured ones"
 
     def _untune(self, loader, state) -> None:
         if state.original is not None:

@@ -1,11 +1,15 @@
-"""loader_workers on the real CPU: a loader-bound run gets workers from epoch 2 with the same batches
-and losses; compute-bound runs, random __getitem__, explicit choices and iterables are left alone."""
+"""loader_workers on the real CPU: a loader-bound run gets workers from the batch after the measured
+ones, in the same epoch, with the same batches, losses and random stream (one-epoch runs and endless
+samplers included); compute-bound runs, random __getitem__, explicit choices and iterables are left
+alone."""
 
+import gc
 import time
 
+import psutil
 import pytest
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler
 
 import autogaudi
 
@@ -30,7 +34,9 @@ class Slow(Dataset):
         return features, index % 3
 
 
-def train(loader_factory, epochs=3, width=16, extra_compute=0):
+def train(loader_factory, epochs=3, width=16, extra_compute=0, batches=None, children=None):
+    """``batches``: stop each epoch after that many (a run that never finishes its epoch);
+    ``children``: filled with the number of worker processes alive at each batch."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.Dropout(0.2), torch.nn.Linear(width, 3))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -38,7 +44,11 @@ def train(loader_factory, epochs=3, width=16, extra_compute=0):
     losses, seen, workers = [], [], []
     for _ in range(epochs):
         workers.append(loader.num_workers)  # what this epoch's iterator is built with
-        for features, labels in loader:
+        for index, (features, labels) in enumerate(loader):
+            if batches is not None and index == batches:
+                break
+            if children is not None:
+                children.append(len(psutil.Process().children()))
             loss = torch.nn.functional.cross_entropy(model(features), labels)
             for _ in range(extra_compute):  # a step that costs far more than its batch
                 torch.ones(256, 256) @ torch.ones(256, 256)
@@ -68,11 +78,39 @@ def test_loader_bound_run_gets_workers_with_the_same_batches_and_losses():
     assert seen == plain_seen and losses == plain_losses  # dropout draws included: the RNG stream is kept
     assert plain_workers == [0, 0, 0] and workers[0] == 0 and workers[1] == workers[2] >= 2
     figures = row()["figures"]
+    assert figures["workers_from_batch"] == 2 + 16 + 1  # warm-up, measured, then workers in epoch 1
     assert figures["loaders_tuned"] == 1 and figures["input_bound_fraction"] > 0.5
     assert figures["ms_per_batch_after"] < figures["ms_per_batch_before"]
     assert torch.get_num_threads() == figures["main_threads"]
     autogaudi.disable()
     assert loader.num_workers == 0  # put back by disable()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("endless", [False, True], ids=["one-epoch", "endless-sampler"])
+def test_a_run_that_never_reaches_a_second_epoch_gets_workers_in_its_first(endless):
+    """One long epoch, or minGPT's and makemore's endless sampler (RandomSampler with replacement and
+    a huge num_samples) left by a break: workers from batch 19 on, same batches, losses and random
+    stream; the workers go when the epoch's iterator does."""
+
+    def make():
+        if endless:
+            sampler = RandomSampler(Slow(), replacement=True, num_samples=10**10)
+            return DataLoader(Slow(), batch_size=8, sampler=sampler)
+        return DataLoader(Slow(), batch_size=8, shuffle=True)
+
+    plain_losses, plain_seen, _, _ = train(make, epochs=1, batches=22)
+    plain_next = torch.rand(3)
+    only_loader_workers()
+    children = []
+    losses, seen, workers, _ = train(make, epochs=1, batches=22, children=children)
+    assert seen == plain_seen and losses == plain_losses
+    assert torch.equal(torch.rand(3), plain_next)  # the new iterator's seed draw was undone
+    assert workers == [0] and row()["figures"]["workers_from_batch"] == 19
+    # started as the 18th (last measured) batch is handed over; the 19th is the first they build
+    assert children[:17] == [0] * 17 and min(children[17:]) >= 2
+    gc.collect()
+    assert psutil.Process().children() == []  # the break let go of the epoch's iterator and its workers
 
 
 def test_compute_bound_run_is_left_alone():
