@@ -40,6 +40,11 @@ WORKLOADS = {
     "w2_transformer": [str(HERE / "workloads" / "transformer.py")],
     "w3_cnn": [str(HERE / "workloads" / "cnn.py")],
     "w4_loader_bound": [str(HERE / "workloads" / "loader_bound.py")],
+    # One long epoch: what gains only if workers start inside the epoch that measured the loader.
+    "w4_loader_bound_1_epoch": [
+        str(HERE / "workloads" / "loader_bound.py"),
+        *("--epochs", "1", "--batches", "120", "--steady-from", "30"),
+    ],
     "w5_ddp_2_ranks": [
         "-m",
         "torch.distributed.run",
