@@ -8,6 +8,12 @@ kernel's update, from the optimizer's arguments: weights times ``1 - lr * weight
 ``p -= lr * sqrt(1 - beta2^t) / (1 - beta1^t) * m / (sqrt(v) + eps)``, eps added to the
 un-corrected ``sqrt(v)`` (torch AdamW adds it to the corrected one). In lazy mode a step is marked
 before each group and after ``step()``.
+
+FusedSGD (bridge ``hpex/optimizers/FusedSGD.py``, same reading): marks a step at the end of
+``__init__`` in lazy mode and none in ``step()``; keeps ``step_t`` (an int32 tensor, handed to the
+momentum kernel, whose use of it is not in the Python source and is not modelled), ``lr_t`` and
+``lr_list`` on the optimizer object, rebuilding ``lr_t`` from each group's ``lr`` at every step; the
+update follows torch's SGD (momentum buffer = the first gradient, then ``m*buf + (1-dampening)*g``).
 """
 
 import math
@@ -20,28 +26,13 @@ from habana_frameworks.torch.utils.internal import is_lazy
 
 
 class _FusedOptimizer(torch.optim.Optimizer):
-    """What both fused optimizers share: empty groups refused, closure, record, lazy-mode mark."""
+    """What both fused optimizers share: empty groups refused."""
 
     def __init__(self, params, defaults):
         super().__init__(params, defaults)
         for group in self.param_groups:
             if not group["params"]:
                 raise RuntimeError(f"{type(self).__name__}: a parameter group has no parameters")
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        record(f"{type(self).__name__}.step", groups=len(self.param_groups))
-        for group in self.param_groups:
-            for param in group["params"]:
-                if param.grad is not None:
-                    self._update(group, param, self.state[param])
-        if is_lazy():
-            mark_step()
-        return loss
 
 
 class FusedAdamW(_FusedOptimizer):
@@ -83,6 +74,27 @@ class FusedSGD(_FusedOptimizer):
     def __init__(self, params, lr, momentum=0, weight_decay=0, dampening=0, nesterov=False):
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, dampening=dampening, nesterov=nesterov)
         super().__init__(params, defaults)
+        self.lr_list = []
+        self.lr_t = None
+        self.step_t = torch.tensor([0], dtype=torch.int32)
+        if is_lazy():
+            mark_step()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        record("FusedSGD.step", groups=len(self.param_groups))
+        self.lr_list.clear()
+        for group in self.param_groups:
+            self.lr_t = torch.tensor([group["lr"]], dtype=torch.float)
+            self.lr_list.append(self.lr_t)
+            for param in group["params"]:
+                if param.grad is not None:
+                    self._update(group, param, self.state[param])
+        return loss
 
     @staticmethod
     def _update(group, param, state):
