@@ -136,6 +136,7 @@ def step_rates(workload: list, rounds: int, variants: dict) -> dict:
     decisions = {name: [] for name in variants}  # autogaudi's trial decisions, per round
     losses = {}
     names = list(variants)
+    script = next(Path(part).stem for part in workload if part.endswith(".py"))
     for round_number in range(rounds):
         shift = round_number % len(names)
         for name in names[shift:] + names[:shift]:
@@ -147,7 +148,7 @@ def step_rates(workload: list, rounds: int, variants: dict) -> dict:
             if decided is not None:
                 decisions[name].append(decided)
             print(
-                f"  {Path(workload[-1]).stem} round {round_number + 1}: {name} "
+                f"  {script} round {round_number + 1}: {name} "
                 f"{result['steps_per_s']:.1f} steps/s ({time.perf_counter() - began:.1f} s)",
                 file=sys.stderr,
                 flush=True,
