@@ -17,7 +17,8 @@ ADAMW = ["FusedAdamW.step", MARK, MARK]
 # Its FusedSGD marks none in step() but one at the end of __init__ (when the script builds its SGD).
 SGD = ["FusedSGD.step"]
 SGD_BUILT = MARK
-CLIP = "FusedClipNorm.clip_norm"
+# FusedClipNorm marks a step before clipping and after.
+CLIP = [MARK, "FusedClipNorm.clip_norm", MARK]
 # step_profiler: after 3 warm-up steps and one clean step, its first census step starts on an idle device
 CENSUS_BEGINS = "synchronize"
 
@@ -33,8 +34,8 @@ def sequence(hpu_double, loop):
 
 
 def test_standard_loop_with_clipping(hpu_double):
-    step = [MARK, CLIP, *ADAMW, MARK]  # backward, clip, fused step, step mark
-    expected = [MARK, "FusedClipNorm", CLIP, *ADAMW, MARK] + step * 3 + [CENSUS_BEGINS]  # FusedClipNorm built once
+    step = [MARK, *CLIP, *ADAMW, MARK]  # backward, clip, fused step, step mark
+    expected = [MARK, "FusedClipNorm", *CLIP, *ADAMW, MARK] + step * 3 + [CENSUS_BEGINS]  # FusedClipNorm built once
     assert sequence(hpu_double, lambda: standard_loop(clip=True)) == expected
 
 
