@@ -144,7 +144,8 @@ OPTIONS: tuple = (
         "comma-separated units to switch on where they are off by default (opt-in: "
         + ", ".join(OPT_IN_UNITS)
         + "), or to apply without measuring first (graph_capture: even if not "
-        "host-bound; graph_capture, channels_last: without a trial)",
+        "host-bound; graph_capture, channels_last: without a trial; loader_workers: also measure and "
+        "raise a num_workers the script chose)",
         "UNIT,...",
     ),
     Option(

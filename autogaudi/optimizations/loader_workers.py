@@ -22,8 +22,11 @@ either way, while persistent workers would skip those draws from epoch 2 on and 
 shuffling (measured: 3e-2 loss drift). A dataset whose ``__getitem__`` draws from the global RNGs
 (torch, random, numpy) — detected while measuring — is left alone: in workers those draws come from
 per-worker generators (as PyTorch defines it), which would change the numbers. Also left alone:
-loaders whose script chose ``num_workers``, DataLoader subclasses, and iterable datasets (each
-worker would replay the whole stream unless it shards itself).
+loaders whose script chose ``num_workers`` (the report recommends a number when the step starves;
+``--force loader_workers`` measures and raises it, from the next epoch, keeping it only if faster:
+with another worker count each worker's random stream differs from the plain run's, same
+distribution), DataLoader subclasses, and iterable datasets (each worker would replay the whole
+stream unless it shards itself).
 """
 
 from __future__ import annotations
@@ -173,14 +176,29 @@ class LoaderWorkers(Unit):
 
     def _consider(self, loader, args, kwargs):
         dataset = kwargs.get("dataset", args[0] if args else None)
+        chosen = None
         if "num_workers" in kwargs or len(args) > _NUM_WORKERS_POSITION:
-            self._kept("a loader whose script chose num_workers is kept as is")
             chosen = kwargs["num_workers"] if "num_workers" in kwargs else args[_NUM_WORKERS_POSITION]
+        # --force loader_workers: a script's num_workers below the budget is measured and may be raised.
+        raisable = (
+            self.name in self.options.force
+            and chosen is not None
+            and chosen < worker_budget()[0]
+            and not kwargs.get("persistent_workers", False)  # their iterator, and its workers, are reused
+            and not isinstance(dataset, IterableDataset)
+        )
+        if chosen is not None and not raisable:
+            self._kept("a loader whose script chose num_workers is kept as is")
             self._script_workers.append(chosen)
         elif isinstance(dataset, IterableDataset):
             self._kept("iterable datasets are kept in-process: each worker would replay the whole stream")
         else:
             self._loaders[loader] = _Loader(loader)
+            if raisable:
+                self.note(
+                    f"--force loader_workers: a loader whose script chose num_workers={chosen} is measured too; "
+                    "if raised, its workers' random streams differ from the plain run's (same distribution)"
+                )
         return None
 
     def _advise(self, profile) -> None:
@@ -197,7 +215,8 @@ class LoaderWorkers(Unit):
         self.recommend(
             f"the step waits for data {profile.figures['input_wait_fraction']:.0%} of the time and the script "
             f"chose num_workers={chosen}; this machine has {cores} cores for {ranks} local rank(s): "
-            f"try num_workers={workers} (worker random streams then differ from this run's, same distribution)"
+            f"try num_workers={workers}, or --force loader_workers to have it measured and raised "
+            "(worker random streams then differ from this run's, same distribution)"
         )
 
     def _new_epoch(self, loader) -> None:
@@ -277,7 +296,7 @@ class LoaderWorkers(Unit):
     def _tune(self, loader, state, iterator) -> None:
         workers, threads = worker_budget()
         state.original = (loader.num_workers, loader.prefetch_factor)
-        loader.num_workers, loader.prefetch_factor = workers, 2
+        loader.num_workers, loader.prefetch_factor = workers, loader.prefetch_factor or 2
         if self._threads_before is None:
             self._threads_before = torch.get_num_threads()
             torch.set_num_threads(min(threads, self._threads_before))
@@ -288,7 +307,7 @@ class LoaderWorkers(Unit):
         self.figures.update(
             loaders_tuned=self.figures["loaders_tuned"] + 1, workers=workers, main_threads=torch.get_num_threads()
         )
-        self.reason = f"{workers} workers for input-bound loaders, from the batch after the measured ones"
+        self.reason = f"{workers} workers for input-bound loaders (in-process ones: from the next batch)"
 
     def _untune(self, loader, state) -> None:
         if state.original is not None:

@@ -187,3 +187,26 @@ def test_a_starving_loader_the_script_configured_gets_advice_not_a_change(chosen
         assert f"try num_workers={worker_budget()[0]}" in row["what"]
     else:
         assert advice == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("chosen", [0, 1])
+def test_forced_a_starving_loader_the_script_configured_is_measured_and_raised(chosen):
+    """--force loader_workers: the script's num_workers below the budget is measured like any other;
+    num_workers=0 goes on with workers inside the same epoch, 1 is raised from the next epoch. The
+    batches come from the main-process sampler either way: same batches and losses here (this
+    dataset draws no random numbers; the note says what differs where it would)."""
+    from autogaudi.optimizations.loader_workers import worker_budget
+
+    make = lambda: DataLoader(Slow(), batch_size=8, shuffle=True, num_workers=chosen)  # noqa: E731
+    plain_losses, plain_seen, plain_workers, _ = train(make)
+    autogaudi.enable(device="cpu", only="loader_workers", force="loader_workers")
+    losses, seen, workers, loader = train(make)
+    assert seen == plain_seen and losses == plain_losses
+    budget = worker_budget()[0]
+    assert plain_workers == [chosen] * 3 and workers == [chosen, budget, budget]
+    figures = row()["figures"]
+    assert figures["loaders_tuned"] == 1 and ("workers_from_batch" in figures) == (chosen == 0)
+    assert any("--force loader_workers" in note for note in row()["notes"])
+    autogaudi.disable()
+    assert loader.num_workers == chosen  # the script's choice, put back
