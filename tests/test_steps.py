@@ -19,16 +19,20 @@ def data(seed=0):
         yield torch.randn(8, 4, generator=generator), torch.randn(8, 1, generator=generator)
 
 
-def test_a_loop_that_updates_its_parameters_by_hand_is_profiled():
+def train_by_hand(model, iterations: int) -> None:
     """pytorch/examples' regression and word_language_model: p.data.add_(p.grad, alpha=-lr)."""
-    autogaudi.enable(device="cpu", only="step_profiler")
-    model = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1))
-    iterations = 40
     for _, (inputs, targets) in zip(range(iterations), data()):
         model.zero_grad()
         nn.functional.mse_loss(model(inputs), targets).backward()
         for param in model.parameters():
             param.data.add_(param.grad, alpha=-0.01)
+
+
+def test_a_loop_that_updates_its_parameters_by_hand_is_profiled():
+    autogaudi.enable(device="cpu", only="step_profiler")
+    model = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1))
+    iterations = 40
+    train_by_hand(model, iterations)
     figures = steps_figures()
     assert figures["steps_counted_by"] == "backward passes"
     assert figures["steps"] == iterations - NO_OPTIMIZER_AFTER + 1 and figures["optimizer_steps"] == 0
@@ -106,11 +110,7 @@ def test_an_optimizer_step_that_raised_does_not_hide_later_backward_passes():
     except FloatingPointError:
         pass
     iterations = NO_OPTIMIZER_AFTER + 8
-    for _, (batch, labels) in zip(range(iterations), data()):
-        model.zero_grad()
-        nn.functional.mse_loss(model(batch), labels).backward()
-        for param in model.parameters():
-            param.data.add_(param.grad, alpha=-0.01)
+    train_by_hand(model, iterations)
     figures = steps_figures()
     assert figures["steps_counted_by"] == "backward passes"
     assert figures["steps"] == 1 + iterations - NO_OPTIMIZER_AFTER + 1
