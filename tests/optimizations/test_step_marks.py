@@ -142,7 +142,9 @@ def test_skipped_with_the_reason_and_no_marks(hpu_double, lazy, options, reason)
     standard_loop()
     row = autogaudi.report().unit("step_marks")
     assert row["status"] == "skipped" and row["reason"].startswith(reason)
-    assert MARK not in calls.names()  # (step_profiler's census starts with a synchronize at step 4)
+    # no mark of autogaudi's: in lazy mode the only ones are those the bridge's synchronize makes
+    # (step_profiler's census starts with a synchronize at step 4)
+    assert calls.names().count(MARK) == calls.names().count("synchronize") * lazy
 
 
 def test_not_applied_on_cpu():

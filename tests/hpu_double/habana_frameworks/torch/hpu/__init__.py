@@ -35,6 +35,12 @@ def get_device_name(device=None):
 
 
 def synchronize():
+    if is_lazy():
+        # The bridge's synchronize marks a step (flushing the queued graph, draining the host
+        # pipeline) before it waits: hpu/csrc/bindings.cpp, read 2026-11-23.
+        from habana_frameworks.torch.core.step_closure import mark_step
+
+        mark_step()
     record("synchronize")
     if _calls.DEVICE_SECONDS[0]:
         time.sleep(_calls.DEVICE_SECONDS[0])
