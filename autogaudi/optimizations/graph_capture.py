@@ -369,12 +369,14 @@ class GraphCapture(ActsOnProfile):
             warnings.simplefilter("ignore", UserWarning)
             result = self._graphed(*args, **kwargs)
         self._compiled_for = len(self._shapes)
+        seconds = time.perf_counter() - started
         if self._compiled_for == 1:
+            # Without a trial (forced) this first compile is the warm-up; a trial's record replaces it.
+            self.figures.setdefault("warm_up_s", round(seconds, 3))
             # The compiler is loaded now, its exit handlers registered; ours, registered after, runs first.
             atexit.register(self._stop_compile_workers)
             self._candidate.add(lambda: atexit.unregister(self._stop_compile_workers))
-        else:  # the first shape's compile is in the trial's warm-up; these come on top
-            seconds = time.perf_counter() - started
+        else:  # the first shape's compile is in the warm-up; these come on top
             self.figures["later_compiles_s"] = round(self.figures.get("later_compiles_s", 0.0) + seconds, 3)
         return result
 

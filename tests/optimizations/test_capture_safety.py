@@ -90,7 +90,8 @@ def test_a_captured_model_saves_pickles_and_copies_as_a_plain_one():
     assert unit_row("graph_capture")["reason"] == "captured Sequential (forced)"
     (change,) = autogaudi.report().changed()
     assert change["unit"] == "graph_capture"
-    assert change["what"].startswith("Sequential captured (torch.compile), one-off "), change  # set-up at least
+    assert change["what"].startswith("Sequential captured (torch.compile), one-off "), change
+    assert "(set up " in change["what"] and ", warm up " in change["what"], change  # import, first compile
     assert type(model) is nn.Sequential and model.forward.__func__ is nn.Sequential.forward
     assert_plain_copies(model, torch.randn(4, 16))
     autogaudi.disable()
