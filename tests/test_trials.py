@@ -73,13 +73,14 @@ def test_the_one_off_includes_what_setting_the_candidate_up_took():
 
 
 def test_an_off_arm_slowed_by_the_candidate_is_read_from_the_steps_before_the_trial():
-    # Plain steps take 4 ms; the candidate takes 3.9 ms but leaves "off" steps at 8 ms after it has
-    # been on: against the interleaved arm it would read 2x, against the plain steps it is a tie.
-    _, decisions, _, _ = run_trial(on_seconds=0.0039, off_seconds=0.004, off_after_on=0.008)
+    # Plain steps take 4 ms; the candidate takes 4.4 ms and leaves "off" steps at 8 ms after it has
+    # been on: against the interleaved arm it would read 1.8x, against the plain steps it is slower.
+    # (10% apart: sleep jitter on a loaded machine stays well inside that.)
+    _, decisions, _, _ = run_trial(on_seconds=0.0044, off_seconds=0.004, off_after_on=0.008)
     ((keep, record),) = decisions
-    assert record["ms_per_step_without_interleaved"] > 1.6 * record["ms_per_step_before_trial"]
+    assert record["ms_per_step_without_interleaved"] > 1.5 * record["ms_per_step_before_trial"]
     assert record["ms_per_step_without"] == record["ms_per_step_before_trial"]
-    assert not keep and record["speedup"] < 1.1
+    assert not keep and record["speedup"] < 1.0
 
 
 def test_a_trial_waits_for_its_step_then_runs_its_whole_schedule():
