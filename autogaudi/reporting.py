@@ -1,4 +1,5 @@
-"""What autogaudi did in this process: applied / skipped / failed per unit, why, and the figures.
+"""What autogaudi did in this process: per unit applied (changed something), watching, not needed,
+skipped or failed, why, and the figures.
 
 The same content is printed as a table on stderr at exit (rank 0 only) and written as JSON when the
 ``report`` option names a path, so a person and a script read the same facts.
@@ -11,6 +12,11 @@ import json
 from autogaudi._version import __version__
 
 APPLIED, SKIPPED, FAILED = "applied", "skipped", "failed"
+# What an applied (in force) unit reads as when it changed nothing: still measuring or deciding, or
+# decided that nothing needs changing. "applied" is kept for units that changed something.
+WATCHING, NOT_NEEDED = "watching", "not needed"
+# The JSON report's layout: 2 since units that changed nothing read watching / not needed.
+SCHEMA = 2
 
 
 class UnitRow:
@@ -29,12 +35,17 @@ class UnitRow:
 
     def as_dict(self) -> dict:
         unit = self.unit
-        reason = unit.reason if unit is not None and self.status == APPLIED else self.reason
+        in_force = unit is not None and self.status == APPLIED
+        reason = unit.reason if in_force else self.reason
+        changes = unit.changes() if in_force else []
+        status = self.status
+        if in_force and not changes:
+            status = WATCHING if unit.watching() else NOT_NEEDED
         return {
             "name": self.name,
             "summary": self.summary,
-            "status": self.status,
-            "changes": unit.changes() if unit is not None and self.status == APPLIED else [],
+            "status": status,
+            "changes": changes,
             "recommendations": list(unit.recommendations) if unit else [],
             "targets": list(unit.targets) + list(unit.acts_on) if unit else [],
             "reason": reason,
@@ -76,6 +87,7 @@ class Report:
 
     def as_dict(self) -> dict:
         return {
+            "schema": SCHEMA,
             "autogaudi": __version__,
             "torch": self.torch_version,
             "enabled_by": list(self.enabled_by),
@@ -120,13 +132,13 @@ class Report:
         )
         lines.extend(f"           {row['unit']}: {row['what']}" for row in changed)
         width = max([len(row["name"]) for row in self.units] + [4])
-        lines.append(f"  {'unit'.ljust(width)}  {'status':<8} reason")
+        lines.append(f"  {'unit'.ljust(width)}  {'status':<11} reason")
         for row in self.units:
             detail = row["reason"]
             if row["figures"]:
                 detail += (" | " if detail else "") + ", ".join(f"{k}={v}" for k, v in row["figures"].items())
-            lines.append(f"  {row['name'].ljust(width)}  {row['status']:<8} {detail}")
-            lines.extend(f"  {''.ljust(width)}  {'':<8} note: {note}" for note in row["notes"])
+            lines.append(f"  {row['name'].ljust(width)}  {row['status']:<11} {detail}")
+            lines.extend(f"  {''.ljust(width)}  {'':<11} note: {note}" for note in row["notes"])
         for trial in self.trials:
             lines.append(f"  trial    {_format_trial(trial)}")
         for row in self.recommended():

@@ -165,6 +165,10 @@ class TrialRunner:
         trial.decided(keep, record)
         self._start_next()
 
+    def pending(self, unit) -> bool:
+        """Whether a trial of ``unit`` is running or waiting to start."""
+        return any(trial.unit is unit for trial in (self.current, *self.queue) if trial is not None)
+
     @property
     def idle(self) -> bool:
         """No trial running or queued (the queue only waits behind a running trial)."""

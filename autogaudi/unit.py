@@ -142,6 +142,12 @@ class Unit:
         count = self.figures.get(figure) if figure else None
         return [text.format(count)] if count else []
 
+    def watching(self) -> bool:
+        """In force and changed nothing yet: True while it is hooked for what it acts on (a copy, an
+        optimizer, a DDP model), measures, or has a decision to make (the report says "watching");
+        units that decide override it to say False once they decided nothing needs changing."""
+        return True
+
     def revert(self) -> None:
         self.close_scope(self.scope)
 

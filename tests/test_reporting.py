@@ -4,7 +4,7 @@ import json
 
 import torch
 
-from tests.helpers import SCRIPTS, clean_env, run_python
+from tests.helpers import REPO, SCRIPTS, clean_env, run_python
 
 BACKEND = "cuda" if torch.cuda.is_available() else "cpu"  # what a launcher run picks on this machine
 
@@ -62,10 +62,25 @@ def test_the_report_leads_with_what_autogaudi_changed(tmp_path):
     assert "step_profiler" not in changed and "throughput_meter" not in changed  # they only measure
     applied = {unit["name"] for unit in report["units"] if unit["changes"]}
     assert applied == changed
+    # "applied" only where something changed; the rest of the units in force watch or were not needed
+    status = {unit["name"]: unit["status"] for unit in report["units"]}
+    assert {name for name, word in status.items() if word == "applied"} == changed
+    assert status["throughput_meter"] == status["ddp_tuning"] == "watching"  # measuring; no DDP model came
+    assert status["channels_last"] == "watching"  # 10 steps: the step profile it decides on is not taken yet
+    assert report["schema"] == 2
     lines = result.stderr.splitlines()
     headline = next(index for index, line in enumerate(lines) if line.startswith("  changed  "))
     assert headline < next(index for index, line in enumerate(lines) if line.startswith("  unit "))
     assert lines[headline] == f"  changed  {len(report['changed'])} thing{'' if len(report['changed']) == 1 else 's'}:"
+
+
+def test_a_unit_that_decided_nothing_needs_changing_says_not_needed(tmp_path):
+    path = tmp_path / "report.json"
+    result = run_python("-m", "autogaudi", "--report", path, REPO / "examples" / "train_mnist_mlp.py")
+    status = {unit["name"]: unit["status"] for unit in json.loads(path.read_text())["units"]}
+    assert status["channels_last"] == "not needed"  # profiled: no Conv2d in the training model
+    assert status["fused_optimizer"] == "applied" and status["step_profiler"] == "watching"
+    assert "  channels_last       not needed " in result.stderr  # the same words in the table
 
 
 def test_nothing_changed_is_said_so(tmp_path):

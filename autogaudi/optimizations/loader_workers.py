@@ -170,6 +170,10 @@ class LoaderWorkers(Unit):
             profiler.when_profiled(self, self._advise)
         self.reason = "measuring each loader's first epoch"
 
+    def watching(self) -> bool:
+        # no loader yet, or one still being timed; not once every loader it saw is decided
+        return not self._loaders or any(state.phase != "done" for state in self._loaders.values())
+
     def _kept(self, reason: str) -> None:
         self.figures["loaders_kept"] += 1
         self.note(reason)

@@ -420,6 +420,9 @@ class ActsOnProfile(Unit):
     def when_profiled(self, callback) -> None:
         self.session.unit("step_profiler").when_profiled(self, callback)
 
+    def watching(self) -> bool:
+        return self.session.unit("step_profiler").profile is None or self.session.trials.pending(self)
+
     def switch_on_or_try(self, switch, decided, **trial) -> bool:
         """Switch on at once when ``--force``d or with ``--no-trials`` (returns True); otherwise hand
         ``switch`` to a trial, whose outcome goes to ``decided(keep, record)`` (returns False).
