@@ -6,13 +6,7 @@ import sys
 
 import torch
 
-from autogaudi.backends.base import (
-    Backend,
-    MemoryStats,
-    compile_calls,
-    compile_workers_running,
-    release_compiled_calls,
-)
+from autogaudi.backends.base import Backend, MemoryStats, compile_calls, compile_workers_running
 
 
 class CudaBackend(Backend):
@@ -48,8 +42,7 @@ class CudaBackend(Backend):
         return self._graph_kind
 
     def release_graphs(self, graphed) -> None:
-        release_compiled_calls()
-        self.stop_compile_workers()
+        super().release_graphs(graphed)
         if not self._trees_were_started:  # only autogaudi's: the trees (and their memory pool) go
             trees = sys.modules.get("torch._inductor.cudagraph_trees")
             if trees is not None:
