@@ -1,8 +1,12 @@
-"""Where the child-process bootstrap folder (holding ``sitecustomize.py``) lives."""
+"""Paths: where the child-process bootstrap folder (holding ``sitecustomize.py``) lives, and which
+stack frame is the user's code (the file:line the doctor and the report point at)."""
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import os
+import sysconfig
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -20,3 +24,33 @@ def bootstrap_dir() -> str:
         if os.path.isfile(os.path.join(candidate, "sitecustomize.py")):
             return candidate
     raise RuntimeError(f"autogaudi's sitecustomize bootstrap is missing next to {_PACKAGE_DIR}")
+
+
+@functools.cache
+def _library_dirs() -> tuple:
+    # located, not imported: the launcher imports this module before torch is wanted
+    packages = (os.path.dirname(importlib.util.find_spec(name).origin) for name in ("torch", "wrapt"))
+    return (
+        *(os.path.abspath(path) + os.sep for path in packages),
+        _PACKAGE_DIR + os.sep,
+        sysconfig.get_paths()["stdlib"] + os.sep,
+        "<frozen",
+    )
+
+
+def user_location(frame):
+    """(file, line) of the innermost frame that is the user's code (not torch, wrapt, autogaudi or
+    the standard library), or None."""
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not filename.startswith(_library_dirs()):
+            return os.path.abspath(filename), frame.f_lineno
+        frame = frame.f_back
+    return None
+
+
+def short_location(location) -> str:
+    """``file:line``, the file relative to the working directory when it is under it."""
+    path, line = location
+    relative = os.path.relpath(path)
+    return f"{path if relative.startswith('..') else relative}:{line}"

@@ -7,11 +7,11 @@ low: efficiency left on the table); within a severity, findings with the larger 
 
 from __future__ import annotations
 
-import os
 from collections import Counter, defaultdict
 
 import torch
 
+from autogaudi._paths import short_location
 from autogaudi.diagnosis import gaudi_facts as facts
 
 SCHEMA = "autogaudi.doctor/1"
@@ -399,7 +399,7 @@ class Diagnosis:
         if not self.findings:
             lines.append("  no findings: nothing here that is known to be slow on Gaudi")
         for number, finding in enumerate(self.findings, 1):
-            where = f" at {_short(finding.location)}" if finding.location else ""
+            where = f" at {short_location(finding.location)}" if finding.location else ""
             lines.append(f"{number:>3}. [{finding.severity}] {finding.kind}{where}: {finding.title}")
             lines.append(f"     evidence: {_evidence(finding.evidence)}")
             lines.append(f"     why: {finding.why}")
@@ -413,12 +413,6 @@ def _device_of(observer) -> str:
         for parameter in model.parameters():
             return parameter.device.type
     return "cpu"
-
-
-def _short(location) -> str:
-    path, line = location
-    relative = os.path.relpath(path)
-    return f"{path if relative.startswith('..') else relative}:{line}"
 
 
 def _evidence(evidence: dict) -> str:

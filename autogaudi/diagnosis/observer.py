@@ -24,21 +24,18 @@ autogaudi and the standard library: the user's file:line.
 from __future__ import annotations
 
 import linecache
-import os
 import sys
-import sysconfig
 import time
 from collections import Counter, defaultdict
 
 import torch
-import wrapt
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils import _pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import dataloader
 from torch.utils.weak import WeakIdKeyDictionary
 
-import autogaudi
+from autogaudi._paths import user_location
 from autogaudi.diagnosis import gaudi_facts
 from autogaudi.optimizations.graph_capture import input_shapes
 from autogaudi.unit import Scope
@@ -57,25 +54,12 @@ DATA_DEPENDENT_SHAPE_OPS = frozenset(
     }
 )
 UNSUPPORTED_DTYPES = frozenset(getattr(torch, name) for name in gaudi_facts.UNSUPPORTED_DTYPES)
-_LIBRARY_DIRS = tuple(
-    os.path.dirname(os.path.abspath(module.__file__)) + os.sep for module in (torch, wrapt, autogaudi)
-) + (sysconfig.get_paths()["stdlib"] + os.sep, "<frozen")
 _HOST_READ_METHODS = {"tolist": "tolist", "cpu": "cpu", "numpy": "numpy", "__repr__": "print"}
 
 
 class StopDiagnosis(BaseException):
     """Raised from the optimizer step hook once enough steps were seen: a BaseException, so the
     script's own ``except Exception`` does not swallow it."""
-
-
-def user_location(frame):
-    """(file, line) of the innermost frame that is the user's code, or None."""
-    while frame is not None:
-        filename = frame.f_code.co_filename
-        if not filename.startswith(_LIBRARY_DIRS):
-            return os.path.abspath(filename), frame.f_lineno
-        frame = frame.f_back
-    return None
 
 
 def read_kind(location, default: str) -> str:
