@@ -49,6 +49,9 @@ class Backend:
     # Whether graph_forward(static_outputs=False) can capture a module whose outputs outlive the next
     # call (called several times per step): False where every replay writes into the same tensors.
     graphs_can_keep_outputs = True
+    # Whether the host queues work ahead of the device, so that reading a device value (``.item()``)
+    # stalls it until the device has drained (CUDA streams, Gaudi's lazy and eager queues).
+    host_runs_ahead = False
     # torch.optim classes with a fused kernel on this backend (torch >= 2.4 for CPU).
     FUSED_TORCH_OPTIMIZERS = ("Adam", "AdamW", "SGD")
     # Whether compile workers were up before graph_forward compiled (then none of them are ours).
@@ -69,6 +72,11 @@ class Backend:
     def memory_stats(self):
         """A :class:`MemoryStats`, or None where the backend cannot tell."""
         return None
+
+    def fast_bf16(self) -> bool:
+        """Whether bf16 autocast runs matrix products faster than float32 here (tensor cores, Gaudi's
+        MME); not the CPU's default: on the 2-core machine here it ran 0.10-0.33x (issue 20)."""
+        return False
 
     def graph_forward(self, module, exact_random: bool = False, static_outputs: bool = True):
         """A callable taking ``module(...)``'s arguments that replays captured graphs (cutting

@@ -14,12 +14,16 @@ class CudaBackend(Backend):
     device_type = "cuda"
     pin_memory_device = "cuda"
     least_capture_one_off_s = 3.0
+    host_runs_ahead = True
 
     def device_name(self) -> str:
         return torch.cuda.get_device_name()
 
     def synchronize(self) -> None:
         torch.cuda.synchronize()
+
+    def fast_bf16(self) -> bool:
+        return torch.cuda.get_device_capability() >= (8, 0)  # bf16 tensor cores from Ampere on
 
     def memory_stats(self):
         total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory

@@ -58,12 +58,16 @@ class HpuBackend(Backend):
     pin_memory_device = "hpu"
     graphs_can_draw_eager_random = False  # an inductor setting; the Gaudi graph compilers have none
     least_capture_one_off_s = 1.0  # never measured (no Gaudi): the earlier, conservative floor
+    host_runs_ahead = True
 
     def __init__(self, reason: str, core, hpu, lazy: bool):
         super().__init__(reason)
         self._core = core
         self._hpu = hpu
         self.is_lazy = lazy
+
+    def fast_bf16(self) -> bool:
+        return True  # the MME's native type (Gaudi performance guide: bf16 autocast)
 
     @property
     def graphs_hold_gradients(self) -> bool:

@@ -40,13 +40,16 @@ different collectives.
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 import warnings
 import weakref
+from collections import Counter
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from autogaudi._paths import short_location, user_location
 from autogaudi.ranks import rank_zero_choice
 from autogaudi.trials import Trial
 from autogaudi.unit import Scope, Unit
@@ -54,6 +57,12 @@ from autogaudi.unit import Scope, Unit
 PAIRS = 5
 INPUT_BOUND = 0.5
 HOST_BOUND = 0.5
+# Matrix products: what tensor cores and Gaudi's MME run in bf16 under autocast (forward and backward).
+MATRIX_OPS = frozenset(
+    {"mm", "addmm", "bmm", "baddbmm", "addbmm", "convolution", "convolution_backward"}
+    | {f"_scaled_dot_product_{kind}_attention" for kind in ("flash", "efficient", "cudnn", "flash_attention_for_cpu")}
+)
+FP32_MATRIX_SHARE = 0.9  # a step whose matrix products run in float32 at least this often trains in fp32
 
 
 def _share(fraction: float) -> str:
@@ -102,6 +111,8 @@ class _Census(TorchDispatchMode):
         self.collective_seconds = 0.0
         self._in_flight: list = []  # the futures of the collectives not yet seen completed
         self._gap = None  # (wall, thread CPU time) when an op ended with a collective in flight
+        self.host_reads = Counter()  # (device type, user's (file, line) or None) -> reads of a value
+        self.matrix_ops = Counter()  # input dtype -> matrix products
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops += 1
@@ -112,10 +123,25 @@ class _Census(TorchDispatchMode):
         self.cpu_seconds += end - start
         if func.namespace == "c10d":
             self._watch(result)
+        else:
+            self._note_op(func, args, kwargs)
         self._drop_completed()
         if self._in_flight:
             self._gap = (end, time.thread_time())
         return result
+
+    def _note_op(self, func, args, kwargs) -> None:
+        """Host reads of a tensor's value (``.item()``, ``float()``, ``bool()``, ``.cpu()``) with the
+        user's line that made them, and the dtype each matrix product ran in."""
+        name = func.overloadpacket.__name__
+        source = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if source is None:
+            return
+        to_host = name == "_to_copy" and source.device.type != "cpu" and str(kwargs.get("device")) == "cpu"
+        if name == "_local_scalar_dense" or to_host:
+            self.host_reads[(source.device.type, user_location(sys._getframe(2)))] += 1
+        elif name in MATRIX_OPS:
+            self.matrix_ops[source.dtype] += 1
 
     def _watch(self, result) -> None:
         from torch._C._distributed_c10d import Work  # only reached on builds with torch.distributed
@@ -313,6 +339,8 @@ class StepProfiler(Unit):
         self._censuses: list = []  # (ops, busy seconds, collective wait seconds or None) of each census step
         self._roots: list = []
         self._calls: list = []  # calls of each root module (by id) in each census step
+        self._reads: list = []  # host reads (device type, where) of each census step
+        self._matrix_ops = Counter()  # input dtype -> matrix products, over the census steps
         self._done = 0
         steps = self.session.steps
         steps.after_step(self, self._after_step)
@@ -348,6 +376,8 @@ class StepProfiler(Unit):
             census_step, self._census_step = self._census_step, None  # a failing stop is not undone twice
             self._censuses.append(census_step.stop())
             self._calls.append(census_step.roots.calls)
+            self._reads.append(census_step.census.host_reads)
+            self._matrix_ops.update(census_step.census.matrix_ops)
         if done == 2 * PAIRS:
             self._finish_census(optimizer)
         else:
@@ -397,6 +427,7 @@ class StepProfiler(Unit):
                 "HPU lazy: the device time is the wait in synchronize() after mark_step, which also drains "
                 "the host's graph building; a host-bound run can read device-bound"
             )
+        self._advise(root)
         self._roots, self._calls = [], []  # hold none of the user's objects
         self.session.steps.forget(self)  # classified once: no more work on every step and batch
         subscribers, self._subscribers = self._subscribers, []
@@ -406,6 +437,39 @@ class StepProfiler(Unit):
             with unit.fail_open():
                 callback(self.profile)
         self.session.check_settled()
+
+    def _advise(self, root) -> None:
+        """Figures from what the census steps saw, and where they cost time on this backend, what the
+        user could change (autogaudi changes neither: both change what the script computes or prints)."""
+        device = next((p.device.type for p in root.parameters()), None) if root is not None else None
+        device = device or self.backend.device_type  # reads of the training device's values only
+        sites = Counter()
+        for reads in self._reads:
+            sites.update({where: count for (kind, where), count in reads.items() if kind == device and where})
+        per_step = statistics.median(
+            sum(count for (kind, _where), count in reads.items() if kind == device) for reads in self._reads
+        )
+        self.figures["host_reads_per_step"] = per_step
+        where = [f"{short_location(site)} ({count / len(self._reads):g}/step)" for site, count in sites.most_common(3)]
+        if where:
+            self.figures["host_read_sites"] = where
+        if per_step >= 1 and self.backend.host_runs_ahead:
+            self.recommend(
+                f"{per_step:g} host read(s) of device values per step (.item(), float(), bool(), .cpu()) at "
+                f"{', '.join(where)}: each makes the host wait until the device has finished the step, so the "
+                "next step cannot be queued behind it; read every N steps, or accumulate on the device"
+            )
+        matrix = sum(self._matrix_ops.values())
+        if not matrix:
+            return
+        fp32 = self._matrix_ops[torch.float32] / matrix
+        self.figures["fp32_matrix_fraction"] = round(fp32, 3)
+        if fp32 >= FP32_MATRIX_SHARE and self.profile.bound == "device" and self.backend.fast_bf16():
+            self.recommend(
+                f"device-bound, and {fp32:.0%} of the step's matrix products run in float32: bf16 autocast runs "
+                f'them on the matrix units; try torch.autocast(device_type="{self.backend.device_type}", '
+                "dtype=torch.bfloat16) around the forward and the loss, and compare the loss curve"
+            )
 
 
 class ActsOnProfile(Unit):

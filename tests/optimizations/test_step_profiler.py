@@ -172,6 +172,50 @@ def test_hpu_device_time_comes_from_the_synchronize_wait(hpu_double, device_seco
     assert calls.names() == [*synchronize, "mark_step", *synchronize] * PAIRS
 
 
+def train_reading_the_loss(model, batches, autocast=False):
+    """A loop that reads its loss every step (``.item()``), as most scripts print or log it."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    seen = []
+    for _, (inputs, labels) in zip(range(STEPS), batches):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = nn.functional.cross_entropy(model(inputs), labels)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        seen.append(loss.item())  # READS THE LOSS
+    return seen
+
+
+READ_LINE = next(number for number, line in enumerate(open(__file__), 1) if line.rstrip().endswith("# READS THE LOSS"))
+
+
+def test_host_reads_and_matrix_dtypes_are_measured_but_cost_nothing_on_the_cpu():
+    """The CPU runs each op as it is issued: a read waits for nothing, and bf16 was measured slower
+    here; the figures are there, the recommendations are not."""
+    autogaudi.enable(device="cpu", only="step_profiler")
+    train_reading_the_loss(nn.Linear(16, 3), endless(lambda: (torch.randn(8, 16), torch.randint(0, 3, (8,)))))
+    row = profile_row()
+    assert row["figures"]["host_reads_per_step"] == 1, row
+    assert row["figures"]["host_read_sites"] == [f"tests/optimizations/test_step_profiler.py:{READ_LINE} (1/step)"]
+    assert row["figures"]["fp32_matrix_fraction"] == 1.0 and row["recommendations"] == [], row
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_on_a_device_that_runs_ahead_reads_and_fp32_products_are_recommended_against(hpu_double, autocast):
+    calls = hpu_double(lazy=True)
+    autogaudi.enable(device="hpu", only="step_profiler")
+    calls.DEVICE_SECONDS[0] = 0.05  # device-bound
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3))
+    train_reading_the_loss(model, endless(lambda: (torch.randn(8, 16), torch.randint(0, 3, (8,)))), autocast)
+    row = profile_row()
+    assert row["figures"]["bound"] == "device", row
+    reads, *precision = row["recommendations"]
+    assert reads.startswith("1 host read(s)") and f"test_step_profiler.py:{READ_LINE}" in reads, reads
+    # a script that already runs its products in bf16 is not told to
+    assert row["figures"]["fp32_matrix_fraction"] == (0.0 if autocast else 1.0), row
+    assert [bool(precision), "bfloat16" in "".join(precision)] == [not autocast] * 2, precision
+
+
 class PassThrough(TorchDispatchMode):
     """A mode of the script's own, around its whole loop."""
 
