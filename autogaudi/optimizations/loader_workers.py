@@ -4,8 +4,9 @@ Why: with ``num_workers=0`` (the default) the training loop itself builds every 
 device (or the compute threads) idle while ``__getitem__`` runs. Workers build batches in parallel.
 But workers also cost: on a 2-core machine one worker was measured slower than none, and a compute-
 bound step loses from the cores the workers take. So nothing is assumed: during the first epoch,
-after two warm-up batches, autogaudi times 16 batches — time waiting for the batch vs time between
-batches — and only when waiting is at least half of it does it tune that loader, in place, at once:
+after two warm-up batches, autogaudi times 16 batches (6 when waiting already holds 80%) — time
+waiting for the batch vs time between batches — and only when waiting is at least half of it does it
+tune that loader, in place, at once:
 ``num_workers`` from the machine (physical cores per local rank, less one for the main process, at
 least 2), ``prefetch_factor=2``, and the main process's intra-op threads cut to the cores the
 workers leave free. The epoch being measured goes on with workers from its next batch
@@ -47,6 +48,9 @@ from autogaudi.unit import Unit
 WARMUP_BATCHES = 2
 MEASURED_BATCHES = 16
 INPUT_BOUND = 0.5  # the share of each step spent waiting for data above which workers are tried
+# A loader this starved after EARLY_BATCHES is tuned at once: the 10 batches more that a borderline
+# loader is timed for would only cost it (the re-timed window still puts back workers that lose).
+EARLY_BATCHES, CLEARLY_INPUT_BOUND = 6, 0.8
 _NUM_WORKERS_POSITION = 5  # DataLoader(dataset, batch_size, shuffle, sampler, batch_sampler, num_workers)
 
 
@@ -136,10 +140,20 @@ class _Timing:
         return 1000 * (self.waited + self.computed) / max(self.batches, 1)
 
 
+def measured_enough(timing: _Timing, phase: str) -> bool:
+    """Whether a window has timed enough batches to decide on: all of them, except before tuning
+    when waiting for data already dominates."""
+    if phase == "before" and timing.batches >= EARLY_BATCHES and timing.input_bound >= CLEARLY_INPUT_BOUND:
+        return True
+    return timing.batches >= MEASURED_BATCHES
+
+
 class _Loader:
     def __init__(self, loader):
         self.loader = weakref.ref(loader)  # the script owns the loader; this must not keep it alive
-        self.phase = "before"  # before -> after (tuned, being checked) -> done
+        # before -> [next epoch (tuned, its workers start with the next epoch)] -> after (tuned, being
+        # checked) -> done
+        self.phase = "before"
         self.windows = {"before": _Timing(), "after": _Timing()}
         self.epoch_batches = 0
         self.last_end = None
@@ -165,6 +179,7 @@ class LoaderWorkers(Unit):
         steps.after_batch(self, self._after_batch)
         self.on_revert(self._untune_all)
         self._script_workers: list = []  # num_workers of the loaders whose script chose it
+        self._iterable_loaders = 0  # in-process loaders over an IterableDataset (never tuned)
         profiler = self.session.unit("step_profiler")
         if profiler is not None and profiler in self.session.applied:
             profiler.when_profiled(self, self._advise)
@@ -196,6 +211,7 @@ class LoaderWorkers(Unit):
             self._script_workers.append(chosen)
         elif isinstance(dataset, IterableDataset):
             self._kept("iterable datasets are kept in-process: each worker would replay the whole stream")
+            self._iterable_loaders += 1
         else:
             self._loaders[loader] = _Loader(loader)
             if raisable:
@@ -206,11 +222,21 @@ class LoaderWorkers(Unit):
         return None
 
     def _advise(self, profile) -> None:
-        """A step that waits for data from a loader whose script chose num_workers: the script's choice
-        is kept (worker random streams would differ), but what was measured and what to try is said."""
-        if profile.bound != "input" or not self._script_workers:
+        """A step that waits for data from a loader autogaudi may not tune: a script-chosen num_workers
+        (worker random streams would differ) or an IterableDataset (only the dataset knows how to
+        split its stream); what was measured and what to try is said."""
+        if profile.bound != "input":
             return
         workers, _threads = worker_budget()
+        if self._iterable_loaders:
+            self.recommend(
+                f"the step waits for data {profile.figures['input_wait_fraction']:.0%} of the time and an "
+                "IterableDataset feeds it in-process; workers would each replay the whole stream unless the "
+                "dataset splits it by torch.utils.data.get_worker_info() (id, num_workers): if yours does, "
+                f"try num_workers={workers}"
+            )
+        if not self._script_workers:
+            return
         chosen = max(self._script_workers)
         if chosen >= workers:
             return
@@ -229,6 +255,8 @@ class LoaderWorkers(Unit):
             # Checking a tuned loader counts from the moment its workers are started, so their
             # start-up (a fresh interpreter each under spawn) weighs against them.
             state.epoch_batches = 0
+            if state.phase == "next epoch":
+                state.phase = "after"
             state.last_end = time.perf_counter() if state.phase == "after" else None
         self._starting = state
 
@@ -246,7 +274,7 @@ class LoaderWorkers(Unit):
 
     def _after_batch(self, iterator, _batch, waited: float) -> None:
         state = self._state(iterator)
-        if state is None:
+        if state is None or state.phase == "next epoch":  # the rest of this epoch has the old workers
             return
         now = time.perf_counter()
         window = state.windows[state.phase]
@@ -258,7 +286,7 @@ class LoaderWorkers(Unit):
                 state.draws_randomness = True
         state.last_end = now
         state.epoch_batches += 1
-        if window.batches == MEASURED_BATCHES:
+        if measured_enough(window, state.phase):
             self._decide(state, iterator)
 
     def _decide(self, state, iterator) -> None:
@@ -304,10 +332,13 @@ class LoaderWorkers(Unit):
         if self._threads_before is None:
             self._threads_before = torch.get_num_threads()
             torch.set_num_threads(min(threads, self._threads_before))
+        # timed on from the last measured batch, or from the next epoch's start: the workers' start-up
+        # counts against them
+        state.phase = "next epoch"
         if type(iterator) is dataloader._SingleProcessDataLoaderIter:
             self.session.steps.route_batches(iterator, workers_for_rest_of_epoch(iterator, loader))
             self.figures["workers_from_batch"] = state.epoch_batches + 1
-        state.phase = "after"  # timed on from the last measured batch: the workers' start-up counts against them
+            state.phase = "after"
         self.figures.update(
             loaders_tuned=self.figures["loaders_tuned"] + 1, workers=workers, main_threads=torch.get_num_threads()
         )
