@@ -16,6 +16,7 @@ import torch
 import torch.distributed
 
 from autogaudi import backends
+from autogaudi.events import Dispatcher
 from autogaudi.ranks import gather_from_ranks, is_rank_zero, several_ranks
 from autogaudi.registry import UNITS
 from autogaudi.reporting import APPLIED, FAILED, SKIPPED, Report, UnitRow
@@ -27,11 +28,33 @@ from autogaudi.unit import Scope, warn
 TARGETS = ("torch.distributed.destroy_process_group",)
 
 
+def start_order(units: dict) -> list:
+    """The units' names in registry order, each after the units it ``requires`` (a stable
+    topological sort); a cycle is a programming error and raises."""
+    order, placing = [], set()
+
+    def place(name):
+        if name in order:
+            return
+        if name in placing:
+            raise ValueError(f"units require each other: {name}")
+        placing.add(name)
+        for needed in getattr(units[name], "requires", ()):
+            if needed in units:
+                place(needed)
+        order.append(name)
+
+    for name in units:
+        place(name)
+    return order
+
+
 class Session:
     def __init__(self, options, sources: tuple):
         self.options = options
         self.sources = sources
         self.backend = None
+        self.events = Dispatcher()
         self.steps = None
         self.trials = None
         self.active = False
@@ -44,27 +67,38 @@ class Session:
 
     def start(self) -> None:
         self.backend = backends.select(self.options.device)
-        self.steps = TrainingSteps(self.backend, self.options)
+        self.steps = TrainingSteps(self.backend, self.options, self.events)
         self.steps.install()
-        self.trials = TrialRunner(self.steps, on_idle=self.check_settled)
+        self.trials = TrialRunner(self.steps, self.events, on_idle=self.check_settled)
         if torch.distributed.is_available():
             self._scope.wrap(torch.distributed, "destroy_process_group", self._before_destroy)
         self.active = True
-        for info in UNITS:
-            self._start_unit(info)
+        units = {info.name: self._load(info) for info in UNITS}
+        for name in start_order(units):
+            if units[name] is not None:
+                self._start_unit(units[name])
         self.check_settled()
 
-    def _start_unit(self, info) -> None:
+    def _load(self, info):
+        """The unit's object, or None (switched off, or it failed to load: its row says so)."""
         row = self.rows[info.name]
         switched_off = self.options.unit_switched_off(info.name)
         if switched_off:
             row.set(SKIPPED, switched_off)
-            return
+            return None
         try:
             module_name, class_name = info.module.split(":")
-            unit = getattr(importlib.import_module(module_name), class_name)(self, info)
-            row.unit = unit
-            reason = unit.skip_reason()
+            row.unit = getattr(importlib.import_module(module_name), class_name)(self, info)
+        except Exception as error:
+            row.set(FAILED, f"could not load: {error!r}")
+            return None
+        return row.unit
+
+    def _start_unit(self, unit) -> None:
+        row = self.rows[unit.name]
+        missing = [name for name in unit.requires if self.unit(name) not in self.applied]
+        try:
+            reason = f"needs the {', '.join(missing)} unit, which is not on" if missing else unit.skip_reason()
         except Exception as error:
             row.set(FAILED, f"could not load: {error!r}")
             return
@@ -107,7 +141,7 @@ class Session:
 
     def _revert(self, unit) -> None:
         self.trials.cancel(unit)
-        self.steps.forget(unit)
+        self.events.forget(unit)  # also done by its revert(), unless an earlier undo raises
         try:
             unit.revert()
         except Exception as error:

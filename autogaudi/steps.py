@@ -1,11 +1,11 @@
-"""Where the training steps are: every backward pass and every optimizer step, seen once.
+r"""Where the training steps are: every backward pass and every optimizer step, seen once.
 
 Several units need the same moments (HPU step marks, throughput, the step profiler), so the
-session watches them once and hands them out: ``torch.autograd.backward`` is wrapped (``loss.backward()``
-and ``scaler.scale(loss).backward()`` both go through it), and optimizer steps come from torch's
-own ``register_optimizer_step_post_hook``, which fires for every optimizer, including
-``GradScaler.step`` and ``step(closure)``. Listeners are units; a listener that raises fails only
-its own unit. Timing reads the clock at step boundaries and adds no device synchronisation.
+session watches them once and emits them as :class:`~autogaudi.events.Event`\ s:
+``torch.autograd.backward`` is wrapped (``loss.backward()`` and ``scaler.scale(loss).backward()``
+both go through it), and optimizer steps come from torch's own ``register_optimizer_step_post_hook``,
+which fires for every optimizer, including ``GradScaler.step`` and ``step(closure)``. Timing reads
+the clock at step boundaries and adds no device synchronisation.
 
 A *training step* is one iteration of the user's loop: a step of one optimizer, the pacer (the first
 to step; a GAN's two optimizers or forward-forward's per-layer ones make one iteration one step; the
@@ -17,6 +17,7 @@ has its steps counted by backward passes; an optimizer that steps later takes ov
 from __future__ import annotations
 
 import functools
+import inspect
 import sys
 import time
 import weakref
@@ -25,6 +26,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.data import dataloader
 
+from autogaudi.events import Event
 from autogaudi.unit import Scope
 
 # What the step watcher patches (dotted owner.attribute), besides torch's optimizer-step hooks.
@@ -37,12 +39,27 @@ TARGETS = (
 NO_OPTIMIZER_AFTER = 16  # backward passes with no optimizer step before backward passes count as steps
 REPACE_AFTER = 8  # steps of another optimizer in a row, the pacer silent, before it paces instead
 BY_OPTIMIZER, BY_BACKWARD = "optimizer steps", "backward passes"
+_LOADER_SIGNATURE = inspect.signature(dataloader.DataLoader.__init__)
+
+
+def loader_arguments(loader, args: tuple, kwargs: dict, defaults: bool = False):
+    """The arguments of a DataLoader constructor call (``Event.LOADER_BUILT``) by name: those the
+    script gave (with ``defaults``, every one); None for a call that does not bind (DataLoader
+    raises its own error)."""
+    try:
+        bound = _LOADER_SIGNATURE.bind(loader, *args, **kwargs)
+    except TypeError:
+        return None
+    if defaults:
+        bound.apply_defaults()
+    return {name: value for name, value in bound.arguments.items() if name != "self"}
 
 
 class TrainingSteps:
-    def __init__(self, backend, options):
+    def __init__(self, backend, options, events):
         self.backend = backend
         self.options = options
+        self.events = events  # the session's Dispatcher: what this watcher sees, it emits there
         self.backwards = 0
         self.optimizer_steps = 0
         self.steps = 0  # training steps: iterations of the user's loop
@@ -50,18 +67,16 @@ class TrainingSteps:
         self._pacer = None  # weak reference to the optimizer whose steps are the training steps
         self._others_in_a_row = 0
         self._step_frames: list = []  # steps under way: backward passes in step(closure) (LBFGS) are not steps
-        self._loader_adjusters: list = []
-        self._epoch_listeners: list = []
-        self._before_batch_listeners: list = []
-        self._after_batch_listeners: list = []
-        self._before_backward_listeners: list = []
-        self._after_backward_listeners: list = []
-        self._after_optimizer_listeners: list = []
-        self._after_step_listeners: list = []
         self._routes = weakref.WeakKeyDictionary()  # DataLoader iterator -> the iterator yielding its batches
         self._scope = Scope()
         self._timed_from = None  # (step number, clock) once warm-up is over
         self.last_step_clock = None
+
+    @property
+    def warmed_up(self) -> bool:
+        """Whether the ``warmup_steps`` training steps (compiles, caches, allocator growth) are over:
+        the timed window, the profiler's and the throughput meter's, starts at that boundary."""
+        return self.steps >= self.options.warmup_steps
 
     @property
     def trained(self) -> bool:
@@ -79,71 +94,14 @@ class TrainingSteps:
     def uninstall(self) -> None:
         self._scope.close()
 
-    def adjust_loader(self, unit, adjuster) -> None:
-        """``adjuster(loader, args, kwargs) -> (args, kwargs) or None`` before a ``DataLoader`` (the
-        class itself, not a subclass: its constructor may mean something else) is built; adjusters
-        run in unit order, each seeing the previous one's arguments; None leaves them as they are."""
-        self._loader_adjusters.append((unit, adjuster))
-
-    def before_epoch(self, unit, listener) -> None:
-        """``listener(loader)`` when a DataLoader is about to create the iterator of a new epoch."""
-        self._epoch_listeners.append((unit, listener))
-
-    def before_batch(self, unit, listener) -> None:
-        """``listener(iterator)`` before a DataLoader iterator fetches a batch."""
-        self._before_batch_listeners.append((unit, listener))
-
-    def after_batch(self, unit, listener) -> None:
-        """``listener(iterator, batch, waited_seconds)`` once a batch has been fetched."""
-        self._after_batch_listeners.append((unit, listener))
-
-    def before_backward(self, unit, listener) -> None:
-        self._before_backward_listeners.append((unit, listener))
-
-    def after_backward(self, unit, listener) -> None:
-        self._after_backward_listeners.append((unit, listener))
-
-    def after_optimizer_step(self, unit, listener) -> None:
-        """``listener(optimizer)`` after every step of every optimizer."""
-        self._after_optimizer_listeners.append((unit, listener))
-
-    def after_step(self, unit, listener) -> None:
-        """``listener(optimizer or None)`` at the end of each training step (see the module's docstring):
-        the pacing optimizer, or None where steps are counted by backward passes."""
-        self._after_step_listeners.append((unit, listener))
-
-    def forget(self, unit) -> None:
-        """Drop a unit's listeners (it was reverted)."""
-        for listeners in (
-            self._loader_adjusters,
-            self._epoch_listeners,
-            self._before_batch_listeners,
-            self._after_batch_listeners,
-            self._before_backward_listeners,
-            self._after_backward_listeners,
-            self._after_optimizer_listeners,
-            self._after_step_listeners,
-        ):
-            listeners[:] = [(owner, fn) for owner, fn in listeners if owner is not unit]
-
-    def forget_listener(self, unit, listener) -> None:
-        """Drop one training-step listener of a unit (e.g. a finished trial's)."""
-        self._after_step_listeners[:] = [
-            (owner, fn) for owner, fn in self._after_step_listeners if not (owner is unit and fn == listener)
-        ]
-
     def _new_loader(self, wrapped, instance, args, kwargs):
+        # the class itself, not a subclass: a subclass's constructor arguments may mean something else
         if type(instance) is dataloader.DataLoader:
-            for unit, adjuster in tuple(self._loader_adjusters):
-                adjusted = None
-                with unit.fail_open():
-                    adjusted = adjuster(instance, args, kwargs)
-                if adjusted is not None:
-                    args, kwargs = adjusted
+            args, kwargs = self.events.adjust(Event.LOADER_BUILT, instance, args, kwargs)
         return wrapped(*args, **kwargs)
 
     def _new_epoch(self, wrapped, instance, args, kwargs):
-        self._notify(self._epoch_listeners, instance)
+        self.events.emit(Event.EPOCH_START, instance)
         return wrapped(*args, **kwargs)
 
     def route_batches(self, iterator, source) -> None:
@@ -156,19 +114,19 @@ class TrainingSteps:
         source = self._routes.get(instance)
         if source is not None:  # the original __next__, run on the source: not seen twice here
             wrapped, args, kwargs = functools.partial(wrapped.__func__, source), (), {}
-        if not (self._before_batch_listeners or self._after_batch_listeners):
+        if not self.events.listening(Event.BEFORE_BATCH, Event.BATCH_FETCHED):
             return wrapped(*args, **kwargs)
-        self._notify(self._before_batch_listeners, instance)
+        self.events.emit(Event.BEFORE_BATCH, instance)
         start = time.perf_counter()
         batch = wrapped(*args, **kwargs)  # StopIteration and the user's errors pass straight through
-        self._notify(self._after_batch_listeners, instance, batch, time.perf_counter() - start)
+        self.events.emit(Event.BATCH_FETCHED, instance, batch, time.perf_counter() - start)
         return batch
 
     def _backward(self, wrapped, instance, args, kwargs):
-        self._notify(self._before_backward_listeners)
+        self.events.emit(Event.BEFORE_BACKWARD)
         result = wrapped(*args, **kwargs)
         self.backwards += 1
-        self._notify(self._after_backward_listeners)
+        self.events.emit(Event.AFTER_BACKWARD)
         if self._step_frames and self._inside_an_optimizer_step():
             return result
         if self.counted_by is None and self.backwards >= NO_OPTIMIZER_AFTER and not self.optimizer_steps:
@@ -184,7 +142,7 @@ class TrainingSteps:
         if self._step_frames:
             self._step_frames.pop()
         self.optimizer_steps += 1
-        self._notify(self._after_optimizer_listeners, optimizer)
+        self.events.emit(Event.OPTIMIZER_STEP, optimizer)
         if self._paces(optimizer):
             self._end_step(optimizer)
 
@@ -215,14 +173,9 @@ class TrainingSteps:
         self.steps += 1
         now = time.perf_counter()
         self.last_step_clock = now
-        if self.steps == self.options.warmup_steps + 1:
+        if self._timed_from is None and self.warmed_up:
             self._timed_from = (self.steps, now)
-        self._notify(self._after_step_listeners, optimizer)
-
-    def _notify(self, listeners, *args) -> None:
-        for unit, listener in tuple(listeners):
-            with unit.fail_open():
-                listener(*args)
+        self.events.emit(Event.TRAINING_STEP, optimizer)
 
     @property
     def timed(self):

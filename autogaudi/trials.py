@@ -28,6 +28,7 @@ from __future__ import annotations
 import statistics
 import time
 
+from autogaudi.events import Event
 from autogaudi.ranks import rank_zero_choice
 
 BLOCK = 3  # steps per block
@@ -99,12 +100,14 @@ class Trial:
 class TrialRunner:
     """Runs the session's trials one after another at optimizer-step boundaries."""
 
-    def __init__(self, steps, on_idle=lambda: None):
+    def __init__(self, steps, events, on_idle=lambda: None):
         self.steps = steps
+        self.events = events
         self.on_idle = on_idle  # called whenever the last queued trial is decided or cancelled
         self.queue: list = []
         self.current = None
-        self._waiting_on = None  # the unit whose listener looks for a trial whose step has come
+        self._running = None  # the handle of the running trial's step listener
+        self._waiting = None  # the handle of the listener that looks for a trial whose step has come
         self.last_clock = None
         self.records: list = []
 
@@ -123,11 +126,10 @@ class TrialRunner:
             self.queue.remove(self.current)
             self.current.started_at_step = self.steps.steps
             self.last_clock = None
-            self.steps.after_step(self.current.unit, self._after_step)
+            self._running = self.events.on(Event.TRAINING_STEP, self.current.unit, self._after_step)
             self._flip(self.current.schedule[0])
         elif self.queue:
-            self._waiting_on = self.queue[0].unit
-            self.steps.after_step(self._waiting_on, self._look_again)
+            self._waiting = self.events.on(Event.TRAINING_STEP, self.queue[0].unit, self._look_again)
         else:
             self.on_idle()
 
@@ -137,9 +139,9 @@ class TrialRunner:
             self._start_next()
 
     def _stop_waiting(self) -> None:
-        if self._waiting_on is not None:
-            self.steps.forget_listener(self._waiting_on, self._look_again)
-            self._waiting_on = None
+        if self._waiting is not None:
+            self._waiting.remove()
+            self._waiting = None
 
     def _flip(self, on: bool) -> None:
         self.current.switch(on)
@@ -160,7 +162,7 @@ class TrialRunner:
         record["decision"] = "kept" if keep else "rejected"
         record["started_at_step"] = trial.started_at_step
         self.records.append(record)
-        self.steps.forget_listener(trial.unit, self._after_step)
+        self._running.remove()
         trial.switch(keep)
         trial.decided(keep, record)
         self._start_next()
@@ -178,7 +180,7 @@ class TrialRunner:
         """Drop a unit's trials (the unit was reverted)."""
         self.queue = [trial for trial in self.queue if trial.unit is not unit]
         if self.current is not None and self.current.unit is unit:
-            self.steps.forget_listener(unit, self._after_step)
+            self._running.remove()
             self._start_next()
         elif self.current is None:
             self._stop_waiting()

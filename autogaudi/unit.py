@@ -17,6 +17,9 @@ import sys
 import torch
 import wrapt
 
+from autogaudi.events import Event
+from autogaudi.trials import Trial
+
 ALL_BACKENDS = ("hpu", "cuda", "cpu")
 
 
@@ -99,6 +102,7 @@ class Unit:
 
     targets: tuple = ()
     acts_on: tuple = ()
+    requires: tuple = ()  # units that must be in force for this one to apply; the session starts them first
     backends: tuple = ALL_BACKENDS
     min_torch: tuple = (2, 4)  # the oldest torch whose APIs the unit relies on
     why_not_elsewhere = ""  # why the other backends do not need it, for the report
@@ -169,6 +173,12 @@ class Unit:
         if text not in self.recommendations:
             self.recommendations.append(text)
 
+    def on(self, event: Event, listener, scope=None) -> None:
+        """Call ``listener`` at every ``event`` while this unit is in force (or until ``scope``, one of
+        its child scopes, closes); a listener that raises reverts the unit."""
+        handle = self.session.events.on(event, self, listener)
+        (self.scope if scope is None else scope).add(handle.remove)
+
     def on_revert(self, undo) -> None:
         """Register how to undo something done outside :meth:`wrap` (e.g. ``handle.remove``)."""
         self.scope.add(undo)
@@ -180,6 +190,36 @@ class Unit:
             yield
         except Exception as error:
             self.session.unit_failed_at_run_time(self, error)
+
+
+class ActsOnProfile(Unit):
+    """Base of the units that act once the step is profiled (on the training model it finds) and
+    switch on at once or through a trial."""
+
+    requires = ("step_profiler",)
+    _has_profile = False
+
+    def when_profiled(self, callback) -> None:
+        """``callback(profile)`` once the step profiler has classified the step."""
+
+        def profiled(profile):
+            self._has_profile = True
+            callback(profile)
+
+        self.on(Event.STEP_PROFILED, profiled)
+
+    def watching(self) -> bool:
+        return not self._has_profile or self.session.trials.pending(self)
+
+    def switch_on_or_try(self, switch, decided, **trial) -> bool:
+        """Switch on at once when ``--force``d or with ``--no-trials`` (returns True); otherwise hand
+        ``switch`` to a trial, whose outcome goes to ``decided(keep, record)`` (returns False).
+        ``trial``: :class:`Trial`'s ``set_up_s`` and ``not_before_step``."""
+        if self.name in self.options.force or self.options.no_trials:
+            switch(True)
+            return True
+        self.session.trials.submit(Trial(self, self.name, switch, decided, **trial))
+        return False
 
 
 def warn(message: str) -> None:

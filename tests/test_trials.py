@@ -1,25 +1,35 @@
 """The trial engine on fakes whose speeds are known: it keeps the faster, measures the one-off cost
 apart, runs every step exactly once, and leaves the candidate in the state it decided."""
 
+import contextlib
 import time
 
 import pytest
 
 from autogaudi import trials
+from autogaudi.events import Dispatcher, Event
 
 
 class FakeSteps:
-    """The session's step hub, reduced to what the runner uses."""
+    """The session's step watcher, reduced to its count and the training-step event."""
 
     def __init__(self):
-        self.listeners = []
+        self.events = Dispatcher()
         self.steps = 0
 
-    def after_step(self, _unit, listener):
-        self.listeners.append(listener)
+    @property
+    def listening(self) -> bool:
+        return self.events.listening(Event.TRAINING_STEP)
 
-    def forget_listener(self, _unit, listener):
-        self.listeners.remove(listener)
+    def end_step(self) -> None:
+        self.steps += 1
+        self.events.emit(Event.TRAINING_STEP, None)
+
+
+class FakeUnit:
+    """A trial's candidate unit: its listeners run inside its fail_open(), which here lets errors out."""
+
+    fail_open = staticmethod(contextlib.nullcontext)
 
 
 def run_trial(on_seconds, off_seconds, one_off=0.0, off_after_on=None, **trial):
@@ -32,12 +42,12 @@ def run_trial(on_seconds, off_seconds, one_off=0.0, off_after_on=None, **trial):
         state["on"] = on
         state["was_on"] |= on
 
-    runner = trials.TrialRunner(steps)
+    runner = trials.TrialRunner(steps, steps.events)
     runner.submit(
-        trials.Trial(object(), "fake", switch, lambda keep, record: decisions.append((keep, record)), **trial)
+        trials.Trial(FakeUnit(), "fake", switch, lambda keep, record: decisions.append((keep, record)), **trial)
     )
     compiled = False
-    while steps.listeners:  # the user's loop: one real step, then the optimizer-step boundary
+    while steps.listening:  # the user's loop: one real step, then the optimizer-step boundary
         if state["on"] and not compiled:
             time.sleep(one_off)
             compiled = True
@@ -46,9 +56,7 @@ def run_trial(on_seconds, off_seconds, one_off=0.0, off_after_on=None, **trial):
         else:
             time.sleep(off_after_on if state["was_on"] and off_after_on else off_seconds)
         ran.append(state["on"])
-        steps.steps += 1
-        for listener in list(steps.listeners):
-            listener(None)
+        steps.end_step()
     return state, decisions, ran, runner
 
 
@@ -91,12 +99,12 @@ def test_a_trial_waits_for_its_step_then_runs_its_whole_schedule():
 
 def test_cancelling_a_waiting_trial_leaves_no_listener_and_reports_idle():
     steps, idle = FakeSteps(), []
-    unit = object()
-    runner = trials.TrialRunner(steps, on_idle=lambda: idle.append(True))
+    unit = FakeUnit()
+    runner = trials.TrialRunner(steps, steps.events, on_idle=lambda: idle.append(True))
     runner.submit(trials.Trial(unit, "later", lambda on: None, lambda keep, record: None, not_before_step=100))
-    assert len(steps.listeners) == 1 and not runner.idle
+    assert steps.listening and not runner.idle
     runner.cancel(unit)
-    assert steps.listeners == [] and runner.idle and idle
+    assert not steps.listening and runner.idle and idle
 
 
 def test_reverts_a_candidate_that_is_slower():
@@ -113,14 +121,13 @@ def test_a_tie_within_the_margin_is_not_kept():
 
 def test_trials_run_one_after_another():
     steps, order = FakeSteps(), []
-    runner = trials.TrialRunner(steps)
+    runner = trials.TrialRunner(steps, steps.events)
     for name in ("first", "second"):
         runner.submit(
-            trials.Trial(object(), name, lambda on, name=name: order.append((name, on)), lambda keep, record: None)
+            trials.Trial(FakeUnit(), name, lambda on, name=name: order.append((name, on)), lambda keep, record: None)
         )
-    while steps.listeners:
-        for listener in list(steps.listeners):
-            listener(None)
+    while steps.listening:
+        steps.end_step()
     firsts = [i for i, (name, _) in enumerate(order) if name == "first"]
     seconds = [i for i, (name, _) in enumerate(order) if name == "second"]
     assert max(firsts) < min(seconds)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from autogaudi.optimizations.step_profiler import ActsOnProfile
+from autogaudi.unit import ActsOnProfile
 
 
 def _convert(value):

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from autogaudi.events import Event
 from autogaudi.unit import Unit
 
 
@@ -122,7 +123,7 @@ class FastDdp(Unit):
         self._models = weakref.WeakKeyDictionary()  # DDP model -> FlatAllReduce, or None where DDP keeps it
         self.figures.update(models=0, flat_all_reduces=0)
         self.wrap(DistributedDataParallel, "forward", self._forward)
-        self.session.steps.after_backward(self, self._after_backward)
+        self.on(Event.AFTER_BACKWARD, self._after_backward)
         self.reason = "one flattened all-reduce of the gradients after each synchronised backward"
 
     def _flat_all_reduce(self, model):

@@ -59,9 +59,9 @@ import warnings
 import torch
 import torch.utils.checkpoint
 
-from autogaudi.optimizations.step_profiler import ActsOnProfile
 from autogaudi.ranks import rank_zero_choice
 from autogaudi.run_length import remaining_steps
+from autogaudi.unit import ActsOnProfile
 
 MAX_SHAPES = 8
 # What capture costs once, each measured where it happens: setting it up (importing the compiler

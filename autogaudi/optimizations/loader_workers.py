@@ -43,6 +43,8 @@ import torch
 import wrapt
 from torch.utils.data import IterableDataset, dataloader
 
+from autogaudi.events import Event
+from autogaudi.steps import loader_arguments
 from autogaudi.unit import Unit
 
 WARMUP_BATCHES = 2
@@ -51,7 +53,6 @@ INPUT_BOUND = 0.5  # the share of each step spent waiting for data above which w
 # A loader this starved after EARLY_BATCHES is tuned at once: the 10 batches more that a borderline
 # loader is timed for would only cost it (the re-timed window still puts back workers that lose).
 EARLY_BATCHES, CLEARLY_INPUT_BOUND = 6, 0.8
-_NUM_WORKERS_POSITION = 5  # DataLoader(dataset, batch_size, shuffle, sampler, batch_sampler, num_workers)
 
 
 def worker_budget():
@@ -172,17 +173,14 @@ class LoaderWorkers(Unit):
         self._iterators = weakref.WeakKeyDictionary()  # iterator -> _Loader
         self._starting = None  # the _Loader whose next iterator is being created
         self._threads_before = None
-        steps = self.session.steps
-        steps.adjust_loader(self, self._consider)
-        steps.before_epoch(self, self._new_epoch)
-        steps.before_batch(self, self._before_batch)
-        steps.after_batch(self, self._after_batch)
+        self.on(Event.LOADER_BUILT, self._consider)
+        self.on(Event.EPOCH_START, self._new_epoch)
+        self.on(Event.BEFORE_BATCH, self._before_batch)
+        self.on(Event.BATCH_FETCHED, self._after_batch)
         self.on_revert(self._untune_all)
         self._script_workers: list = []  # num_workers of the loaders whose script chose it
         self._iterable_loaders = 0  # in-process loaders over an IterableDataset (never tuned)
-        profiler = self.session.unit("step_profiler")
-        if profiler is not None and profiler in self.session.applied:
-            profiler.when_profiled(self, self._advise)
+        self.on(Event.STEP_PROFILED, self._advise)  # advice, where a step profiler runs
         self.reason = "measuring each loader's first epoch"
 
     def watching(self) -> bool:
@@ -194,16 +192,16 @@ class LoaderWorkers(Unit):
         self.note(reason)
 
     def _consider(self, loader, args, kwargs):
-        dataset = kwargs.get("dataset", args[0] if args else None)
-        chosen = None
-        if "num_workers" in kwargs or len(args) > _NUM_WORKERS_POSITION:
-            chosen = kwargs["num_workers"] if "num_workers" in kwargs else args[_NUM_WORKERS_POSITION]
+        given = loader_arguments(loader, args, kwargs)
+        if given is None:
+            return None
+        dataset, chosen = given.get("dataset"), given.get("num_workers")
         # --force loader_workers: a script's num_workers below the budget is measured and may be raised.
         raisable = (
             self.name in self.options.force
             and chosen is not None
             and chosen < worker_budget()[0]
-            and not kwargs.get("persistent_workers", False)  # their iterator, and its workers, are reused
+            and not given.get("persistent_workers", False)  # their iterator, and its workers, are reused
             and not isinstance(dataset, IterableDataset)
         )
         if chosen is not None and not raisable:

@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import torch
 
+from autogaudi.events import Event
+from autogaudi.steps import loader_arguments
 from autogaudi.unit import Unit
-
-_PIN_MEMORY_POSITION = (
-    7  # DataLoader(dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, collate_fn, pin_memory)
-)
 
 
 class PinMemory(Unit):
@@ -29,11 +27,12 @@ class PinMemory(Unit):
     def apply(self) -> None:
         self.figures["loaders_pinned"] = 0
         self._device_argument = not hasattr(torch, "accelerator")  # torch < 2.6 needs the device named
-        self.session.steps.adjust_loader(self, self._adjust)
+        self.on(Event.LOADER_BUILT, self._adjust)
         self.reason = f"pinned for {self.backend.device_type}"
 
-    def _adjust(self, _loader, args, kwargs):
-        if "pin_memory" in kwargs or len(args) > _PIN_MEMORY_POSITION:
+    def _adjust(self, loader, args, kwargs):
+        given = loader_arguments(loader, args, kwargs)
+        if given is None or "pin_memory" in given:
             return None  # the script chose
         self.figures["loaders_pinned"] += 1
         extra = {"pin_memory_device": self.backend.pin_memory_device} if self._device_argument else {}

@@ -8,6 +8,7 @@ raises peak device memory; that is why it is off unless asked for (``--force pip
 
 from __future__ import annotations
 
+from autogaudi.events import Event
 from autogaudi.optimizations.step_marks import LazyModeUnit
 
 
@@ -17,5 +18,5 @@ class PipeliningFwdBwd(LazyModeUnit):
 
     def apply(self) -> None:
         self.figures["mark_steps"] = 0
-        self.session.steps.before_backward(self, self.mark)
+        self.on(Event.BEFORE_BACKWARD, self.mark)
         self.reason = "lazy mode, forced on"

@@ -15,14 +15,11 @@ Elsewhere skipped until graph capture (which also needs static shapes) is switch
 
 from __future__ import annotations
 
-import inspect
-
 from torch.utils.data import IterableDataset, RandomSampler, Sampler, SequentialSampler
-from torch.utils.data.dataloader import DataLoader
 
+from autogaudi.events import Event
+from autogaudi.steps import loader_arguments
 from autogaudi.unit import Unit
-
-_SIGNATURE = inspect.signature(DataLoader.__init__)
 
 
 class PaddedSampler(Sampler):
@@ -57,13 +54,13 @@ class StaticLastBatch(Unit):
 
     def apply(self) -> None:
         self.figures.update(loaders_padded=0, samples_added_per_epoch=0)
-        self.session.steps.adjust_loader(self, self._adjust)
+        self.on(Event.LOADER_BUILT, self._adjust)
         self.reason = f"policy {self.options.last_batch}"
 
     def _adjust(self, loader, args, kwargs):
-        values = _SIGNATURE.bind(loader, *args, **kwargs)
-        values.apply_defaults()
-        call = {name: value for name, value in values.arguments.items() if name != "self"}
+        call = loader_arguments(loader, args, kwargs, defaults=True)
+        if call is None:
+            return None
         dataset, batch_size = call["dataset"], call["batch_size"]
         if (
             call["drop_last"]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from autogaudi.events import Event
 from autogaudi.unit import Unit
 
 
@@ -42,9 +43,9 @@ class StepMarks(LazyModeUnit):
 
     def apply(self) -> None:
         self.figures.update(mark_steps=0, eval_marks=0)
-        self.session.steps.after_backward(self, self._mark_training)
-        self.session.steps.after_optimizer_step(self, lambda _optimizer: self._mark_training())
-        self.session.steps.before_batch(self, self._before_batch)
+        self.on(Event.AFTER_BACKWARD, self._mark_training)
+        self.on(Event.OPTIMIZER_STEP, lambda _optimizer: self._mark_training())
+        self.on(Event.BEFORE_BATCH, self._before_batch)
         self.reason = "lazy mode"
 
     def _mark_training(self) -> None:

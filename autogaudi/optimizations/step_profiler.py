@@ -31,7 +31,7 @@ data is at least half of a step; else host-bound when ops compute and waits for 
 together take less than half of a step (the rest is Python, dispatch and launch overhead: what graph
 capture removes); otherwise communication-bound when the collectives hold more of it than the ops,
 else device-bound.
-Other units (graph_capture) subscribe with :meth:`StepProfiler.when_profiled`. On a distributed run
+The profile goes out as ``Event.STEP_PROFILED`` (graph_capture, channels_last, loader_workers). On a distributed run
 each rank measures its own steps and all follow rank 0's classification (a broadcast after the last
 census step), so every rank starts the same trials at the same step: ranks that decided apart would wait in
 different collectives.
@@ -50,8 +50,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autogaudi._paths import short_location, user_location
+from autogaudi.events import Event
 from autogaudi.ranks import rank_zero_choice
-from autogaudi.trials import Trial
 from autogaudi.unit import Scope, Unit
 
 PAIRS = 5
@@ -331,7 +331,6 @@ class StepProfiler(Unit):
 
     def apply(self) -> None:
         self.profile = None
-        self._subscribers: list = []
         self._step_began = None
         self._waited = 0.0
         self._clean: list = []  # (seconds, seconds waiting for data) of each clean step
@@ -342,19 +341,11 @@ class StepProfiler(Unit):
         self._reads: list = []  # host reads (device type, where) of each census step
         self._matrix_ops = Counter()  # input dtype -> matrix products, over the census steps
         self._done = 0
-        steps = self.session.steps
-        steps.after_step(self, self._after_step)
-        steps.after_batch(self, self._after_batch)
+        self._listening = self.scope.child()  # the step and batch listeners, closed once classified
+        self.on(Event.TRAINING_STEP, self._after_step, self._listening)
+        self.on(Event.BATCH_FETCHED, self._after_batch, self._listening)
         self.on_revert(self._abandon_census)
         self.reason = f"waiting for {self.options.warmup_steps} warm-up steps"
-
-    def when_profiled(self, unit, callback) -> None:
-        """``callback(profile)`` once the step is classified (at once if it already is)."""
-        if self.profile is not None:
-            with unit.fail_open():
-                callback(self.profile)
-        else:
-            self._subscribers.append((unit, callback))
 
     def _after_batch(self, _iterator, _batch, waited: float) -> None:
         if self._step_began is not None:
@@ -364,7 +355,7 @@ class StepProfiler(Unit):
         """Warm-up ends at ``done == 0``; odd ``done`` ends a clean step, even ``done`` a census step.
         Training steps are whole iterations (the session paces them on one optimizer, or on backward
         passes where no optimizer steps)."""
-        if self.session.steps.steps < self.options.warmup_steps:
+        if not self.session.steps.warmed_up:
             return
         done, self._done = self._done, self._done + 1
         if done % 2:
@@ -429,13 +420,8 @@ class StepProfiler(Unit):
             )
         self._advise(root)
         self._roots, self._calls = [], []  # hold none of the user's objects
-        self.session.steps.forget(self)  # classified once: no more work on every step and batch
-        subscribers, self._subscribers = self._subscribers, []
-        for unit, callback in subscribers:
-            if unit not in self.session.applied:
-                continue  # reverted (failed, or disable()) since it subscribed
-            with unit.fail_open():
-                callback(self.profile)
+        self.close_scope(self._listening)  # classified once: no more work on every step and batch
+        self.session.events.emit(Event.STEP_PROFILED, self.profile)
         self.session.check_settled()
 
     def _advise(self, root) -> None:
@@ -470,29 +456,3 @@ class StepProfiler(Unit):
                 f'them on the matrix units; try torch.autocast(device_type="{self.backend.device_type}", '
                 "dtype=torch.bfloat16) around the forward and the loss, and compare the loss curve"
             )
-
-
-class ActsOnProfile(Unit):
-    """Base of the units that act once the step is profiled: they need the training model it finds."""
-
-    def skip_reason(self):
-        profiler = self.session.unit("step_profiler")
-        if profiler is None or profiler not in self.session.applied:
-            return "needs the step_profiler unit (it finds the training model), which is not on"
-        return super().skip_reason()
-
-    def when_profiled(self, callback) -> None:
-        self.session.unit("step_profiler").when_profiled(self, callback)
-
-    def watching(self) -> bool:
-        return self.session.unit("step_profiler").profile is None or self.session.trials.pending(self)
-
-    def switch_on_or_try(self, switch, decided, **trial) -> bool:
-        """Switch on at once when ``--force``d or with ``--no-trials`` (returns True); otherwise hand
-        ``switch`` to a trial, whose outcome goes to ``decided(keep, record)`` (returns False).
-        ``trial``: :class:`Trial`'s ``set_up_s`` and ``not_before_step``."""
-        if self.name in self.options.force or self.options.no_trials:
-            switch(True)
-            return True
-        self.session.trials.submit(Trial(self, self.name, switch, decided, **trial))
-        return False

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from autogaudi.events import Event
 from autogaudi.ranks import is_rank_zero
 from autogaudi.unit import Unit, warn
 
@@ -32,13 +33,13 @@ class ThroughputMeter(Unit):
 
     def apply(self) -> None:
         self._timed_samples = 0
-        self.session.steps.after_batch(self, self._count)
-        self.session.steps.after_step(self, self._after_step)
+        self.on(Event.BATCH_FETCHED, self._count)
+        self.on(Event.TRAINING_STEP, self._after_step)
         every = self.options.log_every
         self.reason = f"progress every {every} steps" if every else "final figures only (--log-every N for progress)"
 
     def _count(self, _iterator, batch, _waited) -> None:
-        if self.session.steps.steps >= self.options.warmup_steps + 1:
+        if self.session.steps.warmed_up:
             self._timed_samples += leading_dimension(batch) or 0
 
     def _after_step(self, _optimizer) -> None:
