@@ -68,7 +68,7 @@ UNITS: tuple[UnitInfo, ...] = (
     ),
     UnitInfo(
         "loader_workers",
-        "DataLoader worker processes for loaders measured to starve the step, from their second epoch",
+        "DataLoader worker processes for loaders measured to starve the step, from the batch after the measured ones",
         "autogaudi.optimizations.loader_workers:LoaderWorkers",
     ),
     UnitInfo(
