@@ -200,6 +200,16 @@ def test_spawned_workers_under_the_launcher_unpickle_the_scripts_dataset(tmp_pat
     assert plain["workers"] == [0, 0, 0] and tuned["workers"][0] == 0
 
 
+def train_one_epoch(loader):
+    """A linear model's epoch over ``loader``: a step far cheaper than building its batch."""
+    model = torch.nn.Linear(8, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for inputs, labels in loader:
+        torch.nn.functional.cross_entropy(model(inputs), labels).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
 @pytest.mark.parametrize("chosen, advised", [(0, True), (64, False)])
 def test_a_starving_loader_the_script_configured_gets_advice_not_a_change(chosen, advised):
     """ResNet-18 with the script's -j 4 on 16 cores waited for data 68% of each step: autogaudi keeps
@@ -210,12 +220,7 @@ def test_a_starving_loader_the_script_configured_gets_advice_not_a_change(chosen
     autogaudi.enable(device="cpu", only="step_profiler,loader_workers")
     loader = DataLoader(Slow(), batch_size=8, num_workers=chosen)
     loader.num_workers = 0  # the test's run stays in-process; autogaudi saw the script's choice
-    model = torch.nn.Linear(8, 3)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    for inputs, labels in loader:
-        torch.nn.functional.cross_entropy(model(inputs), labels).backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    train_one_epoch(loader)
     assert autogaudi.report().unit("step_profiler")["figures"]["bound"] == "input"
     assert loader.num_workers == 0  # nothing changed on the script's loader
     advice = autogaudi.report().recommended()
@@ -238,12 +243,7 @@ def test_a_starving_iterable_dataset_stays_in_process_with_advice_on_sharding():
 
     autogaudi.enable(device="cpu", only="step_profiler,loader_workers")
     loader = DataLoader(SlowStream(), batch_size=8)
-    model = torch.nn.Linear(8, 3)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    for inputs, labels in loader:
-        torch.nn.functional.cross_entropy(model(inputs), labels).backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    train_one_epoch(loader)
     assert loader.num_workers == 0 and row()["figures"]["loaders_tuned"] == 0
     (advice,) = autogaudi.report().recommended()
     assert "get_worker_info()" in advice["what"] and f"try num_workers={worker_budget()[0]}" in advice["what"]
