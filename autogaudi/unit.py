@@ -197,19 +197,9 @@ class ActsOnProfile(Unit):
     switch on at once or through a trial."""
 
     requires = ("step_profiler",)
-    _has_profile = False
-
-    def when_profiled(self, callback) -> None:
-        """``callback(profile)`` once the step profiler has classified the step."""
-
-        def profiled(profile):
-            self._has_profile = True
-            callback(profile)
-
-        self.on(Event.STEP_PROFILED, profiled)
 
     def watching(self) -> bool:
-        return not self._has_profile or self.session.trials.pending(self)
+        return self.session.unit("step_profiler").profile is None or self.session.trials.pending(self)
 
     def switch_on_or_try(self, switch, decided, **trial) -> bool:
         """Switch on at once when ``--force``d or with ``--no-trials`` (returns True); otherwise hand

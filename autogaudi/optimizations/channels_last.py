@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from autogaudi.events import Event
 from autogaudi.unit import ActsOnProfile
 
 
@@ -46,7 +47,7 @@ class ChannelsLast(ActsOnProfile):
         self._on = False
         self.on_revert(self._release)
         self.reason = "waiting for the step profile"
-        self.when_profiled(self._profiled)
+        self.on(Event.STEP_PROFILED, self._profiled)
 
     def _profiled(self, profile) -> None:
         model = profile.model

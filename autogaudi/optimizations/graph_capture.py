@@ -59,6 +59,7 @@ import warnings
 import torch
 import torch.utils.checkpoint
 
+from autogaudi.events import Event
 from autogaudi.ranks import rank_zero_choice
 from autogaudi.run_length import remaining_steps
 from autogaudi.unit import ActsOnProfile
@@ -149,7 +150,7 @@ class GraphCapture(ActsOnProfile):
             self.wrap(torch.utils.checkpoint, "checkpoint", self._count_checkpoint)
         self.on_revert(self._release)  # the first undo registered: it runs last
         self.reason = "waiting for the step profile"
-        self.when_profiled(self._profiled)
+        self.on(Event.STEP_PROFILED, self._profiled)
 
     def changes(self) -> list:
         if not (self._on and self._module is not None):

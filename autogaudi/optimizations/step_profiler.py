@@ -429,12 +429,12 @@ class StepProfiler(Unit):
         user could change (autogaudi changes neither: both change what the script computes or prints)."""
         device = next((p.device.type for p in root.parameters()), None) if root is not None else None
         device = device or self.backend.device_type  # reads of the training device's values only
-        sites = Counter()
-        for reads in self._reads:
-            sites.update({where: count for (kind, where), count in reads.items() if kind == device and where})
-        per_step = statistics.median(
-            sum(count for (kind, _where), count in reads.items() if kind == device) for reads in self._reads
-        )
+        on_device = [
+            Counter({where: count for (kind, where), count in reads.items() if kind == device}) for reads in self._reads
+        ]
+        per_step = statistics.median(sum(reads.values()) for reads in on_device)  # Counter.total(): 3.10+
+        sites = sum(on_device, Counter())
+        sites.pop(None, None)  # reads made outside any user frame
         self.figures["host_reads_per_step"] = per_step
         where = [f"{short_location(site)} ({count / len(self._reads):g}/step)" for site, count in sites.most_common(3)]
         if where:
