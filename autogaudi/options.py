@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 
 from autogaudi.errors import OptionsError
+from autogaudi.reasons import Reason
 from autogaudi.registry import OPT_IN_UNITS, UNIT_NAMES
 
 DEVICES = ("auto", "hpu", "cuda", "cpu")
@@ -239,11 +240,11 @@ class Options:
     def unit_switched_off(self, unit: str):
         """Why the options switch ``unit`` off, or None when they leave it on."""
         if unit in self.disable:
-            return f"switched off by {OPTIONS_BY_NAME['disable'].flag} / {OPTIONS_BY_NAME['disable'].env}"
+            return Reason("switched_off", flag=OPTIONS_BY_NAME["disable"].flag, env=OPTIONS_BY_NAME["disable"].env)
         if self.only is not None and unit not in self.only:
-            return f"not listed in {OPTIONS_BY_NAME['only'].flag} / {OPTIONS_BY_NAME['only'].env}"
+            return Reason("not_listed", flag=OPTIONS_BY_NAME["only"].flag, env=OPTIONS_BY_NAME["only"].env)
         if unit in OPT_IN_UNITS and unit not in self.force:
-            return f"opt-in: switch on with {OPTIONS_BY_NAME['force'].flag} {unit}"
+            return Reason("opt_in", flag=OPTIONS_BY_NAME["force"].flag, unit=unit)
         return None
 
     def __eq__(self, other):

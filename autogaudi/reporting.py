@@ -26,10 +26,10 @@ class UnitRow:
         self.name = name
         self.summary = summary
         self.status = SKIPPED
-        self.reason = ""
+        self.reason = None  # a Reason, or None while the unit is in force (its own reason is read live)
         self.unit = None  # the unit object once loaded: its targets, figures and notes are live
 
-    def set(self, status: str, reason: str = "") -> None:
+    def set(self, status: str, reason=None) -> None:
         self.status = status
         self.reason = reason
 
@@ -48,7 +48,9 @@ class UnitRow:
             "changes": changes,
             "recommendations": list(unit.recommendations) if unit else [],
             "targets": list(unit.targets) + list(unit.acts_on) if unit else [],
-            "reason": reason,
+            "reason": reason.text if reason is not None else "",
+            "reason_code": reason.code if reason is not None else None,
+            "reason_params": reason.params_as_data() if reason is not None else {},
             "figures": dict(unit.figures) if unit else {},
             "notes": list(unit.notes) if unit else [],
         }

@@ -18,6 +18,7 @@ import torch.distributed
 from autogaudi import backends
 from autogaudi.events import Dispatcher
 from autogaudi.ranks import gather_from_ranks, is_rank_zero, several_ranks
+from autogaudi.reasons import Reason
 from autogaudi.registry import UNITS
 from autogaudi.reporting import APPLIED, FAILED, SKIPPED, Report, UnitRow
 from autogaudi.steps import TrainingSteps
@@ -90,7 +91,7 @@ class Session:
             module_name, class_name = info.module.split(":")
             row.unit = getattr(importlib.import_module(module_name), class_name)(self, info)
         except Exception as error:
-            row.set(FAILED, f"could not load: {error!r}")
+            row.set(FAILED, Reason("could_not_load", error=error))
             return None
         return row.unit
 
@@ -98,9 +99,9 @@ class Session:
         row = self.rows[unit.name]
         missing = [name for name in unit.requires if self.unit(name) not in self.applied]
         try:
-            reason = f"needs the {', '.join(missing)} unit, which is not on" if missing else unit.skip_reason()
+            reason = Reason("needs_unit", units=", ".join(missing)) if missing else unit.skip_reason()
         except Exception as error:
-            row.set(FAILED, f"could not load: {error!r}")
+            row.set(FAILED, Reason("could_not_load", error=error))
             return
         if reason:
             row.set(SKIPPED, reason)
@@ -109,7 +110,7 @@ class Session:
             unit.apply()
         except Exception as error:
             self._revert(unit)
-            row.set(FAILED, f"apply() raised {error!r}; reverted")
+            row.set(FAILED, Reason("apply_raised", error=error))
             return
         row.set(APPLIED)  # the reason is read live from the unit: it may change as it measures
         self.applied.append(unit)
@@ -120,7 +121,7 @@ class Session:
         self.applied.remove(unit)
         self._revert(unit)
         self.check_settled()
-        self.rows[unit.name].set(FAILED, f"raised {error!r} at run time; reverted, the run went on without it")
+        self.rows[unit.name].set(FAILED, Reason("failed_at_run_time", error=error))
         warn(f"{unit.name} raised {error!r}; it is switched off and the run goes on without it")
 
     def settled(self) -> bool:

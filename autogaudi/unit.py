@@ -18,6 +18,7 @@ import torch
 import wrapt
 
 from autogaudi.events import Event
+from autogaudi.reasons import Reason
 from autogaudi.trials import Trial
 
 ALL_BACKENDS = ("hpu", "cuda", "cpu")
@@ -97,7 +98,8 @@ class Unit:
     the very original object after revert), ``acts_on`` (what they change on the user's own objects
     or through the session's step watcher, in words), and
     ``backends`` (where they can apply), may refine :meth:`skip_reason`, and implement
-    :meth:`apply`. ``self.figures`` collects what the unit measured, for the report.
+    :meth:`apply`. ``self.figures`` collects what the unit measured, for the report. ``reasons`` maps
+    each code the unit can give (:meth:`because`) to its text; the core's codes come on top.
     """
 
     targets: tuple = ()
@@ -109,12 +111,13 @@ class Unit:
     # (figure, text): the figure that counts what the unit changed in the run, and how the report's
     # headline says it ("{}" is the count). Units that only measure leave it empty.
     changed_figure: tuple = ()
+    reasons: dict = {}  # code -> text template of why the unit is where it is (autogaudi/reasons.py)
 
     def __init__(self, session, info):
         self.session = session
         self.name = info.name
         self.summary = info.summary
-        self.reason = ""  # why it applied the way it did, for the report
+        self.reason = None  # a Reason: why it applied the way it did, for the report (see because())
         self.figures: dict = {}
         self.notes: list = []
         self.recommendations: list = []
@@ -128,13 +131,23 @@ class Unit:
     def options(self):
         return self.session.options
 
+    def reason_for(self, code: str, **params) -> Reason:
+        """The :class:`Reason` ``code`` names in this unit's table (or the core's), filled in."""
+        return Reason(code, self.reasons, **params)
+
+    def because(self, code: str, **params) -> None:
+        """Say why the unit is where it is now (the report reads it live)."""
+        self.reason = self.reason_for(code, **params)
+
     def skip_reason(self):
-        """Why this unit does not apply to this run, or None when it does."""
+        """Why this unit does not apply to this run (a :class:`Reason`), or None when it does."""
         if self.backend.name not in self.backends:
-            reason = f"applies on {'/'.join(self.backends)} only; this run is on {self.backend.name}"
-            return f"{reason}: {self.why_not_elsewhere}" if self.why_not_elsewhere else reason
+            why = f": {self.why_not_elsewhere}" if self.why_not_elsewhere else ""
+            return self.reason_for(
+                "other_backend", backends="/".join(self.backends), backend=self.backend.name, why=why
+            )
         if torch_version() < self.min_torch:
-            return f"needs torch >= {'.'.join(map(str, self.min_torch))}; this is {torch.__version__}"
+            return self.reason_for("old_torch", needed=".".join(map(str, self.min_torch)), version=torch.__version__)
         return None
 
     def apply(self) -> None:

@@ -5,13 +5,23 @@ import importlib.util
 from tests.helpers import REPO
 
 
-def test_options_page_is_generated_from_the_options():
-    spec = importlib.util.spec_from_file_location("gen_options", REPO / "docs" / "gen_options.py")
+def _generator():
+    spec = importlib.util.spec_from_file_location("gen_reference", REPO / "docs" / "gen_reference.py")
     generator = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(generator)
-    assert (REPO / "docs" / "options.md").read_text() == generator.render(), "run: python docs/gen_options.py"
+    return generator
+
+
+def test_options_page_is_generated_from_the_options():
+    generator = _generator()
+    assert (REPO / "docs" / "options.md").read_text() == generator.render(), "run: python docs/gen_reference.py"
     readme = (REPO / "README.md").read_text()
-    assert generator.readme_with_table(readme) == readme, "run: python docs/gen_options.py"
+    assert generator.readme_with_table(readme) == readme, "run: python docs/gen_reference.py"
+
+
+def test_reason_codes_page_is_generated_from_the_tables():
+    page = (REPO / "docs" / "reasons.md").read_text()
+    assert page == _generator().render_reasons(), "run: python docs/gen_reference.py"
 
 
 def test_every_unit_has_a_page_and_a_readme_row():

@@ -33,4 +33,8 @@ def test_every_declared_requirement_is_a_registered_unit():
 def test_a_unit_whose_requirement_is_off_is_skipped_naming_it(unit):
     autogaudi.enable(device="cpu", disable="step_profiler")
     row = autogaudi.report().unit(unit)
-    assert row["status"] == "skipped" and row["reason"] == "needs the step_profiler unit, which is not on", row
+    assert (row["status"], row["reason_code"], row["reason_params"]) == (
+        "skipped",
+        "needs_unit",
+        {"units": "step_profiler"},
+    )

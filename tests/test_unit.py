@@ -107,7 +107,8 @@ def test_unit_whose_apply_raises_is_reverted_and_reported(hpu_double, monkeypatc
     torch.testing.assert_close(attention_workload(), expected, rtol=1e-6, atol=1e-7)
     row = autogaudi.report().unit(unit.name)
     assert row["status"] == "failed"
-    assert row["reason"] == "apply() raised RuntimeError('injected apply failure'); reverted"
+    assert row["reason_code"] == "apply_raised"
+    assert row["reason_params"] == {"error": "RuntimeError('injected apply failure')"}
     autogaudi.disable()
     still_patched = [name for name, get in PATCHABLE.items() if get() is not originals[name]]
     assert still_patched == []
@@ -125,7 +126,8 @@ def test_unit_that_breaks_at_run_time_is_reverted_and_the_run_goes_on(hpu_double
     monkeypatch.setattr(htcore, "mark_step", broken_mark_step)
     assert train() == expected
     row = autogaudi.report().unit("step_marks")
-    assert row["status"] == "failed" and "injected run-time failure" in row["reason"]
+    assert (row["status"], row["reason_code"]) == ("failed", "failed_at_run_time")
+    assert row["reason_params"] == {"error": "RuntimeError('injected run-time failure')"}
     assert "step_marks raised RuntimeError('injected run-time failure')" in capsys.readouterr().err
     assert calls.names() == []  # nothing was marked after the failure
 
@@ -148,4 +150,5 @@ def test_units_too_new_for_this_torch_are_skipped_with_the_reason(hpu_double, mo
     monkeypatch.setattr(StepMarks, "min_torch", (99, 0))
     autogaudi.enable(device="hpu", only="step_marks")
     row = autogaudi.report().unit("step_marks")
-    assert row["status"] == "skipped" and row["reason"].startswith("needs torch >= 99.0; this is 2.")
+    assert (row["status"], row["reason_code"]) == ("skipped", "old_torch")
+    assert row["reason_params"] == {"needed": "99.0", "version": torch.__version__}

@@ -87,7 +87,8 @@ class Backend:
         return compile_calls(module, options={"fallback_random": True} if exact_random else None)
 
     def graph_refusal(self, module):
-        """Why ``graph_forward`` cannot capture ``module`` faithfully here, or None."""
+        """Why ``graph_forward`` cannot capture ``module`` faithfully here, or None: (a reason code of
+        graph_capture's table, the values its text is filled in with)."""
         return None
 
     def graph_kind(self) -> str:

@@ -99,17 +99,14 @@ class HpuBackend(Backend):
         # Python, so module hooks (an activation logger, a pruning mask) would silently stop.
         kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.VAR_POSITIONAL)
         if any(p.kind in kinds for p in inspect.signature(module.forward).parameters.values()):
-            return (
-                f"{type(module).__name__}.forward takes *args or positional-only arguments, which ModuleCacher refuses"
-            )
+            return "positional_forward", {"model": type(module).__name__}
         hooked = [
             type(sub).__name__
             for sub in module.modules()
             if sub._forward_hooks or sub._forward_pre_hooks or sub._backward_hooks or sub._backward_pre_hooks
         ]
         if hooked or _global_module_hooks():
-            where = ", ".join(sorted(set(hooked))) or "all modules (global hooks)"
-            return f"module hooks on {where} would not run when HPU graphs replay"
+            return "module_hooks", {"where": ", ".join(sorted(set(hooked))) or "all modules (global hooks)"}
         return None
 
     def graph_forward(self, module, exact_random: bool = False, static_outputs: bool = True, max_graphs: int = 10):

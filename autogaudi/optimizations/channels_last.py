@@ -38,6 +38,16 @@ def in_channels_last(model) -> bool:
 
 
 class ChannelsLast(ActsOnProfile):
+    reasons = {
+        "no_conv2d": "no Conv2d in the training model",
+        "already_channels_last": "left as is: the script already put the model in channels_last",
+        "input_bound": "not tried: the step is input-bound ({why}); a trial would time the loader",
+        "captured": "stepped aside: graph_capture holds this model, and its graphs fix the memory format",
+        "switched_on": "{model} in channels_last (without a trial)",
+        "trial_running": "trial running on {model}",
+        "measured_faster": "{model} in channels_last: measured faster",
+        "rejected": "rejected: {model} kept as is, not faster",
+    }
     acts_on = ("<training model> parameters (memory format)", "<training model> forward pre-hook (4-D inputs)")
 
     def apply(self) -> None:
@@ -46,27 +56,27 @@ class ChannelsLast(ActsOnProfile):
         self._candidate = None
         self._on = False
         self.on_revert(self._release)
-        self.reason = "waiting for the step profile"
+        self.because("waiting_for_profile")
         self.on(Event.STEP_PROFILED, self._profiled)
 
     def _profiled(self, profile) -> None:
         model = profile.model
         if model is None or not any(isinstance(m, torch.nn.Conv2d) for m in model.modules()):
-            self.reason = "no Conv2d in the training model"
+            self.because("no_conv2d")
             return
         if in_channels_last(model):
-            self.reason = "left as is: the script already put the model in channels_last"
+            self.because("already_channels_last")
             return
         if profile.bound == "input" and self.name not in (*self.options.force, *self.options.trial):
             # Both arms would mostly time the wait for data: a trial measured 0.42x for channels_last
             # on ResNet-18 waiting 68% of each step for its loader (H100).
-            self.reason = f"not tried: the step is input-bound ({profile.why}); a trial would time the loader"
+            self.because("input_bound", why=profile.why)
             return
         capture = self.session.unit("graph_capture")
         if capture is not None and capture in self.session.applied and capture.holds(model):
             # Compiled graphs fix the strides they were built for: a later switch of format crashed
             # inductor's compiled backward (stride assertion) on CUDA in the siamese and mnist scripts.
-            self.reason = "stepped aside: graph_capture holds this model, and its graphs fix the memory format"
+            self.because("captured")
             return
         self._model = model
         self._optimizer = profile.optimizer
@@ -74,9 +84,9 @@ class ChannelsLast(ActsOnProfile):
         self._candidate.add(lambda: self._switch(False))
         self._candidate.add(model.register_forward_pre_hook(self._inputs, with_kwargs=True).remove)
         if self.switch_on_or_try(self._switch, self._decided):
-            self.reason = f"{type(model).__name__} in channels_last (without a trial)"
+            self.because("switched_on", model=type(model).__name__)
         else:
-            self.reason = f"trial running on {type(model).__name__}"
+            self.because("trial_running", model=type(model).__name__)
 
     def changes(self) -> list:
         if not (self._on and self._model is not None):
@@ -106,10 +116,7 @@ class ChannelsLast(ActsOnProfile):
 
     def _decided(self, keep: bool, record: dict) -> None:
         self.figures["speedup"] = record["speedup"]
-        name = type(self._model).__name__
-        self.reason = (
-            f"{name} in channels_last: measured faster" if keep else f"rejected: {name} kept as is, not faster"
-        )
+        self.because("measured_faster" if keep else "rejected", model=type(self._model).__name__)
         if not keep:
             self._release()
 

@@ -38,6 +38,10 @@ def hpu_bucket_megabytes(module) -> int:
 
 
 class DdpTuning(Unit):
+    reasons = {
+        "bucket_view": "gradient_as_bucket_view",
+        "bucket_view_and_size": "gradient_as_bucket_view, bucket size from the model",
+    }
     changed_figure = ("ddp_models_tuned", "{} DistributedDataParallel model(s) tuned")
     targets = ("torch.nn.parallel.DistributedDataParallel.__init__",)
 
@@ -48,7 +52,7 @@ class DdpTuning(Unit):
         )
         self.figures["ddp_models_tuned"] = 0
         self.wrap(DistributedDataParallel, "__init__", self._init)
-        self.reason = "gradient_as_bucket_view" + (", bucket size from the model" if self.backend.name == "hpu" else "")
+        self.because("bucket_view_and_size" if self.backend.name == "hpu" else "bucket_view")
 
     def _init(self, wrapped, instance, args, kwargs):
         changes = {}

@@ -77,7 +77,7 @@ class FlatAllReduce:
         self.first_counts = None  # ranks with a gradient, per parameter, in the first averaged step
         self.unchecked_counts = None  # the latest step's counts, a tensor, read at the next step
         self.armed = False  # the model ran a forward whose backward is to be averaged
-        self.handed_back = None  # why DDP's reducer took over again
+        self.handed_back = False  # DDP's reducer took over again (the reason says why)
 
     def changed_counts(self):
         """The previous step's counts when they differ from the first step's, else None."""
@@ -115,6 +115,11 @@ class FlatAllReduce:
 
 
 class FastDdp(Unit):
+    reasons = {
+        "flat_all_reduce": "one flattened all-reduce of the gradients after each synchronised backward",
+        "gradients_changed": "handed back to DDP's reducer: the set of parameters with gradients changed (ranks "
+        "per parameter {first} at first, then {then})",
+    }
     changed_figure = ("models", "{} DDP model(s) averaging gradients in one flat all-reduce")
     targets = ("torch.nn.parallel.DistributedDataParallel.forward",)
     acts_on = ("after each backward pass (the session's step watcher)",)
@@ -124,7 +129,7 @@ class FastDdp(Unit):
         self.figures.update(models=0, flat_all_reduces=0)
         self.wrap(DistributedDataParallel, "forward", self._forward)
         self.on(Event.AFTER_BACKWARD, self._after_backward)
-        self.reason = "one flattened all-reduce of the gradients after each synchronised backward"
+        self.because("flat_all_reduce")
 
     def _flat_all_reduce(self, model):
         if model not in self._models:
@@ -163,8 +168,5 @@ class FastDdp(Unit):
             state.average()
             self.figures["flat_all_reduces"] += 1
             if changed:
-                state.handed_back = (
-                    f"the set of parameters with gradients changed (ranks per parameter "
-                    f"{list(state.first_counts)} at first, then {list(changed)})"
-                )
-                self.reason = f"handed back to DDP's reducer: {state.handed_back}"
+                state.handed_back = True
+                self.because("gradients_changed", first=list(state.first_counts), then=list(changed))

@@ -25,6 +25,7 @@ _MAX_CACHED_SETS = 8
 
 
 class FusedClipNormUnit(Unit):
+    reasons = {"hpex": "hpex FusedClipNorm"}
     changed_figure = ("fused_calls", "{} clip_grad_norm_ calls through FusedClipNorm")
     targets = ("torch.nn.utils.clip_grad_norm_", "torch.nn.utils.clip_grad.clip_grad_norm_")
     backends = ("hpu",)
@@ -38,7 +39,7 @@ class FusedClipNormUnit(Unit):
         for owner in (torch.nn.utils, torch.nn.utils.clip_grad):
             if owner.clip_grad_norm_ is original:
                 self.wrap(owner, "clip_grad_norm_", self._clip)
-        self.reason = "hpex FusedClipNorm"
+        self.because("hpex")
 
     def _clip(self, wrapped, instance, args, kwargs):
         bound = self._signature.bind(*args, **kwargs)

@@ -55,6 +55,7 @@ def _raw_step(optimizer):
 
 
 class FusedOptimizer(Unit):
+    reasons = {"torch_fused": "torch fused=True kernels", "hpex": "hpex fused optimizers"}
     changed_figure = ("optimizers_fused", "{} optimizer(s) run as one fused kernel per step")
     targets = tuple(f"torch.optim.{cls.__name__}.__init__" for cls in FUSABLE)
     acts_on = ("HPU: torch.optim.{Adam,AdamW,SGD}.step, wrapped when the first such optimizer is built",)
@@ -70,7 +71,7 @@ class FusedOptimizer(Unit):
         for optimizer_class in FUSABLE:
             self.wrap(optimizer_class, "__init__", functools.partial(self._init, optimizer_class))
         self.on_revert(self._hand_state_back_to_torch)
-        self.reason = "torch fused=True kernels" if self._native else "hpex fused optimizers"
+        self.because("torch_fused" if self._native else "hpex")
 
     def _init(self, owner, wrapped, instance, args, kwargs):
         if type(instance) is not owner:  # a subclass, or AdamW running Adam's __init__

@@ -41,6 +41,7 @@ def fallback_reason(call: dict):
 
 
 class FusedSdpa(Unit):
+    reasons = {"hpex": "hpex FusedSDPA, recompute {recompute}"}
     changed_figure = ("fused_calls", "{} attention calls through FusedSDPA")
     targets = ("torch.nn.functional.scaled_dot_product_attention",)
     backends = ("hpu",)
@@ -51,7 +52,7 @@ class FusedSdpa(Unit):
         self._recompute = _RECOMPUTE[self.options.sdpa_recompute]
         self.figures.update(fused_calls=0, torch_calls=0, torch_calls_by_reason={})
         self.wrap(torch.nn.functional, "scaled_dot_product_attention", self._attention)
-        self.reason = f"hpex FusedSDPA, recompute {self.options.sdpa_recompute}"
+        self.because("hpex", recompute=self.options.sdpa_recompute)
 
     def _attention(self, wrapped, instance, args, kwargs):
         output = None

@@ -130,6 +130,35 @@ def uses_gradient_checkpointing(module) -> bool:
 
 
 class GraphCapture(ActsOnProfile):
+    reasons = {
+        "too_short": "not tried: {steps} steps left ({source}) could save at most {most:.2f} s, less than the "
+        "{least:g} s, the least one-off a capture was measured to cost on {backend}",
+        "not_host_bound": "not captured: the run is {bound}-bound ({why})",
+        "no_model": "not captured: no module owning the optimizer's parameters was called in the step",
+        "compiled_by_script": "stepped aside: the script (or its framework) already compiles the model with "
+        "torch.compile",
+        "positional_forward": "not captured: {model}.forward takes *args or positional-only arguments, which "
+        "ModuleCacher refuses",
+        "module_hooks": "not captured: module hooks on {where} would not run when HPU graphs replay",
+        "called_several_times": "not captured: {model} is called {calls} times per step, and {backend} graphs "
+        "overwrite an earlier call's outputs",
+        "gradient_checkpointing": "not captured: the model uses gradient checkpointing, which HPU graphs cannot replay",
+        "no_optimizer": "not captured: the loop updates its parameters without torch.optim, and HPU graphs need "
+        "zero_grad(set_to_none=False)",
+        "parameters_without_gradient": "not captured: {without} of {total} optimized parameters had no gradient in "
+        "the profiled step; HPU graphs need zero_grad(set_to_none=False), which would make the optimizer update "
+        "them",
+        "captured_forced": "captured {model} (forced)",
+        "captured_no_trials": "captured {model} (trials off)",
+        "trial_waits": "host-bound; a trial on {model} waits for training step {step}: the run's length is "
+        "unknown, and only from there would its steps so far have lost more than the {least:g} s a capture "
+        "costs at least on {backend} (so a shorter run pays nothing for one)",
+        "trial_running": "host-bound; trial running on {model}",
+        "measured_faster": "captured {model}: measured faster",
+        "rejected": "rejected: {model} captured was not faster in the trial; released",
+        "dynamic_shapes": "switched off: dynamic shapes, {count} distinct input shapes (each one a "
+        "recompilation), e.g. {shapes}",
+    }
     targets = ("torch.utils.checkpoint.checkpoint",)  # HPU lazy only: calls counted (graphs refuse them)
     acts_on = (
         "<training model>._compiled_call_impl (nn.Module's compiled-call slot, instance)",
@@ -149,7 +178,7 @@ class GraphCapture(ActsOnProfile):
         if self.backend.graphs_hold_gradients:
             self.wrap(torch.utils.checkpoint, "checkpoint", self._count_checkpoint)
         self.on_revert(self._release)  # the first undo registered: it runs last
-        self.reason = "waiting for the step profile"
+        self.because("waiting_for_profile")
         self.on(Event.STEP_PROFILED, self._profiled)
 
     def changes(self) -> list:
@@ -177,21 +206,26 @@ class GraphCapture(ActsOnProfile):
         return wrapped(*args, **kwargs)
 
     def _refusal(self, profile, any_bound: bool):
-        """Why the profiled model is not captured, or None (``any_bound``: whatever the step is bound by)."""
+        """Why the profiled model is not captured (a Reason), or None (``any_bound``: whatever the step is bound by)."""
         if profile.bound != "host" and not any_bound:
-            return f"not captured: the run is {profile.bound}-bound ({profile.why})"
+            return self.reason_for("not_host_bound", bound=profile.bound, why=profile.why)
         if profile.model is None:
-            return "not captured: no module owning the optimizer's parameters was called in the step"
+            return self.reason_for("no_model")
         if compiled_by_the_script(profile.model):
-            return "stepped aside: the script (or its framework) already compiles the model with torch.compile"
+            return self.reason_for("compiled_by_script")
         refusal = self.backend.graph_refusal(profile.model)
         if refusal:
-            return f"not captured: {refusal}"
+            code, params = refusal
+            return self.reason_for(code, **params)
         if profile.calls_per_step > 1 and not self.backend.graphs_can_keep_outputs:
-            return (
-                f"not captured: {type(profile.model).__name__} is called {profile.calls_per_step} times per "
-                f"step, and {self.backend.name} graphs overwrite an earlier call's outputs"
+            return self.reason_for(
+                "called_several_times",
+                model=type(profile.model).__name__,
+                calls=profile.calls_per_step,
+                backend=self.backend.name,
             )
+        if self.backend.graphs_hold_gradients:
+            return self._gradient_refusal(profile)
         return None
 
     def _profiled(self, profile) -> None:
@@ -201,22 +235,30 @@ class GraphCapture(ActsOnProfile):
         # First: a run too short to pay back any capture is so whatever the profile says. Every rank
         # takes rank 0's figures: ranks that waited for different steps would start trials apart.
         too_short, start_at_step = rank_zero_choice(self._when_to_try(profile)) if trial else (None, 0)
-        if too_short:
-            self.reason = f"not tried: {too_short}"
-            return
-        refusal = self._refusal(profile, forced or asked)
+        refusal = self.reason_for("too_short", **too_short) if too_short else self._refusal(profile, forced or asked)
         if refusal:
             self.reason = refusal
             return
         set_up_started = time.perf_counter()
+        self._capture(profile)
+        set_up_s = time.perf_counter() - set_up_started
+        model = type(self._module).__name__
+        if self.switch_on_or_try(self._switch, self._decided, set_up_s=set_up_s, not_before_step=start_at_step):
+            self.figures["set_up_s"] = round(set_up_s, 3)
+            self.because("captured_forced" if forced else "captured_no_trials", model=model)
+        elif start_at_step > self.session.steps.steps:
+            self.figures["trial_waits_for_step"] = start_at_step
+            least = self.backend.least_capture_one_off_s
+            self.because("trial_waits", model=model, step=start_at_step, least=least, backend=self.backend.name)
+        else:
+            self.because("trial_running", model=model)
+
+    def _capture(self, profile) -> None:
+        """Capture the profiled model, into a candidate scope that :meth:`_release` closes."""
         self._candidate = self.scope.child()
         self._training_mode = profile.model.training
         if self.backend.graphs_hold_gradients:
-            refusal = self._keep_gradient_tensors(profile)
-            if refusal:
-                self.reason = f"not captured: {refusal}"
-                self._release()
-                return
+            self._keep_gradient_tensors(profile.optimizer, profile.model)
         self._module = profile.model
         name = type(self._module).__name__
         exact = self.options.exact_random and self.backend.graphs_can_draw_eager_random
@@ -232,7 +274,6 @@ class GraphCapture(ActsOnProfile):
         self._candidate.add(self._forget_graphs)
         self._candidate.add(route_calls(self._module, self._call))
         self.figures["model"] = name
-        set_up_s = time.perf_counter() - set_up_started
         if any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in self._module.modules()):
             self.note(
                 "dropout draws eager's random masks (--exact-random)"
@@ -240,22 +281,9 @@ class GraphCapture(ActsOnProfile):
                 else "compiled dropout draws different random masks than eager (same distribution); "
                 "--exact-random makes them the same, at a cost in speed"
             )
-        if self.switch_on_or_try(self._switch, self._decided, set_up_s=set_up_s, not_before_step=start_at_step):
-            self.figures["set_up_s"] = round(set_up_s, 3)
-            self.reason = f"captured {name} ({'forced' if forced else 'trials off'})"
-        elif start_at_step > self.session.steps.steps:
-            self.figures["trial_waits_for_step"] = start_at_step
-            least = self.backend.least_capture_one_off_s
-            self.reason = (
-                f"host-bound; a trial on {name} waits for training step {start_at_step}: the run's length is "
-                f"unknown, and only from there would its steps so far have lost more than the {least:g} s a "
-                f"capture costs at least on {self.backend.name} (so a shorter run pays nothing for one)"
-            )
-        else:
-            self.reason = f"host-bound; trial running on {name}"
 
     def _when_to_try(self, profile) -> tuple:
-        """(why no trial could pay for itself, or None; the training step from which one may start).
+        """(None, or the figures of why no trial could pay for itself; the training step from which one may start).
 
         Where a framework says how many steps are left, a trial starts only if they could win back
         the least one-off a capture costs on this backend. Where nothing says (a plain loop), the
@@ -271,32 +299,28 @@ class GraphCapture(ActsOnProfile):
         steps, source = remaining
         if steps * saved_per_step_s >= least:
             return None, 0
-        return (
-            f"{steps} steps left ({source}) could save at most {steps * saved_per_step_s:.2f} s, less than "
-            f"the {least:g} s, the least one-off a capture was measured to cost on {self.backend.name}"
-        ), 0
+        most = steps * saved_per_step_s
+        return dict(steps=steps, source=source, most=most, least=least, backend=self.backend.name), 0
 
-    def _keep_gradient_tensors(self, profile):
-        """Make ``zero_grad`` keep gradient tensors while graphs are on; or say why graphs cannot be."""
+    def _gradient_refusal(self, profile):
+        """Why graphs that hold gradients cannot be used for this model and loop (a Reason), or None."""
         if self._checkpoint_calls or uses_gradient_checkpointing(profile.model):
-            return "the model uses gradient checkpointing, which HPU graphs cannot replay"
+            return self.reason_for("gradient_checkpointing")
         if profile.optimizer is None:
-            return (
-                "the loop updates its parameters without torch.optim, and HPU graphs need zero_grad(set_to_none=False)"
-            )
+            return self.reason_for("no_optimizer")
         params = [p for group in profile.optimizer.param_groups for p in group["params"]]
         without = sum(p.grad is None for p in params)
         if without:
-            return (
-                f"{without} of {len(params)} optimized parameters had no gradient in the profiled step; "
-                "HPU graphs need zero_grad(set_to_none=False), which would make the optimizer update them"
-            )
-        # On the classes, checked by identity: nothing lands in the user's objects' __dict__.
-        self._optimizer = profile.optimizer
-        self._candidate.wrap(type(profile.optimizer), "zero_grad", self._zero_grad)
-        self._candidate.wrap(type(profile.model), "zero_grad", self._zero_grad)
-        self.note("zero_grad(set_to_none=False) while graphs are on: gradient tensors are reused, not freed")
+            return self.reason_for("parameters_without_gradient", without=without, total=len(params))
         return None
+
+    def _keep_gradient_tensors(self, optimizer, model) -> None:
+        """Make ``zero_grad`` keep gradient tensors while graphs are on."""
+        # On the classes, checked by identity: nothing lands in the user's objects' __dict__.
+        self._optimizer = optimizer
+        self._candidate.wrap(type(optimizer), "zero_grad", self._zero_grad)
+        self._candidate.wrap(type(model), "zero_grad", self._zero_grad)
+        self.note("zero_grad(set_to_none=False) while graphs are on: gradient tensors are reused, not freed")
 
     def _zero_grad(self, wrapped, instance, args, kwargs):
         ours = instance is not None and (instance is self._module or instance is self._optimizer)
@@ -308,7 +332,6 @@ class GraphCapture(ActsOnProfile):
         self._on = on
 
     def _decided(self, keep: bool, record: dict) -> None:
-        name = type(self._module).__name__
         self.figures.update(
             speedup=record["speedup"],
             set_up_s=record["set_up_s"],
@@ -316,11 +339,7 @@ class GraphCapture(ActsOnProfile):
         )
         if "pays_back_after_steps" in record:
             self.figures["pays_back_after_steps"] = record["pays_back_after_steps"]
-        self.reason = (
-            f"captured {name}: measured faster"
-            if keep
-            else f"rejected: {name} captured was not faster in the trial; released"
-        )
+        self.because("measured_faster" if keep else "rejected", model=type(self._module).__name__)
         if not keep:
             self._release()
 
@@ -349,10 +368,7 @@ class GraphCapture(ActsOnProfile):
             self._shapes.append(shapes)
             if len(self._shapes) > MAX_SHAPES:
                 self.session.trials.cancel(self)
-                self.reason = (
-                    f"switched off: dynamic shapes, {len(self._shapes)} distinct input shapes "
-                    f"(each one a recompilation), e.g. {self._shapes[:4]}"
-                )
+                self.because("dynamic_shapes", count=len(self._shapes), shapes=self._shapes[:4])
                 self._release()
                 return module._call_impl(*args, **kwargs)
         try:

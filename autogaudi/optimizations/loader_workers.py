@@ -164,6 +164,12 @@ class _Loader:
 
 
 class LoaderWorkers(Unit):
+    reasons = {
+        "measuring": "measuring each loader's first epoch",
+        "none_starved": "measured: no loader starves the step, all kept in-process",
+        "workers_no_faster": "measured: workers were tried and were no faster, all kept in-process",
+        "workers": "{workers} workers for input-bound loaders (in-process ones: from the next batch)",
+    }
     changed_figure = ("loaders_tuned", "{} DataLoader(s) given worker processes")
     acts_on = ("DataLoader construction, epochs and batch fetches (the session's step watcher)",)
 
@@ -181,15 +187,15 @@ class LoaderWorkers(Unit):
         self._script_workers: list = []  # num_workers of the loaders whose script chose it
         self._iterable_loaders = 0  # in-process loaders over an IterableDataset (never tuned)
         self.on(Event.STEP_PROFILED, self._advise)  # advice, where a step profiler runs
-        self.reason = "measuring each loader's first epoch"
+        self.because("measuring")
 
     def watching(self) -> bool:
         # no loader yet, or one still being timed; not once every loader it saw is decided
         return not self._loaders or any(state.phase != "done" for state in self._loaders.values())
 
-    def _kept(self, reason: str) -> None:
+    def _kept(self, why: str) -> None:
         self.figures["loaders_kept"] += 1
-        self.note(reason)
+        self.note(why)
 
     def _consider(self, loader, args, kwargs):
         given = loader_arguments(loader, args, kwargs)
@@ -307,7 +313,7 @@ class LoaderWorkers(Unit):
             elif loader is not None:
                 self._tune(loader, state, iterator)
             if not self.figures["loaders_tuned"]:
-                self.reason = "measured: no loader starves the step, all kept in-process"
+                self.because("none_starved")
         else:
             state.phase = "done"
             self.figures["ms_per_batch_after"] = round(after.ms_per_batch, 3)
@@ -321,7 +327,7 @@ class LoaderWorkers(Unit):
                     f"put back to num_workers=0"
                 )
                 if not self.figures["loaders_tuned"]:
-                    self.reason = "measured: workers were tried and were no faster, all kept in-process"
+                    self.because("workers_no_faster")
 
     def _tune(self, loader, state, iterator) -> None:
         workers, threads = worker_budget()
@@ -340,7 +346,7 @@ class LoaderWorkers(Unit):
         self.figures.update(
             loaders_tuned=self.figures["loaders_tuned"] + 1, workers=workers, main_threads=torch.get_num_threads()
         )
-        self.reason = f"{workers} workers for input-bound loaders (in-process ones: from the next batch)"
+        self.because("workers", workers=workers)
 
     def _untune(self, loader, state) -> None:
         if state.original is not None:

@@ -36,6 +36,7 @@ def wants_non_blocking(tensor, args, kwargs, accelerator: str) -> bool:
 
 
 class NonBlockingCopy(Unit):
+    reasons = {"pinned_to_device": "pinned host tensors to {device}"}
     changed_figure = ("non_blocking_copies", "{} host-to-device copies made non-blocking")
     targets = ("torch.Tensor.to",)
     acts_on = ("CUDA: torch.Tensor.cuda",)
@@ -48,7 +49,7 @@ class NonBlockingCopy(Unit):
         self.wrap(torch.Tensor, "to", self._to)
         if self._accelerator == "cuda":
             self.wrap(torch.Tensor, "cuda", self._cuda)
-        self.reason = f"pinned host tensors to {self._accelerator}"
+        self.because("pinned_to_device", device=self._accelerator)
 
     def _to(self, wrapped, instance, args, kwargs):
         asynchronous = False

@@ -19,6 +19,7 @@ from autogaudi.unit import Unit
 
 
 class PinMemory(Unit):
+    reasons = {"pinned": "pinned for {device}"}
     changed_figure = ("loaders_pinned", "{} DataLoader(s) pinning memory")
     acts_on = ("DataLoader construction (the session's step watcher)",)
     backends = ("hpu", "cuda")
@@ -28,7 +29,7 @@ class PinMemory(Unit):
         self.figures["loaders_pinned"] = 0
         self._device_argument = not hasattr(torch, "accelerator")  # torch < 2.6 needs the device named
         self.on(Event.LOADER_BUILT, self._adjust)
-        self.reason = f"pinned for {self.backend.device_type}"
+        self.because("pinned", device=self.backend.device_type)
 
     def _adjust(self, loader, args, kwargs):
         given = loader_arguments(loader, args, kwargs)

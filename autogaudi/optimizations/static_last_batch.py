@@ -41,6 +41,10 @@ class PaddedSampler(Sampler):
 
 
 class StaticLastBatch(Unit):
+    reasons = {
+        "hpu_eager": "HPU eager mode compiles nothing per shape unless graph capture is on",
+        "policy": "policy {policy}",
+    }
     changed_figure = ("loaders_padded", "{} DataLoader(s) padded to whole batches")
     acts_on = ("DataLoader construction (the session's step watcher)",)
     backends = ("hpu",)
@@ -49,13 +53,13 @@ class StaticLastBatch(Unit):
     def skip_reason(self):
         reason = super().skip_reason()
         if reason is None and not self.backend.is_lazy:
-            reason = "HPU eager mode compiles nothing per shape unless graph capture is on"
+            reason = self.reason_for("hpu_eager")
         return reason
 
     def apply(self) -> None:
         self.figures.update(loaders_padded=0, samples_added_per_epoch=0)
         self.on(Event.LOADER_BUILT, self._adjust)
-        self.reason = f"policy {self.options.last_batch}"
+        self.because("policy", policy=self.options.last_batch)
 
     def _adjust(self, loader, args, kwargs):
         call = loader_arguments(loader, args, kwargs, defaults=True)

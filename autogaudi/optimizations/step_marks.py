@@ -24,12 +24,14 @@ from autogaudi.unit import Unit
 class LazyModeUnit(Unit):
     """A unit that only makes sense where ops queue until ``mark_step()``: HPU lazy mode."""
 
+    reasons = {"hpu_eager": "HPU eager mode (PT_HPU_LAZY_MODE=0) runs ops as issued; there is nothing to mark"}
+
     backends = ("hpu",)
 
     def skip_reason(self):
         reason = super().skip_reason()
         if reason is None and not self.backend.is_lazy:
-            reason = "HPU eager mode (PT_HPU_LAZY_MODE=0) runs ops as issued; there is nothing to mark"
+            reason = self.reason_for("hpu_eager")
         return reason
 
     def mark(self, figure: str = "mark_steps") -> None:
@@ -38,6 +40,7 @@ class LazyModeUnit(Unit):
 
 
 class StepMarks(LazyModeUnit):
+    reasons = {**LazyModeUnit.reasons, "lazy_mode": "lazy mode"}
     changed_figure = ("mark_steps", "{} mark_step calls after backward and optimizer steps")
     acts_on = ("after each backward pass and optimizer step, before each batch (the session's step watcher)",)
 
@@ -46,7 +49,7 @@ class StepMarks(LazyModeUnit):
         self.on(Event.AFTER_BACKWARD, self._mark_training)
         self.on(Event.OPTIMIZER_STEP, lambda _optimizer: self._mark_training())
         self.on(Event.BEFORE_BATCH, self._before_batch)
-        self.reason = "lazy mode"
+        self.because("lazy_mode")
 
     def _mark_training(self) -> None:
         self.mark()

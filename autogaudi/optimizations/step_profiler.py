@@ -84,6 +84,32 @@ def classify(waiting: float, busy: float, collective: float = 0.0) -> tuple:
     return "device", f"{compute}{held} of each step"
 
 
+def census_figures(clean: list, censuses: list) -> tuple:
+    """The step's figures, and the (input wait, ops computing, collective wait) shares of a step that
+    :func:`classify` reads, from the clean steps' (seconds, seconds waiting for data) and the census
+    steps' (ops, busy seconds, collective wait seconds or None)."""
+    step_s = statistics.median(seconds for seconds, _waited in clean)
+    waiting = sum(waited for _seconds, waited in clean) / sum(seconds for seconds, _waited in clean)
+    # Per pair: (busy + collective wait, busy, collective wait) as shares of the clean step; the
+    # median pair by their sum decides (PAIRS is odd).
+    pairs = sorted(
+        ((busy_s + (collective_s or 0.0)) / seconds, busy_s / seconds, (collective_s or 0.0) / seconds)
+        for (seconds, _waited), (_ops, busy_s, collective_s) in zip(clean, censuses)
+    )
+    _, busy_share, collective_share = pairs[len(pairs) // 2]
+    busy = sorted(share for _, share, _ in pairs)
+    figures = {
+        "ms_per_step": round(1000 * step_s, 3),
+        "input_wait_fraction": round(waiting, 3),
+        "ops_per_step": int(statistics.median(ops for ops, _busy, _collective in censuses)),
+        "compute_fraction": round(min(busy_share, 1.0), 3),
+        "compute_fraction_range": [round(min(busy[0], 1.0), 3), round(min(busy[-1], 1.0), 3)],
+    }
+    if any(collective_s is not None for _ops, _busy, collective_s in censuses):
+        figures["collective_wait_fraction"] = round(min(collective_share, 1.0), 3)
+    return figures, (waiting, busy_share, collective_share)
+
+
 class _Census(TorchDispatchMode):
     """Counts the ops of a step and, on the CPU, adds up the time their kernels compute (the clock
     around each kernel, less what the clock and the call cost for a trivial op); the Python and
@@ -324,6 +350,10 @@ class StepProfile:
 
 
 class StepProfiler(Unit):
+    reasons = {
+        "warming_up": "waiting for {steps} warm-up steps",
+        **{f"{bound}_bound": f"{bound}-bound: {{why}}" for bound in ("input", "host", "communication", "device")},
+    }
     acts_on = (
         "training steps and batch fetches (the session's step watcher)",
         "global module forward hooks and a TorchDispatchMode, during five census steps",
@@ -345,7 +375,7 @@ class StepProfiler(Unit):
         self.on(Event.TRAINING_STEP, self._after_step, self._listening)
         self.on(Event.BATCH_FETCHED, self._after_batch, self._listening)
         self.on_revert(self._abandon_census)
-        self.reason = f"waiting for {self.options.warmup_steps} warm-up steps"
+        self.because("warming_up", steps=self.options.warmup_steps)
 
     def _after_batch(self, _iterator, _batch, waited: float) -> None:
         if self._step_began is not None:
@@ -379,26 +409,8 @@ class StepProfiler(Unit):
             self._census_step.abandon()
 
     def _finish_census(self, optimizer) -> None:
-        step_s = statistics.median(seconds for seconds, _waited in self._clean)
-        waiting = sum(waited for _seconds, waited in self._clean) / sum(seconds for seconds, _waited in self._clean)
-        # Per pair: (busy + collective wait, busy, collective wait) as shares of the clean step; the
-        # median pair by their sum decides (PAIRS is odd).
-        pairs = sorted(
-            ((busy_s + (collective_s or 0.0)) / seconds, busy_s / seconds, (collective_s or 0.0) / seconds)
-            for (seconds, _waited), (_ops, busy_s, collective_s) in zip(self._clean, self._censuses)
-        )
-        _, busy_share, collective_share = pairs[len(pairs) // 2]
-        busy = sorted(share for _, share, _ in pairs)
-        figures = {
-            "ms_per_step": round(1000 * step_s, 3),
-            "input_wait_fraction": round(waiting, 3),
-            "ops_per_step": int(statistics.median(ops for ops, _busy, _collective in self._censuses)),
-            "compute_fraction": round(min(busy_share, 1.0), 3),
-            "compute_fraction_range": [round(min(busy[0], 1.0), 3), round(min(busy[-1], 1.0), 3)],
-        }
-        if any(collective_s is not None for _ops, _busy, collective_s in self._censuses):
-            figures["collective_wait_fraction"] = round(min(collective_share, 1.0), 3)
-        measured = classify(waiting, busy_share, collective_share)
+        figures, shares = census_figures(self._clean, self._censuses)
+        measured = classify(*shares)
         bound, why = rank_zero_choice(measured)
         if bound != measured[0]:
             self.note(f"this rank measured {measured[0]}-bound ({measured[1]}); every rank follows rank 0")
@@ -406,7 +418,7 @@ class StepProfiler(Unit):
         calls = max((step_calls.get(id(root), 0) for step_calls in self._calls), default=0) if root else 0
         self.profile = StepProfile(bound, why, figures, root, optimizer, calls_per_step=calls)
         self.figures.update(bound=bound, profiled_at_step=self.session.steps.steps, **figures)
-        self.reason = f"{bound}-bound: {why}"
+        self.because(f"{bound}_bound", why=why)
         if root is not None:
             self.figures["model"] = type(self.profile.model).__name__
             self.figures["model_calls_per_step"] = calls

@@ -29,6 +29,10 @@ def leading_dimension(batch):
 
 
 class ThroughputMeter(Unit):
+    reasons = {
+        "progress": "progress every {every} steps",
+        "final_only": "final figures only (--log-every N for progress)",
+    }
     acts_on = ("training steps and batch fetches (the session's step watcher)",)
 
     def apply(self) -> None:
@@ -36,7 +40,7 @@ class ThroughputMeter(Unit):
         self.on(Event.BATCH_FETCHED, self._count)
         self.on(Event.TRAINING_STEP, self._after_step)
         every = self.options.log_every
-        self.reason = f"progress every {every} steps" if every else "final figures only (--log-every N for progress)"
+        self.because("progress", every=every) if every else self.because("final_only")
 
     def _count(self, _iterator, batch, _waited) -> None:
         if self.session.steps.warmed_up:

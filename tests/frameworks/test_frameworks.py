@@ -41,7 +41,12 @@ def test_hugging_face_trainer_trains_alike_and_its_own_choices_are_kept(tmp_path
     assert "a loader whose script chose num_workers is kept as is" in units["loader_workers"]["notes"]
     assert units["step_profiler"]["figures"]["model"] == "BertForSequenceClassification"
     # 20 steps: no compile trial could pay for itself, and Trainer says how many steps are left.
-    assert units["graph_capture"]["reason"].startswith("not tried: 8 steps left (Hugging Face Trainer max_steps)")
+    capture = units["graph_capture"]
+    assert capture["reason_code"] == "too_short"
+    assert (capture["reason_params"]["steps"], capture["reason_params"]["source"]) == (
+        8,
+        "Hugging Face Trainer max_steps",
+    )
 
 
 @pytest.mark.slow
@@ -91,4 +96,4 @@ def test_lightning_trainer_fit_trains_alike(tmp_path):
     units = units_of(report)
     assert units["fused_optimizer"]["figures"]["optimizers_fused"] == 1  # Lightning's step(closure) too
     assert units["step_profiler"]["figures"]["model"] == "Sequential"  # the module training_step calls
-    assert "(Lightning Trainer estimated_stepping_batches)" in units["graph_capture"]["reason"]
+    assert units["graph_capture"]["reason_params"]["source"] == "Lightning Trainer estimated_stepping_batches"

@@ -87,7 +87,10 @@ def test_a_captured_model_saves_pickles_and_copies_as_a_plain_one():
     model = mlp()
     keys = set(vars(model))
     train(model, batches(), STEPS + 3)
-    assert unit_row("graph_capture")["reason"] == "captured Sequential (forced)"
+    assert (unit_row("graph_capture")["reason_code"], unit_row("graph_capture")["reason_params"]) == (
+        "captured_forced",
+        {"model": "Sequential"},
+    )
     (change,) = autogaudi.report().changed()
     assert change["unit"] == "graph_capture"
     assert change["what"].startswith("Sequential captured (torch.compile), one-off "), change
@@ -154,7 +157,7 @@ def test_a_rejected_trial_leaves_the_process_and_the_model_as_they_were(monkeypa
         train(model, batches(shape), STEPS + 60, optimizer)
         records = autogaudi.report().trials
         assert [(r["candidate"], r["decision"]) for r in records] == [(candidate, "rejected")], records
-        assert unit_row(candidate)["reason"].startswith("rejected")
+        assert unit_row(candidate)["reason_code"] == "rejected"
         assert autogaudi.report().changed() == []  # a rejected candidate changed nothing
         assert autogaudi.settled() and autogaudi.report().steps["decisions_settled_at_step"] is not None
         assert process_state() == before
@@ -233,7 +236,11 @@ def test_a_discriminator_called_three_times_per_step_trains_like_plain(device):
     losses, critic = gan_losses(STEPS + 8, device)
     row = unit_row("graph_capture")
     assert unit_row("step_profiler")["figures"]["model_calls_per_step"] == 3
-    assert row["status"] == "applied" and row["reason"] == "captured Discriminator (forced)", row
+    assert (row["status"], row["reason_code"], row["reason_params"]) == (
+        "applied",
+        "captured_forced",
+        {"model": "Discriminator"},
+    ), row
     assert any("called 3 times per step" in note for note in row["notes"])
     torch.testing.assert_close(losses, plain, rtol=1e-3, atol=1e-4)
     assert_plain_copies(critic, torch.randn(4, 8, device=device))
@@ -295,8 +302,11 @@ def test_channels_last_steps_aside_for_a_model_that_capture_holds():
     autogaudi.enable(device="cpu", only=CAPTURE_UNITS, force="graph_capture,channels_last")
     model = cnn()
     train(model, batches((3, 8, 8)), STEPS + 2)
-    assert unit_row("graph_capture")["reason"] == "captured Sequential (forced)"
-    assert unit_row("channels_last")["reason"].startswith("stepped aside: graph_capture holds this model")
+    assert (unit_row("graph_capture")["reason_code"], unit_row("graph_capture")["reason_params"]) == (
+        "captured_forced",
+        {"model": "Sequential"},
+    )
+    assert unit_row("channels_last")["reason_code"] == "captured"
     assert all(p.is_contiguous() for p in model.parameters())
 
 
@@ -314,7 +324,8 @@ def test_a_captured_call_that_fails_runs_eagerly_and_capture_goes_off(monkeypatc
     losses, _ = train(model, batches(), STEPS + 4)
     assert losses == plain  # the failing call ran eagerly: not one step lost or changed
     row = unit_row("graph_capture")
-    assert row["status"] == "failed" and "injected" in row["reason"]
+    assert (row["status"], row["reason_code"]) == ("failed", "failed_at_run_time")
+    assert "injected" in row["reason_params"]["error"]
     assert "_compiled_call_impl" not in vars(model)
     assert "graph_capture raised" in capsys.readouterr().err
 
@@ -371,7 +382,10 @@ def test_calls_outside_training_run_eagerly_and_compile_nothing_more():
     torch.testing.assert_close(evaluated, model.eval()._call_impl(inputs))
     torch.testing.assert_close(watched, model.train()._call_impl(inputs))
     assert any("outside training" in note for note in unit_row("graph_capture")["notes"])
-    assert unit_row("graph_capture")["reason"] == "captured Sequential (forced)"  # still on for training
+    assert (unit_row("graph_capture")["reason_code"], unit_row("graph_capture")["reason_params"]) == (
+        "captured_forced",
+        {"model": "Sequential"},
+    )  # still on for training
 
 
 def test_compiles_for_later_input_shapes_are_part_of_the_one_off():

@@ -294,7 +294,8 @@ def test_hpu_kernel_failure_at_run_time_reverts_and_training_goes_on(hpu_double,
     torch.testing.assert_close(losses, plain, **TOLERANCE)
     torch.testing.assert_close(list(net.parameters()), list(plain_net.parameters()), **TOLERANCE)
     row = autogaudi.report().unit("fused_optimizer")
-    assert row["status"] == "failed" and "injected kernel failure" in row["reason"]
+    assert (row["status"], row["reason_code"]) == ("failed", "failed_at_run_time")
+    assert "injected kernel failure" in row["reason_params"]["error"]
     assert all(torch.is_tensor(state["step"]) for state in optimizer.state.values())  # torch's format again
     assert "fused_optimizer raised RuntimeError('injected kernel failure')" in capsys.readouterr().err
 

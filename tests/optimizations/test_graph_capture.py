@@ -48,7 +48,7 @@ def test_a_device_bound_run_is_not_captured():
     autogaudi.enable(device="cpu", only="step_profiler,graph_capture")
     model = nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 3))
     train(model, endless(lambda: (torch.randn(512, 1024), torch.randint(0, 3, (512,)))))
-    assert row()["reason"].startswith("not captured: the run is device-bound")
+    assert row()["reason_code"] == "not_host_bound" and row()["reason_params"]["bound"] == "device"
     assert "forward" not in vars(model)
 
 
@@ -71,7 +71,7 @@ def test_forced_on_the_double_caches_the_module_inside_ddp(hpu_double, tmp_path)
         inner = mlp()
         losses = losses_of(nn.parallel.DistributedDataParallel(inner), batches())
         torch.testing.assert_close(losses, plain, rtol=1e-5, atol=1e-6)
-        assert row()["reason"] == "captured Sequential (forced)"
+        assert (row()["reason_code"], row()["reason_params"]) == ("captured_forced", {"model": "Sequential"})
         names = calls.names()
         first = names.index("module_cacher")
         assert calls.CALLS[first][1] == {"module": "Sequential", "max_graphs": 10}
@@ -147,11 +147,11 @@ class Hooked(nn.Module):
 @pytest.mark.parametrize(
     "model, refusal",
     [
-        (Checkpointed, "not captured: the model uses gradient checkpointing"),
-        (FlaggedCheckpointing, "not captured: the model uses gradient checkpointing"),
-        (PartlyUnused, "not captured: 2 of 6 optimized parameters had no gradient"),
-        (VarArgs, "not captured: VarArgs.forward takes *args or positional-only arguments"),
-        (Hooked, "not captured: module hooks on Linear would not run when HPU graphs replay"),
+        (Checkpointed, ("gradient_checkpointing", {})),
+        (FlaggedCheckpointing, ("gradient_checkpointing", {})),
+        (PartlyUnused, ("parameters_without_gradient", {"without": 2, "total": 6})),
+        (VarArgs, ("positional_forward", {"model": "VarArgs"})),
+        (Hooked, ("module_hooks", {"where": "Linear"})),
     ],
 )
 def test_hpu_graphs_are_refused_where_they_would_crash_or_change_training(hpu_double, model, refusal):
@@ -159,7 +159,7 @@ def test_hpu_graphs_are_refused_where_they_would_crash_or_change_training(hpu_do
     plain = losses_of(model(), batches())
     autogaudi.enable(device="hpu", only="step_profiler,graph_capture", force="graph_capture")
     losses = losses_of(model(), batches())
-    assert row()["reason"].startswith(refusal), row()["reason"]
+    assert (row()["reason_code"], row()["reason_params"]) == refusal, row()
     assert "module_cacher" not in calls.names()
     torch.testing.assert_close(losses, plain, rtol=1e-5, atol=1e-6)
 
@@ -195,7 +195,7 @@ def test_hpu_capture_leaves_no_cacher_attribute_and_the_model_saves_as_a_plain_o
     model = mlp()
     keys = set(vars(model))
     losses_of(model, batches())
-    assert row()["reason"] == "captured Sequential (forced)"
+    assert (row()["reason_code"], row()["reason_params"]) == ("captured_forced", {"model": "Sequential"})
     assert set(vars(model)) == keys | {"_compiled_call_impl"}  # no orig_forward, capture_start, ...
     assert_plain_copies(model, torch.randn(4, 16))
     autogaudi.disable()
@@ -241,9 +241,7 @@ def test_a_model_the_script_compiles_itself_is_left_alone(hpu_double, model):
     plain = losses_of(model(), batches())
     autogaudi.enable(device="hpu", only="step_profiler,graph_capture", force="graph_capture")
     losses = losses_of(model(), batches())
-    assert (
-        row()["reason"] == "stepped aside: the script (or its framework) already compiles the model with torch.compile"
-    )
+    assert row()["reason_code"] == "compiled_by_script"
     assert "module_cacher" not in calls.names()
     torch.testing.assert_close(losses, plain, rtol=1e-5, atol=1e-6)
 
@@ -263,8 +261,7 @@ def test_a_recompile_storm_switches_capture_off_and_names_the_shapes(hpu_double)
     autogaudi.enable(device="hpu", only="step_profiler,graph_capture", force="graph_capture")
     losses = losses_of(mlp(), batches(sizes), steps=STEPS + 12)
     torch.testing.assert_close(losses, plain, rtol=1e-5, atol=1e-6)
-    reason = row()["reason"]
-    assert reason.startswith("switched off: dynamic shapes, 9 distinct input shapes"), reason
+    assert row()["reason_code"] == "dynamic_shapes" and row()["reason_params"]["count"] == 9, row()
     captured = [details["shapes"] for name, details in calls.CALLS if name == "module_cacher_capture"]
     assert len(captured) == 8  # capped: nothing is captured after the switch-off
 

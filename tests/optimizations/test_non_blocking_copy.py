@@ -47,7 +47,7 @@ def test_skipped_on_cpu_and_reverted_exactly(hpu_double):
     original = torch.Tensor.to
     autogaudi.enable(device="cpu")
     row = autogaudi.report().unit("non_blocking_copy")
-    assert row["status"] == "skipped" and "no host-to-device copies" in row["reason"]
+    assert (row["status"], row["reason_code"]) == ("skipped", "other_backend")
     autogaudi.disable()
     hpu_double(lazy=True)
     autogaudi.enable(device="hpu", only="non_blocking_copy")
@@ -66,5 +66,6 @@ def test_failure_at_run_time_reverts_and_the_copy_still_happens(hpu_double, monk
     monkeypatch.setattr(non_blocking_copy, "wants_non_blocking", lambda *args: 1 / 0)
     assert torch.ones(2).to(torch.float64).dtype == torch.float64  # the user's call is still served
     row = autogaudi.report().unit("non_blocking_copy")
-    assert row["status"] == "failed" and "ZeroDivisionError" in row["reason"]
+    assert (row["status"], row["reason_code"]) == ("failed", "failed_at_run_time")
+    assert row["reason_params"]["error"].startswith("ZeroDivisionError")
     assert torch.Tensor.to is original

@@ -8,7 +8,7 @@ def test_off_unless_forced(hpu_double):
     hpu_double(lazy=True)
     autogaudi.enable(device="hpu")
     row = autogaudi.report().unit("pipelining_fwd_bwd")
-    assert (row["status"], row["reason"]) == ("skipped", "opt-in: switch on with --force pipelining_fwd_bwd")
+    assert (row["status"], row["reason_code"]) == ("skipped", "opt_in")
 
 
 def test_forced_marks_before_backward_and_keeps_losses(hpu_double):
@@ -24,7 +24,7 @@ def test_forced_marks_before_backward_and_keeps_losses(hpu_double):
 def test_eager_mode_skips(hpu_double):
     hpu_double(lazy=False)
     autogaudi.enable(device="hpu", force="pipelining_fwd_bwd")
-    assert "eager mode" in autogaudi.report().unit("pipelining_fwd_bwd")["reason"]
+    assert autogaudi.report().unit("pipelining_fwd_bwd")["reason_code"] == "hpu_eager"
 
 
 def test_failure_at_run_time_reverts_and_training_goes_on(hpu_double, monkeypatch):
@@ -36,4 +36,5 @@ def test_failure_at_run_time_reverts_and_training_goes_on(hpu_double, monkeypatc
     monkeypatch.setattr(htcore, "mark_step", lambda *args, **kwargs: 1 / 0)
     assert standard_loop() == plain
     row = autogaudi.report().unit("pipelining_fwd_bwd")
-    assert row["status"] == "failed" and "ZeroDivisionError" in row["reason"]
+    assert (row["status"], row["reason_code"]) == ("failed", "failed_at_run_time")
+    assert row["reason_params"]["error"].startswith("ZeroDivisionError")

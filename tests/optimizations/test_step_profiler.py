@@ -241,7 +241,8 @@ def test_a_census_step_that_fails_to_stop_is_reverted_once_and_the_scripts_mode_
         assert _get_current_dispatch_mode() is mode
     assert _get_current_dispatch_mode() is None
     row = profile_row()
-    assert row["status"] == "failed" and "device lost" in row["reason"], row
+    assert (row["status"], row["reason_code"]) == ("failed", "failed_at_run_time"), row
+    assert "device lost" in row["reason_params"]["error"]
     assert not any("revert() raised" in note for note in row["notes"]), row  # the census mode left once
     assert calls.names().count("mark_step") == 1 and len(waits) == 2  # reverted: no further census steps
 
@@ -273,8 +274,8 @@ def test_ranks_that_measure_apart_follow_rank_zero_and_finish_the_trial_together
     profiles = [worker["units"]["step_profiler"] for worker in workers]
     assert profiles[0]["figures"]["bound"] == profiles[1]["figures"]["bound"] == "host"
     assert any("this rank measured input-bound" in note for note in profiles[1]["notes"]), profiles[1]
-    captures = [worker["units"]["graph_capture"]["reason"] for worker in workers]
-    assert captures[0] == captures[1] and "trial running" not in captures[0]  # the trial ended, decided alike
+    captures = [worker["units"]["graph_capture"]["reason_code"] for worker in workers]
+    assert captures[0] == captures[1] and captures[0] != "trial_running"  # decided alike, no trial left running
     assert workers[0]["checksum"] == workers[1]["checksum"]
 
 
@@ -293,4 +294,5 @@ def test_a_rank_that_waits_for_a_slower_ranks_all_reduce_is_communication_bound(
     # slower census steps; whatever it measured, it follows rank 0.
     assert profiles[1]["figures"]["bound"] == "communication", (profiles[1]["figures"], profiles[1]["notes"])
     for worker in workers:
-        assert "not captured: the run is communication-bound" in worker["units"]["graph_capture"]["reason"]
+        row = worker["units"]["graph_capture"]
+        assert (row["reason_code"], row["reason_params"]["bound"]) == ("not_host_bound", "communication")

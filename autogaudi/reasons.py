@@ -1,0 +1,49 @@
+"""Why a unit is where it is, as data: a stable code for scripts and tests, and the text for people.
+
+Both come from one table: the codes every unit can be given by the core (below) and each unit's own
+``reasons`` (``Unit.reasons``). The report's JSON carries ``reason_code`` and ``reason_params`` (the
+values the text was filled in with) beside ``reason``; the table of every code is generated into
+docs/reasons.md. Texts may change; codes are kept.
+"""
+
+from __future__ import annotations
+
+# code -> text template ("{name}" filled from the keyword arguments)
+CORE = {
+    "switched_off": "switched off by {flag} / {env}",
+    "not_listed": "not listed in {flag} / {env}",
+    "opt_in": "opt-in: switch on with {flag} {unit}",
+    "could_not_load": "could not load: {error!r}",
+    "needs_unit": "needs the {units} unit, which is not on",
+    "other_backend": "applies on {backends} only; this run is on {backend}{why}",
+    "old_torch": "needs torch >= {needed}; this is {version}",
+    "apply_raised": "apply() raised {error!r}; reverted",
+    "failed_at_run_time": "raised {error!r} at run time; reverted, the run went on without it",
+    "waiting_for_profile": "waiting for the step profile",
+}
+
+
+class Reason:
+    """One reason: its code and its text, filled in from the template the code names in ``table``
+    (a unit's own reasons first, then :data:`CORE`)."""
+
+    __slots__ = ("code", "params", "text")
+
+    def __init__(self, code: str, table: dict = CORE, **params):
+        template = table.get(code) or CORE.get(code)
+        if template is None:
+            raise KeyError(f"no reason code {code!r}; known: {', '.join(sorted({*table, *CORE}))}")
+        self.code = code
+        self.params = params
+        self.text = template.format(**params)
+
+    def params_as_data(self) -> dict:
+        """The parameters as JSON values (an exception, a shape list: its repr)."""
+        plain = (str, int, float, bool, type(None))
+        return {name: value if isinstance(value, plain) else repr(value) for name, value in self.params.items()}
+
+    def __str__(self):
+        return self.text
+
+    def __repr__(self):
+        return f"Reason({self.code!r}: {self.text!r})"

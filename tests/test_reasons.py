@@ -1,0 +1,37 @@
+"""Reason codes: one table gives the text and the code; unit codes never shadow the core's."""
+
+import importlib
+
+import pytest
+
+from autogaudi.reasons import CORE, Reason
+from autogaudi.registry import UNITS
+
+
+def unit_classes():
+    for info in UNITS:
+        module_name, class_name = info.module.split(":")
+        yield info.name, getattr(importlib.import_module(module_name), class_name)
+
+
+def test_a_reason_is_its_code_and_the_text_its_template_makes():
+    error = ValueError("bad")
+    reason = Reason("apply_raised", error=error)
+    assert (reason.code, reason.text) == ("apply_raised", "apply() raised ValueError('bad'); reverted")
+    assert reason.params_as_data() == {"error": "ValueError('bad')"}  # JSON values, not objects
+
+
+def test_a_unit_table_is_read_before_the_core():
+    table = {"lazy_mode": "lazy mode, {how}"}
+    assert Reason("lazy_mode", table, how="forced").text == "lazy mode, forced"
+    assert Reason("old_torch", table, needed="9.0", version="2.1").code == "old_torch"
+
+
+def test_an_unknown_code_names_the_known_ones():
+    with pytest.raises(KeyError, match="no reason code 'no_such'.*apply_raised"):
+        Reason("no_such")
+
+
+@pytest.mark.parametrize("name, unit_class", list(unit_classes()))
+def test_unit_codes_do_not_shadow_core_codes(name, unit_class):
+    assert not set(unit_class.reasons) & set(CORE), name
