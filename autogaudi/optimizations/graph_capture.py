@@ -2,50 +2,18 @@
 and kept only when a trial measured it faster on this very run.
 
 Why: a host-bound step spends its time issuing ops one by one; a captured graph replays the whole
-forward (and, compiled, the backward) at once. The Gaudi guide's HPU graphs and torch's CUDA graphs
-both target exactly that case and do nothing for a device-bound step except cost compile time.
-Backend mapping (:meth:`Backend.graph_forward`): HPU lazy ``ModuleCacher(max_graphs)``, HPU eager
-``torch.compile(backend="hpu_backend")``, CUDA ``torch.compile(mode="reduce-overhead")`` (CUDA graphs),
-CPU ``torch.compile``.
+forward (and, compiled, the backward) at once. Both the Gaudi guide's HPU graphs and torch's CUDA
+graphs target exactly that case and do nothing for a device-bound step except cost compile time.
+Backend mapping: :meth:`Backend.graph_forward`.
 
-Which module: the outermost module called in the profiled step that owns most of the optimizer's
-parameters; for a DistributedDataParallel model its inner module, so DDP's hooks stay outside the
-graph (the guide's order: graphs first, DDP around them). Its calls are routed through
-``nn.Module``'s own compiled-call slot (what ``Module.compile()`` sets, :func:`route_calls`): the
-module's type, ``forward``, hooks and ``state_dict`` stay its own, and ``torch.save``, ``pickle``
-and ``copy.deepcopy`` drop the slot (``Module.__getstate__``), so a saved or copied model is a plain
-one. A model the script (or a framework: ``Trainer(torch_compile=True)``) already compiled is left
-alone. A capture that is not kept is released: the slot, the compiled code's cache entries, and
-CUDA graph trees autogaudi started (their memory pool) are dropped, and no reference to the model
-stays.
-
-Outputs that outlive a replay: CUDA graphs and HPU graphs write every replay's outputs into the
-same static tensors. A module called more than once per step (a GAN's discriminator on real then
-fake images, both losses backpropagated) would see its first output overwritten; the step profile
-counts the calls, and such a module is compiled without CUDA graphs (CUDA) or not captured (HPU
-lazy). Any exception raised by the captured call switches capture off and re-runs that call eagerly,
-so a user's own error surfaces as it would in a plain run.
-
-HPU lazy graphs hold gradient tensors (``Backend.graphs_hold_gradients``): while they are on,
-``zero_grad`` keeps the tensors (``set_to_none=False``, the guide's rule) — done only when every
-optimized parameter had a gradient in the profiled step, where zeros and None train alike — and a
-model using gradient checkpointing is not captured (the graphs crash with it; optimum-habana turns
-them off too).
-
-Run length and one-off: a trial's one-off is every second it adds (``ONE_OFF_PARTS``: set-up with
-the compiler's import, warm-up, compiles for later shapes, compile workers' shutdown at exit). Where
-a framework knows how many steps are left (:mod:`autogaudi.run_length`) and even skipping every
-non-compute part of them would not win back the least one-off a capture was measured to cost on
-this backend (``Backend.least_capture_one_off_s``), no trial starts; where nothing says (a plain
-loop), the trial waits until the steps so far could have saved that much (:meth:`_when_to_try`).
-Calls outside training (eval mode, ``no_grad``) run eagerly: the trial measured training steps
-only, and each such mode would be one more compilation.
-
-Guard: input shapes are counted while capture is on; past ``MAX_SHAPES`` distinct ones every new
-shape is a recompilation, so capture is switched off and the report lists the shapes seen (pad the
-last batch, bucket sequence lengths). Semantics: compiled dropout draws its masks from a different
-random stream than eager (same distribution); the report notes it when the model has dropout, and
-the ``exact_random`` option compiles with inductor's ``fallback_random`` to draw eager's masks.
+How: calls of the model that owns most of the optimizer's parameters (a DDP model's inner module)
+are routed through ``nn.Module``'s compiled-call slot (:func:`route_calls`), which ``torch.save``,
+``pickle`` and ``copy.deepcopy`` drop: a saved model is a plain one. The gates (:meth:`_refusal`:
+not host-bound, compiled by the script, outputs a replay would overwrite, HPU graphs' gradient
+rules; :meth:`_when_to_try`: a run too short to pay back the least one-off) each give a reason code;
+a capture not kept is released with every reference; an exception from the captured call re-runs
+the call eagerly and switches capture off; past ``MAX_SHAPES`` input shapes it switches off. The
+rules, their measurements and what each figure means: docs/units/graph_capture.md.
 """
 
 from __future__ import annotations

@@ -17,14 +17,8 @@ nothing and costs compile time. Users profile by hand; autogaudi measures it on 
    not hide. Census steps are slower (they are observed); only counts and compute time come from
    them, set against the clean step just before.
 
-Why pairs, and medians: a census of one step set against a window of steps timed before it moved
-the 2-core CI machine's reading of the same script from 35% to 100% compute between runs (a
-two-rank DDP run), and a fixture of tiny layers from 9% to 47%: the machine's speed drifts between
-the window and the census, and one preempted step or kernel weighs as much as all the others.
-Each census step is set against its own neighbour (what the trial engine does too: interleaving
-cancels drift), and the median pair decides. Waiting for data is a total over the clean steps:
-loader workers hand batches over in bursts, so the typical step waits for nothing even when the run
-starves.
+Each census step is set against its own neighbour and the median pair decides (why, with the
+measurements that led there: docs/units/step_profiler.md).
 
 Classification (thresholds stated in docs/units/step_profiler.md): input-bound when waiting for
 data is at least half of a step; else host-bound when ops compute and waits for collectives
