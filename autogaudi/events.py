@@ -19,7 +19,7 @@ class Event(enum.Enum):
     EPOCH_START = "epoch start"  # (loader): its iterator for a new epoch is about to be created
     BEFORE_BATCH = "before batch"  # (iterator): a DataLoader iterator is about to fetch a batch
     BATCH_FETCHED = "batch fetched"  # (iterator, batch, seconds waited)
-    BEFORE_BACKWARD = "before backward"  # ()
+    BEFORE_BACKWARD = "before backward"  # (the tensors backpropagated: the loss, usually)
     AFTER_BACKWARD = "after backward"  # ()
     OPTIMIZER_STEP = "optimizer step"  # (optimizer): after every step of every optimizer
     TRAINING_STEP = "training step"  # (pacing optimizer, or None): one iteration of the loop ended

@@ -56,6 +56,12 @@ UNITS: tuple[UnitInfo, ...] = (
         "autogaudi.optimizations.fused_sdpa:FusedSdpa",
     ),
     UnitInfo(
+        "mixed_precision",
+        "opt-in with --precision: bf16 autocast of the training model's forward (or CUDA TF32), used only after "
+        "it matched float32 on the run's own steps, watched for NaN/Inf and loss spikes",
+        "autogaudi.optimizations.mixed_precision:MixedPrecision",
+    ),
+    UnitInfo(
         "graph_capture",
         "host-bound runs: the training model replays captured graphs (HPU graphs, CUDA graphs, torch.compile), "
         "if a trial finds it faster",

@@ -125,12 +125,12 @@ class Session:
         warn(f"{unit.name} raised {error!r}; it is switched off and the run goes on without it")
 
     def settled(self) -> bool:
-        """Every decision made: the step is profiled (or no profiler runs) and no trial is pending.
-        From here on the run's steps are its steady state; what autogaudi changed stays as it is
-        unless a unit fails or a guard switches it off."""
+        """Every decision made: the step is profiled (or no profiler runs), no trial is pending and no
+        unit is still checking (:meth:`Unit.deciding`). From here on the run's steps are its steady
+        state; what autogaudi changed stays as it is unless a unit fails or a guard switches it off."""
         profiler = self.unit("step_profiler")
         profiling = profiler is not None and profiler in self.applied and profiler.profile is None
-        return not profiling and self.trials.idle
+        return not profiling and self.trials.idle and not any(unit.deciding() for unit in self.applied)
 
     def check_settled(self) -> None:
         if self.settled_at_step is None and self.settled():

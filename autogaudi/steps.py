@@ -123,7 +123,7 @@ class TrainingSteps:
         return batch
 
     def _backward(self, wrapped, instance, args, kwargs):
-        self.events.emit(Event.BEFORE_BACKWARD)
+        self.events.emit(Event.BEFORE_BACKWARD, args[0] if args else kwargs.get("tensors"))
         result = wrapped(*args, **kwargs)
         self.backwards += 1
         self.events.emit(Event.AFTER_BACKWARD)

@@ -165,6 +165,11 @@ class Unit:
         units that decide override it to say False once they decided nothing needs changing."""
         return True
 
+    def deciding(self) -> bool:
+        """Whether a decision that changes the run's steps is still being made outside a trial (a
+        guard checking); the run's steady state starts once no unit is. Units that have one say so."""
+        return False
+
     def revert(self) -> None:
         self.close_scope(self.scope)
 

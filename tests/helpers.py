@@ -11,6 +11,10 @@ SCRIPTS = TESTS / "scripts"
 HPU_DOUBLE = TESTS / "hpu_double"
 
 
+# Units that an option of their own switches on (off by default): the options that do, for generic tests.
+SWITCHED_ON_BY = {"mixed_precision": {"precision": "bf16"}}
+
+
 def clean_env(**extra):
     """The environment of a plain run: no autogaudi settings inherited from whoever runs pytest."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("AUTOGAUDI") and k != "PT_HPU_LAZY_MODE"}

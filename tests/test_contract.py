@@ -12,6 +12,7 @@ import wrapt
 import autogaudi
 from autogaudi import session, steps
 from autogaudi.registry import UNITS
+from tests.helpers import SWITCHED_ON_BY
 
 MISSING = object()
 
@@ -64,6 +65,7 @@ def test_the_unit_patches_its_targets_once_and_restores_them_exactly(hpu_double,
     options = {"device": "hpu", "only": ",".join(dict.fromkeys(("step_profiler", info.name)))}
     if info.opt_in:
         options["force"] = info.name
+    options.update(SWITCHED_ON_BY.get(info.name, {}))
     for again in ({}, {}, {"log_every": 7}):  # enable, the same again (harmless), then reconfigure
         autogaudi.enable(**options, **again)
         row = autogaudi.report().unit(info.name)

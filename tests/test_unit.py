@@ -10,6 +10,7 @@ import autogaudi
 from autogaudi.optimizations.step_marks import StepMarks
 from autogaudi.registry import UNITS
 from autogaudi.unit import wrap_attribute
+from tests.helpers import SWITCHED_ON_BY
 
 
 def passthrough(wrapped, instance, args, kwargs):
@@ -103,7 +104,8 @@ def test_unit_whose_apply_raises_is_reverted_and_reported(hpu_double, monkeypatc
 
     monkeypatch.setattr(unit_class, "apply", apply_then_raise)
     # Units that act on the step profile need the profiler on too.
-    autogaudi.enable(device="hpu", only=f"{unit.name},step_profiler", force=unit.name)
+    options = SWITCHED_ON_BY.get(unit.name, {})
+    autogaudi.enable(device="hpu", only=f"{unit.name},step_profiler", force=unit.name, **options)
     torch.testing.assert_close(attention_workload(), expected, rtol=1e-6, atol=1e-7)
     row = autogaudi.report().unit(unit.name)
     assert row["status"] == "failed"

@@ -105,6 +105,8 @@ class GraphCapture(ActsOnProfile):
         "no_model": "not captured: no module owning the optimizer's parameters was called in the step",
         "compiled_by_script": "stepped aside: the script (or its framework) already compiles the model with "
         "torch.compile",
+        "mixed_precision": "stepped aside: mixed_precision holds this model (autocast in its hooks would be "
+        "traced into the graph)",
         "positional_forward": "not captured: {model}.forward takes *args or positional-only arguments, which "
         "ModuleCacher refuses",
         "module_hooks": "not captured: module hooks on {where} would not run when HPU graphs replay",
@@ -181,6 +183,9 @@ class GraphCapture(ActsOnProfile):
             return self.reason_for("no_model")
         if compiled_by_the_script(profile.model):
             return self.reason_for("compiled_by_script")
+        precision = self.session.unit("mixed_precision")
+        if precision is not None and precision in self.session.applied and precision.holds(profile.model):
+            return self.reason_for("mixed_precision")
         refusal = self.backend.graph_refusal(profile.model)
         if refusal:
             code, params = refusal

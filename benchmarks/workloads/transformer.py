@@ -27,6 +27,7 @@ def main():
     parser = argparse.ArgumentParser()
     add_arguments(parser, steps=20, warmup=14, gpu_steps=500)  # warm-up holds autogaudi's 13 profiled steps
     parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--autocast", action="store_true", help="bf16 autocast around forward and loss, by hand")
     args = parser.parse_args()
     torch.manual_seed(0)
     model = Classifier().to(DEVICE)
@@ -38,7 +39,8 @@ def main():
     def step(_index):
         tokens, labels = next(batches)
         optimizer.zero_grad()
-        loss = nn.functional.cross_entropy(model(tokens.to(DEVICE)), labels.to(DEVICE))
+        with torch.autocast(DEVICE.type, dtype=torch.bfloat16, enabled=args.autocast):
+            loss = nn.functional.cross_entropy(model(tokens.to(DEVICE)), labels.to(DEVICE))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()

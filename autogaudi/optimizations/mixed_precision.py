@@ -1,0 +1,445 @@
+"""Mixed precision (bf16 autocast, TF32), opt-in with ``--precision``, checked on the run before it
+is kept and watched after.
+
+Why: autocast runs matrix products in bf16 on tensor cores and Gaudi's MME, and TF32 runs float32
+matmuls on Ampere's tensor cores: the largest single speed-ups in both guides. Both change numerics,
+so nothing happens unless the user asks, and what is asked is checked on the user's own steps:
+
+- the guard, before anything changes: on ``GUARD_CHECKS`` forward/backward pairs of the user's run
+  (which itself stays in float32), a copy of the training model runs the same forward twice, in
+  float32 and in the candidate precision, with the same inputs and random draws, and backpropagates
+  the gradient the user's loss gave the real output. Outputs, the first-order loss change and the
+  gradients must agree within ``BOUNDS``, or the precision is not used;
+- ``auto`` then also runs a speed trial and keeps it only when it measured faster;
+- the watch, once on: losses are checked for NaN/Inf and spikes against the run's float32 losses
+  (read every ``WATCH_EVERY`` backward passes: no host read per step); on either, the run goes back
+  to float32 from that step on.
+
+Mechanism (:func:`autocast_forward`): autocast is entered in a forward pre-hook of the training model
+and left in its forward hook (``always_call``: also when the forward raises), which hands low-precision
+outputs back as float32, as accelerate's ``convert_outputs_to_fp32`` does: the user's loss and backward
+run as in the float32 script. Parameters, optimizer state and checkpoints stay float32. The measured
+story and what the guard cannot promise: docs/units/mixed_precision.md.
+"""
+
+from __future__ import annotations
+
+import collections.abc
+import contextlib
+import copy
+import math
+import statistics
+import time
+
+import torch
+
+from autogaudi.events import Event
+from autogaudi.unit import ActsOnProfile
+
+GUARD_CHECKS = 3  # forward/backward pairs compared before a precision is used
+# How far the candidate may be from float32 on the same step: relative error of the outputs; loss
+# change to first order (sum of dL/dout * output change) relative to the loss; gradient norm ratio;
+# cosine between the gradients. bf16 keeps 8 significant bits (relative step 0.4%).
+BOUNDS = {"output_error": 0.05, "loss_change": 0.02, "grad_norm_ratio": (0.9, 1.1), "grad_cosine": 0.99}
+WATCH_EVERY = 10  # backward passes between host reads of the watched losses
+SPIKE = 4.0  # a loss this many times the median of the run's recent losses is a spike
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+MATRIX_FP32_SHARE = 0.9  # below this share of float32 matrix products the script runs low precision itself
+
+
+def to_float32(value):
+    """``value`` with its bf16/fp16 tensors as float32, through tuples, lists and mappings (a Hugging
+    Face ``ModelOutput`` is updated in place, keeping its type)."""
+    if isinstance(value, torch.Tensor):
+        return value.float() if value.dtype in LOW_PRECISION else value
+    if isinstance(value, tuple):
+        items = [to_float32(item) for item in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    if isinstance(value, list):
+        return [to_float32(item) for item in value]
+    if isinstance(value, collections.abc.MutableMapping):
+        for key in list(value):
+            value[key] = to_float32(value[key])
+    return value
+
+
+def _tensors(value) -> list:
+    """The tensors in an output, in a fixed order."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for item in value for t in _tensors(item)]
+    if isinstance(value, collections.abc.Mapping):
+        return [t for key in value for t in _tensors(value[key])]
+    return []
+
+
+def autocast_forward(model, device_type: str, dtype, active) -> callable:
+    """Run ``model``'s forward under autocast while ``active()``, with float32 outputs; return the undo."""
+    entered = []
+
+    def before(_module, _args, _kwargs):
+        context = torch.autocast(device_type, dtype=dtype) if active() else None
+        if context is not None:
+            context.__enter__()
+        entered.append(context)
+
+    def after(_module, _args, _kwargs, output):
+        context = entered.pop() if entered else None
+        if context is None:
+            return None
+        context.__exit__(None, None, None)
+        return to_float32(output)
+
+    before_handle = model.register_forward_pre_hook(before, with_kwargs=True)
+    after_handle = model.register_forward_hook(after, with_kwargs=True, always_call=True)
+
+    def undo():
+        before_handle.remove()
+        after_handle.remove()
+
+    return undo
+
+
+def set_tf32(on: bool) -> tuple:
+    """Set CUDA's TF32 switches for matmuls and cuDNN; return what they were (for :func:`restore_tf32`)."""
+    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    before = matmul.allow_tf32, cudnn.allow_tf32
+    matmul.allow_tf32 = cudnn.allow_tf32 = on
+    return before
+
+
+def restore_tf32(before: tuple) -> None:
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
+@contextlib.contextmanager
+def tf32(on: bool):
+    """CUDA's TF32 switches set to ``on`` inside, put back after."""
+    before = set_tf32(on)
+    try:
+        yield
+    finally:
+        restore_tf32(before)
+
+
+def compare(reference, candidate, output_grads, loss: float) -> dict:
+    """The guard's figures for one step: ``reference`` and ``candidate`` are (output tensors,
+    gradient vector) of the float32 and the candidate run of the same step."""
+    (ref_out, ref_grad), (cand_out, cand_grad) = reference, candidate
+    ref_flat = torch.cat([t.detach().float().reshape(-1) for t in ref_out])
+    cand_flat = torch.cat([t.detach().float().reshape(-1) for t in cand_out])
+    grads = torch.cat([g.float().reshape(-1) for g in output_grads])
+    ref_norm, cand_norm = ref_grad.norm().item(), cand_grad.norm().item()
+    return {
+        "output_error": (cand_flat - ref_flat).norm().item() / max(ref_flat.norm().item(), 1e-12),
+        "loss_change": abs(torch.dot(grads, cand_flat - ref_flat).item()) / max(abs(loss), 1e-12),
+        "grad_norm_ratio": cand_norm / max(ref_norm, 1e-12),
+        "grad_cosine": torch.nn.functional.cosine_similarity(ref_grad, cand_grad, dim=0).item(),
+    }
+
+
+def within_bounds(figures: dict) -> list:
+    """The figures outside ``BOUNDS`` (names), [] when the step agrees."""
+    low, high = BOUNDS["grad_norm_ratio"]
+    out = [name for name in ("output_error", "loss_change") if not figures[name] <= BOUNDS[name]]
+    if not low <= figures["grad_norm_ratio"] <= high:
+        out.append("grad_norm_ratio")
+    if not figures["grad_cosine"] >= BOUNDS["grad_cosine"]:
+        out.append("grad_cosine")
+    return out
+
+
+class _Guard:
+    """Shadow runs of the user's training forwards on a copy of the model, once their backward has
+    given the gradient of the user's loss at the output."""
+
+    def __init__(self, model, precision_context, reference_context, devices):
+        self.copy = copy.deepcopy(model)
+        for module in self.copy.modules():  # the script's hooks (a logger, a list it fills) stay on its model
+            for hooks in (module._forward_pre_hooks, module._forward_hooks, module._backward_hooks):
+                hooks.clear()
+            module._backward_pre_hooks.clear()
+        self.model = model
+        self.precision_context = precision_context
+        self.reference_context = reference_context
+        self.devices = devices
+        self.pending: list = []  # (inputs, random state, output tensors, their gradients) per forward
+        self.loss = None
+        self.figures: list = []
+        self.seconds = 0.0
+
+    def before_forward(self, args, kwargs) -> None:
+        detached = (
+            [a.detach().clone() if isinstance(a, torch.Tensor) else a for a in args],
+            {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()},
+        )
+        state = (torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in self.devices])
+        self.pending.append([detached, state, None, None])
+
+    def after_forward(self, output) -> None:
+        record = self.pending[-1]
+        outputs = [t for t in _tensors(output) if t.requires_grad and t.is_floating_point()]
+        record[2] = outputs
+        record[3] = [None] * len(outputs)
+        for index, tensor in enumerate(outputs):
+            tensor.register_hook(self._keeper(record, index))
+
+    @staticmethod
+    def _keeper(record, index):
+        def keep(grad):
+            record[3][index] = grad.detach().clone()
+
+        return keep
+
+    def check(self) -> None:
+        """After a backward: compare every forward whose outputs all got their gradient."""
+        started = time.perf_counter()
+        done, self.pending = self.pending, []
+        for inputs, state, outputs, grads in done:
+            if not outputs or any(g is None for g in grads):
+                continue
+            self.copy.load_state_dict(self.model.state_dict())
+            reference = self._shadow(inputs, state, grads, self.reference_context)
+            candidate = self._shadow(inputs, state, grads, self.precision_context)
+            self.figures.append(compare(reference, candidate, grads, self.loss if self.loss is not None else 1.0))
+        self.seconds += time.perf_counter() - started
+
+    def _shadow(self, inputs, state, grads, context):
+        args, kwargs = inputs
+        with torch.random.fork_rng(devices=self.devices):
+            torch.set_rng_state(state[0])
+            for device, device_state in zip(self.devices, state[1]):
+                torch.cuda.set_rng_state(device_state, device)
+            self.copy.zero_grad(set_to_none=True)
+            with context():
+                output = self.copy(*args, **kwargs)
+            outputs = [t for t in _tensors(to_float32(output)) if t.requires_grad and t.is_floating_point()]
+            torch.autograd.backward(outputs, grads)
+        params = [p.grad.reshape(-1) for p in self.copy.parameters() if p.grad is not None]
+        return outputs, torch.cat(params).float() if params else torch.zeros(1)
+
+
+class MixedPrecision(ActsOnProfile):
+    reasons = {
+        "off": "off by default (it changes numerics): --precision {choices}",
+        "no_bf16": "this GPU has no bf16 (compute capability < 8.0); fp16 with loss scaling is not offered yet",
+        "no_model": "no module owning the optimizer's parameters was called in the step",
+        "script_low_precision": "stepped aside: {share:.0%} of the step's matrix products already run below float32 "
+        "(the script's own autocast or model dtype)",
+        "script_tf32": "stepped aside: the script already switched TF32 on",
+        "no_matrix_products": "nothing to speed up: the step runs no matrix products",
+        "captured": "stepped aside: graph_capture holds this model",
+        "no_copy": "not checked, so not used: the model could not be copied for the guard ({error})",
+        "checking": "{precision}: checking {checks} steps against float32 on a copy of the model",
+        "guard_failed": "not used: {precision} differed from float32 beyond the bounds ({outside})",
+        "on": "{model} forward in {precision}, checked against float32",
+        "trial_running": "{precision} checked; trial running on {model}",
+        "measured_faster": "{model} forward in {precision}: checked, and measured faster",
+        "rejected": "float32 kept: {precision} was checked but not faster in the trial",
+        "fell_back": "back to float32 from training step {step}: {what}",
+    }
+    acts_on = (
+        "<training model> forward pre-hook and forward hook (autocast, float32 outputs)",
+        "CUDA TF32 switches (torch.backends.cuda.matmul / cudnn allow_tf32), --precision tf32",
+        "losses before each backward (the session's step watcher), watched for NaN/Inf and spikes",
+    )
+
+    def skip_reason(self):
+        reason = super().skip_reason()
+        precision = self.options.precision
+        if reason is None and precision == "off":
+            return self.reason_for("off", choices="{auto,bf16,tf32}")
+        if reason is None and precision == "tf32" and self.backend.name != "cuda":
+            why = ": TF32 is a matmul mode of CUDA devices (Ampere and later)"
+            return self.reason_for("other_backend", backends="cuda", backend=self.backend.name, why=why)
+        if (
+            reason is None
+            and self.backend.name == "cuda"
+            and precision != "tf32"
+            and not torch.cuda.is_bf16_supported()
+        ):
+            return self.reason_for("no_bf16")
+        return reason
+
+    def apply(self) -> None:
+        precision = self.options.precision
+        self._precision = "tf32" if precision == "tf32" else "bf16"
+        self._model = None
+        self._candidate = None  # the scope of what the precision set up; closed if it is not kept
+        self._guard = None
+        self._guarding = None  # the guard's hooks and listeners, closed once it decided
+        self._tf32_before = None  # TF32 switches as they were, while tf32 is on
+        self._on = False
+        self._losses: list = []  # watched loss tensors since the last read
+        self._history: list = []  # losses read so far (the guard's float32 ones first)
+        self.on_revert(self._release)
+        self.because("waiting_for_profile")
+        self.on(Event.STEP_PROFILED, self._profiled)
+
+    def deciding(self) -> bool:
+        return self._guard is not None
+
+    def watching(self) -> bool:
+        return self.deciding() or super().watching()
+
+    def holds(self, module) -> bool:
+        """Whether ``module`` is being checked or runs in the chosen precision."""
+        return self._candidate is not None and module is self._model
+
+    def changes(self) -> list:
+        if not (self._on and self._model is not None):
+            return []
+        measured = f", {self.figures['speedup']}x per step in its trial" if "speedup" in self.figures else ""
+        checked = f"checked against float32 (one-off {self.figures['guard_s']} s)"
+        return [f"{type(self._model).__name__} in {self._precision}, {checked}{measured}"]
+
+    def _refusal(self, profile):
+        if profile.model is None:
+            return self.reason_for("no_model")
+        share = self.session.unit("step_profiler").figures.get("fp32_matrix_fraction")
+        if share is None:
+            return self.reason_for("no_matrix_products")
+        if share < MATRIX_FP32_SHARE:
+            return self.reason_for("script_low_precision", share=1 - share)
+        if self._precision == "tf32" and torch.backends.cuda.matmul.allow_tf32:
+            return self.reason_for("script_tf32")
+        capture = self.session.unit("graph_capture")
+        if capture is not None and capture in self.session.applied and capture.holds(profile.model):
+            return self.reason_for("captured")
+        return None
+
+    def _profiled(self, profile) -> None:
+        refusal = self._refusal(profile)
+        if refusal:
+            self.reason = refusal
+            return
+        model = profile.model
+        devices = [p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"][:1]
+        if self._precision == "tf32":
+            contexts = (lambda: tf32(False), lambda: tf32(True))
+        else:
+            device_type = self.backend.device_type
+            contexts = (contextlib.nullcontext, lambda: torch.autocast(device_type, dtype=torch.bfloat16))
+        started = time.perf_counter()
+        try:
+            self._guard = _Guard(model, contexts[1], contexts[0], devices)
+        except Exception as error:  # a model deepcopy refuses (an open file, a lock)
+            self.because("no_copy", error=repr(error))
+            return
+        self._model = model
+        self._candidate = self.scope.child()
+        if self._precision == "bf16":
+            self._candidate.add(autocast_forward(model, self.backend.device_type, torch.bfloat16, lambda: self._on))
+        self._candidate.add(lambda: self._switch(False))
+        guarding = self._candidate.child()
+        guarding.add(model.register_forward_pre_hook(self._guard_before, with_kwargs=True).remove)
+        guarding.add(model.register_forward_hook(self._guard_after).remove)
+        self.on(Event.BEFORE_BACKWARD, self._guard_loss, guarding)
+        self.on(Event.AFTER_BACKWARD, self._guard_check, guarding)
+        self._guarding = guarding
+        self._guard.seconds += time.perf_counter() - started
+        self.because("checking", precision=self._precision, checks=GUARD_CHECKS)
+
+    def _guard_before(self, module, args, kwargs):
+        with self.fail_open():
+            if module.training and torch.is_grad_enabled():
+                self._guard.before_forward(args, kwargs)
+
+    def _guard_after(self, module, _args, output):
+        with self.fail_open():
+            if module.training and torch.is_grad_enabled() and self._guard.pending:
+                self._guard.after_forward(output)
+
+    def _guard_loss(self, tensors) -> None:
+        if isinstance(tensors, torch.Tensor) and tensors.numel() == 1:
+            self._guard.loss = float(tensors.detach())
+            self._history.append(self._guard.loss)
+
+    def _guard_check(self) -> None:
+        self._guard.check()
+        if len(self._guard.figures) >= GUARD_CHECKS:
+            self._guarded()
+
+    def _guarded(self) -> None:
+        guard, self._guard = self._guard, None
+        self.close_scope(self._guarding)
+        checks = guard.figures
+        self.figures.update(
+            guard_checks=len(checks),
+            guard_output_error=round(max(f["output_error"] for f in checks), 5),
+            guard_loss_change=round(max(f["loss_change"] for f in checks), 5),
+            guard_grad_norm_ratio=round(max((f["grad_norm_ratio"] for f in checks), key=lambda r: abs(r - 1)), 5),
+            guard_grad_cosine=round(min(f["grad_cosine"] for f in checks), 5),
+            guard_s=round(guard.seconds, 3),
+        )
+        outside = sorted({name for figures in checks for name in within_bounds(figures)})
+        if outside:
+            self.because("guard_failed", precision=self._precision, outside=", ".join(outside))
+            self._release()
+        else:
+            self._use()
+        self.session.check_settled()
+
+    def _use(self) -> None:
+        """Checked: on now (``bf16``, ``tf32``), or through a speed trial (``auto``); watched from here."""
+        self.on(Event.BEFORE_BACKWARD, self._watch, self._candidate)
+        model = type(self._model).__name__
+        if self.options.precision != "auto" or self.switch_on_or_try(self._switch, self._decided):
+            self._switch(True)
+            self.because("on", precision=self._precision, model=model)
+        else:
+            self.because("trial_running", precision=self._precision, model=model)
+
+    def _decided(self, keep: bool, record: dict) -> None:
+        self.figures["speedup"] = record["speedup"]
+        if keep:
+            self.because("measured_faster", precision=self._precision, model=type(self._model).__name__)
+        else:
+            self.because("rejected", precision=self._precision)
+            self._release()
+
+    def _switch(self, on: bool) -> None:
+        if on == self._on:
+            return
+        self._on = on
+        if self._precision == "tf32" and on:
+            self._tf32_before = set_tf32(True)
+        elif self._precision == "tf32":
+            restore_tf32(self._tf32_before)
+
+    def _watch(self, tensors) -> None:
+        """Keep each loss on the device; every WATCH_EVERY, read them at once and fall back to
+        float32 on a NaN/Inf or a spike."""
+        if not self._on or not isinstance(tensors, torch.Tensor) or tensors.numel() != 1:
+            return
+        self._losses.append(tensors.detach().reshape(()).float())
+        if len(self._losses) < WATCH_EVERY:
+            return
+        values, self._losses = torch.stack(self._losses).tolist(), []
+        for value in values:
+            trend = statistics.median(self._history[-50:]) if len(self._history) >= 5 else None
+            if not math.isfinite(value):
+                return self._fall_back(f"a {value} loss")
+            if trend is not None and trend > 0 and value > SPIKE * trend:
+                return self._fall_back(f"a loss of {value:.4g}, {value / trend:.1f}x the median of the last losses")
+            self._history.append(value)
+        self.figures["losses_watched"] = self.figures.get("losses_watched", 0) + len(values)
+
+    def _fall_back(self, what: str) -> None:
+        step = self.session.steps.steps
+        self.session.trials.cancel(self)
+        self.figures["fell_back_at_step"] = step
+        self.because("fell_back", step=step, what=what)
+        self.note(
+            f"losses are read every {WATCH_EVERY} backward passes: the steps between the bad loss and its read "
+            f"ran in {self._precision}"
+        )
+        self._release()
+
+    def _release(self) -> None:
+        """Back to float32: hooks removed, TF32 switches as they were, no reference to the model kept."""
+        self._guard = None
+        self.close_scope(self._candidate)
+        self._candidate = None
+        self._model = None

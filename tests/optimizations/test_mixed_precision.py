@@ -1,0 +1,129 @@
+"""mixed_precision: off by default; bf16 used only after the guard compared it with float32 on the
+user's own steps (which stay float32 and unchanged while it checks); a script's own autocast is left
+alone; a NaN or spiking loss switches the run back to float32; auto keeps bf16 only when its trial
+measured it faster."""
+
+import io
+
+import pytest
+import torch
+from torch import nn
+
+import autogaudi
+from autogaudi.optimizations import mixed_precision
+from tests.optimizations.test_step_profiler import STEPS
+
+UNITS = "step_profiler,mixed_precision"
+
+
+def model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 5))
+
+
+def train(net, steps, autocast=False, spoil_at=None, spoil=1.0):
+    """A plain loop recording the dtype of a Linear's output; at ``spoil_at`` the loss is multiplied by ``spoil``."""
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    generator = torch.Generator().manual_seed(1)
+    dtypes, losses = [], []
+    hook = net[3].register_forward_hook(lambda _m, _a, output: dtypes.append(output.dtype))
+    for step in range(steps):
+        inputs, labels = torch.randn(16, 32, generator=generator), torch.randint(0, 5, (16,), generator=generator)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            output = net(inputs)
+            loss = nn.functional.cross_entropy(output, labels)
+        if step == spoil_at:
+            loss = loss * spoil
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    hook.remove()
+    return losses, dtypes, output
+
+
+def row():
+    return autogaudi.report().unit("mixed_precision")
+
+
+def test_off_by_default_with_the_choices():
+    autogaudi.enable(device="cpu")
+    assert (row()["status"], row()["reason_code"]) == ("skipped", "off")
+
+
+def test_bf16_is_checked_against_float32_then_used_and_trains_alike():
+    plain, _, _ = train(model(), STEPS + 20)
+    autogaudi.enable(device="cpu", only=UNITS, precision="bf16")
+    net = model()
+    losses, dtypes, output = train(net, STEPS + 20)
+    assert (row()["status"], row()["reason_code"]) == ("applied", "on"), row()
+    figures = row()["figures"]
+    assert figures["guard_checks"] == mixed_precision.GUARD_CHECKS
+    assert figures["guard_output_error"] < mixed_precision.BOUNDS["output_error"]
+    assert figures["guard_grad_cosine"] > mixed_precision.BOUNDS["grad_cosine"]
+    # float32 through the profile and the guard's steps, bf16 after; the script sees float32 outputs
+    assert dtypes[0] == torch.float32 and dtypes[-1] == torch.bfloat16
+    assert output.dtype == torch.float32
+    first_bf16 = dtypes.index(torch.bfloat16)
+    assert losses[:first_bf16] == plain[:first_bf16]  # the guard's shadow runs changed nothing
+    torch.testing.assert_close(losses, plain, rtol=0.05, atol=0.02)  # bf16 after: stated tolerance
+    state = net.state_dict()
+    autogaudi.disable()
+    assert {tensor.dtype for tensor in state.values()} == {torch.float32}
+    buffer = io.BytesIO()
+    torch.save(net, buffer)  # nothing of autogaudi's on the model: a plain save and load
+    assert not net._forward_hooks and not net._forward_pre_hooks
+    buffer.seek(0)
+    assert isinstance(torch.load(buffer, weights_only=False), nn.Sequential)
+
+
+def test_beyond_the_bounds_it_is_not_used_and_the_run_is_plain_to_the_bit(monkeypatch):
+    monkeypatch.setitem(mixed_precision.BOUNDS, "output_error", 0.0)
+    plain, _, _ = train(model(), STEPS + 20)
+    autogaudi.enable(device="cpu", only=UNITS, precision="bf16")
+    net = model()
+    losses, dtypes, _ = train(net, STEPS + 20)
+    assert (row()["status"], row()["reason_code"]) == ("not needed", "guard_failed"), row()
+    assert row()["reason_params"]["outside"] == "output_error"
+    assert losses == plain and set(dtypes) == {torch.float32}
+    assert not net._forward_hooks and not net._forward_pre_hooks  # nothing left on the model
+
+
+def test_a_script_that_runs_autocast_itself_is_left_alone():
+    autogaudi.enable(device="cpu", only=UNITS, precision="bf16")
+    train(model(), STEPS + 10, autocast=True)
+    assert row()["reason_code"] == "script_low_precision", row()
+
+
+@pytest.mark.parametrize("spoil", [float("nan"), 100.0])
+def test_a_bad_loss_switches_the_run_back_to_float32(spoil):
+    autogaudi.enable(device="cpu", only=UNITS, precision="bf16")
+    spoil_at = STEPS + 15
+    _, dtypes, _ = train(model(), STEPS + 40, spoil_at=spoil_at, spoil=spoil)
+    assert row()["reason_code"] == "fell_back", row()
+    step = row()["figures"]["fell_back_at_step"]
+    assert spoil_at < step <= spoil_at + mixed_precision.WATCH_EVERY + 1
+    assert dtypes[-1] == torch.float32  # the steps after the fall-back ran in float32
+
+
+def test_tf32_is_cuda_only():
+    autogaudi.enable(device="cpu", precision="tf32")
+    assert (row()["status"], row()["reason_code"], row()["reason_params"]["backends"]) == (
+        "skipped",
+        "other_backend",
+        "cuda",
+    )
+
+
+def test_auto_keeps_bf16_only_when_its_trial_measured_it_faster():
+    autogaudi.enable(device="cpu", only=UNITS, precision="auto")
+    train(model(), STEPS + 60)
+    (trial,) = autogaudi.report().trials
+    assert trial["candidate"] == "mixed_precision"
+    code = row()["reason_code"]
+    assert code == {"kept": "measured_faster", "rejected": "rejected"}[trial["decision"]], row()
+
+
+def test_a_bad_choice_names_the_valid_ones():
+    with pytest.raises(autogaudi.OptionsError, match="valid choices for precision: off, auto, bf16, tf32"):
+        autogaudi.enable(precision="fp8")
