@@ -10,7 +10,8 @@ its command runs in a fresh interpreter:
 - ``plain``: ``python script args``;
 - ``autogaudi``: ``python -m autogaudi script args`` (defaults);
 - ``capture forced``: ``--force graph_capture,channels_last --no-trials``, the code paths a GPU takes
-  by measurement, driven on any machine.
+  by measurement, driven on any machine;
+- on request (``--variants``): ``precision bf16`` and ``precision auto`` (``--precision``).
 
 Per case and variant it records the exit code (must equal plain's), the result line (the manifest's
 regex, last match; its numbers compared with plain's, see :func:`compare_results`), the wall time
@@ -44,12 +45,17 @@ VARIANTS = {
     "plain": [],
     "autogaudi": ["-m", "autogaudi"],
     "capture forced": ["-m", "autogaudi", "--force", "graph_capture,channels_last", "--no-trials"],
+    # On request only (--variants): mixed precision changes numerics by design.
+    "precision bf16": ["-m", "autogaudi", "--precision", "bf16"],
+    "precision auto": ["-m", "autogaudi", "--precision", "auto"],
 }
+DEFAULT_VARIANTS = ("plain", "autogaudi", "capture forced")
 # The result line's numbers against plain's: relative, per number. Fused kernels and compiled code
 # reassociate float sums, and a trajectory drifts over hundreds of steps (5%). Forced capture also
 # draws dropout masks from another random stream (same distribution): a different trajectory of the
 # same training, compared loosely (25%), and the table says so.
-TOLERANCE = {"plain": 0.0, "autogaudi": 0.05, "capture forced": 0.25}
+# bf16 keeps 8 significant bits: a different trajectory too, held to 25% like forced capture.
+TOLERANCE = {"plain": 0.0, "autogaudi": 0.05, "capture forced": 0.25, "precision bf16": 0.25, "precision auto": 0.25}
 # Cases whose result cannot be compared with another run's: the script draws unseeded random numbers.
 UNSEEDED = {"regression": "the script draws unseeded random data every step; its exit (converged) is compared"}
 # A variant whose whole run takes this much longer than plain's is "slower".
@@ -367,8 +373,8 @@ def main(argv=None) -> int:
     parser.add_argument("--where", choices=("cpu", "gpu"), help="default: gpu when CUDA is available, else cpu")
     parser.add_argument(
         "--variants",
-        default=",".join(VARIANTS),
-        help=f"comma-separated, plain first (default: all): {', '.join(VARIANTS)}",
+        default=",".join(DEFAULT_VARIANTS),
+        help=f"comma-separated, plain first (default: {', '.join(DEFAULT_VARIANTS)}): {', '.join(VARIANTS)}",
     )
     parser.add_argument("--short", action="store_true", help="shorter runs through the cases' own arguments (CI)")
     parser.add_argument("--jobs", type=int, default=1, help="cases run at once (timings then share the machine)")

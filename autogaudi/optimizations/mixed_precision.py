@@ -37,6 +37,7 @@ from autogaudi.events import Event
 from autogaudi.unit import ActsOnProfile
 
 GUARD_CHECKS = 3  # forward/backward pairs compared before a precision is used
+GUARD_PATIENCE = 30  # backward passes the guard waits for them; after that the precision is not used
 # How far the candidate may be from float32 on the same step: relative error of the outputs; loss
 # change to first order (sum of dL/dout * output change) relative to the loss; gradient norm ratio;
 # cosine between the gradients. bf16 keeps 8 significant bits (relative step 0.4%).
@@ -154,7 +155,7 @@ class _Guard:
     """Shadow runs of the user's training forwards on a copy of the model, once their backward has
     given the gradient of the user's loss at the output."""
 
-    def __init__(self, model, precision_context, reference_context, devices):
+    def __init__(self, model, precision_context, reference_context, device_type):
         self.copy = copy.deepcopy(model)
         for module in self.copy.modules():  # the script's hooks (a logger, a list it fills) stay on its model
             for hooks in (module._forward_pre_hooks, module._forward_hooks, module._backward_hooks):
@@ -163,7 +164,12 @@ class _Guard:
         self.model = model
         self.precision_context = precision_context
         self.reference_context = reference_context
-        self.devices = devices
+        # the random generators a dropout in the forward may draw from: the CPU's, and the device's
+        self.device_type = device_type
+        self.device = getattr(torch, device_type) if device_type != "cpu" else None
+        on_device = [p.device.index or 0 for p in model.parameters() if p.device.type == device_type]
+        self.devices = sorted(set(on_device)) if self.device is not None else []
+        self.backward_passes = 0
         self.pending: list = []  # (inputs, random state, output tensors, their gradients) per forward
         self.loss = None
         self.figures: list = []
@@ -174,7 +180,7 @@ class _Guard:
             [a.detach().clone() if isinstance(a, torch.Tensor) else a for a in args],
             {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()},
         )
-        state = (torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in self.devices])
+        state = (torch.get_rng_state(), [self.device.get_rng_state(d) for d in self.devices])
         self.pending.append([detached, state, None, None])
 
     def after_forward(self, output) -> None:
@@ -195,6 +201,7 @@ class _Guard:
     def check(self) -> None:
         """After a backward: compare every forward whose outputs all got their gradient."""
         started = time.perf_counter()
+        self.backward_passes += 1
         done, self.pending = self.pending, []
         for inputs, state, outputs, grads in done:
             if not outputs or any(g is None for g in grads):
@@ -207,10 +214,10 @@ class _Guard:
 
     def _shadow(self, inputs, state, grads, context):
         args, kwargs = inputs
-        with torch.random.fork_rng(devices=self.devices):
+        with torch.random.fork_rng(devices=self.devices, device_type=self.device_type if self.devices else "cuda"):
             torch.set_rng_state(state[0])
             for device, device_state in zip(self.devices, state[1]):
-                torch.cuda.set_rng_state(device_state, device)
+                self.device.set_rng_state(device_state, device)
             self.copy.zero_grad(set_to_none=True)
             with context():
                 output = self.copy(*args, **kwargs)
@@ -231,6 +238,8 @@ class MixedPrecision(ActsOnProfile):
         "no_matrix_products": "nothing to speed up: the step runs no matrix products",
         "captured": "stepped aside: graph_capture holds this model",
         "no_copy": "not checked, so not used: the model could not be copied for the guard ({error})",
+        "not_checked": "not used: in {passes} backward passes the model's outputs never got the gradient of a "
+        "loss the guard could compare against",
         "checking": "{precision}: checking {checks} steps against float32 on a copy of the model",
         "guard_failed": "not used: {precision} differed from float32 beyond the bounds ({outside})",
         "on": "{model} forward in {precision}, checked against float32",
@@ -315,7 +324,6 @@ class MixedPrecision(ActsOnProfile):
             self.reason = refusal
             return
         model = profile.model
-        devices = [p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"][:1]
         if self._precision == "tf32":
             contexts = (lambda: tf32(False), lambda: tf32(True))
         else:
@@ -323,7 +331,7 @@ class MixedPrecision(ActsOnProfile):
             contexts = (contextlib.nullcontext, lambda: torch.autocast(device_type, dtype=torch.bfloat16))
         started = time.perf_counter()
         try:
-            self._guard = _Guard(model, contexts[1], contexts[0], devices)
+            self._guard = _Guard(model, contexts[1], contexts[0], self.backend.device_type)
         except Exception as error:  # a model deepcopy refuses (an open file, a lock)
             self.because("no_copy", error=repr(error))
             return
@@ -360,6 +368,11 @@ class MixedPrecision(ActsOnProfile):
         self._guard.check()
         if len(self._guard.figures) >= GUARD_CHECKS:
             self._guarded()
+        elif self._guard.backward_passes >= GUARD_PATIENCE:
+            self._guard = None
+            self.because("not_checked", passes=GUARD_PATIENCE)
+            self._release()
+            self.session.check_settled()
 
     def _guarded(self) -> None:
         guard, self._guard = self._guard, None

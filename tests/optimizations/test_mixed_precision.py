@@ -127,3 +127,50 @@ def test_auto_keeps_bf16_only_when_its_trial_measured_it_faster():
 def test_a_bad_choice_names_the_valid_ones():
     with pytest.raises(autogaudi.OptionsError, match="valid choices for precision: off, auto, bf16, tf32"):
         autogaudi.enable(precision="fp8")
+
+
+def test_on_hpu_the_forward_runs_under_gaudi_autocast(hpu_double):
+    """The double's tensors live on the CPU, where an "hpu" autocast casts nothing: the losses stay
+    those of a plain run, and what is checked is that the forward ran inside Gaudi's autocast."""
+    hpu_double(lazy=True)
+    plain, _, _ = train(model(), STEPS + 20)
+    autogaudi.enable(device="hpu", only=UNITS, precision="bf16")
+    net = model()
+    inside = []
+    net[3].register_forward_pre_hook(lambda _m, _a: inside.append(torch.is_autocast_enabled("hpu")))
+    losses, _, _ = train(net, STEPS + 20)
+    assert row()["reason_code"] == "on", row()
+    assert inside[0] is False and inside[-1] is True  # float32 through profile and guard, then Gaudi's autocast
+    assert losses == plain
+    assert not torch.is_autocast_enabled("hpu")  # left after each forward
+
+
+class Logits:
+    """A custom output type the guard cannot look into."""
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+
+class Wrapped(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = model()
+
+    def forward(self, inputs):
+        return Logits(self.net(inputs))
+
+
+def test_outputs_the_guard_cannot_read_leave_the_run_in_float32(monkeypatch):
+    monkeypatch.setattr(mixed_precision, "GUARD_PATIENCE", 8)
+    autogaudi.enable(device="cpu", only=UNITS, precision="bf16")
+    wrapped = Wrapped()
+    optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.01)
+    for _ in range(STEPS + 12):
+        loss = nn.functional.cross_entropy(wrapped(torch.randn(8, 32)).tensor, torch.randint(0, 5, (8,)))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert row()["reason_code"] == "not_checked", row()
+    assert autogaudi.settled()  # a guard that gave up is not a decision still pending
+    assert not wrapped._forward_hooks and not wrapped._forward_pre_hooks
