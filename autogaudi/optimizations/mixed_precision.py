@@ -75,7 +75,7 @@ def _tensors(value) -> list:
     return []
 
 
-def autocast_forward(model, device_type: str, dtype, active) -> callable:
+def autocast_forward(model, device_type: str, dtype, active):
     """Run ``model``'s forward under autocast while ``active()``, with float32 outputs; return the undo."""
     entered = []
 
@@ -236,7 +236,6 @@ class MixedPrecision(ActsOnProfile):
         "(the script's own autocast or model dtype)",
         "script_tf32": "stepped aside: the script already switched TF32 on",
         "no_matrix_products": "nothing to speed up: the step runs no matrix products",
-        "captured": "stepped aside: graph_capture holds this model",
         "no_copy": "not checked, so not used: the model could not be copied for the guard ({error})",
         "not_checked": "not used: in {passes} backward passes the model's outputs never got the gradient of a "
         "loss the guard could compare against",
@@ -256,20 +255,17 @@ class MixedPrecision(ActsOnProfile):
 
     def skip_reason(self):
         reason = super().skip_reason()
+        if reason is not None:
+            return reason
         precision = self.options.precision
-        if reason is None and precision == "off":
+        if precision == "off":
             return self.reason_for("off", choices="{auto,bf16,tf32}")
-        if reason is None and precision == "tf32" and self.backend.name != "cuda":
+        if precision == "tf32" and self.backend.name != "cuda":
             why = ": TF32 is a matmul mode of CUDA devices (Ampere and later)"
             return self.reason_for("other_backend", backends="cuda", backend=self.backend.name, why=why)
-        if (
-            reason is None
-            and self.backend.name == "cuda"
-            and precision != "tf32"
-            and not torch.cuda.is_bf16_supported()
-        ):
+        if precision != "tf32" and self.backend.name == "cuda" and not torch.cuda.is_bf16_supported():
             return self.reason_for("no_bf16")
-        return reason
+        return None
 
     def apply(self) -> None:
         precision = self.options.precision
@@ -313,9 +309,6 @@ class MixedPrecision(ActsOnProfile):
             return self.reason_for("script_low_precision", share=1 - share)
         if self._precision == "tf32" and torch.backends.cuda.matmul.allow_tf32:
             return self.reason_for("script_tf32")
-        capture = self.session.unit("graph_capture")
-        if capture is not None and capture in self.session.applied and capture.holds(profile.model):
-            return self.reason_for("captured")
         return None
 
     def _profiled(self, profile) -> None:

@@ -174,3 +174,14 @@ def test_outputs_the_guard_cannot_read_leave_the_run_in_float32(monkeypatch):
     assert row()["reason_code"] == "not_checked", row()
     assert autogaudi.settled()  # a guard that gave up is not a decision still pending
     assert not wrapped._forward_hooks and not wrapped._forward_pre_hooks
+
+
+def test_graph_capture_leaves_a_model_it_holds_alone():
+    autogaudi.enable(
+        device="cpu", only="step_profiler,mixed_precision,graph_capture", precision="bf16", force="graph_capture"
+    )
+    net = model()
+    train(net, STEPS + 20)
+    assert row()["reason_code"] == "on", row()
+    assert autogaudi.report().unit("graph_capture")["reason_code"] == "mixed_precision"
+    assert "_compiled_call_impl" not in vars(net)
