@@ -299,7 +299,15 @@ def what_autogaudi_did(report) -> str:
     parts = []
     for unit in report.get("units", []):
         if (
-            unit["name"] in ("graph_capture", "channels_last", "loader_workers", "fused_optimizer", "step_profiler")
+            unit["name"]
+            in (
+                "graph_capture",
+                "channels_last",
+                "loader_workers",
+                "fused_optimizer",
+                "step_profiler",
+                "mixed_precision",
+            )
             and unit["status"] != "skipped"
         ):
             parts.append(f"{unit['name']}: {unit['reason']}"[:160])
