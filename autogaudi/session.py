@@ -30,8 +30,9 @@ TARGETS = ("torch.distributed.destroy_process_group",)
 
 
 def start_order(units: dict) -> list:
-    """The units' names in registry order, each after the units it ``requires`` (a stable
-    topological sort); a cycle is a programming error and raises."""
+    """The units' names in registry order, each after the units it ``requires`` or declares it
+    comes ``after`` (a stable topological sort): a unit started later also hears each event later.
+    A cycle is a programming error and raises."""
     order, placing = [], set()
 
     def place(name):
@@ -40,7 +41,8 @@ def start_order(units: dict) -> list:
         if name in placing:
             raise ValueError(f"units require each other: {name}")
         placing.add(name)
-        for needed in getattr(units[name], "requires", ()):
+        unit = units[name]
+        for needed in (*getattr(unit, "requires", ()), *getattr(unit, "after", ())):
             if needed in units:
                 place(needed)
         order.append(name)

@@ -105,6 +105,8 @@ class Unit:
     targets: tuple = ()
     acts_on: tuple = ()
     requires: tuple = ()  # units that must be in force for this one to apply; the session starts them first
+    # units that, where they are on, start (and so hear each event) before this one; not required
+    after: tuple = ()
     backends: tuple = ALL_BACKENDS
     min_torch: tuple = (2, 4)  # the oldest torch whose APIs the unit relies on
     why_not_elsewhere = ""  # why the other backends do not need it, for the report

@@ -1,5 +1,5 @@
-"""The session's start order: registry order, each unit after the units it requires; and a unit
-whose required unit is not on is skipped, saying which."""
+"""The session's start order: registry order, each unit after the units it requires or names in
+``after``; and a unit whose required unit is not on is skipped, saying which."""
 
 import pytest
 
@@ -9,8 +9,9 @@ from autogaudi.registry import UNIT_NAMES, UNITS
 
 
 class Declared:
-    def __init__(self, *requires):
+    def __init__(self, *requires, after=()):
         self.requires = requires
+        self.after = after
 
 
 def test_a_unit_starts_after_what_it_requires_and_otherwise_in_registry_order():
@@ -20,12 +21,18 @@ def test_a_unit_starts_after_what_it_requires_and_otherwise_in_registry_order():
         session.start_order({"a": Declared("b"), "b": Declared("a")})
 
 
-def test_every_declared_requirement_is_a_registered_unit():
+def test_a_unit_starts_after_the_units_it_names_without_requiring_them():
+    units = {"capture": Declared(after=("precision",)), "precision": Declared(), "layout": Declared(after=("gone",))}
+    assert session.start_order(units) == ["precision", "capture", "layout"]
+
+
+def test_every_declared_requirement_and_order_names_a_registered_unit():
     import importlib
 
     for info in UNITS:
         module, name = info.module.split(":")
-        for needed in getattr(importlib.import_module(module), name).requires:
+        unit_class = getattr(importlib.import_module(module), name)
+        for needed in (*unit_class.requires, *unit_class.after):
             assert needed in UNIT_NAMES, (info.name, needed)
 
 

@@ -38,6 +38,7 @@ def in_channels_last(model) -> bool:
 
 
 class ChannelsLast(ActsOnProfile):
+    after = ("graph_capture",)  # decides first on a profile: a model it holds keeps its format
     reasons = {
         "no_conv2d": "no Conv2d in the training model",
         "already_channels_last": "left as is: the script already put the model in channels_last",

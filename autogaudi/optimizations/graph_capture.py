@@ -98,6 +98,7 @@ def uses_gradient_checkpointing(module) -> bool:
 
 
 class GraphCapture(ActsOnProfile):
+    after = ("mixed_precision",)  # decides first on a profile: a model it holds is not captured
     reasons = {
         "too_short": "not tried: {steps} steps left ({source}) could save at most {most:.2f} s, less than the "
         "{least:g} s, the least one-off a capture was measured to cost on {backend}",

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import autogaudi
+from autogaudi import session
 from autogaudi.optimizations import mixed_precision
 from tests.optimizations.test_step_profiler import STEPS
 
@@ -176,7 +177,14 @@ def test_outputs_the_guard_cannot_read_leave_the_run_in_float32(monkeypatch):
     assert not wrapped._forward_hooks and not wrapped._forward_pre_hooks
 
 
-def test_graph_capture_leaves_a_model_it_holds_alone():
+@pytest.mark.parametrize("capture_first", [False, True])
+def test_graph_capture_leaves_a_model_it_holds_alone(monkeypatch, capture_first):
+    """Whatever the registry's order, mixed_precision decides first (graph_capture starts after it)."""
+    if capture_first:
+        names = [info.name for info in session.UNITS]
+        assert names.index("mixed_precision") < names.index("graph_capture")
+        swapped = sorted(session.UNITS, key=lambda info: info.name != "graph_capture")
+        monkeypatch.setattr(session, "UNITS", tuple(swapped))
     autogaudi.enable(
         device="cpu", only="step_profiler,mixed_precision,graph_capture", precision="bf16", force="graph_capture"
     )
