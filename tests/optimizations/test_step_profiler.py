@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, Dataset
 import autogaudi
 from autogaudi import runtime
 from autogaudi.optimizations.step_profiler import PAIRS, classify
-from tests.helpers import SCRIPTS
+from tests.helpers import SCRIPTS, run_python
 from tests.optimizations.ddp_helpers import TORCHRUN, torchrun
 
 STEPS = 3 + 2 * PAIRS + 2  # warm-up, the clean and census steps, and a couple more
@@ -296,3 +296,41 @@ def test_a_rank_that_waits_for_a_slower_ranks_all_reduce_is_communication_bound(
     for worker in workers:
         row = worker["units"]["graph_capture"]
         assert (row["reason_code"], row["reason_params"]["bound"]) == ("not_host_bound", "communication")
+
+
+CENSUS_WITHOUT_DYNAMO = """
+import sys
+import torch
+import autogaudi
+from autogaudi.optimizations import step_profiler
+autogaudi.enable(device="cpu", only="step_profiler", quiet=True)
+if sys.argv[1] == "compiled":
+    import torch._dynamo  # what any torch.compile of the script's does
+kinds = []
+real = step_profiler.new_census
+step_profiler.new_census = lambda: kinds.append(type(real()).__name__) or real()
+model = torch.nn.Linear(8, 2)
+for _ in range(40):  # parameters updated by hand: torch.optim's constructor would import dynamo itself
+    model(torch.randn(4, 8)).sum().backward()
+    with torch.no_grad():
+        for param in model.parameters():
+            param -= 0.1 * param.grad
+            param.grad = None
+assert autogaudi.report().unit("step_profiler")["figures"]["bound"]
+print(sorted(set(kinds)), "torch._dynamo" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize(
+    "script, expected",
+    [("plain", "['_Census'] False"), ("compiled", "['_DynamoSafeCensus'] True")],
+)
+def test_the_census_does_not_load_dynamo_and_keeps_out_of_it_once_loaded(tmp_path, script, expected):
+    """Entering a dispatch mode whose handler torch wrapped in dynamo.disable imports torch._dynamo:
+    1 s of a 1.5 s corpus script's run (one without torch.optim, whose constructor loads dynamo
+    anyway). Where nothing loaded dynamo the census leaves it unloaded."""
+    path = tmp_path / "census.py"
+    path.write_text(CENSUS_WITHOUT_DYNAMO)
+    result = run_python(path, script)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == expected
