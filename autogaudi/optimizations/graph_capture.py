@@ -146,6 +146,7 @@ class GraphCapture(ActsOnProfile):
         self._shapes: list = []
         self._compiled_for = 0  # how many input shapes have been through the graphed call
         self._checkpoint_calls = 0
+        self._waiting = None  # the scope of the listener waiting for the step a trial is due at
         if self.backend.graphs_hold_gradients:
             self.wrap(torch.utils.checkpoint, "checkpoint", self._count_checkpoint)
         self.on_revert(self._release)  # the first undo registered: it runs last
@@ -167,6 +168,12 @@ class GraphCapture(ActsOnProfile):
         if "pays_back_after_steps" in self.figures:
             text += f", pays back after {self.figures['pays_back_after_steps']} steps"
         return [text]
+
+    def deciding(self) -> bool:
+        return self._waiting is not None
+
+    def watching(self) -> bool:
+        return self.deciding() or super().watching()
 
     def holds(self, module) -> bool:
         """Whether ``module`` is captured or on trial: its graphs are built for its memory format."""
@@ -213,6 +220,31 @@ class GraphCapture(ActsOnProfile):
         if refusal:
             self.reason = refusal
             return
+        if start_at_step > self.session.steps.steps:
+            # Nothing is set up before the trial is due (importing the compiler alone took 1.2 s on
+            # the 2-core CPU, more than a short script's whole run): a run that ends first pays nothing.
+            self._waiting = self.scope.child()
+            self.on(Event.TRAINING_STEP, lambda _optimizer: self._when_due(profile, start_at_step), self._waiting)
+            self.figures["trial_waits_for_step"] = start_at_step
+            least = self.backend.least_capture_one_off_s
+            model = type(profile.model).__name__
+            self.because("trial_waits", model=model, step=start_at_step, least=least, backend=self.backend.name)
+            return
+        self._capture_and_decide(profile, forced, start_at_step)
+
+    def _when_due(self, profile, start_at_step: int) -> None:
+        if self.session.steps.steps < start_at_step:
+            return
+        self.close_scope(self._waiting)
+        self._waiting = None
+        refusal = self._refusal(profile, any_bound=False)  # the script may have compiled it meanwhile
+        if refusal:
+            self.reason = refusal
+        else:
+            self._capture_and_decide(profile, forced=False, start_at_step=start_at_step)
+        self.session.check_settled()
+
+    def _capture_and_decide(self, profile, forced: bool, start_at_step: int) -> None:
         set_up_started = time.perf_counter()
         self._capture(profile)
         set_up_s = time.perf_counter() - set_up_started
@@ -220,10 +252,6 @@ class GraphCapture(ActsOnProfile):
         if self.switch_on_or_try(self._switch, self._decided, set_up_s=set_up_s, not_before_step=start_at_step):
             self.figures["set_up_s"] = round(set_up_s, 3)
             self.because("captured_forced" if forced else "captured_no_trials", model=model)
-        elif start_at_step > self.session.steps.steps:
-            self.figures["trial_waits_for_step"] = start_at_step
-            least = self.backend.least_capture_one_off_s
-            self.because("trial_waits", model=model, step=start_at_step, least=least, backend=self.backend.name)
         else:
             self.because("trial_running", model=model)
 

@@ -296,6 +296,19 @@ def test_host_bound_plain_loop_gets_a_compile_trial_once_it_could_pay_and_trains
     torch.testing.assert_close(losses, plain, rtol=1e-4, atol=1e-5)  # same math, float reassociation only
 
 
+def test_a_trial_that_waits_sets_nothing_up_before_it_is_due():
+    """A run that ends before the trial's step pays nothing for capture: no compiler set up, nothing
+    on the model (setting it up first cost 2.5 s of a 1.5 s corpus script's run)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Bookkeeping() for _ in range(20)], nn.Linear(8, 3))
+    autogaudi.enable(device="cpu", only="step_profiler,graph_capture")
+    losses_of(model, endless(lambda: (torch.randn(4, 8), torch.randint(0, 3, (4,)))), steps=STEPS + 5)
+    assert autogaudi.report().unit("step_profiler")["figures"]["bound"] == "host"
+    assert row()["reason_code"] == "trial_waits" and row()["status"] == "watching", row()
+    assert "_compiled_call_impl" not in vars(model) and autogaudi.report().trials == []
+    assert not autogaudi.settled()  # a decision is still to be made
+
+
 class WithDropout(nn.Module):
     def __init__(self):
         super().__init__()
