@@ -37,6 +37,23 @@ def in_channels_last(model) -> bool:
     return bool(weights) and all(p.is_contiguous(memory_format=torch.channels_last) for p in weights)
 
 
+def to_memory_format(model, optimizer, layout) -> None:
+    """Convert ``model``'s parameters in place (the Parameter objects, and so the optimizer's
+    references, stay the same) and the optimizer's per-parameter buffers of the same shape (momentum,
+    Adam moments) to ``layout``: fused CUDA optimizers refuse parameters and buffers of different
+    layouts (seen on an H100 with fused SGD)."""
+    model.to(memory_format=layout)
+    if optimizer is None:
+        return
+    for param in model.parameters():
+        state = optimizer.state.get(param)
+        if param.dim() != 4 or not state:
+            continue
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.shape == param.shape:
+                state[key] = value.contiguous(memory_format=layout)
+
+
 class ChannelsLast(ActsOnProfile):
     after = ("graph_capture",)  # decides first on a profile: a model it holds keeps its format
     reasons = {
@@ -98,22 +115,7 @@ class ChannelsLast(ActsOnProfile):
     def _switch(self, on: bool) -> None:
         if on != self._on:
             self._on = on
-            layout = torch.channels_last if on else torch.contiguous_format
-            self._model.to(memory_format=layout)
-            self._convert_optimizer_state(layout)
-
-    def _convert_optimizer_state(self, layout) -> None:
-        """Momentum and moment buffers follow their parameter's format: fused CUDA optimizers
-        refuse parameters and buffers of different layouts (seen on an H100 with fused SGD)."""
-        if self._optimizer is None:
-            return
-        for param in self._model.parameters():
-            state = self._optimizer.state.get(param)
-            if param.dim() != 4 or not state:
-                continue
-            for key, value in state.items():
-                if isinstance(value, torch.Tensor) and value.shape == param.shape:
-                    state[key] = value.contiguous(memory_format=layout)
+            to_memory_format(self._model, self._optimizer, torch.channels_last if on else torch.contiguous_format)
 
     def _decided(self, keep: bool, record: dict) -> None:
         self.figures["speedup"] = record["speedup"]

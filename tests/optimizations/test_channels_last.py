@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 import autogaudi
+from autogaudi.optimizations.channels_last import to_memory_format
 from tests.optimizations.test_step_profiler import STEPS
 
 
@@ -86,3 +87,21 @@ def test_no_trial_on_an_input_bound_step(monkeypatch):
     train(cnn(), STEPS + 10)
     assert autogaudi.report().trials == []
     assert autogaudi.report().unit("channels_last")["reason_code"] == "input_bound"
+
+
+def test_the_conversion_is_a_function_that_round_trips_model_and_optimizer_state():
+    model = cnn()
+    optimizer = torch.optim.Adam(model.parameters())
+    nn.functional.cross_entropy(model(torch.randn(8, 3, 16, 16)), torch.randint(0, 4, (8,))).backward()
+    optimizer.step()  # moments exist
+    weight = model[0].weight
+    moments = [optimizer.state[weight][key] for key in ("exp_avg", "exp_avg_sq")]
+    before = [tensor.clone() for tensor in (weight, *moments)]
+    to_memory_format(model, optimizer, torch.channels_last)
+    converted = [weight, optimizer.state[weight]["exp_avg"], optimizer.state[weight]["exp_avg_sq"]]
+    assert all(tensor.is_contiguous(memory_format=torch.channels_last) for tensor in converted)
+    assert model[0].weight is weight  # the same Parameter: the optimizer's references hold
+    to_memory_format(model, optimizer, torch.contiguous_format)
+    after = [weight, optimizer.state[weight]["exp_avg"], optimizer.state[weight]["exp_avg_sq"]]
+    assert all(tensor.is_contiguous() for tensor in after)
+    assert all(torch.equal(a, b) for a, b in zip(after, before))
