@@ -219,7 +219,8 @@ class ActsOnProfile(Unit):
     requires = ("step_profiler",)
 
     def watching(self) -> bool:
-        return self.session.unit("step_profiler").profile is None or self.session.trials.pending(self)
+        profiled = self.session.unit("step_profiler").profile is not None
+        return not profiled or self.session.trials.pending(self) or self.deciding()
 
     def switch_on_or_try(self, switch, decided, **trial) -> bool:
         """Switch on at once when ``--force``d or with ``--no-trials`` (returns True); otherwise hand

@@ -172,9 +172,6 @@ class GraphCapture(ActsOnProfile):
     def deciding(self) -> bool:
         return self._waiting is not None
 
-    def watching(self) -> bool:
-        return self.deciding() or super().watching()
-
     def holds(self, module) -> bool:
         """Whether ``module`` is captured or on trial: its graphs are built for its memory format."""
         return self._candidate is not None and module is self._module

@@ -285,9 +285,6 @@ class MixedPrecision(ActsOnProfile):
     def deciding(self) -> bool:
         return self._guard is not None
 
-    def watching(self) -> bool:
-        return self.deciding() or super().watching()
-
     def holds(self, module) -> bool:
         """Whether ``module`` is being checked or runs in the chosen precision."""
         return self._candidate is not None and module is self._model
