@@ -199,13 +199,15 @@ class _Guard:
         return keep
 
     def check(self) -> None:
-        """After a backward: compare every forward whose outputs all got their gradient."""
+        """After a backward: compare every forward whose outputs the loss reached. An output it did
+        not reach (hidden states returned beside the logits) has a zero gradient."""
         started = time.perf_counter()
         self.backward_passes += 1
         done, self.pending = self.pending, []
         for inputs, state, outputs, grads in done:
-            if not outputs or any(g is None for g in grads):
+            if not outputs or all(g is None for g in grads):
                 continue
+            grads = [torch.zeros_like(o) if g is None else g for g, o in zip(grads, outputs)]
             self.copy.load_state_dict(self.model.state_dict())
             reference = self._shadow(inputs, state, grads, self.reference_context)
             candidate = self._shadow(inputs, state, grads, self.precision_context)

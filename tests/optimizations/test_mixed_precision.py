@@ -193,3 +193,33 @@ def test_graph_capture_leaves_a_model_it_holds_alone(monkeypatch, capture_first)
     assert row()["reason_code"] == "on", row()
     assert autogaudi.report().unit("graph_capture")["reason_code"] == "mixed_precision"
     assert "_compiled_call_impl" not in vars(net)
+
+
+class ReturnsLossAndHidden(nn.Module):
+    """Hugging Face's shape: the loss computed inside forward, returned in a mapping with the logits
+    and an auxiliary head's output the loss does not use."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.head = nn.Sequential(nn.Linear(32, 64), nn.ReLU()), nn.Linear(64, 5)
+        self.aux = nn.Linear(64, 3)
+
+    def forward(self, inputs, labels):
+        hidden = self.body(inputs)
+        logits = self.head(hidden)
+        return {"loss": nn.functional.cross_entropy(logits, labels), "logits": logits, "aux": self.aux(hidden)}
+
+
+def test_a_forward_that_returns_its_loss_and_unused_outputs_is_checked():
+    autogaudi.enable(device="cpu", only=UNITS, precision="bf16")
+    torch.manual_seed(0)
+    net = ReturnsLossAndHidden()
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    for _ in range(STEPS + 10):
+        output = net(torch.randn(16, 32), torch.randint(0, 5, (16,)))
+        output["loss"].backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert row()["reason_code"] == "on", row()
+    assert row()["figures"]["guard_checks"] == mixed_precision.GUARD_CHECKS
+    assert {value.dtype for value in output.values()} == {torch.float32}  # handed back in float32
