@@ -34,6 +34,7 @@ import time
 import torch
 
 from autogaudi.events import Event
+from autogaudi.optimizations.graph_capture import compiled_by_the_script
 from autogaudi.unit import ActsOnProfile
 
 GUARD_CHECKS = 3  # forward/backward pairs compared before a precision is used
@@ -237,6 +238,8 @@ class MixedPrecision(ActsOnProfile):
         "script_low_precision": "stepped aside: {share:.0%} of the step's matrix products already run below float32 "
         "(the script's own autocast or model dtype)",
         "script_tf32": "stepped aside: the script already switched TF32 on",
+        "compiled_by_script": "stepped aside: the script compiles the model (torch.compile); autocast it inside "
+        "the compiled model's forward instead",
         "no_matrix_products": "nothing to speed up: the step runs no matrix products",
         "no_copy": "not checked, so not used: the model could not be copied for the guard ({error})",
         "not_checked": "not used: in {passes} backward passes the model's outputs never got the gradient of a "
@@ -308,6 +311,8 @@ class MixedPrecision(ActsOnProfile):
             return self.reason_for("script_low_precision", share=1 - share)
         if self._precision == "tf32" and torch.backends.cuda.matmul.allow_tf32:
             return self.reason_for("script_tf32")
+        if self._precision == "bf16" and compiled_by_the_script(profile.model):
+            return self.reason_for("compiled_by_script")  # hooks added under its graphs would recompile them
         return None
 
     def _profiled(self, profile) -> None:

@@ -223,3 +223,12 @@ def test_a_forward_that_returns_its_loss_and_unused_outputs_is_checked():
     assert row()["reason_code"] == "on", row()
     assert row()["figures"]["guard_checks"] == mixed_precision.GUARD_CHECKS
     assert {value.dtype for value in output.values()} == {torch.float32}  # handed back in float32
+
+
+def test_a_model_the_script_compiles_is_left_alone():
+    autogaudi.enable(device="cpu", only=UNITS, precision="bf16")
+    net = model()
+    net.compile(backend="eager")  # dynamo's tracing without code generation: cheap on the CPU
+    _, dtypes, _ = train(net, STEPS + 10)
+    assert row()["reason_code"] == "compiled_by_script", row()
+    assert set(dtypes) == {torch.float32}
