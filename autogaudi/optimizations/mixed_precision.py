@@ -35,6 +35,7 @@ import torch
 
 from autogaudi.events import Event
 from autogaudi.optimizations.graph_capture import compiled_by_the_script
+from autogaudi.optimizations.step_profiler import FP32_MATRIX_SHARE
 from autogaudi.unit import ActsOnProfile
 
 GUARD_CHECKS = 3  # forward/backward pairs compared before a precision is used
@@ -46,7 +47,6 @@ BOUNDS = {"output_error": 0.05, "loss_change": 0.02, "grad_norm_ratio": (0.9, 1.
 WATCH_EVERY = 10  # backward passes between host reads of the watched losses
 SPIKE = 4.0  # a loss this many times the median of the run's recent losses is a spike
 LOW_PRECISION = (torch.bfloat16, torch.float16)
-MATRIX_FP32_SHARE = 0.9  # below this share of float32 matrix products the script runs low precision itself
 
 
 def to_float32(value):
@@ -307,7 +307,7 @@ class MixedPrecision(ActsOnProfile):
         share = self.session.unit("step_profiler").figures.get("fp32_matrix_fraction")
         if share is None:
             return self.reason_for("no_matrix_products")
-        if share < MATRIX_FP32_SHARE:
+        if share < FP32_MATRIX_SHARE:  # the script already runs its matrix products below float32
             return self.reason_for("script_low_precision", share=1 - share)
         if self._precision == "tf32" and torch.backends.cuda.matmul.allow_tf32:
             return self.reason_for("script_tf32")
