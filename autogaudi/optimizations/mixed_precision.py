@@ -210,6 +210,8 @@ class _Guard:
                 continue
             grads = [torch.zeros_like(o) if g is None else g for g, o in zip(grads, outputs)]
             self.copy.load_state_dict(self.model.state_dict())
+            for shadow, real in zip(self.copy.modules(), self.model.modules()):  # a submodule frozen in eval
+                shadow.training = real.training
             reference = self._shadow(inputs, state, grads, self.reference_context)
             candidate = self._shadow(inputs, state, grads, self.precision_context)
             self.figures.append(compare(reference, candidate, grads, self.loss if self.loss is not None else 1.0))
