@@ -20,6 +20,7 @@ CORE = {
     "apply_raised": "apply() raised {error!r}; reverted",
     "failed_at_run_time": "raised {error!r} at run time; reverted, the run went on without it",
     "waiting_for_profile": "waiting for the step profile",
+    "no_training_model": "no module owning the optimizer's parameters was called in the profiled step",
 }
 
 

@@ -103,7 +103,6 @@ class GraphCapture(ActsOnProfile):
         "too_short": "not tried: {steps} steps left ({source}) could save at most {most:.2f} s, less than the "
         "{least:g} s, the least one-off a capture was measured to cost on {backend}",
         "not_host_bound": "not captured: the run is {bound}-bound ({why})",
-        "no_model": "not captured: no module owning the optimizer's parameters was called in the step",
         "compiled_by_script": "stepped aside: the script (or its framework) already compiles the model with "
         "torch.compile",
         "mixed_precision": "stepped aside: mixed_precision holds this model (autocast in its hooks would be "
@@ -185,7 +184,7 @@ class GraphCapture(ActsOnProfile):
         if profile.bound != "host" and not any_bound:
             return self.reason_for("not_host_bound", bound=profile.bound, why=profile.why)
         if profile.model is None:
-            return self.reason_for("no_model")
+            return self.reason_for("no_training_model")
         if compiled_by_the_script(profile.model):
             return self.reason_for("compiled_by_script")
         precision = self.session.unit("mixed_precision")

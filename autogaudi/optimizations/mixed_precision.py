@@ -236,7 +236,6 @@ class MixedPrecision(ActsOnProfile):
     reasons = {
         "off": "off by default (it changes numerics): --precision {choices}",
         "no_bf16": "this GPU has no bf16 (compute capability < 8.0); fp16 with loss scaling is not offered yet",
-        "no_model": "no module owning the optimizer's parameters was called in the step",
         "script_low_precision": "stepped aside: {share:.0%} of the step's matrix products already run below float32 "
         "(the script's own autocast or model dtype)",
         "script_tf32": "stepped aside: the script already switched TF32 on",
@@ -305,7 +304,7 @@ class MixedPrecision(ActsOnProfile):
 
     def _refusal(self, profile):
         if profile.model is None:
-            return self.reason_for("no_model")
+            return self.reason_for("no_training_model")
         share = self.session.unit("step_profiler").figures.get("fp32_matrix_fraction")
         if share is None:
             return self.reason_for("no_matrix_products")
