@@ -35,13 +35,11 @@ class Reason:
         if template is None:
             raise KeyError(f"no reason code {code!r}; known: {', '.join(sorted({*table, *CORE}))}")
         self.code = code
-        self.params = params
         self.text = template.format(**params)
-
-    def params_as_data(self) -> dict:
-        """The parameters as JSON values (an exception, a shape list: its repr)."""
+        # As JSON values (an exception, a list of shapes: its repr), which also lets go of the objects:
+        # an exception kept here would keep its traceback's frames, and the user's tensors in them.
         plain = (str, int, float, bool, type(None))
-        return {name: value if isinstance(value, plain) else repr(value) for name, value in self.params.items()}
+        self.params = {name: value if isinstance(value, plain) else repr(value) for name, value in params.items()}
 
     def __str__(self):
         return self.text

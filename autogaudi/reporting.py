@@ -50,7 +50,7 @@ class UnitRow:
             "targets": list(unit.targets) + list(unit.acts_on) if unit else [],
             "reason": reason.text if reason is not None else "",
             "reason_code": reason.code if reason is not None else None,
-            "reason_params": reason.params_as_data() if reason is not None else {},
+            "reason_params": dict(reason.params) if reason is not None else {},
             "figures": dict(unit.figures) if unit else {},
             "notes": list(unit.notes) if unit else [],
         }
