@@ -323,13 +323,13 @@ class MixedPrecision(ActsOnProfile):
             return
         model = profile.model
         if self._precision == "tf32":
-            contexts = (lambda: tf32(False), lambda: tf32(True))
+            reference, candidate = (lambda: tf32(False)), (lambda: tf32(True))
         else:
             device_type = self.backend.device_type
-            contexts = (contextlib.nullcontext, lambda: torch.autocast(device_type, dtype=torch.bfloat16))
+            reference, candidate = contextlib.nullcontext, (lambda: torch.autocast(device_type, dtype=torch.bfloat16))
         started = time.perf_counter()
         try:
-            self._guard = _Guard(model, contexts[1], contexts[0], self.backend.device_type)
+            self._guard = _Guard(model, candidate, reference, self.backend.device_type)
         except Exception as error:  # a model deepcopy refuses (an open file, a lock)
             self.because("no_copy", error=repr(error))
             return
@@ -367,7 +367,6 @@ class MixedPrecision(ActsOnProfile):
         if len(self._guard.figures) >= GUARD_CHECKS:
             self._guarded()
         elif self._guard.backward_passes >= GUARD_PATIENCE:
-            self._guard = None
             self.because("not_checked", passes=GUARD_PATIENCE)
             self._release()
             self.session.check_settled()
