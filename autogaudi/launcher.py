@@ -1,6 +1,7 @@
 """``python -m autogaudi [options] (script.py | -m module) [args ...]``: run a script as if directly.
 
-(``python -m autogaudi doctor ...`` is the doctor: :mod:`autogaudi.diagnosis.command`.)
+(``python -m autogaudi doctor ...`` is the doctor: :mod:`autogaudi.diagnosis.command`; ``python -m autogaudi
+cache {list,clear}`` shows or clears what runs remember: :mod:`autogaudi.cache`.)
 
 The user's program must not be able to tell it was launched through us: ``sys.argv``,
 ``sys.path[0]``, a real ``__main__`` module (``__file__``, ``__spec__``), the exit code, and a
@@ -97,6 +98,10 @@ def main(argv=None):
         from autogaudi.diagnosis.command import main as doctor_main
 
         return doctor_main(argv[1:])
+    if argv[:1] == ["cache"]:  # likewise ./cache
+        from autogaudi.cache import main as cache_main
+
+        return cache_main(argv[1:])
     ours, target, target_args, is_module = split_command_line(argv)
     parser = build_parser()
     given = {name: value for name, value in vars(parser.parse_args(ours)).items() if value is not None}

@@ -203,6 +203,27 @@ OPTIONS: tuple = (
         "default compiled speed on a 2-core CPU); no effect on HPU",
     ),
     Option("quiet", False, parse_bool, "do not print the exit report (the JSON report is still written)"),
+    Option(
+        "cache_dir",
+        None,
+        _parse_path,
+        "where decisions are remembered between runs and compile caches are kept (default: "
+        "$XDG_CACHE_HOME/autogaudi, else ~/.cache/autogaudi); see python -m autogaudi cache list",
+        "PATH",
+    ),
+    Option(
+        "no_cache",
+        False,
+        parse_bool,
+        "neither read nor write the cache folder: every decision is measured again, compile caches stay torch's",
+    ),
+    Option(
+        "cache_max_mb",
+        2048,
+        _parse_count,
+        "size limit of the cache folder; past it the files modified longest ago are deleted first",
+        "MB",
+    ),
 )
 OPTIONS_BY_NAME = {option.name: option for option in OPTIONS}
 

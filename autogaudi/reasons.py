@@ -21,6 +21,8 @@ CORE = {
     "failed_at_run_time": "raised {error!r} at run time; reverted, the run went on without it",
     "waiting_for_profile": "waiting for the step profile",
     "no_training_model": "no module owning the optimizer's parameters was called in the profiled step",
+    "remembered": "{decision}, as its trial decided in run {run} on {date} ({speedup}x) with the same script, model "
+    "and inputs; this run's step time is checked against that trial's",
 }
 
 

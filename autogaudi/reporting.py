@@ -58,7 +58,19 @@ class UnitRow:
 
 class Report:
     def __init__(
-        self, *, torch_version, enabled_by, active, backend, options, steps, memory, units, trials=(), ranks=None
+        self,
+        *,
+        torch_version,
+        enabled_by,
+        active,
+        backend,
+        options,
+        steps,
+        memory,
+        units,
+        trials=(),
+        ranks=None,
+        cache=None,
     ):
         self.torch_version = torch_version
         self.enabled_by = enabled_by
@@ -70,6 +82,7 @@ class Report:
         self.units = units
         self.trials = list(trials)  # every A/B trial run: candidate, medians, one-off cost, decision
         self.ranks = ranks  # multi-rank jobs, on rank 0: {rank: that rank's unit rows, or None if it never answered}
+        self.cache = cache  # the cache folder, what this run took from it and what it set, or None (--no-cache)
 
     @classmethod
     def not_started(cls, options) -> Report:
@@ -103,6 +116,7 @@ class Report:
             "units": self.units,
             "trials": self.trials,
             "ranks": None if self.ranks is None else {str(rank): rows for rank, rows in self.ranks.items()},
+            "cache": self.cache,
         }
 
     def changed(self) -> list:
@@ -147,12 +161,29 @@ class Report:
             lines.append(f"  advice   {row['unit']}: {row['what']}")
         if self.ranks is not None:
             lines.append(f"  ranks    {_format_ranks(self.ranks)}")
+        if self.cache is not None:
+            lines.append(f"  cache    {_format_cache(self.cache)}")
+            lines.extend(f"           note: {note}" for note in self.cache["notes"])
         return "\n".join(lines) + "\n"
 
     __str__ = format
 
 
+def _format_cache(cache: dict) -> str:
+    text = f"{cache['dir']}: decisions {cache['decisions']}"
+    set_here = [name for name, setting in cache["compile"].items() if setting["set_by"] == "autogaudi"]
+    if set_here:
+        text += f"; compile caches kept there ({', '.join(set_here)})"
+    return text
+
+
 def _format_trial(trial: dict) -> str:
+    if "check" in trial:
+        return (
+            f"{trial['candidate']}: {trial['ms_per_step']} ms/step {trial['arm']} it, against "
+            f"{trial['ms_per_step_remembered']} remembered ({trial['ratio']}x) over {trial['steps']} steps "
+            f"-> {trial['decision']}"
+        )
     text = (
         f"{trial['candidate']}: {trial['ms_per_step_with']} ms/step with, {trial['ms_per_step_without']} without "
         f"({trial['speedup']}x) over {trial['steps']} steps, one-off {trial['one_off_s']} s -> {trial['decision']}"

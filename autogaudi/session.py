@@ -9,14 +9,18 @@ is reverted then and the user's run continues. ``stop()`` reverts every applied 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
+import os
 import sys
 
 import torch
 import torch.distributed
 
 from autogaudi import backends
+from autogaudi.cache import RECIPE_CACHE, Cache, compile_cache_environment
 from autogaudi.events import Dispatcher
+from autogaudi.memory import Memory
 from autogaudi.ranks import gather_from_ranks, is_rank_zero, several_ranks
 from autogaudi.reasons import Reason
 from autogaudi.registry import UNITS
@@ -67,9 +71,19 @@ class Session:
         self._shared_with_ranks = False
         self._scope = Scope()
         self.settled_at_step = None  # the training step after which every decision was made
+        self.cache = None  # the cache folder (autogaudi.cache), unless --no-cache or it is not usable
+        self.memory = None  # remembered decisions (autogaudi.memory), with the cache
+        self.compile_caches: dict = {}  # environment variable -> {"value", "set_by"}
+        self.cache_notes: list = []
 
     def start(self) -> None:
+        self._open_cache()  # before the backend's probe loads the Gaudi bridge, which reads its recipe cache setting
         self.backend = backends.select(self.options.device)
+        if self.cache is not None:
+            try:
+                self.memory = Memory(self.cache, self.backend, self.options)
+            except Exception as error:
+                self.cache_notes.append(f"decisions are not remembered: {error!r}")
         self.steps = TrainingSteps(self.backend, self.options, self.events)
         self.steps.install()
         self.trials = TrialRunner(self.steps, self.events, on_idle=self.check_settled)
@@ -137,6 +151,47 @@ class Session:
     def check_settled(self) -> None:
         if self.settled_at_step is None and self.settled():
             self.settled_at_step = self.steps.steps
+            self.remember()
+
+    def _open_cache(self) -> None:
+        """The cache folder, and the compile caches pointed into it where the environment does not
+        name theirs already (the user's setting, or a parent process's, is never overridden)."""
+        try:
+            self.cache = Cache.for_options(self.options)
+            if self.cache is None:
+                return
+            bridge = (
+                self.options.device in ("auto", "hpu") and importlib.util.find_spec("habana_frameworks") is not None
+            )
+            for name, value in compile_cache_environment(self.cache, bridge).items():
+                if name in os.environ:
+                    self.compile_caches[name] = {"value": os.environ[name], "set_by": "environment"}
+                elif name == RECIPE_CACHE and "habana_frameworks.torch" in sys.modules:
+                    self.cache_notes.append(f"{name} not set: the Gaudi bridge was loaded before autogaudi started")
+                else:
+                    os.environ[name] = value
+                    self._scope.add(lambda name=name, value=value: _unset(name, value))
+                    self.compile_caches[name] = {"value": value, "set_by": "autogaudi"}
+        except Exception as error:  # an unwritable home folder: the run goes on without a cache
+            self.cache = None
+            self.cache_notes.append(f"cache not used: {error!r}")
+
+    def remember(self) -> None:
+        """Write what this run decided (rank 0), for a later run with the same set-up, model and inputs:
+        the step profile and each unit's last trial, except those of units that failed."""
+        profiler = self.unit("step_profiler")
+        profile = profiler.profile if profiler is not None and profiler in self.applied else None
+        if self.memory is None or profile is None:
+            return
+        trials = {
+            record["candidate"]: record
+            for record in self.trials.records
+            if "check" not in record and self.rows[record["candidate"]].status != FAILED
+        }
+        try:
+            self.memory.remember(profile, trials)
+        except Exception as error:
+            self.cache_notes.append(f"could not write the decisions: {error!r}")
 
     def unit(self, name: str):
         """The live unit called ``name`` (applied or not yet decided), or None."""
@@ -190,11 +245,38 @@ class Session:
             units=[row.as_dict() for row in self.rows.values()],
             trials=list(self.trials.records),
             ranks=self.rank_rows,
+            cache=self._cache_facts(),
         )
+
+    def _cache_facts(self):
+        if self.cache is None:
+            return (
+                None
+                if self.options.no_cache
+                else {"dir": None, "decisions": "not remembered", "compile": {}, "notes": self.cache_notes}
+            )
+        memory = self.memory
+        if memory is None or memory.script is None:
+            decisions = "not remembered (no script file)" if memory is not None else "not remembered"
+        elif memory.recalled is not None:
+            decisions = (
+                f"taken from the {memory.recalled['runs']} earlier run(s) with this script, model and inputs "
+                f"(the last on {memory.recalled['last_run_on']}), where they apply"
+            )
+        else:
+            decisions = "measured in this run"
+        notes = self.cache_notes + (memory.notes if memory is not None else [])
+        return {"dir": self.cache.root, "decisions": decisions, "compile": dict(self.compile_caches), "notes": notes}
 
     def finish(self, explicit: bool) -> None:
         """At exit: print and write the report, on rank 0, if autogaudi was asked for or trained."""
         self.share_with_ranks()
+        self.remember()
+        if self.cache is not None and is_rank_zero():
+            try:
+                self.cache.evict()  # the compile caches grew during the run
+            except Exception as error:
+                self.cache_notes.append(f"could not evict: {error!r}")
         if not (explicit or self.steps.trained) or not is_rank_zero():
             return
         report = self.report()
@@ -204,3 +286,9 @@ class Session:
         if not self.options.quiet:
             sys.stderr.write(report.format())
             sys.stderr.flush()
+
+
+def _unset(name: str, value: str) -> None:
+    """Take an environment variable autogaudi set back off, unless something changed it since."""
+    if os.environ.get(name) == value:
+        del os.environ[name]

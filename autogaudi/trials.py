@@ -35,10 +35,13 @@ BLOCK = 3  # steps per block
 ROUNDS = 2  # each round is on, off, off, on
 WARMUP = 3  # "on" steps before measuring (compile, CUDA-graph warm-up and recording)
 MARGIN = 0.03  # the candidate must be this much faster to be kept
+CHECK_TOLERANCE = 1.25  # a remembered step time still holds while this run's is within this factor of it
 
 
 class Trial:
     """One A/B trial: ``switch(on: bool)`` flips the candidate; ``decided(keep, record)`` is told the outcome."""
+
+    words = ("rejected", "kept")  # the record's decision, for False and True
 
     def __init__(self, unit, candidate: str, switch, decided, set_up_s: float = 0.0, not_before_step: int = 0):
         self.unit = unit
@@ -95,6 +98,42 @@ class Trial:
         if keep and one_off > 0:
             record["pays_back_after_steps"] = round(one_off / (off - on))
         return keep, record
+
+
+class Check(Trial):
+    """A remembered decision, checked on this run: the unit already follows it (``keep``); after
+    ``warmup`` steps (a remembered capture's compile; early steps' noise) ``2 * BLOCK`` steps are
+    timed, and their median is set against the step time the deciding trial measured for the arm.
+    ``decided(matches, record)``: where it differs, the unit tries again."""
+
+    words = ("differs", "matches")
+
+    def __init__(self, unit, candidate: str, keep: bool, expected_s: float, decided, warmup: int):
+        super().__init__(unit, candidate, switch=lambda _on: None, decided=decided)
+        self.expected_s = expected_s
+        self.warmup = warmup
+        self.schedule = [keep] * (warmup + 2 * BLOCK)
+        self.steady: list = []
+
+    def record(self, seconds: float) -> None:
+        if self.position < self.warmup:
+            self.warmup_seconds += seconds
+        else:
+            self.steady.append(seconds)
+        self.position += 1
+
+    def outcome(self) -> tuple:
+        measured = statistics.median(self.steady)
+        ratio = measured / self.expected_s
+        return 1 / CHECK_TOLERANCE <= ratio <= CHECK_TOLERANCE, {
+            "candidate": self.candidate,
+            "check": "remembered",
+            "arm": "with" if self.schedule[0] else "without",
+            "ms_per_step": round(1000 * measured, 3),
+            "ms_per_step_remembered": round(1000 * self.expected_s, 3),
+            "ratio": round(ratio, 3),
+            "steps": len(self.schedule),
+        }
 
 
 class TrialRunner:
@@ -159,7 +198,7 @@ class TrialRunner:
             return
         keep, record = trial.outcome()
         keep = bool(rank_zero_choice(keep))
-        record["decision"] = "kept" if keep else "rejected"
+        record["decision"] = trial.words[keep]
         record["started_at_step"] = trial.started_at_step
         self.records.append(record)
         self._running.remove()

@@ -18,8 +18,9 @@ import torch
 import wrapt
 
 from autogaudi.events import Event
+from autogaudi.memory import origin
 from autogaudi.reasons import Reason
-from autogaudi.trials import Trial
+from autogaudi.trials import WARMUP, Check, Trial
 
 ALL_BACKENDS = ("hpu", "cuda", "cpu")
 
@@ -231,6 +232,40 @@ class ActsOnProfile(Unit):
             return True
         self.session.trials.submit(Trial(self, self.name, switch, decided, **trial))
         return False
+
+    def trial_named(self) -> str:
+        """Which trial the ``speedup`` figure comes from, for the report's headline."""
+        run = self.figures.get("remembered_from_run")
+        return f"run {run}'s trial" if run else "its trial"
+
+    def recalled_trial(self):
+        """This unit's trial as a run with the same set-up (``--trial`` included), model and inputs
+        decided it (:mod:`autogaudi.memory`); None where there is none, or this run holds no trial
+        (``--force``, ``--no-trials``)."""
+        memory = self.session.memory
+        if memory is None or memory.recalled is None or self.options.no_trials or self.name in self.options.force:
+            return None
+        return memory.recalled.get("trials", {}).get(self.name)
+
+    def follow(self, record: dict, switch, release, try_again) -> None:
+        """Take a remembered trial's decision without the trial: ``switch(True)`` where it was kept,
+        ``release()`` where not; then check this run's steps against the time that trial measured
+        for the arm followed, and ``try_again()`` (a trial) where they differ."""
+        keep = record["decision"] == "kept"
+        if keep:
+            switch(True)
+        else:
+            release()
+        self.figures.update(speedup=record["speedup"], remembered_from_run=record["run"])
+        self.because("remembered", decision=record["decision"], speedup=record["speedup"], **origin(record))
+
+        def checked(matches: bool, check: dict) -> None:
+            self.figures["remembered_check"] = check["decision"]
+            if not matches:
+                try_again()
+
+        expected_s = record["ms_per_step_with" if keep else "ms_per_step_without"] / 1000
+        self.session.trials.submit(Check(self, self.name, keep, expected_s, checked, warmup=WARMUP))
 
 
 def warn(message: str) -> None:

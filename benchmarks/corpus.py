@@ -216,7 +216,8 @@ def run_variant(corpus: Path, case: dict, variant: str, scratch: Path, timeout: 
         done = subprocess.run(
             [sys.executable, *extra, *case["command"]],
             cwd=folder,
-            env=clean_env(case, variant),
+            # A fresh cache folder: the figures are a first run's, with nothing remembered or compiled.
+            env={**clean_env(case, variant), "AUTOGAUDI_CACHE_DIR": str(root / "autogaudi-cache")},
             capture_output=True,
             text=True,
             timeout=timeout,

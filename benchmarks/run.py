@@ -97,8 +97,14 @@ def machine_name() -> str:
     return f"{platform.machine()}-{cores}core-cpu"
 
 
+CACHES = tempfile.TemporaryDirectory(prefix="autogaudi-bench-caches-")
+
+
 def clean_env(**extra) -> dict:
+    """The environment less autogaudi's variables, with a fresh cache folder: each run is a first run
+    (nothing remembered, nothing compiled); second_run.py measures what the cache saves."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("AUTOGAUDI")}
+    env["AUTOGAUDI_CACHE_DIR"] = tempfile.mkdtemp(dir=CACHES.name)
     env.update(extra)
     return env
 

@@ -11,7 +11,8 @@ from tests.helpers import HPU_DOUBLE
 
 
 @pytest.fixture(autouse=True)
-def autogaudi_disabled_after_test():
+def autogaudi_disabled_after_test(monkeypatch):
+    monkeypatch.setenv("AUTOGAUDI_NO_CACHE", "1")  # no decision carried from one test to the next
     yield
     autogaudi.disable()
 

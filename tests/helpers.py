@@ -16,9 +16,11 @@ SWITCHED_ON_BY = {"mixed_precision": {"precision": "bf16"}}
 
 
 def clean_env(**extra):
-    """The environment of a plain run: no autogaudi settings inherited from whoever runs pytest."""
+    """The environment of a plain run: no autogaudi settings inherited from whoever runs pytest, and
+    no cache folder (each run decides afresh; the cache's tests pass ``AUTOGAUDI_NO_CACHE=0``)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("AUTOGAUDI") and k != "PT_HPU_LAZY_MODE"}
     env.pop("PYTHONPATH", None)
+    env["AUTOGAUDI_NO_CACHE"] = "1"
     env.update({k: str(v) for k, v in extra.items()})
     return env
 

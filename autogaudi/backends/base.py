@@ -101,6 +101,17 @@ class Backend:
         release_compiled_calls()
         self.stop_compile_workers()
 
+    def compile_cache_counts(self):
+        """{"hits": n, "misses": n} of torch.compile's FX-graph and AOTAutograd caches so far in this
+        process (a graph compiled from the cache is a hit in both), or None where no such count exists."""
+        dynamo_utils = sys.modules.get("torch._dynamo.utils")
+        if dynamo_utils is None:
+            return {"hits": 0, "misses": 0}
+        counters = dynamo_utils.counters
+        hits = counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"]
+        misses = counters["inductor"]["fxgraph_cache_miss"] + counters["aot_autograd"]["autograd_cache_miss"]
+        return {"hits": hits, "misses": misses}
+
     def stop_compile_workers(self):
         """Shut down the compiler's worker processes if autogaudi's ``graph_forward`` started them
         (never the script's own): seconds it took, or None where there was nothing of ours to stop."""

@@ -132,6 +132,11 @@ class HpuBackend(Backend):
         if not self.is_lazy:
             super().release_graphs(graphed)
 
+    def compile_cache_counts(self):
+        # Graphs compile to recipes in the bridge, whose disk cache (PT_HPU_RECIPE_CACHE_CONFIG) keeps
+        # no count a process can read without PT_HPU_ENABLE_CACHE_METRICS: not claimed either way.
+        return None
+
     def fused_optimizer_refusal(self, optimizer_class, hyperparameters: dict):
         name = optimizer_class.__name__
         fused_name = _fused_name(name, hyperparameters)

@@ -37,7 +37,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from autogaudi._paths import user_location
 from autogaudi.diagnosis import gaudi_facts
-from autogaudi.optimizations.graph_capture import input_shapes
+from autogaudi.optimizations.step_profiler import input_shapes
 from autogaudi.unit import Scope
 
 # Ops whose output shape depends on the values of their input: every new shape a recompilation.

@@ -96,20 +96,35 @@ class ChannelsLast(ActsOnProfile):
             # inductor's compiled backward (stride assertion) on CUDA in the siamese and mnist scripts.
             self.because("captured")
             return
-        self._model = model
+        remembered = self.recalled_trial()
+        if remembered is not None:
+            if remembered["decision"] == "kept":
+                self._set_up(profile)
+            self.follow(remembered, self._switch, self._release, lambda: self._try(profile))
+        else:
+            self._try(profile)
+
+    def _set_up(self, profile) -> None:
+        """Hold the model and optimizer, and hook the model's inputs, in a scope :meth:`_release` closes."""
+        self._model = profile.model
         self._optimizer = profile.optimizer
         self._candidate = self.scope.child()
         self._candidate.add(lambda: self._switch(False))
-        self._candidate.add(model.register_forward_pre_hook(self._inputs, with_kwargs=True).remove)
+        self._candidate.add(self._model.register_forward_pre_hook(self._inputs, with_kwargs=True).remove)
+
+    def _try(self, profile) -> None:
+        if self._candidate is None:
+            self._set_up(profile)
+        model = type(self._model).__name__
         if self.switch_on_or_try(self._switch, self._decided):
-            self.because("switched_on", model=type(model).__name__)
+            self.because("switched_on", model=model)
         else:
-            self.because("trial_running", model=type(model).__name__)
+            self.because("trial_running", model=model)
 
     def changes(self) -> list:
         if not (self._on and self._model is not None):
             return []
-        measured = f", {self.figures['speedup']}x per step in its trial" if "speedup" in self.figures else ""
+        measured = f", {self.figures['speedup']}x per step in {self.trial_named()}" if "speedup" in self.figures else ""
         return [f"{type(self._model).__name__} and its 4-D inputs in channels_last{measured}"]
 
     def _switch(self, on: bool) -> None:

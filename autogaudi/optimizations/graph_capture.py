@@ -28,6 +28,7 @@ import torch
 import torch.utils.checkpoint
 
 from autogaudi.events import Event
+from autogaudi.optimizations.step_profiler import input_shapes
 from autogaudi.ranks import rank_zero_choice
 from autogaudi.run_length import remaining_steps
 from autogaudi.unit import ActsOnProfile
@@ -37,18 +38,6 @@ MAX_SHAPES = 8
 # included), the trial's warm-up beyond its steady steps, compiles for input shapes met later,
 # and shutting down the compile workers it started, at exit.
 ONE_OFF_PARTS = ("set_up_s", "warm_up_s", "later_compiles_s", "compile_workers_at_exit_s")
-
-
-def input_shapes(args, kwargs) -> tuple:
-    """What a new graph is built for: tensors' shapes, and the values of plain arguments (an int, a
-    flag), on which torch.compile specialises and which ModuleCacher keys its graphs by as well."""
-
-    def key(value):
-        if isinstance(value, torch.Tensor):
-            return tuple(value.shape)
-        return value if isinstance(value, (bool, int, float, str, type(None))) else type(value).__name__
-
-    return tuple(key(value) for value in args) + tuple((name, key(value)) for name, value in kwargs.items())
 
 
 def route_calls(module, call):
@@ -157,7 +146,7 @@ class GraphCapture(ActsOnProfile):
             return []
         text = f"{type(self._module).__name__} captured ({self.backend.graph_kind()})"
         if "speedup" in self.figures:
-            text += f", {self.figures['speedup']}x per step in its trial"
+            text += f", {self.figures['speedup']}x per step in {self.trial_named()}"
         parts = {name: self.figures[name] for name in ONE_OFF_PARTS if name in self.figures}
         if parts:
             listed = ", ".join(
@@ -166,6 +155,8 @@ class GraphCapture(ActsOnProfile):
             text += f", one-off {round(sum(parts.values()), 3)} s ({listed})"
         if "pays_back_after_steps" in self.figures:
             text += f", pays back after {self.figures['pays_back_after_steps']} steps"
+        if self.figures.get("compile_cache") == "hit":
+            text += ", compiled from the cache"
         return [text]
 
     def deciding(self) -> bool:
@@ -216,6 +207,12 @@ class GraphCapture(ActsOnProfile):
         if refusal:
             self.reason = refusal
             return
+        remembered = self.recalled_trial()
+        if remembered is not None:  # no waiting: the decision is known, the compile likely cached
+            if remembered["decision"] == "kept":
+                self._set_up_capture(profile)
+            self.follow(remembered, self._switch, self._release, lambda: self._try_again(profile))
+            return
         if start_at_step > self.session.steps.steps:
             # Nothing is set up before the trial is due (importing the compiler alone took 1.2 s on
             # the 2-core CPU, more than a short script's whole run): a run that ends first pays nothing.
@@ -241,15 +238,29 @@ class GraphCapture(ActsOnProfile):
         self.session.check_settled()
 
     def _capture_and_decide(self, profile, forced: bool, start_at_step: int) -> None:
-        set_up_started = time.perf_counter()
-        self._capture(profile)
-        set_up_s = time.perf_counter() - set_up_started
+        set_up_s = self._set_up_capture(profile)
         model = type(self._module).__name__
         if self.switch_on_or_try(self._switch, self._decided, set_up_s=set_up_s, not_before_step=start_at_step):
-            self.figures["set_up_s"] = round(set_up_s, 3)
             self.because("captured_forced" if forced else "captured_no_trials", model=model)
         else:
+            self.figures.pop("set_up_s")  # the trial's record brings it
             self.because("trial_running", model=model)
+
+    def _set_up_capture(self, profile) -> float:
+        """Capture the profiled model; the seconds it took (a figure)."""
+        started = time.perf_counter()
+        self._capture(profile)
+        seconds = time.perf_counter() - started
+        self.figures["set_up_s"] = round(seconds, 3)
+        return seconds
+
+    def _try_again(self, profile) -> None:
+        """A remembered decision did not hold on this run: decide by a trial after all."""
+        if self._candidate is None:
+            self._capture_and_decide(profile, forced=False, start_at_step=self.session.steps.steps)
+        else:
+            self.switch_on_or_try(self._switch, self._decided, set_up_s=self.figures.get("set_up_s", 0.0))
+            self.because("trial_running", model=type(self._module).__name__)
 
     def _capture(self, profile) -> None:
         """Capture the profiled model, into a candidate scope that :meth:`_release` closes."""
@@ -380,6 +391,7 @@ class GraphCapture(ActsOnProfile):
 
     def _compile_for_new_shape(self, args, kwargs):
         started = time.perf_counter()
+        cached_before = self.backend.compile_cache_counts()
         with warnings.catch_warnings():  # compiling: torch.compile's advice is not the user's
             warnings.simplefilter("ignore", UserWarning)
             result = self._graphed(*args, **kwargs)
@@ -388,6 +400,10 @@ class GraphCapture(ActsOnProfile):
         if self._compiled_for == 1:
             # Without a trial (forced) this first compile is the warm-up; a trial's record replaces it.
             self.figures.setdefault("warm_up_s", round(seconds, 3))
+            cached = self.backend.compile_cache_counts()
+            if cached is not None:
+                hits, misses = (cached[kind] - cached_before[kind] for kind in ("hits", "misses"))
+                self.figures["compile_cache"] = "hit" if hits and not misses else "miss" if misses else "none"
             # The compiler is loaded now, its exit handlers registered; ours, registered after, runs first.
             atexit.register(self._stop_compile_workers)
             self._candidate.add(lambda: atexit.unregister(self._stop_compile_workers))

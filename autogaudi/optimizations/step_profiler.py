@@ -45,6 +45,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from autogaudi._paths import short_location, user_location
 from autogaudi.events import Event
+from autogaudi.memory import origin
 from autogaudi.ranks import rank_zero_choice
 from autogaudi.unit import Scope, Unit
 
@@ -57,6 +58,18 @@ MATRIX_OPS = frozenset(
     | {f"_scaled_dot_product_{kind}_attention" for kind in ("flash", "efficient", "cudnn", "flash_attention_for_cpu")}
 )
 FP32_MATRIX_SHARE = 0.9  # a step whose matrix products run in float32 at least this often trains in fp32
+
+
+def input_shapes(args, kwargs) -> tuple:
+    """What a new graph is built for: tensors' shapes, and the values of plain arguments (an int, a
+    flag), on which torch.compile specialises and which ModuleCacher keys its graphs by as well."""
+
+    def key(value):
+        if isinstance(value, torch.Tensor):
+            return tuple(value.shape)
+        return value if isinstance(value, (bool, int, float, str, type(None))) else type(value).__name__
+
+    return tuple(key(value) for value in args) + tuple((name, key(value)) for name, value in kwargs.items())
 
 
 def _share(fraction: float) -> str:
@@ -250,21 +263,25 @@ class _KernelTimes:
 
 class _RootModules:
     """The outermost modules called during a census step (what produced the loss), added to
-    ``called``, and how often each was called in the step (``calls``, by identity): a module called
-    again while an earlier output is still in use cannot replay graphs into static outputs."""
+    ``called``, how often each was called in the step (``calls``, by identity: a module called
+    again while an earlier output is still in use cannot replay graphs into static outputs), and the
+    shapes of each one's first positional inputs (``inputs``, by identity: part of the key runs are
+    remembered by)."""
 
     def __init__(self, called: list, scope):
         self.depth = 0
         self.called = called
         self.calls: dict = {}
+        self.inputs: dict = {}
         scope.add(torch.nn.modules.module.register_module_forward_pre_hook(self._enter).remove)
         scope.add(torch.nn.modules.module.register_module_forward_hook(self._leave, always_call=True).remove)
 
-    def _enter(self, module, _args):
+    def _enter(self, module, args):
         if self.depth == 0:
             if not any(module is seen for seen in self.called):
                 self.called.append(module)
             self.calls[id(module)] = self.calls.get(id(module), 0) + 1
+            self.inputs.setdefault(id(module), input_shapes(args, {}))
         self.depth += 1
 
     def _leave(self, _module, _args, _output):
@@ -346,7 +363,9 @@ class StepProfile:
     DDP: graphs go inside it, its hooks stay outside) and how often it was called per step. The
     model and optimizer are held weakly: the profile must not keep the user's objects alive."""
 
-    def __init__(self, bound: str, why: str, figures: dict, root, optimizer, calls_per_step: int = 1):
+    def __init__(
+        self, bound: str, why: str, figures: dict, root, optimizer, calls_per_step: int = 1, inputs=(), remembered=None
+    ):
         self.bound = bound
         self.why = why
         self.figures = figures
@@ -355,6 +374,12 @@ class StepProfile:
         self._model = _weak(root)
         self._optimizer = _weak(optimizer)  # the optimizer whose step ended the census step
         self.calls_per_step = calls_per_step
+        self.inputs = inputs  # the shapes of the model's positional inputs in the profiled step
+        self.remembered = remembered  # the record of an earlier run this profile was taken from, or None
+
+    def as_record(self) -> dict:
+        """What a later run with the same set-up, model and inputs takes as its profile."""
+        return {"bound": self.bound, "why": self.why, "figures": self.figures, "calls_per_step": self.calls_per_step}
 
     @property
     def model(self):
@@ -368,6 +393,8 @@ class StepProfile:
 class StepProfiler(Unit):
     reasons = {
         "warming_up": "waiting for {steps} warm-up steps",
+        "remembered_profile": "{bound}-bound, as measured in run {run} on {date} with the same script, model "
+        "and inputs: {why}",
         **{f"{bound}_bound": f"{bound}-bound: {{why}}" for bound in ("input", "host", "communication", "device")},
     }
     acts_on = (
@@ -386,7 +413,10 @@ class StepProfiler(Unit):
         self._calls: list = []  # calls of each root module (by id) in each census step
         self._reads: list = []  # host reads (device type, where) of each census step
         self._matrix_ops = Counter()  # input dtype -> matrix products, over the census steps
+        self._inputs: dict = {}  # root module (by id) -> the shapes of its first inputs
         self._done = 0
+        self._recall = None  # None: not yet looked; a Scope: identifying the model; False: done or none
+        self._identify = None  # the root modules of the step that identifies the model
         self._listening = self.scope.child()  # the step and batch listeners, closed once classified
         self.on(Event.TRAINING_STEP, self._after_step, self._listening)
         self.on(Event.BATCH_FETCHED, self._after_batch, self._listening)
@@ -403,6 +433,8 @@ class StepProfiler(Unit):
         passes where no optimizer steps)."""
         if not self.session.steps.warmed_up:
             return
+        if self._recall is not False and self._recalled(optimizer):
+            return
         done, self._done = self._done, self._done + 1
         if done % 2:
             self._clean.append((time.perf_counter() - self._step_began, self._waited))
@@ -413,6 +445,7 @@ class StepProfiler(Unit):
             census_step, self._census_step = self._census_step, None  # a failing stop is not undone twice
             self._censuses.append(census_step.stop())
             self._calls.append(census_step.roots.calls)
+            self._inputs = {**census_step.roots.inputs, **self._inputs}
             self._reads.append(census_step.census.host_reads)
             self._matrix_ops.update(census_step.census.matrix_ops)
         if done == 2 * PAIRS:
@@ -432,7 +465,8 @@ class StepProfiler(Unit):
             self.note(f"this rank measured {measured[0]}-bound ({measured[1]}); every rank follows rank 0")
         root = training_root(self._roots, optimizer)
         calls = max((step_calls.get(id(root), 0) for step_calls in self._calls), default=0) if root else 0
-        self.profile = StepProfile(bound, why, figures, root, optimizer, calls_per_step=calls)
+        inputs = self._inputs.get(id(root), ())
+        self.profile = StepProfile(bound, why, figures, root, optimizer, calls_per_step=calls, inputs=inputs)
         self.figures.update(bound=bound, profiled_at_step=self.session.steps.steps, **figures)
         self.because(f"{bound}_bound", why=why)
         if root is not None:
@@ -447,10 +481,52 @@ class StepProfiler(Unit):
                 "the host's graph building; a host-bound run can read device-bound"
             )
         self._advise(root)
+        self._publish()
+
+    def _publish(self) -> None:
         self._roots, self._calls = [], []  # hold none of the user's objects
         self.close_scope(self._listening)  # classified once: no more work on every step and batch
         self.session.events.emit(Event.STEP_PROFILED, self.profile)
         self.session.check_settled()
+
+    def _recalled(self, optimizer) -> bool:
+        """Where earlier runs with this set-up left decisions, the first step after warm-up runs with
+        forward hooks only, to find the training model and its inputs; with an entry for them the
+        remembered profile is published at once, and no census step runs (True). Otherwise
+        profiling starts from here (False)."""
+        memory = self.session.memory
+        if self._recall is None:
+            if memory is None or not memory.has_entries():
+                self._recall = False
+                return False
+            self._recall = self.scope.child()
+            self._identify = _RootModules(self._roots, self._recall)
+            return True
+        self.close_scope(self._recall)
+        self._recall = False
+        identify, self._identify = self._identify, None
+        root = training_root(self._roots, optimizer)
+        self._roots = []
+        inputs = identify.inputs.get(id(root), ()) if root is not None else ()
+        model = root.module if isinstance(root, torch.nn.parallel.DistributedDataParallel) else root
+        entry = memory.recall(model, inputs)
+        if entry is None:
+            return False
+        record = entry["profile"]
+        calls = identify.calls.get(id(root), 0)
+        self.profile = StepProfile(
+            record["bound"], record["why"], record["figures"], root, optimizer, calls, inputs, remembered=record
+        )
+        self.figures.update(
+            bound=record["bound"],
+            profiled_at_step=self.session.steps.steps,
+            **record["figures"],
+            remembered_from_run=record["run"],
+        )
+        self.figures.update(model=type(self.profile.model).__name__, model_calls_per_step=calls)
+        self.because("remembered_profile", bound=record["bound"], why=record["why"], **origin(record))
+        self._publish()
+        return True
 
     def _advise(self, root) -> None:
         """Figures from what the census steps saw, and where they cost time on this backend, what the

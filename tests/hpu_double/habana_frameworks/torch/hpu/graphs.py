@@ -66,7 +66,7 @@ def _cached_forward(module, forward, max_graphs, api):
                 record(f"{api}_uncached", shapes=key[0])
                 return forward(*args, **kwargs)
             seen.append(key)
-            _count_compilation(1000)
+            _count_compilation(1000, (api, type(module).__name__, key))
             record(f"{api}_capture", shapes=key[0])
         else:
             current = _gradients(module)
@@ -247,7 +247,7 @@ class ModuleCacher(torch.nn.Module):
                 )
         self._graphs[key] = outputs
         self._previous_gradients = []
-        _count_compilation(1000)
+        _count_compilation(1000, ("module_cacher", type(self.orig_model).__name__, key))
         record("module_cacher_capture", shapes=_shapes(arguments))
         return outputs
 

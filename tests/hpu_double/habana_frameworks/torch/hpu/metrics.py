@@ -1,6 +1,8 @@
 """metric_global(name).stats() -> [(tag, value)], as the bridge's metrics API returns them."""
 
 import contextlib
+import hashlib
+import os
 
 _METRICS = {
     "graph_compilation": {"TotalNumber": 0, "TotalTime": 0, "AvgTime": 0},
@@ -29,8 +31,24 @@ def metric_localcontext(name):
     yield _Metric(name)
 
 
-def _count_compilation(micros):
-    """Not bridge API: the graph-capture double calls this whenever it "compiles" a new graph."""
+# <dir>,<delete_on_start>,<max_MB>: the recipe disk cache, read once when the bridge loads.
+RECIPE_CACHE = os.environ.get("PT_HPU_RECIPE_CACHE_CONFIG")
+
+
+def _count_compilation(micros, key):
+    """Not bridge API: the graph-capture double calls this whenever it "compiles" a new graph. With
+    the recipe disk cache configured, a graph whose recipe is in its folder is a hit and compiles
+    nothing; otherwise its recipe is written there."""
+    if RECIPE_CACHE:
+        folder = RECIPE_CACHE.split(",")[0]
+        path = os.path.join(folder, hashlib.sha256(repr(key).encode()).hexdigest()[:20] + ".recipe")
+        if os.path.exists(path):
+            _METRICS["recipe_cache"]["TotalHit"] += 1
+            return
+        _METRICS["recipe_cache"]["TotalMiss"] += 1
+        os.makedirs(folder, exist_ok=True)
+        with open(path, "w") as handle:
+            handle.write(repr(key))
     stats = _METRICS["graph_compilation"]
     stats["TotalNumber"] += 1
     stats["TotalTime"] += micros

@@ -1,0 +1,145 @@
+"""Remembered decisions: a run that matches an earlier one starts from what that one measured.
+
+Why: the step profile and the trials cost steps (census steps run observed, a trial's arms run the
+slower choice half the time) and the one-off of what they try; a rerun of the same script on the same
+machine would measure the same. An entry is found by two keys. The *set-up* (a folder in the cache):
+the script's path and content hash, the backend and device name, the torch and autogaudi versions and
+the options that steer decisions. The *model* (a file in it): the training model's module types and
+parameter shapes and dtypes, and the shapes of its inputs in the profiled step (positional inputs:
+torch's global forward hooks do not see keyword arguments). The entry holds the step profile and
+each unit's last trial, stamped with the run that decided it.
+
+A run whose set-up has entries identifies its training model in one step after warm-up (forward
+hooks only, no census); when the model's key has an entry, the step profiler hands out the
+remembered profile and the trial units follow their remembered decisions, each checked against the
+step time remembered for it (:class:`autogaudi.trials.Check`; re-tried when it differs). On a
+distributed run rank 0 looks up and writes; every rank follows its answer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+
+import torch
+
+from autogaudi._version import __version__
+from autogaudi.cache import DECISIONS, now, read_json
+from autogaudi.ranks import is_rank_zero, rank_zero_choice
+
+FORMAT = 1  # the layout of an entry; entries of another layout are ignored, with a note
+# Options that do not steer any decision: a run that differs only in them finds the same entries.
+NOT_DECIDING = frozenset({"report", "quiet", "log_every", "cache_dir", "no_cache", "cache_max_mb"})
+
+
+def digest(value) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+def script_identity():
+    """The ``__main__`` script's real path and content hash, or None (no script file: ``-c``, a REPL)."""
+    path = getattr(sys.modules.get("__main__"), "__file__", None)
+    if not path or not os.path.isfile(path):
+        return None
+    with open(path, "rb") as handle:
+        content = hashlib.sha256(handle.read()).hexdigest()
+    return {"path": os.path.realpath(path), "sha256": content}
+
+
+def model_structure(module) -> list:
+    """Module types by name, and parameters' shapes, dtypes and whether they train."""
+    modules = [[name, f"{type(sub).__module__}.{type(sub).__qualname__}"] for name, sub in module.named_modules()]
+    params = [[name, list(p.shape), str(p.dtype), p.requires_grad] for name, p in module.named_parameters()]
+    return modules + params
+
+
+class Memory:
+    """The decisions of runs with this process's set-up, in ``cache``."""
+
+    def __init__(self, cache, backend, options):
+        self.cache = cache
+        self.notes: list = []
+        self.script = script_identity()
+        setup = {
+            "format": FORMAT,
+            "script": self.script,
+            "backend": backend.name,
+            "device": backend.device_name(),
+            "torch": torch.__version__,
+            "autogaudi": __version__,
+            "options": {name: value for name, value in options.as_dict().items() if name not in NOT_DECIDING},
+        }
+        self.setup = json.loads(json.dumps(setup, default=str))  # as an entry holds it (lists, not tuples)
+        self.folder = os.path.join(cache.root, DECISIONS, digest(self.setup))
+        self.recalled = None  # the entry this run follows, once found
+        self._path = None  # the entry this run writes
+        self._written = None
+
+    def has_entries(self) -> bool:
+        """Whether earlier runs with this set-up left entries (rank 0's answer on every rank)."""
+        found = (
+            self.script is not None
+            and os.path.isdir(self.folder)
+            and any(name.endswith(".json") and not name.startswith(".") for name in os.listdir(self.folder))
+        )
+        return bool(rank_zero_choice(found))
+
+    def recall(self, model, inputs):
+        """The entry for ``model`` called with ``inputs`` (shapes), or None; rank 0's on every rank."""
+        self._path = self._entry_path(model, inputs) if model is not None else None
+        entry = self._read(self._path) if self._path is not None and is_rank_zero() else None
+        self.recalled = rank_zero_choice(entry)
+        return self.recalled
+
+    def _entry_path(self, model, inputs) -> str:
+        return os.path.join(self.folder, digest({"model": model_structure(model), "inputs": inputs}) + ".json")
+
+    def _read(self, path: str):
+        if not os.path.exists(path):
+            return None
+        entry = read_json(path)
+        if entry is None:
+            self.notes.append(f"ignored a cache entry that could not be read: {path}")
+            return None
+        if entry.get("format") != FORMAT or entry.get("setup") != self.setup:
+            self.notes.append(
+                f"ignored a cache entry written for another set-up (format {entry.get('format')}, autogaudi "
+                f"{(entry.get('setup') or {}).get('autogaudi')}): {path}"
+            )
+            return None
+        return entry
+
+    def remember(self, profile, trials: dict) -> None:
+        """Write (rank 0) what this run decided: its profile and each unit's last trial, each stamped
+        with the run that measured it (a remembered profile or trial keeps its stamp)."""
+        if self.script is None or not is_rank_zero() or profile.model is None:
+            return
+        if self._path is None:
+            self._path = self._entry_path(profile.model, profile.inputs)
+        before = self.recalled or {}
+        runs = before.get("runs", 0) + 1
+        stamp = {"run": runs, "date": (self._written or {}).get("last_run_on") or now()}
+        entry = {
+            "format": FORMAT,
+            "setup": self.setup,
+            "script": self.script["path"],
+            "argv": sys.argv[1:],
+            "model": type(profile.model).__name__,
+            "backend": self.setup["backend"],
+            "device": self.setup["device"],
+            "profile": profile.remembered or {**profile.as_record(), **stamp},
+            "trials": {**before.get("trials", {}), **{name: {**trial, **stamp} for name, trial in trials.items()}},
+            "runs": runs,
+            "last_run_on": stamp["date"],
+        }
+        if entry == self._written:
+            return
+        self.cache.write_json(self._path, entry)
+        self._written = entry
+
+
+def origin(record: dict) -> dict:
+    """The run that measured a remembered profile or trial: {"run": n, "date": "..."}."""
+    return {"run": record.get("run"), "date": record.get("date")}

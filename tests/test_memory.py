@@ -1,0 +1,115 @@
+"""Remembered decisions: a second run with the same script, model and inputs follows the first's
+profile and trials without measuring them again, checks its steps against them, and ignores an entry
+it cannot trust."""
+
+import json
+
+from tests.helpers import SCRIPTS, clean_env, run_python
+
+CONV = SCRIPTS / "train_conv.py"
+
+
+def run(tmp_path, name, *options, steps=60):
+    report = tmp_path / f"{name}.json"
+    result = run_python(
+        "-m",
+        "autogaudi",
+        "--cache-dir",
+        tmp_path / "cache",
+        "--report",
+        report,
+        *options,
+        CONV,
+        env=clean_env(AUTOGAUDI_NO_CACHE="0", STEPS=steps),
+    )
+    assert result.returncode == 0, result.stderr
+    return json.loads(report.read_text()), result.stdout
+
+
+def unit(report, name):
+    return next(row for row in report["units"] if row["name"] == name)
+
+
+def entry_paths(tmp_path):
+    return sorted((tmp_path / "cache" / "decisions").glob("*/*.json"))
+
+
+def rewrite_entry(tmp_path, change):
+    (path,) = entry_paths(tmp_path)
+    entry = json.loads(path.read_text())
+    change(entry)
+    path.write_text(json.dumps(entry))
+
+
+def test_a_second_run_follows_the_first_runs_profile_and_trial_without_measuring_them(tmp_path):
+    first, first_output = run(tmp_path, "first", "--trial", "channels_last")
+    second, second_output = run(tmp_path, "second", "--trial", "channels_last")
+    assert [record.get("check") for record in first["trials"]] == [None]  # the A/B trial
+    decision = first["trials"][0]["decision"]
+    assert unit(second, "step_profiler")["reason_code"] == "remembered_profile"
+    assert unit(second, "step_profiler")["figures"]["bound"] == unit(first, "step_profiler")["figures"]["bound"]
+    assert "ops_per_step" in unit(second, "step_profiler")["figures"]
+    # No census step ran: the profile was published at the first step after warm-up and identification.
+    assert unit(second, "step_profiler")["figures"]["profiled_at_step"] == 4
+    row = unit(second, "channels_last")
+    assert row["reason_code"] == "remembered"
+    assert row["reason_params"]["decision"] == decision and row["reason_params"]["run"] == 1
+    check = second["trials"][0]
+    assert check["check"] == "remembered" and check["arm"] == ("with" if decision == "kept" else "without")
+    # A check that differs hands the decision to a trial after all; one that matches is all there is.
+    assert (check["decision"] == "matches") == (len(second["trials"]) == 1)
+    assert second["cache"]["decisions"].startswith("taken from the 1 earlier run")
+    assert first_output == second_output  # the script's own output is unchanged (same final loss)
+    (path,) = entry_paths(tmp_path)
+    assert json.loads(path.read_text())["runs"] == 2
+
+
+def test_a_remembered_kept_decision_is_applied_without_a_trial(tmp_path):
+    run(tmp_path, "first", "--trial", "channels_last")
+    rewrite_entry(tmp_path, lambda entry: entry["trials"]["channels_last"].update(decision="kept"))
+    second, _ = run(tmp_path, "second", "--trial", "channels_last")
+    row = unit(second, "channels_last")
+    assert row["reason_code"] == "remembered" and row["reason_params"]["decision"] == "kept"
+    assert second["trials"][0]["check"] == "remembered" and second["trials"][0]["arm"] == "with"
+    if second["trials"][0]["decision"] == "matches":
+        assert row["status"] == "applied" and "run 1's trial" in row["changes"][0]
+
+
+def test_a_step_time_that_differs_from_the_remembered_one_starts_a_trial(tmp_path):
+    run(tmp_path, "first", "--trial", "channels_last")
+    rewrite_entry(tmp_path, lambda entry: entry["trials"]["channels_last"].update(ms_per_step_without=1e-4))
+    second, _ = run(tmp_path, "second", "--trial", "channels_last")
+    check, trial = second["trials"]
+    assert check["decision"] == "differs" and check["ratio"] > 100
+    assert "check" not in trial and trial["decision"] in ("kept", "rejected")
+    assert unit(second, "channels_last")["reason_code"] in ("measured_faster", "rejected")
+    (path,) = entry_paths(tmp_path)
+    assert json.loads(path.read_text())["trials"]["channels_last"]["run"] == 2  # decided again, in run 2
+
+
+def test_an_unreadable_entry_is_ignored_with_a_note(tmp_path):
+    run(tmp_path, "first", "--trial", "channels_last")
+    (path,) = entry_paths(tmp_path)
+    path.write_text('{"format": 1, "trials": ')
+    second, _ = run(tmp_path, "second", "--trial", "channels_last")
+    assert unit(second, "step_profiler")["reason_code"] != "remembered_profile"
+    assert [record.get("check") for record in second["trials"]] == [None]  # measured again
+    assert any("could not be read" in note for note in second["cache"]["notes"])
+    assert json.loads(path.read_text())["runs"] == 1  # replaced by this run's decisions
+
+
+def test_an_entry_of_another_autogaudi_version_is_ignored_with_a_note(tmp_path):
+    run(tmp_path, "first", "--trial", "channels_last")
+    rewrite_entry(tmp_path, lambda entry: entry["setup"].update(autogaudi="0.0.1"))
+    second, _ = run(tmp_path, "second", "--trial", "channels_last")
+    assert unit(second, "step_profiler")["reason_code"] != "remembered_profile"
+    assert any("another set-up" in note for note in second["cache"]["notes"])
+
+
+def test_options_that_steer_decisions_are_part_of_the_key_and_the_others_are_not(tmp_path):
+    run(tmp_path, "first", "--trial", "channels_last")
+    other, _ = run(tmp_path, "other", "--trial", "channels_last", "--warmup-steps", "4")
+    assert unit(other, "step_profiler")["reason_code"] != "remembered_profile"
+    assert len(list((tmp_path / "cache" / "decisions").iterdir())) == 2  # one set-up folder per option set
+    quiet, _ = run(tmp_path, "quiet", "--trial", "channels_last", "--quiet")
+    assert unit(quiet, "step_profiler")["reason_code"] == "remembered_profile"
