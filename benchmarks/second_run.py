@@ -67,7 +67,7 @@ def timed(command: list, cwd: Path, env: dict, report: Path) -> dict:
             for record in data["trials"]
         ],
         "steps_per_s": data["steps"].get("steps_per_s"),
-        "cache": data["cache"]["decisions"],
+        "cache": (data["cache"] or {}).get("decisions"),
     }
 
 
@@ -100,6 +100,8 @@ def main(argv=None) -> int:
         copy = scratch / "corpus"
         shutil.copytree(arguments.corpus, copy, ignore=shutil.ignore_patterns("__pycache__"))
         gpt_env = {**corpus.clean_env(case, "capture forced"), "AUTOGAUDI_NO_CACHE": "0"}
+        for command in case.get("setup", ()):  # as the corpus harness does (the GPT's input text)
+            subprocess.run([sys.executable, *command], cwd=copy / case["dir"], env=gpt_env, check=True, timeout=600)
         results["cases"]["mingpt-chargpt, capture forced"] = pair(
             "gpt", [*corpus.VARIANTS["capture forced"], *case["command"]], copy / case["dir"], gpt_env, scratch
         )
@@ -127,10 +129,12 @@ def markdown(results: dict) -> str:
         "",
         "Each case twice in fresh processes sharing a cache folder that starts empty "
         "(`benchmarks/second_run.py`). One-off: graph_capture's set-up, first compile, later compiles "
-        "and compile-worker shutdown in that run.",
+        "and compile-worker shutdown in that run. steps/s: the report's, over every step after the 3 warm-up "
+        "steps (a compile inside them included).",
         "",
-        "| case | run | whole run (s) | one-off (s) | compile cache | graph_capture | profile | trials |",
-        "|---|---|---|---|---|---|---|---|",
+        *([results["notes"], ""] if results.get("notes") else []),
+        "| case | run | whole run (s) | one-off (s) | compile cache | steps/s | graph_capture | profile | trials |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, case in results["cases"].items():
         for label in ("first", "second", "graph_capture disabled"):
@@ -142,10 +146,11 @@ def markdown(results: dict) -> str:
             )
             lines.append(
                 f"| {name} | {label} | {run['seconds']} | {run['one_off_s']} | {run['compile_cache'] or '-'} | "
+                f"{run['steps_per_s']} | "
                 f"`{run['graph_capture']}` | `{run['profile']}` | {trials or '-'} |"
             )
         if case.get("second_one_off_over_first") is not None:
-            lines.append(f"| {name} | second / first one-off | | **{case['second_one_off_over_first']}x** | | | | |")
+            lines.append(f"| {name} | second / first one-off | | **{case['second_one_off_over_first']}x** | | | | | |")
     return "\n".join(lines) + "\n"
 
 
