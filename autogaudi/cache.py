@@ -173,11 +173,14 @@ def listing(cache: Cache) -> str:
         if entry is None:
             lines.append(f"  (unreadable, ignored by runs) {path}")
             continue
-        trials = ", ".join(f"{name} {record.get('decision')}" for name, record in entry.get("trials", {}).items())
+        profile = entry.get("profile", {})
+        decided = [f"{profile.get('bound')}-bound (run {profile.get('run')})"] + [
+            f"{name} {record.get('decision')} (run {record.get('run')})"
+            for name, record in entry.get("trials", {}).items()
+        ]
         lines.append(
             f"  {entry.get('script')} · {entry.get('model')} · {entry.get('backend')} {entry.get('device')} · "
-            f"{entry.get('profile', {}).get('bound')}-bound{'; ' + trials if trials else ''} · decided in run "
-            f"{entry.get('decided_in_run')} on {entry.get('decided_on')}, used by {entry.get('runs')} run(s)"
+            f"{'; '.join(decided)} · {entry.get('runs')} run(s), the last on {entry.get('last_run_on')}"
         )
     compile_root = os.path.join(cache.root, COMPILE)
     kinds = sorted(os.listdir(compile_root)) if os.path.isdir(compile_root) else []

@@ -272,8 +272,8 @@ class Session:
         """At exit: print and write the report, on rank 0, if autogaudi was asked for or trained."""
         self.share_with_ranks()
         self.remember()
-        if self.cache is not None and is_rank_zero():
-            try:
+        if self.cache is not None and self.steps.trained and is_rank_zero():
+            try:  # not in every DataLoader or compile worker: they compiled and decided nothing
                 self.cache.evict()  # the compile caches grew during the run
             except Exception as error:
                 self.cache_notes.append(f"could not evict: {error!r}")

@@ -20,6 +20,9 @@ def clean_env(**extra):
     no cache folder (each run decides afresh; the cache's tests pass ``AUTOGAUDI_NO_CACHE=0``)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("AUTOGAUDI") and k != "PT_HPU_LAZY_MODE"}
     env.pop("PYTHONPATH", None)
+    # inductor writes its cache folder into the environment of a process that compiles
+    # (torch/_inductor/runtime/cache_dir_utils.py): an in-process compile test would hand pytest's to every run.
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
     env["AUTOGAUDI_NO_CACHE"] = "1"
     env.update({k: str(v) for k, v in extra.items()})
     return env

@@ -4,7 +4,10 @@ it cannot trust."""
 
 import json
 
+import pytest
+
 from tests.helpers import SCRIPTS, clean_env, run_python
+from tests.optimizations.ddp_helpers import TORCHRUN, torchrun
 
 CONV = SCRIPTS / "train_conv.py"
 
@@ -113,3 +116,22 @@ def test_options_that_steer_decisions_are_part_of_the_key_and_the_others_are_not
     assert len(list((tmp_path / "cache" / "decisions").iterdir())) == 2  # one set-up folder per option set
     quiet, _ = run(tmp_path, "quiet", "--trial", "channels_last", "--quiet")
     assert unit(quiet, "step_profiler")["reason_code"] == "remembered_profile"
+
+
+@pytest.mark.slow
+def test_on_two_ranks_rank_zero_remembers_and_every_rank_follows_it(tmp_path):
+    script = str(SCRIPTS / "ddp_train.py")
+    env = {"AUTOGAUDI_NO_CACHE": "0", "STEPS": "30"}
+    _, plain_ranks = torchrun(tmp_path, *TORCHRUN, script, env={"STEPS": "30"})
+    for run_index in (1, 2):
+        report = tmp_path / f"report{run_index}.json"
+        launch = ("-m", "autogaudi", "--cache-dir", tmp_path / "cache", "--report", report, *TORCHRUN, script)
+        result, ranks = torchrun(tmp_path, *launch, env=env)
+        assert result.returncode == 0, result.stderr[-3000:]
+        for rank in ranks:  # the same training as plain DDP, remembered or not
+            assert rank["checksum"] == pytest.approx(plain_ranks[0]["checksum"], rel=1e-5)
+    assert len(entry_paths(tmp_path)) == 1  # rank 0's only
+    report = json.loads((tmp_path / "report2.json").read_text())
+    for rank_rows in report["ranks"].values():
+        assert unit({"units": rank_rows}, "step_profiler")["reason_code"] == "remembered_profile"
+    assert json.loads(entry_paths(tmp_path)[0].read_text())["runs"] == 2
