@@ -135,3 +135,16 @@ def test_on_two_ranks_rank_zero_remembers_and_every_rank_follows_it(tmp_path):
     for rank_rows in report["ranks"].values():
         assert unit({"units": rank_rows}, "step_profiler")["reason_code"] == "remembered_profile"
     assert json.loads(entry_paths(tmp_path)[0].read_text())["runs"] == 2
+
+
+def test_precision_auto_remembers_its_speed_trial_and_still_guards_every_run(tmp_path):
+    focus = ("--precision", "auto", "--disable", "channels_last,graph_capture")
+    first, _ = run(tmp_path, "first", *focus, steps=90)
+    (trial,) = [record for record in first["trials"] if record["candidate"] == "mixed_precision"]
+    second, _ = run(tmp_path, "second", *focus, steps=90)
+    row = unit(second, "mixed_precision")
+    check = second["trials"][0]
+    assert check["candidate"] == "mixed_precision" and check["check"] == "remembered"
+    assert row["reason_params"].get("run") == 1 or check["decision"] == "differs"
+    # Kept: this run's numerics were checked again before bf16 was used; rejected: nothing was set up.
+    assert ("guard_s" in row["figures"]) == (trial["decision"] == "kept" or check["decision"] == "differs")

@@ -284,6 +284,7 @@ class MixedPrecision(ActsOnProfile):
         self._on = False
         self._losses: list = []  # watched loss tensors since the last read
         self._history: list = []  # losses read so far (the guard's float32 ones first)
+        self._remembered = None  # auto: the speed trial of an earlier run with this set-up, model and inputs
         self.on_revert(self._release)
         self.because("waiting_for_profile")
         self.on(Event.STEP_PROFILED, self._profiled)
@@ -298,7 +299,7 @@ class MixedPrecision(ActsOnProfile):
     def changes(self) -> list:
         if not (self._on and self._model is not None):
             return []
-        measured = f", {self.figures['speedup']}x per step in its trial" if "speedup" in self.figures else ""
+        measured = f", {self.figures['speedup']}x per step in {self.trial_named()}" if "speedup" in self.figures else ""
         checked = f"checked against float32 (one-off {self.figures['guard_s']} s)"
         return [f"{type(self._model).__name__} in {self._precision}, {checked}{measured}"]
 
@@ -316,10 +317,16 @@ class MixedPrecision(ActsOnProfile):
             return self.reason_for("compiled_by_script")  # hooks added under its graphs would recompile them
         return None
 
-    def _profiled(self, profile) -> None:
+    def _profiled(self, profile, recall: bool = True) -> None:
         refusal = self._refusal(profile)
         if refusal:
             self.reason = refusal
+            return
+        self._remembered = self.recalled_trial() if recall and self.options.precision == "auto" else None
+        if self._remembered is not None and self._remembered["decision"] != "kept":
+            # Not faster in an earlier run with this set-up, model and inputs: no guard, nothing set up;
+            # where this run's steps differ from that trial's, it is checked and tried after all.
+            self.follow(self._remembered, self._switch, lambda: None, lambda: self._profiled(profile, recall=False))
             return
         model = profile.model
         if self._precision == "tf32":
@@ -392,8 +399,16 @@ class MixedPrecision(ActsOnProfile):
         self.session.check_settled()
 
     def _use(self) -> None:
-        """Checked: on now (``bf16``, ``tf32``), or through a speed trial (``auto``); watched from here."""
+        """Checked: on now (``bf16``, ``tf32``), or through a speed trial (``auto``: the trial of an
+        earlier run with the same set-up, model and inputs where there is one; the guard above runs in
+        every run, since numerics depend on this run's weights); watched from here."""
         self.on(Event.BEFORE_BACKWARD, self._watch, self._candidate)
+        if self._remembered is not None:
+            self.follow(self._remembered, self._switch, self._release, self._try)
+        else:
+            self._try()
+
+    def _try(self) -> None:
         model = type(self._model).__name__
         if self.options.precision != "auto" or self.switch_on_or_try(self._switch, self._decided):
             self._switch(True)

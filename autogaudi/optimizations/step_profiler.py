@@ -553,7 +553,8 @@ class StepProfiler(Unit):
         if not matrix:
             return
         fp32 = self._matrix_ops[torch.float32] / matrix
-        self.figures["fp32_matrix_fraction"] = round(fp32, 3)
+        # Also in the profile: what mixed_precision reads, remembered with it for a later run.
+        self.figures["fp32_matrix_fraction"] = self.profile.figures["fp32_matrix_fraction"] = round(fp32, 3)
         if fp32 >= FP32_MATRIX_SHARE and self.profile.bound == "device" and self.backend.fast_bf16():
             self.recommend(
                 f"device-bound, and {fp32:.0%} of the step's matrix products run in float32: bf16 autocast runs "
