@@ -12,9 +12,9 @@ each unit's last trial, stamped with the run that decided it.
 A run whose set-up has entries identifies its training model in one step after warm-up (forward
 hooks only, no census); when the model's key has an entry, the step profiler hands out the
 remembered profile and the trial units (graph_capture, channels_last, mixed_precision's speed trial)
-follow their remembered decisions, each checked against the
-step time remembered for it (:class:`autogaudi.trials.Check`; re-tried when it differs). On a
-distributed run rank 0 looks up and writes; every rank follows its answer.
+follow their remembered decisions, each checked against the step time remembered for it
+(:class:`autogaudi.trials.Check`; tried again when it differs). On a distributed run rank 0 looks
+up and writes; every rank follows its answer.
 """
 
 from __future__ import annotations

@@ -87,3 +87,44 @@ def test_a_unit_that_decided_nothing_needs_changing_says_not_needed(tmp_path):
 def test_nothing_changed_is_said_so(tmp_path):
     result = run_python("-m", "autogaudi", "--only", "step_profiler", SCRIPTS / "train_tiny.py")
     assert "  changed  0 things (each unit's reason below says why)" in result.stderr
+
+
+def test_the_table_shows_a_remembered_decisions_check_and_the_cache_line():
+    from autogaudi.reporting import Report
+
+    report = Report(
+        torch_version="2.13.0",
+        enabled_by=["launcher"],
+        active=True,
+        backend={"name": "cpu", "device": "x86_64 CPU", "reason": "always available"},
+        options={},
+        steps={},
+        memory=None,
+        units=[],
+        trials=[
+            {
+                "candidate": "graph_capture",
+                "check": "remembered",
+                "arm": "without",
+                "ms_per_step": 1.0,
+                "ms_per_step_remembered": 1.1,
+                "ratio": 0.909,
+                "steps": 9,
+                "decision": "matches",
+            }
+        ],
+        cache={
+            "dir": "/c",
+            "decisions": "measured in this run",
+            "compile": {"TORCHINDUCTOR_CACHE_DIR": {"value": "/c/compile/inductor", "set_by": "autogaudi"}},
+            "notes": ["ignored a cache entry that could not be read: /c/x.json"],
+        },
+    )
+    text = report.format()
+    assert (
+        "trial    graph_capture: 1.0 ms/step without it, against 1.1 remembered (0.909x) over 9 steps -> matches"
+        in text
+    )
+    assert "cache    /c: decisions measured in this run; compile caches kept there (TORCHINDUCTOR_CACHE_DIR)" in text
+    assert "note: ignored a cache entry that could not be read: /c/x.json" in text
+    assert report.as_dict()["cache"]["compile"]["TORCHINDUCTOR_CACHE_DIR"]["set_by"] == "autogaudi"

@@ -132,3 +132,32 @@ def test_trials_run_one_after_another():
     seconds = [i for i, (name, _) in enumerate(order) if name == "second"]
     assert max(firsts) < min(seconds)
     assert [record["candidate"] for record in runner.records] == ["first", "second"]
+
+
+def run_check(step_seconds, expected_s, keep=True):
+    """A remembered decision followed at a known step time, checked against ``expected_s``."""
+    steps, decisions, ran = FakeSteps(), [], 0
+    runner = trials.TrialRunner(steps, steps.events)
+    runner.submit(
+        trials.Check(FakeUnit(), "fake", keep, expected_s, lambda ok, record: decisions.append((ok, record)), warmup=2)
+    )
+    while steps.listening:
+        time.sleep(0.05 if ran < 2 else step_seconds)  # the warm-up steps (a compile) are slow
+        ran += 1
+        steps.end_step()
+    return decisions, ran, runner
+
+
+def test_a_check_matches_a_step_time_near_the_remembered_one_after_its_warm_up():
+    ((matches, record),) = run_check(0.004, expected_s=0.0042)[0]
+    assert matches and record["decision"] == "matches" and record["check"] == "remembered"
+    assert record["arm"] == "with" and record["steps"] == 2 + 2 * trials.BLOCK
+    assert record["ratio"] == pytest.approx(0.004 / 0.0042, rel=0.2)  # the slow warm-up steps are not in it
+
+
+@pytest.mark.parametrize("step_seconds", [0.002, 0.012])
+def test_a_check_differs_from_a_step_time_a_quarter_off_either_way(step_seconds):
+    decisions, ran, runner = run_check(step_seconds, expected_s=0.006, keep=False)
+    ((matches, record),) = decisions
+    assert not matches and record["decision"] == "differs" and record["arm"] == "without"
+    assert ran == 2 + 2 * trials.BLOCK and runner.idle and runner.records == [record]
