@@ -148,3 +148,20 @@ def test_precision_auto_remembers_its_speed_trial_and_still_guards_every_run(tmp
     assert row["reason_params"].get("run") == 1 or check["decision"] == "differs"
     # Kept: this run's numerics were checked again before bf16 was used; rejected: nothing was set up.
     assert ("guard_s" in row["figures"]) == (trial["decision"] == "kept" or check["decision"] == "differs")
+
+
+def test_a_remembered_kept_capture_is_set_up_at_once_and_compiles_from_the_cache(tmp_path):
+    focus = ("--trial", "graph_capture", "--disable", "channels_last")
+    first, _ = run(tmp_path, "first", *focus)
+    assert [record["candidate"] for record in first["trials"]] == ["graph_capture"]
+    rewrite_entry(tmp_path, lambda entry: entry["trials"]["graph_capture"].update(decision="kept"))
+    second, second_output = run(tmp_path, "second", *focus)
+    row = unit(second, "graph_capture")
+    check = second["trials"][0]
+    assert check["check"] == "remembered" and check["arm"] == "with"
+    assert row["figures"]["compile_cache"] == "hit"  # the first run's trial compiled it into the cache
+    if check["decision"] == "matches":  # kept without a trial of its own
+        assert row["reason_code"] == "remembered" and row["status"] == "applied"
+        assert "run 1's trial" in row["changes"][0] and "compiled from the cache" in row["changes"][0]
+        assert len(second["trials"]) == 1
+    assert second_output.startswith("loss ")
