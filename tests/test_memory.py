@@ -134,7 +134,8 @@ def test_on_two_ranks_rank_zero_remembers_and_every_rank_follows_it(tmp_path):
     report = json.loads((tmp_path / "report2.json").read_text())
     for rank_rows in report["ranks"].values():
         assert unit({"units": rank_rows}, "step_profiler")["reason_code"] == "remembered_profile"
-    assert json.loads(entry_paths(tmp_path)[0].read_text())["runs"] == 2
+    # 2, or more where run_ranks ran a job again after gloo's teardown abort (tests/helpers.py)
+    assert json.loads(entry_paths(tmp_path)[0].read_text())["runs"] >= 2
 
 
 def test_precision_auto_remembers_its_speed_trial_and_still_guards_every_run(tmp_path):
