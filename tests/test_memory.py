@@ -133,7 +133,8 @@ def test_on_two_ranks_rank_zero_remembers_and_every_rank_follows_it(tmp_path):
     assert len(entry_paths(tmp_path)) == 1  # rank 0's only
     report = json.loads((tmp_path / "report2.json").read_text())
     for rank_rows in report["ranks"].values():
-        assert unit({"units": rank_rows}, "step_profiler")["reason_code"] == "remembered_profile"
+        row = unit({"units": rank_rows}, "step_profiler")
+        assert row["reason_code"] == "remembered_profile", (row, report["cache"], result.stderr[-2000:])
     # 2, or more where run_ranks ran a job again after gloo's teardown abort (tests/helpers.py)
     assert json.loads(entry_paths(tmp_path)[0].read_text())["runs"] >= 2
 
