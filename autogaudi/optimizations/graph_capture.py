@@ -210,7 +210,7 @@ class GraphCapture(ActsOnProfile):
         remembered = self.recalled_trial()
         if remembered is not None:  # no waiting: the decision is known, the compile likely cached
             if remembered["decision"] == "kept":
-                self._set_up_capture(profile)
+                self.figures["set_up_s"] = round(self._set_up_capture(profile), 3)
             self.follow(remembered, self._switch, self._release, lambda: self._try_again(profile))
             return
         if start_at_step > self.session.steps.steps:
@@ -241,18 +241,16 @@ class GraphCapture(ActsOnProfile):
         set_up_s = self._set_up_capture(profile)
         model = type(self._module).__name__
         if self.switch_on_or_try(self._switch, self._decided, set_up_s=set_up_s, not_before_step=start_at_step):
+            self.figures["set_up_s"] = round(set_up_s, 3)  # with a trial, its record brings it
             self.because("captured_forced" if forced else "captured_no_trials", model=model)
         else:
-            self.figures.pop("set_up_s")  # the trial's record brings it
             self.because("trial_running", model=model)
 
     def _set_up_capture(self, profile) -> float:
-        """Capture the profiled model; the seconds it took (a figure)."""
+        """Capture the profiled model; the seconds it took."""
         started = time.perf_counter()
         self._capture(profile)
-        seconds = time.perf_counter() - started
-        self.figures["set_up_s"] = round(seconds, 3)
-        return seconds
+        return time.perf_counter() - started
 
     def _try_again(self, profile) -> None:
         """A remembered decision did not hold on this run: decide by a trial after all."""
