@@ -76,6 +76,7 @@ class Memory:
         self.folder = os.path.join(cache.root, DECISIONS, digest(self.setup))
         self.recalled = None  # the entry this run follows, once found
         self._path = None  # the entry this run writes
+        self._model = None  # the training model's class name (the model itself may be gone by exit)
         self._written = None
 
     def has_entries(self) -> bool:
@@ -115,10 +116,13 @@ class Memory:
     def remember(self, profile, trials: dict) -> None:
         """Write (rank 0) what this run decided: its profile and each unit's last trial, each stamped
         with the run that measured it (a remembered profile or trial keeps its stamp)."""
-        if self.script is None or not is_rank_zero() or profile.model is None:
+        if self.script is None or not is_rank_zero():
             return
-        if self._path is None:
-            self._path = self._entry_path(profile.model, profile.inputs)
+        if self._model is None:  # first written while the model is alive: the profile has just been published
+            if profile.model is None:
+                return
+            self._model = type(profile.model).__name__
+            self._path = self._path or self._entry_path(profile.model, profile.inputs)
         before = self.recalled or {}
         runs = before.get("runs", 0) + 1
         stamp = {"run": runs, "date": (self._written or {}).get("last_run_on") or now()}
@@ -127,7 +131,7 @@ class Memory:
             "setup": self.setup,
             "script": self.script["path"],
             "argv": sys.argv[1:],
-            "model": type(profile.model).__name__,
+            "model": self._model,
             "backend": self.setup["backend"],
             "device": self.setup["device"],
             "profile": profile.remembered or {**profile.as_record(), **stamp},

@@ -149,9 +149,12 @@ class Session:
         return not profiling and self.trials.idle and not any(unit.deciding() for unit in self.applied)
 
     def check_settled(self) -> None:
+        """Called when a decision may have been made: the profile published, a trial or check decided."""
         if self.settled_at_step is None and self.settled():
             self.settled_at_step = self.steps.steps
-            self.remember()
+        # Written as decisions are made, not only once all are: a run that ends with one still open (a
+        # trial waiting for its step) remembers the rest, while its model is alive to be keyed by.
+        self.remember()
 
     def _open_cache(self) -> None:
         """The cache folder, and the compile caches pointed into it where the environment does not
