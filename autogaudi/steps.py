@@ -16,6 +16,7 @@ has its steps counted by backward passes; an optimizer that steps later takes ov
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import sys
@@ -71,6 +72,7 @@ class TrainingSteps:
         self._scope = Scope()
         self._timed_from = None  # (step number, clock) once warm-up is over
         self.last_step_clock = None
+        self._unseen = 0  # > 0 while autogaudi runs backward passes of its own (see unseen())
 
     @property
     def warmed_up(self) -> bool:
@@ -122,7 +124,20 @@ class TrainingSteps:
         self.events.emit(Event.BATCH_FETCHED, instance, batch, time.perf_counter() - start)
         return batch
 
+    @contextlib.contextmanager
+    def unseen(self):
+        """Backward passes autogaudi runs itself (mixed precision's shadow steps on a copy of the
+        model) are not the user's: not counted, and no listener hears them (a loss scale would scale
+        them)."""
+        self._unseen += 1
+        try:
+            yield
+        finally:
+            self._unseen -= 1
+
     def _backward(self, wrapped, instance, args, kwargs):
+        if self._unseen:
+            return wrapped(*args, **kwargs)
         self.events.emit(Event.BEFORE_BACKWARD, args[0] if args else kwargs.get("tensors"))
         result = wrapped(*args, **kwargs)
         self.backwards += 1

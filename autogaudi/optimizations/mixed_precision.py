@@ -154,9 +154,10 @@ def within_bounds(figures: dict) -> list:
 
 class _Guard:
     """Shadow runs of the user's training forwards on a copy of the model, once their backward has
-    given the gradient of the user's loss at the output."""
+    given the gradient of the user's loss at the output. ``unseen``: the session's context for
+    backward passes that are not the user's."""
 
-    def __init__(self, model, precision_context, reference_context, device_type):
+    def __init__(self, model, precision_context, reference_context, device_type, unseen):
         self.copy = copy.deepcopy(model)
         for module in self.copy.modules():  # the script's hooks (a logger, a list it fills) stay on its model
             for hooks in (module._forward_pre_hooks, module._forward_hooks, module._backward_hooks):
@@ -165,6 +166,7 @@ class _Guard:
         self.model = model
         self.precision_context = precision_context
         self.reference_context = reference_context
+        self.unseen = unseen
         # the random generators a dropout in the forward may draw from: the CPU's, and the device's
         self.device_type = device_type
         self.device = getattr(torch, device_type) if device_type != "cpu" else None
@@ -212,8 +214,9 @@ class _Guard:
             self.copy.load_state_dict(self.model.state_dict())
             for shadow, real in zip(self.copy.modules(), self.model.modules()):  # a submodule frozen in eval
                 shadow.training = real.training
-            reference = self._shadow(inputs, state, grads, self.reference_context)
-            candidate = self._shadow(inputs, state, grads, self.precision_context)
+            with self.unseen():
+                reference = self._shadow(inputs, state, grads, self.reference_context)
+                candidate = self._shadow(inputs, state, grads, self.precision_context)
             self.figures.append(compare(reference, candidate, grads, self.loss if self.loss is not None else 1.0))
         self.seconds += time.perf_counter() - started
 
@@ -336,7 +339,7 @@ class MixedPrecision(ActsOnProfile):
             reference, candidate = contextlib.nullcontext, (lambda: torch.autocast(device_type, dtype=torch.bfloat16))
         started = time.perf_counter()
         try:
-            self._guard = _Guard(model, candidate, reference, self.backend.device_type)
+            self._guard = _Guard(model, candidate, reference, self.backend.device_type, self.session.steps.unseen)
         except Exception as error:  # a model deepcopy refuses (an open file, a lock)
             self.because("no_copy", error=repr(error))
             return

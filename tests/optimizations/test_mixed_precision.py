@@ -62,6 +62,8 @@ def test_bf16_is_checked_against_float32_then_used_and_trains_alike():
     assert figures["guard_checks"] == mixed_precision.GUARD_CHECKS
     assert figures["guard_output_error"] < mixed_precision.BOUNDS["output_error"]
     assert figures["guard_grad_cosine"] > mixed_precision.BOUNDS["grad_cosine"]
+    steps = autogaudi.report().steps  # the guard's shadow backward passes are not the script's
+    assert steps["backward_passes"] == steps["optimizer_steps"] == STEPS + 20
     # float32 through the profile and the guard's steps, bf16 after; the script sees float32 outputs
     assert dtypes[0] == torch.float32 and dtypes[-1] == torch.bfloat16
     assert output.dtype == torch.float32
