@@ -21,6 +21,7 @@ class Event(enum.Enum):
     BATCH_FETCHED = "batch fetched"  # (iterator, batch, seconds waited)
     BEFORE_BACKWARD = "before backward"  # (the tensors backpropagated: the loss, usually)
     AFTER_BACKWARD = "after backward"  # ()
+    BEFORE_OPTIMIZER_STEP = "before optimizer step"  # (optimizer, args, kwargs): args start with the optimizer
     OPTIMIZER_STEP = "optimizer step"  # (optimizer): after every step of every optimizer
     TRAINING_STEP = "training step"  # (pacing optimizer, or None): one iteration of the loop ended
     STEP_PROFILED = "step profiled"  # (StepProfile): the step was classified, once per run

@@ -73,6 +73,7 @@ class TrainingSteps:
         self._timed_from = None  # (step number, clock) once warm-up is over
         self.last_step_clock = None
         self._unseen = 0  # > 0 while autogaudi runs backward passes of its own (see unseen())
+        self.optimizers = weakref.WeakSet()  # every optimizer that has stepped
 
     @property
     def warmed_up(self) -> bool:
@@ -152,11 +153,13 @@ class TrainingSteps:
 
     def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
         self._step_frames.append(sys._getframe(1))  # torch's step wrapper, which calls the hooks
+        self.events.emit(Event.BEFORE_OPTIMIZER_STEP, optimizer, args, kwargs)
 
     def _after_optimizer_step(self, optimizer, args, kwargs) -> None:
         if self._step_frames:
             self._step_frames.pop()
         self.optimizer_steps += 1
+        self.optimizers.add(optimizer)
         self.events.emit(Event.OPTIMIZER_STEP, optimizer)
         if self._paces(optimizer):
             self._end_step(optimizer)
