@@ -21,7 +21,7 @@ from autogaudi.registry import OPT_IN_UNITS, UNIT_NAMES
 DEVICES = ("auto", "hpu", "cuda", "cpu")
 SDPA_RECOMPUTE = ("auto", "on", "off")
 LAST_BATCH = ("repeat", "drop")
-PRECISIONS = ("off", "auto", "bf16", "tf32")
+PRECISIONS = ("off", "auto", "bf16", "fp16", "tf32")
 TRIAL_UNITS = ("graph_capture", "channels_last")  # the units that decide by a trial
 ENV_PREFIX = "AUTOGAUDI_"
 _TRUE = ("1", "true", "yes", "on")
@@ -177,8 +177,9 @@ OPTIONS: tuple = (
         "precision",
         "off",
         _choice(PRECISIONS),
-        "mixed_precision: bf16 autocast of the training model's forward, tf32 CUDA matmuls, or auto (bf16 where "
-        "a trial measures it faster); each used only after matching float32 on the run's own steps, and "
+        "mixed_precision: bf16 autocast of the training model's forward, fp16 autocast with loss scaling, tf32 CUDA "
+        "matmuls, or auto (bf16 where supported, else fp16 on CUDA, kept where a trial measures it faster); each "
+        "used only after matching float32 on the run's own steps, and "
         "switched back on a NaN/Inf or spiking loss (off by default: it changes numerics)",
         "{" + ",".join(PRECISIONS) + "}",
     ),

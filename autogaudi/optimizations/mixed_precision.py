@@ -1,8 +1,8 @@
-"""Mixed precision (bf16 autocast, TF32), opt-in with ``--precision``, checked on the run before it
-is kept and watched after.
+"""Mixed precision (bf16 or fp16 autocast, TF32), opt-in with ``--precision``, checked on the run
+before it is kept and watched after.
 
-Why: autocast runs matrix products in bf16 on tensor cores and Gaudi's MME, and TF32 runs float32
-matmuls on Ampere's tensor cores: the largest single speed-ups in both guides. Both change numerics,
+Why: autocast runs matrix products in bf16 or fp16 on tensor cores and Gaudi's MME, and TF32 runs
+float32 matmuls on Ampere's tensor cores: the largest single speed-ups in both guides. All change numerics,
 so nothing happens unless the user asks, and what is asked is checked on the user's own steps:
 
 - the guard, before anything changes: on ``GUARD_CHECKS`` forward/backward pairs of the user's run
@@ -18,12 +18,15 @@ so nothing happens unless the user asks, and what is asked is checked on the use
 Mechanism (:func:`autocast_forward`): autocast is entered in a forward pre-hook of the training model
 and left in its forward hook (``always_call``: also when the forward raises), which hands low-precision
 outputs back as float32, as accelerate's ``convert_outputs_to_fp32`` does: the user's loss and backward
-run as in the float32 script. Parameters, optimizer state and checkpoints stay float32. The measured
-story and what the guard cannot promise: docs/units/mixed_precision.md.
+run as in the float32 script. Parameters, optimizer state and checkpoints stay float32. fp16, whose
+range is narrow enough for small gradients to underflow, adds loss scaling (:class:`LossScale`) that
+the script does not see. The measured story and what the guard cannot promise:
+docs/units/mixed_precision.md.
 """
 
 from __future__ import annotations
 
+import collections
 import collections.abc
 import contextlib
 import copy
@@ -36,6 +39,7 @@ import torch
 from autogaudi.events import Event
 from autogaudi.optimizations.graph_capture import compiled_by_the_script
 from autogaudi.optimizations.step_profiler import FP32_MATRIX_SHARE
+from autogaudi.options import PRECISIONS
 from autogaudi.unit import ActsOnProfile
 
 GUARD_CHECKS = 3  # forward/backward pairs compared before a precision is used
@@ -47,6 +51,11 @@ BOUNDS = {"output_error": 0.05, "loss_change": 0.02, "grad_norm_ratio": (0.9, 1.
 WATCH_EVERY = 10  # backward passes between host reads of the watched losses
 SPIKE = 4.0  # a loss this many times the median of the run's recent losses is a spike
 LOW_PRECISION = (torch.bfloat16, torch.float16)
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# fp16 loss scaling, torch.amp.GradScaler's defaults: the first scale, clean optimizer steps before it
+# doubles (it halves on an overflow); and when fp16 gives up: optimizer steps skipped in a row
+INIT_SCALE, GROWTH_INTERVAL, SKIPS_IN_A_ROW = 2.0**16, 2000, 8
+GUARD_SCALES = (2.0**16, 2.0**12, 2.0**8, 2.0**4, 1.0)  # the fp16 shadow step's loss scales, until finite
 
 
 def to_float32(value):
@@ -103,6 +112,137 @@ def autocast_forward(model, device_type: str, dtype, active):
     return undo
 
 
+def _grads_by_device(parameters) -> dict:
+    """The dense gradients of ``parameters``, grouped by device (torch's foreach kernels take one)."""
+    grouped = collections.defaultdict(list)
+    for parameter in parameters:
+        grad = parameter.grad
+        if grad is not None and not grad.is_sparse:
+            grouped[grad.device].append(grad)
+    return grouped
+
+
+def _closure_step(args, kwargs) -> bool:
+    """Whether an optimizer step was given a closure (torch's step hooks see ``args`` with the
+    optimizer first)."""
+    return len(args) > 1 and args[1] is not None or kwargs.get("closure") is not None
+
+
+def chosen_precision(asked: str, has_bf16: bool) -> str:
+    """The precision a run asking for ``asked`` gets: as asked, and for ``auto`` bf16 where the
+    device has it (CPU, Gaudi, CUDA from compute capability 8.0), else fp16 with loss scaling."""
+    if asked != "auto":
+        return asked
+    return "bf16" if has_bf16 else "fp16"
+
+
+class LossScale:
+    """fp16's dynamic loss scaling, by ``torch.amp.GradScaler``'s rule and with its kernels, around
+    the script's own backward passes, so that ``.grad`` holds true gradients whenever the script can
+    look (its clipping, gradient logging and accumulation see what a float32 run would):
+
+    - before a backward: a hook on each backpropagated tensor multiplies the gradient entering the
+      graph by the scale, and gradients left by earlier backward passes (accumulation) are multiplied
+      by it too; after: every gradient is divided by it. Exact, as the scale is a power of two;
+    - before each optimizer step (the step watcher's, from torch's global step hooks): its gradients
+      are checked for inf/NaN;
+      where found the step is skipped (the gradients are set aside while it runs: torch's optimizers
+      leave a parameter without a gradient untouched, its state included, and they are put back
+      after) and the scale halves; after ``GROWTH_INTERVAL`` clean steps it doubles. A step given a
+      closure (LBFGS) computes its gradients inside and is not skipped.
+
+    ``parameters()``: every parameter whose gradient a scaled backward may write (the training model's
+    and the optimizers'); ``active()``: whether fp16 is on; ``gave_up(skipped)``: called after
+    ``SKIPS_IN_A_ROW`` skipped steps in a row."""
+
+    def __init__(self, parameters, device, active, gave_up):
+        self._parameters = parameters
+        self._active = active
+        self._gave_up = gave_up
+        self.scale = torch.full((), INIT_SCALE, dtype=torch.float32, device=device)
+        self._growth_tracker = torch.zeros((), dtype=torch.int32, device=device)
+        self._hooks: list = []
+        self._scaled: dict = {}  # device -> gradients multiplied before the backward now running
+        self._set_aside: list = []  # (parameter, gradient) while a skipped step runs
+        self.skipped = 0
+        self._skipped_in_a_row = 0
+
+    def before_backward(self, tensors) -> None:
+        if not self._active():
+            return
+        tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors or ())
+        self._scaled = _grads_by_device(self._parameters())
+        for device, grads in self._scaled.items():
+            torch._foreach_mul_(grads, self.scale.to(device))
+        roots = {id(t): t for t in tensors if isinstance(t, torch.Tensor) and t.requires_grad}  # each once
+        self._hooks = [root.register_hook(self._scale_gradient) for root in roots.values()]
+
+    def _scale_gradient(self, grad):
+        return (grad * self.scale.to(grad.device)).to(grad.dtype)
+
+    def after_backward(self) -> None:
+        if not (self._hooks or self._scaled):
+            return
+        self._unscale(_grads_by_device(self._parameters()))
+
+    def _unscale(self, grouped: dict) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks, self._scaled = [], {}
+        inverse = self.scale.double().reciprocal().float()
+        for device, grads in grouped.items():
+            found = torch.zeros((), device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inverse.to(device))
+
+    def before_step(self, optimizer, args, kwargs) -> None:
+        if not self._active() or _closure_step(args, kwargs):
+            return
+        parameters = [p for group in optimizer.param_groups for p in group["params"]]
+        found = torch.zeros((), device=self.scale.device)
+        one = torch.ones((), device=self.scale.device)
+        for device, grads in _grads_by_device(parameters).items():
+            found_here = torch.zeros((), device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_here, one.to(device))
+            found += found_here.to(found.device)
+        torch._amp_update_scale_(self.scale, self._growth_tracker, found, 2.0, 0.5, GROWTH_INTERVAL)
+        if not found.item():
+            self._skipped_in_a_row = 0
+            return
+        self.skipped += 1
+        self._skipped_in_a_row += 1
+        self._set_aside = [(p, p.grad) for p in parameters if p.grad is not None]
+        for parameter, _ in self._set_aside:
+            parameter.grad = None
+
+    def after_step(self, _optimizer) -> None:
+        self._restore()
+        if self._skipped_in_a_row >= SKIPS_IN_A_ROW:
+            self._skipped_in_a_row = 0
+            self._gave_up(self.skipped)
+
+    def _restore(self) -> None:
+        for parameter, grad in self._set_aside:
+            parameter.grad = grad
+        self._set_aside = []
+
+    def close(self) -> None:
+        """Stop without leaving a gradient scaled or set aside (fp16 switched off between a backward's
+        start and end, or during a skipped step)."""
+        if self._hooks or self._scaled:
+            self._unscale(self._scaled)
+        self._restore()
+
+    def install(self, unit, scope) -> None:
+        """Listen through ``unit`` to the session's backward passes and optimizer steps until
+        ``scope`` closes (the session's dispatcher, not torch's hook tables: a listener removed while
+        torch runs a step's hooks would change the table torch is iterating)."""
+        unit.on(Event.BEFORE_BACKWARD, self.before_backward, scope)
+        unit.on(Event.AFTER_BACKWARD, self.after_backward, scope)
+        unit.on(Event.BEFORE_OPTIMIZER_STEP, self.before_step, scope)
+        unit.on(Event.OPTIMIZER_STEP, self.after_step, scope)
+        scope.add(self.close)
+
+
 def set_tf32(on: bool) -> tuple:
     """Set CUDA's TF32 switches for matmuls and cuDNN; return what they were (for :func:`restore_tf32`)."""
     matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
@@ -154,10 +294,11 @@ def within_bounds(figures: dict) -> list:
 
 class _Guard:
     """Shadow runs of the user's training forwards on a copy of the model, once their backward has
-    given the gradient of the user's loss at the output. ``unseen``: the session's context for
-    backward passes that are not the user's."""
+    given the gradient of the user's loss at the output. ``scales``: the loss scales the candidate's
+    backward tries in turn until its gradients are finite (fp16's loss scaling; (1.0,) elsewhere);
+    ``unseen``: the session's context for backward passes that are not the user's."""
 
-    def __init__(self, model, precision_context, reference_context, device_type, unseen):
+    def __init__(self, model, precision_context, reference_context, device_type, scales, unseen):
         self.copy = copy.deepcopy(model)
         for module in self.copy.modules():  # the script's hooks (a logger, a list it fills) stay on its model
             for hooks in (module._forward_pre_hooks, module._forward_hooks, module._backward_hooks):
@@ -166,6 +307,7 @@ class _Guard:
         self.model = model
         self.precision_context = precision_context
         self.reference_context = reference_context
+        self.scales = scales
         self.unseen = unseen
         # the random generators a dropout in the forward may draw from: the CPU's, and the device's
         self.device_type = device_type
@@ -216,11 +358,14 @@ class _Guard:
                 shadow.training = real.training
             with self.unseen():
                 reference = self._shadow(inputs, state, grads, self.reference_context)
-                candidate = self._shadow(inputs, state, grads, self.precision_context)
+                for scale in self.scales:
+                    candidate = self._shadow(inputs, state, grads, self.precision_context, scale)
+                    if torch.isfinite(candidate[1]).all():
+                        break
             self.figures.append(compare(reference, candidate, grads, self.loss if self.loss is not None else 1.0))
         self.seconds += time.perf_counter() - started
 
-    def _shadow(self, inputs, state, grads, context):
+    def _shadow(self, inputs, state, grads, context, scale=1.0):
         args, kwargs = inputs
         with torch.random.fork_rng(devices=self.devices, device_type=self.device_type if self.devices else "cuda"):
             torch.set_rng_state(state[0])
@@ -230,15 +375,17 @@ class _Guard:
             with context():
                 output = self.copy(*args, **kwargs)
             outputs = [t for t in _tensors(to_float32(output)) if t.requires_grad and t.is_floating_point()]
-            torch.autograd.backward(outputs, grads)
-        params = [p.grad.reshape(-1) for p in self.copy.parameters() if p.grad is not None]
+            torch.autograd.backward(outputs, [grad * scale for grad in grads])
+        params = [p.grad.reshape(-1) / scale for p in self.copy.parameters() if p.grad is not None]
         return outputs, torch.cat(params).float() if params else torch.zeros(1)
 
 
 class MixedPrecision(ActsOnProfile):
     reasons = {
         "off": "off by default (it changes numerics): --precision {choices}",
-        "no_bf16": "this GPU has no bf16 (compute capability < 8.0); fp16 with loss scaling is not offered yet",
+        "no_bf16": "this GPU has no bf16 (compute capability < 8.0): --precision fp16 runs fp16 with loss scaling",
+        "no_fp16": "Gaudi's autocast is documented for bf16 (its op lists are bf16/float32): --precision bf16",
+        "script_scaler": "stepped aside: the script scales its loss itself (GradScaler)",
         "script_low_precision": "stepped aside: {share:.0%} of the step's matrix products already run below float32 "
         "(the script's own autocast or model dtype)",
         "script_tf32": "stepped aside: the script already switched TF32 on",
@@ -256,10 +403,13 @@ class MixedPrecision(ActsOnProfile):
         "rejected": "float32 kept: {precision} was checked but not faster in the trial",
         "fell_back": "back to float32 from training step {step}: {what}",
     }
+    targets = ("torch.amp.GradScaler.scale",)  # only seen: a script that scales its loss keeps fp16 off
     acts_on = (
         "<training model> forward pre-hook and forward hook (autocast, float32 outputs)",
         "CUDA TF32 switches (torch.backends.cuda.matmul / cudnn allow_tf32), --precision tf32",
         "losses before each backward (the session's step watcher), watched for NaN/Inf and spikes",
+        "fp16: a hook on each backpropagated tensor and every gradient before and after each backward "
+        "(loss scaling), before and after each optimizer step (the step watcher's; steps skipped on overflow)",
     )
 
     def skip_reason(self):
@@ -268,17 +418,22 @@ class MixedPrecision(ActsOnProfile):
             return reason
         precision = self.options.precision
         if precision == "off":
-            return self.reason_for("off", choices="{auto,bf16,tf32}")
+            return self.reason_for("off", choices="{" + ",".join(p for p in PRECISIONS if p != "off") + "}")
         if precision == "tf32" and self.backend.name != "cuda":
             why = ": TF32 is a matmul mode of CUDA devices (Ampere and later)"
             return self.reason_for("other_backend", backends="cuda", backend=self.backend.name, why=why)
-        if precision != "tf32" and self.backend.name == "cuda" and not torch.cuda.is_bf16_supported():
+        if precision == "bf16" and self.backend.name == "cuda" and not torch.cuda.is_bf16_supported():
             return self.reason_for("no_bf16")
+        if self.backend.name == "hpu" and self._chosen() == "fp16":
+            return self.reason_for("no_fp16")
         return None
 
+    def _chosen(self) -> str:
+        has_bf16 = self.backend.name != "cuda" or torch.cuda.is_bf16_supported()
+        return chosen_precision(self.options.precision, has_bf16)
+
     def apply(self) -> None:
-        precision = self.options.precision
-        self._precision = "tf32" if precision == "tf32" else "bf16"
+        self._precision = self._chosen()
         self._model = None
         self._candidate = None  # the scope of what the precision set up; closed if it is not kept
         self._guard = None
@@ -288,9 +443,26 @@ class MixedPrecision(ActsOnProfile):
         self._losses: list = []  # watched loss tensors since the last read
         self._history: list = []  # losses read so far (the guard's float32 ones first)
         self._remembered = None  # auto: the speed trial of an earlier run with this set-up, model and inputs
+        self._loss_scale = None  # fp16, while it is a candidate
+        self._scaled_key, self._scaled = None, []  # what _scaled_parameters found, and for which optimizers
+        self._script_scales = False
+        self.wrap(torch.amp.GradScaler, "scale", self._seen_scaling)
         self.on_revert(self._release)
         self.because("waiting_for_profile")
         self.on(Event.STEP_PROFILED, self._profiled)
+
+    def _seen_scaling(self, wrapped, instance, args, kwargs):
+        with self.fail_open():
+            if instance.is_enabled() and not self._script_scales:
+                self._script_scales = True
+                if self._loss_scale is not None and self._on:  # scaled twice: the script's scaler stays, ours goes
+                    self._fall_back("the script began scaling its loss itself (GradScaler)")
+                elif self._loss_scale is not None:  # still being checked or tried
+                    self.session.trials.cancel(self)
+                    self.because("script_scaler")
+                    self._release()
+                    self.session.check_settled()
+        return wrapped(*args, **kwargs)
 
     def deciding(self) -> bool:
         return self._guard is not None
@@ -304,7 +476,8 @@ class MixedPrecision(ActsOnProfile):
             return []
         measured = f", {self.figures['speedup']}x per step in {self.trial_named()}" if "speedup" in self.figures else ""
         checked = f"checked against float32 (one-off {self.figures['guard_s']} s)"
-        return [f"{type(self._model).__name__} in {self._precision}, {checked}{measured}"]
+        scaled = " with loss scaling" if self._loss_scale is not None else ""
+        return [f"{type(self._model).__name__} in {self._precision}{scaled}, {checked}{measured}"]
 
     def _refusal(self, profile):
         if profile.model is None:
@@ -316,7 +489,9 @@ class MixedPrecision(ActsOnProfile):
             return self.reason_for("script_low_precision", share=1 - share)
         if self._precision == "tf32" and torch.backends.cuda.matmul.allow_tf32:
             return self.reason_for("script_tf32")
-        if self._precision == "bf16" and compiled_by_the_script(profile.model):
+        if self._precision == "fp16" and self._script_scales:
+            return self.reason_for("script_scaler")
+        if self._precision != "tf32" and compiled_by_the_script(profile.model):
             return self.reason_for("compiled_by_script")  # hooks added under its graphs would recompile them
         return None
 
@@ -332,21 +507,27 @@ class MixedPrecision(ActsOnProfile):
             self.follow(self._remembered, self._switch, lambda: None, lambda: self._profiled(profile, recall=False))
             return
         model = profile.model
+        device_type = self.backend.device_type
         if self._precision == "tf32":
             reference, candidate = (lambda: tf32(False)), (lambda: tf32(True))
         else:
-            device_type = self.backend.device_type
-            reference, candidate = contextlib.nullcontext, (lambda: torch.autocast(device_type, dtype=torch.bfloat16))
+            dtype = DTYPES[self._precision]
+            reference, candidate = contextlib.nullcontext, (lambda: torch.autocast(device_type, dtype=dtype))
+        scales = GUARD_SCALES if self._precision == "fp16" else (1.0,)
         started = time.perf_counter()
         try:
-            self._guard = _Guard(model, candidate, reference, self.backend.device_type, self.session.steps.unseen)
+            self._guard = _Guard(model, candidate, reference, device_type, scales, self.session.steps.unseen)
         except Exception as error:  # a model deepcopy refuses (an open file, a lock)
             self.because("no_copy", error=repr(error))
             return
         self._model = model
         self._candidate = self.scope.child()
-        if self._precision == "bf16":
-            self._candidate.add(autocast_forward(model, self.backend.device_type, torch.bfloat16, lambda: self._on))
+        if self._precision != "tf32":
+            self._candidate.add(autocast_forward(model, device_type, DTYPES[self._precision], lambda: self._on))
+        if self._precision == "fp16":
+            device = next(model.parameters()).device
+            self._loss_scale = LossScale(self._scaled_parameters, device, lambda: self._on, self._overflowing)
+            self._loss_scale.install(self, self._candidate)
         self._candidate.add(lambda: self._switch(False))
         guarding = self._candidate.child()
         guarding.add(model.register_forward_pre_hook(self._guard_before, with_kwargs=True).remove)
@@ -356,6 +537,22 @@ class MixedPrecision(ActsOnProfile):
         self._guarding = guarding
         self._guard.seconds += time.perf_counter() - started
         self.because("checking", precision=self._precision, checks=GUARD_CHECKS)
+
+    def _scaled_parameters(self) -> list:
+        """The parameters whose gradients a scaled backward may write: the training model's and every
+        optimizer's (a head or a second model outside the forward), each once; rebuilt when an
+        optimizer or a parameter group is added."""
+        optimizers = list(self.session.steps.optimizers)
+        key = tuple((id(o), len(o.param_groups), sum(len(g["params"]) for g in o.param_groups)) for o in optimizers)
+        if self._scaled_key != key:
+            groups = [group["params"] for optimizer in optimizers for group in optimizer.param_groups]
+            everything = [*self._model.parameters(), *(p for params in groups for p in params)]
+            self._scaled = list({id(p): p for p in everything if p.requires_grad}.values())
+            self._scaled_key = key
+        return self._scaled
+
+    def _overflowing(self, skipped: int) -> None:
+        self._fall_back(f"{SKIPS_IN_A_ROW} optimizer steps in a row had inf/NaN gradients ({skipped} skipped in all)")
 
     def _guard_before(self, module, args, kwargs):
         with self.fail_open():
@@ -444,7 +641,11 @@ class MixedPrecision(ActsOnProfile):
         self._losses.append(tensors.detach().reshape(()).float())
         if len(self._losses) < WATCH_EVERY:
             return
+        if self._loss_scale is not None:  # read with the losses: no host read of its own
+            self._losses.append(self._loss_scale.scale.to(self._losses[0].device))
         values, self._losses = torch.stack(self._losses).tolist(), []
+        if self._loss_scale is not None:
+            self.figures.update(loss_scale=values.pop(), skipped_steps=self._loss_scale.skipped)
         for value in values:
             trend = statistics.median(self._history[-50:]) if len(self._history) >= 5 else None
             if not math.isfinite(value):
@@ -471,3 +672,4 @@ class MixedPrecision(ActsOnProfile):
         self.close_scope(self._candidate)
         self._candidate = None
         self._model = None
+        self._loss_scale, self._scaled_key, self._scaled = None, None, []

@@ -1,7 +1,8 @@
-"""mixed_precision: off by default; bf16 used only after the guard compared it with float32 on the
-user's own steps (which stay float32 and unchanged while it checks); a script's own autocast is left
-alone; a NaN or spiking loss switches the run back to float32; auto keeps bf16 only when its trial
-measured it faster."""
+"""mixed_precision: off by default; bf16 or fp16 used only after the guard compared it with float32 on
+the user's own steps (which stay float32 and unchanged while it checks); fp16's loss scaling unseen by
+the script (true gradients between backward and step, accumulation, overflowing steps skipped); a
+script's own autocast or loss scaling is left alone; a NaN or spiking loss switches the run back to
+float32; auto keeps bf16 only when its trial measured it faster."""
 
 import io
 
@@ -128,7 +129,7 @@ def test_auto_keeps_bf16_only_when_its_trial_measured_it_faster():
 
 
 def test_a_bad_choice_names_the_valid_ones():
-    with pytest.raises(autogaudi.OptionsError, match="valid choices for precision: off, auto, bf16, tf32"):
+    with pytest.raises(autogaudi.OptionsError, match="valid choices for precision: off, auto, bf16, fp16, tf32"):
         autogaudi.enable(precision="fp8")
 
 
@@ -234,3 +235,132 @@ def test_a_model_the_script_compiles_is_left_alone():
     _, dtypes, _ = train(net, STEPS + 10)
     assert row()["reason_code"] == "compiled_by_script", row()
     assert set(dtypes) == {torch.float32}
+
+
+def train_fp16(net, steps, accumulate=1, loss_factor=1.0, grad_factor=None):
+    """A float32 loop that records, before each optimizer step, the gradient norm the script sees and
+    the dtype a Linear ran in. ``grad_factor``: step -> factor multiplying the gradient at the
+    model's output in that step (the loss stays as it is: an overflow the watch cannot see)."""
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    generator = torch.Generator().manual_seed(1)
+    norms, dtypes, losses, params, states = [], [], [], [], []
+    hook = net[3].register_forward_hook(lambda _m, _a, output: dtypes.append(output.dtype))
+    for step in range(steps):
+        for _ in range(accumulate):
+            inputs, labels = torch.randn(16, 32, generator=generator), torch.randint(0, 5, (16,), generator=generator)
+            output = net(inputs)
+            if grad_factor and step in grad_factor:
+                output.register_hook(lambda grad, factor=grad_factor[step]: grad * factor)
+            loss = nn.functional.cross_entropy(output, labels) * loss_factor
+            loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(net.parameters(), 1e9).item())
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+        params.append(torch.cat([p.detach().reshape(-1).clone() for p in net.parameters()]))
+        states.append(int(optimizer.state[net[0].weight]["step"]))
+    hook.remove()
+    return {"norms": norms, "dtypes": dtypes, "losses": losses, "params": params, "states": states}
+
+
+def first_fp16_step(run, accumulate=1):
+    return run["dtypes"].index(torch.float16) // accumulate
+
+
+@pytest.mark.parametrize("loss_factor", [1.0, 1e-7])
+def test_fp16_is_checked_then_used_with_loss_scaling_the_script_does_not_see(loss_factor):
+    """At 1e-7 most output gradients (about 5e-9) are below fp16's smallest subnormal (6e-8): without
+    the loss scale the fp16 backward would lose them."""
+    steps = STEPS + 30
+    plain = train_fp16(model(), steps, loss_factor=loss_factor)
+    autogaudi.enable(device="cpu", only=UNITS, precision="fp16")
+    net = model()
+    run = train_fp16(net, steps, loss_factor=loss_factor)
+    assert (row()["status"], row()["reason_code"]) == ("applied", "on"), row()
+    assert "with loss scaling" in row()["changes"][0]
+    figures = row()["figures"]
+    assert figures["guard_grad_cosine"] > mixed_precision.BOUNDS["grad_cosine"]
+    assert (figures["loss_scale"], figures["skipped_steps"]) == (mixed_precision.INIT_SCALE, 0)
+    first = first_fp16_step(run)
+    assert run["dtypes"][-1] == torch.float16
+    assert run["losses"][:first] == plain["losses"][:first]  # float32, bit for bit, until fp16 is on
+    # the first fp16 step starts from plain's weights: the gradient the script clips is plain's, unscaled
+    assert run["norms"][first] == pytest.approx(plain["norms"][first], rel=0.01)
+    torch.testing.assert_close(run["losses"], plain["losses"], rtol=0.02, atol=0.01 * loss_factor)
+    state = net.state_dict()
+    autogaudi.disable()
+    assert {tensor.dtype for tensor in state.values()} == {torch.float32}
+
+
+def test_fp16_accumulated_gradients_are_those_of_float32():
+    """Two backward passes per step: the first's gradients, already unscaled, are scaled again before
+    the second and unscaled with it (without that, the sum would be the second's alone, plus a 2**-16th)."""
+    plain = train_fp16(model(), STEPS + 20, accumulate=2)
+    autogaudi.enable(device="cpu", only=UNITS, precision="fp16")
+    run = train_fp16(model(), STEPS + 20, accumulate=2)
+    assert row()["reason_code"] == "on", row()
+    first = first_fp16_step(run, accumulate=2)
+    assert run["norms"][first] == pytest.approx(plain["norms"][first], rel=0.01)
+    torch.testing.assert_close(run["losses"], plain["losses"], rtol=0.02, atol=0.01)
+
+
+def fp16_starts_at(steps) -> int:
+    """The first step a run of ``train_fp16`` takes in fp16 (after the profile and the guard)."""
+    autogaudi.enable(device="cpu", only=UNITS, precision="fp16")
+    first = first_fp16_step(train_fp16(model(), steps))
+    autogaudi.disable()
+    return first
+
+
+def test_an_overflowing_fp16_step_is_skipped_and_the_scale_halves():
+    overflow_at = fp16_starts_at(STEPS + 12) + 2
+    autogaudi.enable(device="cpu", only=UNITS, precision="fp16")
+    run = train_fp16(model(), STEPS + 12, grad_factor={overflow_at: 1e4})
+    assert row()["reason_code"] == "on", row()
+    # 0.06 * 1e4 * 2**16 is far beyond fp16's 65504: that step's gradients are inf, so the step is skipped
+    assert torch.equal(run["params"][overflow_at], run["params"][overflow_at - 1])
+    assert run["states"][overflow_at] == run["states"][overflow_at - 1]  # AdamW's state untouched too
+    assert not torch.equal(run["params"][overflow_at + 1], run["params"][overflow_at])  # and training goes on
+    assert (row()["figures"]["loss_scale"], row()["figures"]["skipped_steps"]) == (mixed_precision.INIT_SCALE / 2, 1)
+
+
+def test_fp16_gives_up_after_steps_that_overflow_at_every_scale():
+    steps = STEPS + 10 + mixed_precision.SKIPS_IN_A_ROW + 10
+    first = fp16_starts_at(steps)
+    autogaudi.enable(device="cpu", only=UNITS, precision="fp16")
+    run = train_fp16(model(), steps, grad_factor={step: float("inf") for step in range(first, steps)})
+    assert row()["reason_code"] == "fell_back", row()
+    # in the eighth skipped step (numbered from 0, as the session counts the steps before it)
+    assert row()["figures"]["fell_back_at_step"] == first + mixed_precision.SKIPS_IN_A_ROW - 1
+    assert run["dtypes"][-1] == torch.float32
+    # every step from the first in fp16 skipped: the weights are those fp16 started from
+    assert torch.equal(run["params"][first + mixed_precision.SKIPS_IN_A_ROW - 1], run["params"][first - 1])
+
+
+def test_a_script_that_scales_its_loss_keeps_fp16_off():
+    autogaudi.enable(device="cpu", only=UNITS, precision="fp16")
+    net = model()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    for _ in range(STEPS + 10):
+        loss = nn.functional.cross_entropy(net(torch.randn(8, 32)), torch.randint(0, 5, (8,)))
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+    assert row()["reason_code"] == "script_scaler", row()
+    assert not net._forward_hooks and not net._forward_pre_hooks
+
+
+@pytest.mark.parametrize(
+    ("asked", "has_bf16", "chosen"),
+    [("auto", True, "bf16"), ("auto", False, "fp16"), ("fp16", True, "fp16"), ("bf16", False, "bf16")],
+)
+def test_auto_takes_bf16_where_the_device_has_it_else_fp16(asked, has_bf16, chosen):
+    assert mixed_precision.chosen_precision(asked, has_bf16) == chosen
+
+
+def test_fp16_on_hpu_is_declined_for_bf16(hpu_double):
+    hpu_double(lazy=True)
+    autogaudi.enable(device="hpu", precision="fp16")
+    assert (row()["status"], row()["reason_code"]) == ("skipped", "no_fp16")
