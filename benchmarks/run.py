@@ -35,8 +35,9 @@ sys.path.insert(0, str(HERE.parent))
 from autogaudi.registry import UNIT_NAMES  # noqa: E402
 
 LOSS_TOLERANCE = 1e-2  # the largest |loss - plain loss| / plain loss accepted at any step
-# bf16 keeps 8 significant bits: its losses are held to what the hand-written autocast script gets.
-BF16_LOSS_TOLERANCE = 5e-2
+# bf16 keeps 8 significant bits (fp16 11): their losses are held to what the hand-written autocast script gets.
+LOW_PRECISION_LOSS_TOLERANCE = 5e-2
+LOW_PRECISION_VARIANTS = ("precision", "autocast")  # words in the names of the variants that run below float32
 WORKLOADS = {
     "w1_mlp": [str(HERE / "workloads" / "mlp.py")],
     "w2_transformer": [str(HERE / "workloads" / "transformer.py")],
@@ -49,6 +50,8 @@ WORKLOADS = {
     ],
     # Long enough for the precision guard (3 steps) and auto's trial (30) to settle before timing.
     "w2_transformer_precision": [str(HERE / "workloads" / "transformer.py"), "--warmup", "50", "--steps", "40"],
+    # fp16: as short as the guard allows (settled by step 17), since a CPU runs fp16 matmuls 20x slower.
+    "w2_transformer_fp16": [str(HERE / "workloads" / "transformer.py"), "--warmup", "20", "--steps", "12"],
     "w5_ddp_2_ranks": [
         "-m",
         "torch.distributed.run",
@@ -68,11 +71,15 @@ VARIANTS = {
 # Opt-in units are measured where they apply, as one more variant of that workload.
 PRECISION = ["-m", "autogaudi", "--quiet", "--precision"]
 EXTRA_VARIANTS = {
-    # Mixed precision against the same script with bf16 autocast written by hand (the oracle).
+    # Mixed precision against the same script with autocast (and fp16's GradScaler) written by hand (the oracles).
     "w2_transformer_precision": {
         "autogaudi --precision bf16": ([*PRECISION, "bf16"], []),
         "autogaudi --precision auto": ([*PRECISION, "auto"], []),
         "hand-written bf16 autocast": ([], ["--autocast"]),
+    },
+    "w2_transformer_fp16": {
+        "autogaudi --precision fp16": ([*PRECISION, "fp16"], []),
+        "hand-written fp16 autocast + GradScaler": ([], ["--fp16"]),
     },
     "w5_ddp_2_ranks": {"autogaudi --force fast_ddp": (["-m", "autogaudi", "--quiet", "--force", "fast_ddp"], [])},
     # What a capture trial that is not kept leaves behind: on the 2-core CPU W1's compile trial is
@@ -85,6 +92,10 @@ EXTRA_VARIANTS = {
 # --control: plain PyTorch a second time in each round. Its ratio to plain should be 1.00x; how far it
 # lands from that is the noise floor of every other ratio in the same table.
 CONTROL_VARIANT = {"plain again (A/A control)": VARIANTS["plain"]}
+
+
+def low_precision(variant: str) -> bool:
+    return any(word in variant for word in LOW_PRECISION_VARIANTS)
 
 
 def machine_name() -> str:
@@ -188,7 +199,7 @@ def step_rates(workload: list, rounds: int, variants: dict) -> dict:
             "ratio_vs_plain_range": [min(vs_plain), max(vs_plain)],
             "ratio_vs_hand_tuned": statistics.median(per_round(values, rates["hand-tuned"])),
             "max_relative_loss_difference": drift,
-            "losses_match": drift <= (BF16_LOSS_TOLERANCE if "bf16" in name or "precision" in name else LOSS_TOLERANCE),
+            "losses_match": drift <= (LOW_PRECISION_LOSS_TOLERANCE if low_precision(name) else LOSS_TOLERANCE),
             "max_loss_difference_vs_hand_tuned": max(abs(a - b) for a, b in zip(losses[name], losses["hand-tuned"])),
         }
         if decisions[name]:

@@ -28,6 +28,9 @@ def main():
     add_arguments(parser, steps=20, warmup=14, gpu_steps=500)  # warm-up holds autogaudi's 13 profiled steps
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--autocast", action="store_true", help="bf16 autocast around forward and loss, by hand")
+    parser.add_argument(
+        "--fp16", action="store_true", help="fp16 autocast around forward and loss and a GradScaler, by hand"
+    )
     args = parser.parse_args()
     torch.manual_seed(0)
     model = Classifier().to(DEVICE)
@@ -35,15 +38,19 @@ def main():
     total = args.steps + args.warmup
     data = TensorDataset(torch.randint(0, 1000, (total * args.batch, 128)), torch.randint(0, 8, (total * args.batch,)))
     batches = iter(DataLoader(data, batch_size=args.batch))
+    dtype = torch.float16 if args.fp16 else torch.bfloat16
+    scaler = torch.amp.GradScaler(DEVICE.type, enabled=args.fp16)
 
     def step(_index):
         tokens, labels = next(batches)
         optimizer.zero_grad()
-        with torch.autocast(DEVICE.type, dtype=torch.bfloat16, enabled=args.autocast):
+        with torch.autocast(DEVICE.type, dtype=dtype, enabled=args.autocast or args.fp16):
             loss = nn.functional.cross_entropy(model(tokens.to(DEVICE)), labels.to(DEVICE))
-        loss.backward()
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
+        scaler.step(optimizer)
+        scaler.update()
         return loss.item()
 
     report_steps(step, args.warmup, args.steps)
