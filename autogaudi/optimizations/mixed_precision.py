@@ -525,7 +525,7 @@ class MixedPrecision(ActsOnProfile):
         if self._precision != "tf32":
             self._candidate.add(autocast_forward(model, device_type, DTYPES[self._precision], lambda: self._on))
         if self._precision == "fp16":
-            device = next(model.parameters()).device
+            device = next((p.device for p in model.parameters()), torch.device(device_type))
             self._loss_scale = LossScale(self._scaled_parameters, device, lambda: self._on, self._overflowing)
             self._loss_scale.install(self, self._candidate)
         self._candidate.add(lambda: self._switch(False))
