@@ -552,6 +552,7 @@ class MixedPrecision(ActsOnProfile):
         return self._scaled
 
     def _overflowing(self, skipped: int) -> None:
+        self.figures["skipped_steps"] = skipped
         self._fall_back(f"{SKIPS_IN_A_ROW} optimizer steps in a row had inf/NaN gradients ({skipped} skipped in all)")
 
     def _guard_before(self, module, args, kwargs):

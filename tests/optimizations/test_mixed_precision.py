@@ -332,6 +332,7 @@ def test_fp16_gives_up_after_steps_that_overflow_at_every_scale():
     assert row()["reason_code"] == "fell_back", row()
     # in the eighth skipped step (numbered from 0, as the session counts the steps before it)
     assert row()["figures"]["fell_back_at_step"] == first + mixed_precision.SKIPS_IN_A_ROW - 1
+    assert row()["figures"]["skipped_steps"] == mixed_precision.SKIPS_IN_A_ROW
     assert run["dtypes"][-1] == torch.float32
     # every step from the first in fp16 skipped: the weights are those fp16 started from
     assert torch.equal(run["params"][first + mixed_precision.SKIPS_IN_A_ROW - 1], run["params"][first - 1])
