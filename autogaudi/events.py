@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import enum
 
+from autogaudi.guard import run_guarded
+
 
 class Event(enum.Enum):
     """Each moment, with what its listeners are called with."""
@@ -51,8 +53,8 @@ class Dispatcher:
         self._listeners = {event: [] for event in Event}
 
     def on(self, event: Event, owner, fn) -> Handle:
-        """Call ``fn`` at every ``event``, inside ``owner.fail_open()``; listeners run in the order
-        they were added."""
+        """Call ``fn`` at every ``event`` through the core's guard (:mod:`autogaudi.guard`: a listener
+        that raises switches ``owner`` off); listeners run in the order they were added."""
         listener = _Listener(owner, fn)
         self._listeners[event].append(listener)
         return Handle(self._listeners[event], listener)
@@ -62,16 +64,13 @@ class Dispatcher:
 
     def emit(self, event: Event, *args) -> None:
         for listener in tuple(self._listeners[event]):
-            with listener.owner.fail_open():
-                listener.fn(*args)
+            run_guarded(listener.owner, listener.fn, *args)
 
     def adjust(self, event: Event, subject, args: tuple, kwargs: dict) -> tuple:
         """Hand a constructor's ``(args, kwargs)`` through the listeners in turn: each may return
         new ones (or None to leave them), and sees what the one before it returned."""
         for listener in tuple(self._listeners[event]):
-            adjusted = None
-            with listener.owner.fail_open():
-                adjusted = listener.fn(subject, args, kwargs)
+            adjusted = run_guarded(listener.owner, listener.fn, subject, args, kwargs)
             if adjusted is not None:
                 args, kwargs = adjusted
         return args, kwargs

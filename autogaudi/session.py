@@ -13,6 +13,7 @@ import importlib.util
 import json
 import os
 import sys
+import traceback
 
 import torch
 import torch.distributed
@@ -69,7 +70,8 @@ class Session:
         self.rows = {info.name: UnitRow(info.name, info.summary) for info in UNITS}
         self.rank_rows = None  # on rank 0 of a multi-rank job: every rank's unit rows, once gathered
         self._shared_with_ranks = False
-        self._scope = Scope()
+        self.core_failure = None  # what switched the session's own watcher off at run time, if anything did
+        self._scope = Scope(self)
         self.settled_at_step = None  # the training step after which every decision was made
         self.cache = None  # the cache folder (autogaudi.cache), unless --no-cache or it is not usable
         self.memory = None  # remembered decisions (autogaudi.memory), with the cache
@@ -84,7 +86,7 @@ class Session:
                 self.memory = Memory(self.cache, self.backend, self.options)
             except Exception as error:
                 self.cache_notes.append(f"decisions are not remembered: {error!r}")
-        self.steps = TrainingSteps(self.backend, self.options, self.events)
+        self.steps = TrainingSteps(self.backend, self.options, self.events, guard=self)
         self.steps.install()
         self.trials = TrialRunner(self.steps, self.events, on_idle=self.check_settled)
         if torch.distributed.is_available():
@@ -137,8 +139,22 @@ class Session:
         self.applied.remove(unit)
         self._revert(unit)
         self.check_settled()
-        self.rows[unit.name].set(FAILED, Reason("failed_at_run_time", error=error))
+        self.rows[unit.name].set(FAILED, Reason("failed_at_run_time", error=error, where=where_raised(error)))
         warn(f"{unit.name} raised {error!r}; it is switched off and the run goes on without it")
+
+    # The session as the guard's owner of its own code inside the user's calls (the step watcher's
+    # wrappers and hooks): where that raises, every unit is switched off and the watcher goes silent.
+    @property
+    def in_force(self) -> bool:
+        return self.core_failure is None
+
+    def failed_at_run_time(self, error: Exception) -> None:
+        if self.core_failure is not None:
+            return
+        self.core_failure = f"{error!r} in {where_raised(error)}"
+        warn(f"autogaudi's step watcher raised {error!r}; every unit is switched off and the run goes on without them")
+        for unit in list(self.applied):
+            self.unit_failed_at_run_time(unit, error)
 
     def settled(self) -> bool:
         """Every decision made: the step is profiled (or no profiler runs), no trial is pending and no
@@ -289,6 +305,16 @@ class Session:
         if not self.options.quiet:
             sys.stderr.write(report.format())
             sys.stderr.flush()
+
+
+def where_raised(error: BaseException) -> str:
+    """The innermost line of autogaudi's own code in ``error``'s traceback (``file:line in function``)."""
+    package = os.path.dirname(os.path.abspath(__file__))
+    frames = [frame for frame in traceback.extract_tb(error.__traceback__) if frame.filename.startswith(package)]
+    if not frames:
+        return "autogaudi"
+    frame = frames[-1]
+    return f"{os.path.relpath(frame.filename, os.path.dirname(package))}:{frame.lineno} in {frame.name}"
 
 
 def _unset(name: str, value: str) -> None:

@@ -27,6 +27,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.data import dataloader
 
+from autogaudi import guard
 from autogaudi.events import Event
 from autogaudi.unit import Scope
 
@@ -57,7 +58,7 @@ def loader_arguments(loader, args: tuple, kwargs: dict, defaults: bool = False):
 
 
 class TrainingSteps:
-    def __init__(self, backend, options, events):
+    def __init__(self, backend, options, events, guard):
         self.backend = backend
         self.options = options
         self.events = events  # the session's Dispatcher: what this watcher sees, it emits there
@@ -69,7 +70,7 @@ class TrainingSteps:
         self._others_in_a_row = 0
         self._step_frames: list = []  # steps under way: backward passes in step(closure) (LBFGS) are not steps
         self._routes = weakref.WeakKeyDictionary()  # DataLoader iterator -> the iterator yielding its batches
-        self._scope = Scope()
+        self._scope = Scope(guard)  # its code inside the user's calls fails open through the session
         self._timed_from = None  # (step number, clock) once warm-up is over
         self.last_step_clock = None
         self._unseen = 0  # > 0 while autogaudi runs backward passes of its own (see unseen())
@@ -88,8 +89,8 @@ class TrainingSteps:
     def install(self) -> None:
         self._scope.add(self._routes.clear)
         self._scope.wrap(torch.autograd, "backward", self._backward)
-        self._scope.add(register_optimizer_step_pre_hook(self._before_optimizer_step).remove)
-        self._scope.add(register_optimizer_step_post_hook(self._after_optimizer_step).remove)
+        self._scope.hook(register_optimizer_step_pre_hook, self._before_optimizer_step)
+        self._scope.hook(register_optimizer_step_post_hook, self._after_optimizer_step)
         self._scope.wrap(dataloader._BaseDataLoaderIter, "__next__", self._next_batch)
         self._scope.wrap(dataloader.DataLoader, "__init__", self._new_loader)
         self._scope.wrap(dataloader.DataLoader, "__iter__", self._new_epoch)
@@ -116,7 +117,7 @@ class TrainingSteps:
     def _next_batch(self, wrapped, instance, args, kwargs):
         source = self._routes.get(instance)
         if source is not None:  # the original __next__, run on the source: not seen twice here
-            wrapped, args, kwargs = functools.partial(wrapped.__func__, source), (), {}
+            wrapped, args, kwargs = wrapped.instead(functools.partial(wrapped.wrapped.__func__, source)), (), {}
         if not self.events.listening(Event.BEFORE_BATCH, Event.BATCH_FETCHED):
             return wrapped(*args, **kwargs)
         self.events.emit(Event.BEFORE_BATCH, instance)
@@ -152,7 +153,10 @@ class TrainingSteps:
         return result
 
     def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
-        self._step_frames.append(sys._getframe(1))  # torch's step wrapper, which calls the hooks
+        frame = sys._getframe(1)
+        while frame.f_code.co_filename == guard.__file__:  # the guard's frames between torch and this hook
+            frame = frame.f_back
+        self._step_frames.append(frame)  # torch's step wrapper, which calls the hooks
         self.events.emit(Event.BEFORE_OPTIMIZER_STEP, optimizer, args, kwargs)
 
     def _after_optimizer_step(self, optimizer, args, kwargs) -> None:

@@ -1,11 +1,13 @@
 """What every optimization unit is: targets, when it applies, apply(), revert(), and fail-open.
 
-A unit never hand-rolls attribute swaps: it patches through :meth:`Unit.wrap` (a wrapt
-``FunctionWrapper``) or registers a torch hook and hands the handle to :meth:`Unit.on_revert`.
-Both record how to undo themselves, so :meth:`Unit.revert` restores every attribute to the very
-object it was (identity, not equality), in reverse order. When a unit's own code raises at run time
-it is reverted and reported as failed while the user's call goes on unpatched; the user's own
-exceptions are never caught (the wrapped call always runs outside the unit's ``try``).
+A unit never hand-rolls attribute swaps or hands torch a callable of its own: it patches through
+:meth:`Unit.wrap` (a wrapt ``FunctionWrapper``), hooks through :meth:`Unit.hook`, listens through
+:meth:`Unit.on`, and changes a model's call through :meth:`Unit.hold` (a layer of the model's one
+call route, :mod:`autogaudi.model_call`). Each records how to undo itself, so :meth:`Unit.revert`
+restores every attribute to the very object it was (identity, not equality), in reverse order, and
+each runs the unit's code through the core's guard (:mod:`autogaudi.guard`): when it raises, the unit
+is reverted and reported as failed while the user's call completes as plain PyTorch's would; the
+user's own exceptions propagate unchanged.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ import sys
 import torch
 import wrapt
 
+from autogaudi import model_call
 from autogaudi.events import Event
+from autogaudi.guard import guarded, guarded_call
 from autogaudi.memory import origin
 from autogaudi.reasons import Reason
 from autogaudi.trials import WARMUP, Check, Trial
@@ -28,7 +32,8 @@ ALL_BACKENDS = ("hpu", "cuda", "cpu")
 def wrap_attribute(owner, attribute: str, wrapper):
     """Replace ``owner.attribute`` by a wrapt wrapper; return a function that puts it back.
 
-    ``wrapper(wrapped, instance, args, kwargs)`` follows wrapt's convention. The undo restores the
+    ``wrapper(wrapped, instance, args, kwargs)`` follows wrapt's convention (a :class:`Scope` hands
+    it through the guard first). The undo restores the
     original object only while the attribute is still our wrapper: if somebody wrapped it again
     after us, unwrapping would drop their patch, so it is left alone and the undo says so.
     """
@@ -53,20 +58,40 @@ def wrap_attribute(owner, attribute: str, wrapper):
 class Scope:
     """Undo actions kept in one place and run newest first by :meth:`close`: everything a unit (or
     one arm of a trial) patched, hooked or set, in the spirit of torch's ``RemovableHandle``. An undo
-    may return a note (why it left something as it was)."""
+    may return a note (why it left something as it was). Whatever runs inside the user's calls is
+    registered through the scope's ``guard``, the owner that fails if it raises
+    (:mod:`autogaudi.guard`)."""
 
-    def __init__(self):
+    def __init__(self, guard):
         self._undo: list = []
+        self.guard = guard
 
     def add(self, undo) -> None:
         self._undo.append(undo)
 
     def wrap(self, owner, attribute: str, wrapper) -> None:
-        self.add(wrap_attribute(owner, attribute, wrapper))
+        """Wrap ``owner.attribute`` with ``wrapper(wrapped, instance, args, kwargs)``, guarded."""
+        guard = self.guard
+
+        def guarded_wrapper(wrapped, instance, args, kwargs):
+            return guarded_call(guard, lambda call, a, kw: wrapper(call, instance, a, kw), wrapped, args, kwargs)
+
+        self.add(wrap_attribute(owner, attribute, guarded_wrapper))
+
+    def hook(self, register, fn, *args, **kwargs):
+        """``register(guarded fn, *args, **kwargs)`` (a torch ``register_*hook``), removed on close;
+        a hook that raises changes nothing and fails the guard's owner. Returns the handle."""
+        handle = register(guarded(self.guard, fn), *args, **kwargs)
+        self.add(handle.remove)
+        return handle
+
+    def hold(self, model, layer, around) -> None:
+        """Hold ``layer`` of ``model``'s call route with ``around(call, args, kwargs)``, guarded."""
+        self.add(model_call.hold(self.guard, model, layer, around))
 
     def child(self) -> Scope:
         """A scope closed on its own (a trial's candidate) or, at the latest, with this one."""
-        scope = Scope()
+        scope = Scope(self.guard)
         self.add(scope.close)
         return scope
 
@@ -124,7 +149,8 @@ class Unit:
         self.figures: dict = {}
         self.notes: list = []
         self.recommendations: list = []
-        self.scope = Scope()
+        self.failure = None  # what switched the unit off at run time (a repr: no traceback kept alive)
+        self.scope = Scope(self)
 
     @property
     def backend(self):
@@ -184,6 +210,28 @@ class Unit:
     def wrap(self, owner, attribute: str, wrapper) -> None:
         self.scope.wrap(owner, attribute, wrapper)
 
+    def hook(self, register, fn, *args, scope=None, **kwargs):
+        """Register ``fn`` with torch's ``register`` (e.g. ``tensor.register_hook``), guarded, until
+        the unit (or ``scope``, one of its child scopes) is reverted; returns torch's handle."""
+        return (self.scope if scope is None else scope).hook(register, fn, *args, **kwargs)
+
+    def hold(self, model, layer, around, scope=None) -> None:
+        """Make ``around(call, args, kwargs)`` a layer of ``model``'s call (:mod:`autogaudi.model_call`),
+        until the unit (or ``scope``) is reverted: the only way a unit changes how a model is called,
+        and nothing of it travels with the model."""
+        (self.scope if scope is None else scope).hold(model, layer, around)
+
+    @property
+    def in_force(self) -> bool:
+        """False once the unit failed at run time: its guarded code is skipped from then on."""
+        return self.failure is None
+
+    def failed_at_run_time(self, error: Exception) -> None:
+        """The guard's report of an exception from this unit's own code: switch the unit off."""
+        if self.failure is None:
+            self.failure = repr(error)
+            self.session.unit_failed_at_run_time(self, error)
+
     def note(self, text: str) -> None:
         """Add a line to the unit's report notes, once however often the situation recurs."""
         if text not in self.notes:
@@ -210,7 +258,7 @@ class Unit:
         try:
             yield
         except Exception as error:
-            self.session.unit_failed_at_run_time(self, error)
+            self.failed_at_run_time(error)
 
 
 class ActsOnProfile(Unit):

@@ -1,23 +1,21 @@
 """The dispatcher: listeners in order, removal by handle (exactly the one registered), a raising
 listener failing only its owner, constructor arguments adjusted in turn, and forget(owner)."""
 
-import contextlib
-
 from autogaudi.events import Dispatcher, Event
 
 
 class Owner:
-    """A unit as the dispatcher sees it: listeners run inside its fail_open()."""
+    """A unit as the dispatcher sees it: in force until a listener of its raises."""
 
     def __init__(self):
         self.failures = []
 
-    @contextlib.contextmanager
-    def fail_open(self):
-        try:
-            yield
-        except Exception as error:
-            self.failures.append(error)
+    @property
+    def in_force(self):
+        return not self.failures
+
+    def failed_at_run_time(self, error):
+        self.failures.append(error)
 
 
 def test_listeners_run_in_order_and_a_handle_removes_exactly_its_own():

@@ -52,7 +52,7 @@ def test_an_exception_given_as_a_parameter_is_not_kept_with_its_frames():
     try:
         failing(batch)
     except RuntimeError as error:
-        reason = Reason("failed_at_run_time", error=error)
+        reason = Reason("failed_at_run_time", error=error, where="here")
     del batch
     gc.collect()
-    assert alive() is None and reason.params == {"error": "RuntimeError('failed')"}
+    assert alive() is None and reason.params == {"error": "RuntimeError('failed')", "where": "here"}

@@ -129,7 +129,10 @@ def test_unit_that_breaks_at_run_time_is_reverted_and_the_run_goes_on(hpu_double
     assert train() == expected
     row = autogaudi.report().unit("step_marks")
     assert (row["status"], row["reason_code"]) == ("failed", "failed_at_run_time")
-    assert row["reason_params"] == {"error": "RuntimeError('injected run-time failure')"}
+    assert row["reason_params"] == {
+        "error": "RuntimeError('injected run-time failure')",
+        "where": "autogaudi/backends/hpu.py:81 in mark_step",
+    }
     assert "step_marks raised RuntimeError('injected run-time failure')" in capsys.readouterr().err
     assert calls.names() == []  # nothing was marked after the failure
 

@@ -103,16 +103,22 @@ class Observer:
         self._device_values = WeakIdKeyDictionary()
         self._depth = 0
         self._reading = False
-        self._scope = Scope()
+        self.failure = None  # an error of the observer's own code inside the script's calls: it goes silent
+        self._scope = Scope(self)
         self.watcher = _OpWatcher(self)
+
+    @property
+    def in_force(self) -> bool:
+        return self.failure is None
+
+    def failed_at_run_time(self, error: Exception) -> None:
+        self.failure = self.failure or repr(error)
 
     # -- installation -------------------------------------------------------------------------
     def install(self) -> None:
-        self._scope.add(register_optimizer_step_post_hook(self._after_step).remove)
-        self._scope.add(torch.nn.modules.module.register_module_forward_pre_hook(self._before_forward).remove)
-        self._scope.add(
-            torch.nn.modules.module.register_module_forward_hook(self._after_forward, always_call=True).remove
-        )
+        self._scope.hook(register_optimizer_step_post_hook, self._after_step)
+        self._scope.hook(torch.nn.modules.module.register_module_forward_pre_hook, self._before_forward)
+        self._scope.hook(torch.nn.modules.module.register_module_forward_hook, self._after_forward, always_call=True)
         self._scope.wrap(dataloader.DataLoader, "__init__", self._new_loader)
         self._scope.wrap(dataloader._BaseDataLoaderIter, "__next__", self._next_batch)
         for method, kind in _HOST_READ_METHODS.items():

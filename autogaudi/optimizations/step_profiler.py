@@ -33,6 +33,7 @@ different collectives.
 
 from __future__ import annotations
 
+import functools
 import statistics
 import sys
 import time
@@ -45,6 +46,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from autogaudi._paths import short_location, user_location
 from autogaudi.events import Event
+from autogaudi.guard import guarded_call
 from autogaudi.memory import origin
 from autogaudi.ranks import rank_zero_choice
 from autogaudi.unit import Scope, Unit
@@ -145,6 +147,11 @@ class _Census(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
+        # The census is the guard's owner of its own bookkeeping: it runs inside every op of the user's
+        # step, where the unit cannot be reverted (that would leave the mode from inside its own
+        # handler). A census whose bookkeeping raised passes every op straight through, and the unit
+        # fails with that error at the step's end (:meth:`StepProfiler._after_step`).
+        self.failure = None
         self.ops = 0
         self.cpu_seconds = 0.0
         self.overhead = 0.0
@@ -155,11 +162,22 @@ class _Census(TorchDispatchMode):
         self.host_reads = Counter()  # (device type, user's (file, line) or None) -> reads of a value
         self.matrix_ops = Counter()  # input dtype -> matrix products
 
+    @property
+    def in_force(self) -> bool:
+        return self.failure is None
+
+    def failed_at_run_time(self, error: Exception) -> None:
+        self.failure = self.failure or error
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return guarded_call(self, functools.partial(self._count, func), func, args, kwargs or {})
+
+    def _count(self, func, call, args, kwargs):
+        """The op, timed, and what it tells: host reads, matrix products, collectives in flight."""
         self.ops += 1
         self.close_gap()
         start = time.perf_counter()
-        result = func(*args, **(kwargs or {}))
+        result = call(*args, **kwargs)
         end = time.perf_counter()
         self.cpu_seconds += end - start
         if func.namespace == "c10d":
@@ -273,8 +291,8 @@ class _RootModules:
         self.called = called
         self.calls: dict = {}
         self.inputs: dict = {}
-        scope.add(torch.nn.modules.module.register_module_forward_pre_hook(self._enter).remove)
-        scope.add(torch.nn.modules.module.register_module_forward_hook(self._leave, always_call=True).remove)
+        scope.hook(torch.nn.modules.module.register_module_forward_pre_hook, self._enter)
+        scope.hook(torch.nn.modules.module.register_module_forward_hook, self._leave, always_call=True)
 
     def _enter(self, module, args):
         if self.depth == 0:
@@ -293,9 +311,9 @@ class _CensusStep:
     of them stays on during the clean steps. Each is registered in a scope as it starts, so one that
     fails to start takes the others off with it."""
 
-    def __init__(self, backend, roots: list):
+    def __init__(self, backend, roots: list, unit):
         self.backend = backend
-        self.scope = Scope()
+        self.scope = Scope(unit)
         self.kernels = None
         try:
             self.roots = _RootModules(roots, self.scope)
@@ -318,6 +336,8 @@ class _CensusStep:
         the device (NCCL kernels, HCCL), and their time is in the device's already."""
         self.census.close_gap()
         self.abandon()
+        if self.census.failure is not None:  # out of the mode now: the unit can fail and be reverted
+            raise self.census.failure
         if self.backend.name == "hpu":
             self.backend.mark_step()
             issued = time.perf_counter()
@@ -439,7 +459,7 @@ class StepProfiler(Unit):
         if done % 2:
             self._clean.append((time.perf_counter() - self._step_began, self._waited))
             self._step_began = None
-            self._census_step = _CensusStep(self.backend, self._roots)
+            self._census_step = _CensusStep(self.backend, self._roots, self)
             return
         if done:
             census_step, self._census_step = self._census_step, None  # a failing stop is not undone twice

@@ -1,0 +1,89 @@
+"""The one fail-open boundary: every piece of autogaudi code that runs inside a user's call.
+
+Why one: wrappers around torch functions, hooks on modules and tensors, dispatch modes, event
+listeners and the model's call path all run *inside* the user's own calls. If any of them raises,
+the user's call must complete exactly as plain PyTorch's would, the unit that raised must be
+switched off and reported, and an exception from the user's own code must reach the user
+unchanged. Written once here, a unit cannot get it wrong: the core registers every callable a unit
+hands to torch through these functions, and a unit has no other way to hand torch one.
+
+An *owner* (a unit, or the session's own watcher) has ``in_force`` (False once it failed: its
+guarded code is skipped from then on) and ``failed_at_run_time(error)`` (switch it off, report it).
+"""
+
+from __future__ import annotations
+
+
+class _UserCall:
+    """The user's call as a guarded wrapper sees it: remembers whether it ran, what it returned and
+    what it raised, so the guard can tell the user's exception from autogaudi's and never runs the
+    user's call twice."""
+
+    __slots__ = ("wrapped", "ran", "result", "raised")
+
+    def __init__(self, wrapped):
+        self.wrapped = wrapped
+        self.ran = False
+        self.result = None
+        self.raised = None
+
+    def __call__(self, *args, **kwargs):
+        try:
+            self.result = self.wrapped(*args, **kwargs)
+        except BaseException as error:
+            self.raised = error
+            raise
+        finally:
+            self.ran = True
+        return self.result
+
+    def instead(self, fn):
+        """``fn`` as the user's call: a wrapper that routes the call elsewhere (another iterator's
+        ``__next__``) keeps what it runs recorded."""
+        self.wrapped = fn
+        return self
+
+
+def guarded_call(owner, wrapper, wrapped, args: tuple, kwargs: dict):
+    """``wrapper(call, args, kwargs)`` around the user's ``wrapped``, where ``call`` runs the user's
+    call. An exception raised by the user's call propagates as it is; one raised by the wrapper's own
+    code switches the owner off, and the user's call completes as without the wrapper: run now if the
+    wrapper had not run it yet, its result returned if it had (a user's call never runs twice)."""
+    if not owner.in_force:
+        return wrapped(*args, **kwargs)
+    call = _UserCall(wrapped)
+    try:
+        return wrapper(call, args, kwargs)
+    except Exception as error:
+        if call.raised is not None:
+            if error is not call.raised:  # the wrapper replaced the user's exception: give it back
+                owner.failed_at_run_time(error)
+                raise call.raised from None
+            raise
+        owner.failed_at_run_time(error)
+        if call.ran:
+            return call.result
+        return wrapped(*args, **kwargs)
+
+
+def run_guarded(owner, fn, *args, fallback=None):
+    """``fn(*args)`` while ``owner`` is in force; where it raises, the owner is switched off and
+    ``fallback`` returned (for a hook: None, "change nothing"). For code that calls nothing of the
+    user's: hooks, event listeners, a dispatch mode's bookkeeping."""
+    if not owner.in_force:
+        return fallback
+    try:
+        return fn(*args)
+    except Exception as error:
+        owner.failed_at_run_time(error)
+        return fallback
+
+
+def guarded(owner, fn):
+    """``fn`` as a callable that runs through :func:`run_guarded` (a hook handed to torch)."""
+
+    def run(*args):
+        return run_guarded(owner, fn, *args)
+
+    run.__wrapped__ = fn
+    return run
