@@ -38,6 +38,11 @@ MARGIN = 0.03  # the candidate must be this much faster to be kept
 CHECK_TOLERANCE = 1.25  # a remembered step time still holds while this run's is within this factor of it
 
 
+def clock() -> float:
+    """The clock trials time steps by (seconds); tests replace it to decide trials on given step times."""
+    return time.perf_counter()
+
+
 class Trial:
     """One A/B trial: ``switch(on: bool)`` flips the candidate; ``decided(keep, record)`` is told the outcome."""
 
@@ -184,17 +189,17 @@ class TrialRunner:
 
     def _flip(self, on: bool) -> None:
         self.current.switch(on)
-        self.last_clock = time.perf_counter()  # the switch itself is not part of either arm's step
+        self.last_clock = clock()  # the switch itself is not part of either arm's step
 
     def _after_step(self, _optimizer) -> None:
         trial = self.current
-        trial.record(time.perf_counter() - self.last_clock)
+        trial.record(clock() - self.last_clock)
         if not trial.finished:
             upcoming = trial.schedule[trial.position]
             if upcoming != trial.schedule[trial.position - 1]:
                 self._flip(upcoming)
             else:
-                self.last_clock = time.perf_counter()
+                self.last_clock = clock()
             return
         keep, record = trial.outcome()
         keep = bool(rank_zero_choice(keep))

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import autogaudi
-from tests.helpers import HPU_DOUBLE
+from autogaudi import trials
+from tests.helpers import HPU_DOUBLE, SimulatedClock
 
 
 @pytest.fixture(autouse=True)
@@ -44,3 +45,11 @@ def hpu_double(monkeypatch):
     yield load
     autogaudi.disable()
     _forget_hpu_double()
+
+
+@pytest.fixture
+def trial_clock(monkeypatch):
+    """The trials' clock, moved by the test (``clock.advance(seconds)``) instead of by real time."""
+    clock = SimulatedClock()
+    monkeypatch.setattr(trials, "clock", clock)
+    return clock

@@ -15,6 +15,20 @@ HPU_DOUBLE = TESTS / "hpu_double"
 SWITCHED_ON_BY = {"mixed_precision": {"precision": "bf16"}}
 
 
+class SimulatedClock:
+    """A clock that moves only when told: trials decided on the step times a test gives, with no
+    sleeps and whatever else the machine runs (``autogaudi.trials.clock``, see the fixture)."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
 def clean_env(**extra):
     """The environment of a plain run: no autogaudi settings inherited from whoever runs pytest, and
     no cache folder (each run decides afresh; the cache's tests pass ``AUTOGAUDI_NO_CACHE=0``)."""

@@ -1,9 +1,6 @@
 """The trial engine on fakes whose speeds are known: it keeps the faster, measures the one-off cost
 apart, runs every step exactly once, and leaves the candidate in the state it decided."""
 
-import contextlib
-import time
-
 import pytest
 
 from autogaudi import trials
@@ -27,12 +24,16 @@ class FakeSteps:
 
 
 class FakeUnit:
-    """A trial's candidate unit: its listeners run inside its fail_open(), which here lets errors out."""
+    """A trial's candidate unit as the guard sees it: in force, and an error of its lets out."""
 
-    fail_open = staticmethod(contextlib.nullcontext)
+    in_force = True
+
+    @staticmethod
+    def failed_at_run_time(error):
+        raise error
 
 
-def run_trial(on_seconds, off_seconds, one_off=0.0, off_after_on=None, **trial):
+def run_trial(clock, on_seconds, off_seconds, one_off=0.0, off_after_on=None, **trial):
     """The user's loop around one trial; ``off_after_on``: what an "off" step takes once the
     candidate has been on (an arm slowed by what the other left behind)."""
     steps, state, decisions, ran = FakeSteps(), {"on": False, "switches": 0, "was_on": False}, [], []
@@ -49,19 +50,19 @@ def run_trial(on_seconds, off_seconds, one_off=0.0, off_after_on=None, **trial):
     compiled = False
     while steps.listening:  # the user's loop: one real step, then the optimizer-step boundary
         if state["on"] and not compiled:
-            time.sleep(one_off)
+            clock.advance(one_off)
             compiled = True
         if state["on"]:
-            time.sleep(on_seconds)
+            clock.advance(on_seconds)
         else:
-            time.sleep(off_after_on if state["was_on"] and off_after_on else off_seconds)
+            clock.advance(off_after_on if state["was_on"] and off_after_on else off_seconds)
         ran.append(state["on"])
         steps.end_step()
     return state, decisions, ran, runner
 
 
-def test_keeps_the_candidate_that_is_faster():
-    state, decisions, ran, runner = run_trial(on_seconds=0.002, off_seconds=0.006, one_off=0.05)
+def test_keeps_the_candidate_that_is_faster(trial_clock):
+    state, decisions, ran, runner = run_trial(trial_clock, on_seconds=0.002, off_seconds=0.006, one_off=0.05)
     ((keep, record),) = decisions
     assert keep and state["on"] and record["decision"] == "kept"
     assert 2.0 < record["speedup"] < 4.5
@@ -73,26 +74,26 @@ def test_keeps_the_candidate_that_is_faster():
     assert runner.records == [record]
 
 
-def test_the_one_off_includes_what_setting_the_candidate_up_took():
-    _, decisions, _, _ = run_trial(on_seconds=0.002, off_seconds=0.006, one_off=0.05, set_up_s=1.5)
+def test_the_one_off_includes_what_setting_the_candidate_up_took(trial_clock):
+    _, decisions, _, _ = run_trial(trial_clock, on_seconds=0.002, off_seconds=0.006, one_off=0.05, set_up_s=1.5)
     ((_, record),) = decisions
     assert record["set_up_s"] == 1.5
     assert record["one_off_s"] == pytest.approx(1.55, abs=0.03)
 
 
-def test_an_off_arm_slowed_by_the_candidate_is_read_from_the_steps_before_the_trial():
+def test_an_off_arm_slowed_by_the_candidate_is_read_from_the_steps_before_the_trial(trial_clock):
     # Plain steps take 4 ms; the candidate takes 4.4 ms and leaves "off" steps at 8 ms after it has
     # been on: against the interleaved arm it would read 1.8x, against the plain steps it is slower.
     # (10% apart: sleep jitter on a loaded machine stays well inside that.)
-    _, decisions, _, _ = run_trial(on_seconds=0.0044, off_seconds=0.004, off_after_on=0.008)
+    _, decisions, _, _ = run_trial(trial_clock, on_seconds=0.0044, off_seconds=0.004, off_after_on=0.008)
     ((keep, record),) = decisions
     assert record["ms_per_step_without_interleaved"] > 1.5 * record["ms_per_step_before_trial"]
     assert record["ms_per_step_without"] == record["ms_per_step_before_trial"]
     assert not keep and record["speedup"] < 1.0
 
 
-def test_a_trial_waits_for_its_step_then_runs_its_whole_schedule():
-    state, decisions, ran, _ = run_trial(on_seconds=0.001, off_seconds=0.002, not_before_step=10)
+def test_a_trial_waits_for_its_step_then_runs_its_whole_schedule(trial_clock):
+    state, decisions, ran, _ = run_trial(trial_clock, on_seconds=0.001, off_seconds=0.002, not_before_step=10)
     assert ran[:10] == [False] * 10 and state["switches"] > 0
     assert len(ran) == 10 + decisions[0][1]["steps"]
 
@@ -107,19 +108,19 @@ def test_cancelling_a_waiting_trial_leaves_no_listener_and_reports_idle():
     assert not steps.listening and runner.idle and idle
 
 
-def test_reverts_a_candidate_that_is_slower():
-    state, decisions, _, _ = run_trial(on_seconds=0.006, off_seconds=0.002)
+def test_reverts_a_candidate_that_is_slower(trial_clock):
+    state, decisions, _, _ = run_trial(trial_clock, on_seconds=0.006, off_seconds=0.002)
     ((keep, record),) = decisions
     assert not keep and not state["on"] and record["decision"] == "rejected"
     assert record["speedup"] < 0.6
 
 
-def test_a_tie_within_the_margin_is_not_kept():
-    _, decisions, _, _ = run_trial(on_seconds=0.004, off_seconds=0.004)
+def test_a_tie_within_the_margin_is_not_kept(trial_clock):
+    _, decisions, _, _ = run_trial(trial_clock, on_seconds=0.004, off_seconds=0.004)
     assert decisions[0][0] is False
 
 
-def test_trials_run_one_after_another():
+def test_trials_run_one_after_another(trial_clock):
     steps, order = FakeSteps(), []
     runner = trials.TrialRunner(steps, steps.events)
     for name in ("first", "second"):
@@ -127,6 +128,7 @@ def test_trials_run_one_after_another():
             trials.Trial(FakeUnit(), name, lambda on, name=name: order.append((name, on)), lambda keep, record: None)
         )
     while steps.listening:
+        trial_clock.advance(0.001)
         steps.end_step()
     firsts = [i for i, (name, _) in enumerate(order) if name == "first"]
     seconds = [i for i, (name, _) in enumerate(order) if name == "second"]
@@ -134,7 +136,7 @@ def test_trials_run_one_after_another():
     assert [record["candidate"] for record in runner.records] == ["first", "second"]
 
 
-def run_check(step_seconds, expected_s, keep=True):
+def run_check(clock, step_seconds, expected_s, keep=True):
     """A remembered decision followed at a known step time, checked against ``expected_s``."""
     steps, decisions, ran = FakeSteps(), [], 0
     runner = trials.TrialRunner(steps, steps.events)
@@ -142,22 +144,22 @@ def run_check(step_seconds, expected_s, keep=True):
         trials.Check(FakeUnit(), "fake", keep, expected_s, lambda ok, record: decisions.append((ok, record)), warmup=2)
     )
     while steps.listening:
-        time.sleep(0.05 if ran < 2 else step_seconds)  # the warm-up steps (a compile) are slow
+        clock.advance(0.05 if ran < 2 else step_seconds)  # the warm-up steps (a compile) are slow
         ran += 1
         steps.end_step()
     return decisions, ran, runner
 
 
-def test_a_check_matches_a_step_time_near_the_remembered_one_after_its_warm_up():
-    ((matches, record),) = run_check(0.004, expected_s=0.0042)[0]
+def test_a_check_matches_a_step_time_near_the_remembered_one_after_its_warm_up(trial_clock):
+    ((matches, record),) = run_check(trial_clock, 0.004, expected_s=0.0042)[0]
     assert matches and record["decision"] == "matches" and record["check"] == "remembered"
     assert record["arm"] == "with" and record["steps"] == 2 + 2 * trials.BLOCK
     assert record["ratio"] == pytest.approx(0.004 / 0.0042, rel=0.2)  # the slow warm-up steps are not in it
 
 
 @pytest.mark.parametrize("step_seconds", [0.002, 0.012])
-def test_a_check_differs_from_a_step_time_a_quarter_off_either_way(step_seconds):
-    decisions, ran, runner = run_check(step_seconds, expected_s=0.006, keep=False)
+def test_a_check_differs_from_a_step_time_a_quarter_off_either_way(trial_clock, step_seconds):
+    decisions, ran, runner = run_check(trial_clock, step_seconds, expected_s=0.006, keep=False)
     ((matches, record),) = decisions
     assert not matches and record["decision"] == "differs" and record["arm"] == "without"
     assert ran == 2 + 2 * trials.BLOCK and runner.idle and runner.records == [record]

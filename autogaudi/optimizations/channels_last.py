@@ -8,13 +8,14 @@ profiler) and its 4-D inputs switch between the two formats between steps and th
 
 How: ``model.to(memory_format=...)`` converts parameters in place (the Parameter objects, and so
 the optimizer's references, stay the same), and the optimizer's per-parameter buffers (momentum,
-Adam moments) are converted with them; a forward pre-hook (torch's own) converts 4-D tensor
-inputs. The math is the same, up to float reassociation in the kernels; ``state_dict`` tensors are
-ordinary tensors in either format and load into a plain model. A trial that is not kept, and revert,
-convert the model back and remove the hook. Models with no Conv2d, and models the script already
-put in channels_last, are left alone, and so is a model graph_capture holds (captured or on trial):
-compiled graphs assert the strides they were built for, and switching the format under them crashed
-compiled backward passes on CUDA (docs/units/channels_last.md).
+Adam moments) are converted with them; the inputs layer of the model's call route
+(:mod:`autogaudi.model_call`, nothing of it travels with the model) converts 4-D tensor inputs. The
+math is the same, up to float reassociation in the kernels; ``state_dict`` tensors are ordinary
+tensors in either format and load into a plain model. A trial that is not kept, and revert, convert
+the model back and take the layer off. Models with no Conv2d, and models the script already
+put in channels_last, are left alone, and so is a model whose capture layer is held (captured or on
+trial): compiled graphs assert the strides they were built for, and switching the format under them
+crashed compiled backward passes on CUDA (docs/units/channels_last.md).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from autogaudi.events import Event
+from autogaudi.model_call import Layer, holder
 from autogaudi.unit import ActsOnProfile
 
 
@@ -60,13 +62,13 @@ class ChannelsLast(ActsOnProfile):
         "no_conv2d": "no Conv2d in the training model",
         "already_channels_last": "left as is: the script already put the model in channels_last",
         "input_bound": "not tried: the step is input-bound ({why}); a trial would time the loader",
-        "captured": "stepped aside: graph_capture holds this model, and its graphs fix the memory format",
+        "captured": "stepped aside: {holder} captures this model, and its graphs fix the memory format",
         "switched_on": "{model} in channels_last (without a trial)",
         "trial_running": "trial running on {model}",
         "measured_faster": "{model} in channels_last: measured faster",
         "rejected": "rejected: {model} kept as is, not faster",
     }
-    acts_on = ("<training model> parameters (memory format)", "<training model> forward pre-hook (4-D inputs)")
+    acts_on = ("<training model> parameters (memory format)", "<training model> call route, inputs layer (4-D inputs)")
 
     def apply(self) -> None:
         self._model = None
@@ -90,11 +92,11 @@ class ChannelsLast(ActsOnProfile):
             # on ResNet-18 waiting 68% of each step for its loader (H100).
             self.because("input_bound", why=profile.why)
             return
-        capture = self.session.unit("graph_capture")
-        if capture is not None and capture in self.session.applied and capture.holds(model):
+        capture = holder(model, Layer.CAPTURE)
+        if capture is not None:
             # Compiled graphs fix the strides they were built for: a later switch of format crashed
             # inductor's compiled backward (stride assertion) on CUDA in the siamese and mnist scripts.
-            self.because("captured")
+            self.because("captured", holder=capture.name)
             return
         remembered = self.recalled_trial()
         if remembered is not None:
@@ -105,12 +107,12 @@ class ChannelsLast(ActsOnProfile):
             self._try(profile)
 
     def _set_up(self, profile) -> None:
-        """Hold the model and optimizer, and hook the model's inputs, in a scope :meth:`_release` closes."""
+        """Hold the model and optimizer, and the inputs layer of its call, in a scope :meth:`_release` closes."""
         self._model = profile.model
         self._optimizer = profile.optimizer
         self._candidate = self.scope.child()
         self._candidate.add(lambda: self._switch(False))
-        self._candidate.add(self._model.register_forward_pre_hook(self._inputs, with_kwargs=True).remove)
+        self.hold(self._model, Layer.INPUTS, self._inputs, self._candidate)
 
     def _try(self, profile) -> None:
         if self._candidate is None:
@@ -144,9 +146,7 @@ class ChannelsLast(ActsOnProfile):
         self._candidate = None
         self._model = self._optimizer = None
 
-    def _inputs(self, _module, args, kwargs):
-        converted = None
-        with self.fail_open():
-            if self._on:
-                converted = tuple(map(_convert, args)), {key: _convert(value) for key, value in kwargs.items()}
-        return converted
+    def _inputs(self, call, args, kwargs):
+        if self._on:
+            args, kwargs = tuple(map(_convert, args)), {key: _convert(value) for key, value in kwargs.items()}
+        return call(*args, **kwargs)

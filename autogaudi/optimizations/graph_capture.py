@@ -7,8 +7,8 @@ graphs target exactly that case and do nothing for a device-bound step except co
 Backend mapping: :meth:`Backend.graph_forward`.
 
 How: calls of the model that owns most of the optimizer's parameters (a DDP model's inner module)
-are routed through ``nn.Module``'s compiled-call slot (:func:`route_calls`), which ``torch.save``,
-``pickle`` and ``copy.deepcopy`` drop: a saved model is a plain one. The gates (:meth:`_refusal`:
+run through the capture layer of the model's call route (:mod:`autogaudi.model_call`), which
+``torch.save``, ``pickle`` and ``copy.deepcopy`` drop: a saved model is a plain one. The gates (:meth:`_refusal`:
 not host-bound, compiled by the script, outputs a replay would overwrite, HPU graphs' gradient
 rules; :meth:`_when_to_try`: a run too short to pay back the least one-off) each give a reason code;
 a capture not kept is released with every reference; an exception from the captured call re-runs
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import atexit
 import math
-import sys
 import time
 import warnings
 
@@ -28,6 +27,7 @@ import torch
 import torch.utils.checkpoint
 
 from autogaudi.events import Event
+from autogaudi.model_call import Layer, compiled_by_the_script, holder
 from autogaudi.optimizations.step_profiler import input_shapes
 from autogaudi.ranks import rank_zero_choice
 from autogaudi.run_length import remaining_steps
@@ -38,20 +38,6 @@ MAX_SHAPES = 8
 # included), the trial's warm-up beyond its steady steps, compiles for input shapes met later,
 # and shutting down the compile workers it started, at exit.
 ONE_OFF_PARTS = ("set_up_s", "warm_up_s", "later_compiles_s", "compile_workers_at_exit_s")
-
-
-def route_calls(module, call):
-    """Make ``module(...)`` call ``call(...)`` instead of the module's own ``_call_impl``, through
-    the slot ``nn.Module.compile()`` uses; return the undo. Nothing else on the module changes."""
-    module._compiled_call_impl = call
-
-    def undo():
-        if vars(module).get("_compiled_call_impl") is not call:
-            return f"{type(module).__name__}'s compiled-call slot was replaced after autogaudi set it; left as is"
-        del module._compiled_call_impl
-        return None
-
-    return undo
 
 
 def own_gradient_tensors(optimizer, graphs_on: bool) -> None:
@@ -69,18 +55,6 @@ def own_gradient_tensors(optimizer, graphs_on: bool) -> None:
                 param.grad = param.grad.clone()
 
 
-def compiled_by_the_script(module) -> bool:
-    """``torch.compile(model)`` (an ``OptimizedModule``, maybe nested) or ``model.compile()`` (which
-    sets ``_compiled_call_impl``) already graphs the model; a second capture around it would compile
-    a compiled module. No dynamo imported means nothing was compiled."""
-    dynamo = sys.modules.get("torch._dynamo.eval_frame")
-    return any(
-        (dynamo is not None and isinstance(sub, dynamo.OptimizedModule))
-        or getattr(sub, "_compiled_call_impl", None) is not None
-        for sub in module.modules()
-    )
-
-
 def uses_gradient_checkpointing(module) -> bool:
     """Hugging Face models say so with a ``gradient_checkpointing`` flag on the checkpointed modules."""
     return any(getattr(sub, "gradient_checkpointing", False) is True for sub in module.modules())
@@ -94,8 +68,8 @@ class GraphCapture(ActsOnProfile):
         "not_host_bound": "not captured: the run is {bound}-bound ({why})",
         "compiled_by_script": "stepped aside: the script (or its framework) already compiles the model with "
         "torch.compile",
-        "mixed_precision": "stepped aside: mixed_precision holds this model (autocast in its hooks would be "
-        "traced into the graph)",
+        "mixed_precision": "stepped aside: {holder} holds this model's precision (its autocast would be traced "
+        "into the graph)",
         "positional_forward": "not captured: {model}.forward takes *args or positional-only arguments, which "
         "ModuleCacher refuses",
         "module_hooks": "not captured: module hooks on {where} would not run when HPU graphs replay",
@@ -120,7 +94,7 @@ class GraphCapture(ActsOnProfile):
     }
     targets = ("torch.utils.checkpoint.checkpoint",)  # HPU lazy only: calls counted (graphs refuse them)
     acts_on = (
-        "<training model>._compiled_call_impl (nn.Module's compiled-call slot, instance)",
+        "<training model> call route, capture layer (in nn.Module's compiled-call slot, instance)",
         "HPU lazy: zero_grad of the optimizer's and the training model's classes (wrapt, acting on those "
         "two objects only)",
     )
@@ -162,10 +136,6 @@ class GraphCapture(ActsOnProfile):
     def deciding(self) -> bool:
         return self._waiting is not None
 
-    def holds(self, module) -> bool:
-        """Whether ``module`` is captured or on trial: its graphs are built for its memory format."""
-        return self._candidate is not None and module is self._module
-
     def _count_checkpoint(self, wrapped, instance, args, kwargs):
         self._checkpoint_calls += 1
         return wrapped(*args, **kwargs)
@@ -178,9 +148,9 @@ class GraphCapture(ActsOnProfile):
             return self.reason_for("no_training_model")
         if compiled_by_the_script(profile.model):
             return self.reason_for("compiled_by_script")
-        precision = self.session.unit("mixed_precision")
-        if precision is not None and precision in self.session.applied and precision.holds(profile.model):
-            return self.reason_for("mixed_precision")
+        precision = holder(profile.model, Layer.PRECISION)
+        if precision is not None:
+            return self.reason_for("mixed_precision", holder=precision.name)
         refusal = self.backend.graph_refusal(profile.model)
         if refusal:
             code, params = refusal
@@ -279,7 +249,7 @@ class GraphCapture(ActsOnProfile):
             )
         self._graphed = self.backend.graph_forward(self._module, exact_random=exact, static_outputs=not several)
         self._candidate.add(self._forget_graphs)
-        self._candidate.add(route_calls(self._module, self._call))
+        self.hold(self._module, Layer.CAPTURE, self._around, self._candidate)
         self.figures["model"] = name
         if any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in self._module.modules()):
             self.note(
@@ -362,14 +332,15 @@ class GraphCapture(ActsOnProfile):
         if graphed is not None:
             self.backend.release_graphs(graphed)
 
-    def _call(self, *args, **kwargs):
+    def _around(self, call, args, kwargs):
+        """The capture layer: ``call`` is the model's own eager call."""
         module = self._module
         if not self._on:
-            return module._call_impl(*args, **kwargs)
+            return call(*args, **kwargs)
         if module.training != self._training_mode or not torch.is_grad_enabled():
             # Evaluation: not what the trial measured, and each mode would be one more compilation.
             self.note("calls outside training (eval mode or no_grad) run eagerly: only training steps were measured")
-            return module._call_impl(*args, **kwargs)
+            return call(*args, **kwargs)
         shapes = input_shapes(args, kwargs)
         if shapes not in self._shapes:
             self._shapes.append(shapes)
@@ -377,7 +348,7 @@ class GraphCapture(ActsOnProfile):
                 self.session.trials.cancel(self)
                 self.because("dynamic_shapes", count=len(self._shapes), shapes=self._shapes[:4])
                 self._release()
-                return module._call_impl(*args, **kwargs)
+                return call(*args, **kwargs)
         try:
             if len(self._shapes) == self._compiled_for:
                 return self._graphed(*args, **kwargs)
@@ -385,7 +356,7 @@ class GraphCapture(ActsOnProfile):
         except Exception as error:
             failure = error
         # Outside the handler, so that an error raised eagerly is not chained to the captured one.
-        return self._eager_after(failure, module, args, kwargs)
+        return self._eager_after(failure, call, args, kwargs)
 
     def _compile_for_new_shape(self, args, kwargs):
         started = time.perf_counter()
@@ -415,10 +386,10 @@ class GraphCapture(ActsOnProfile):
         if seconds is not None:
             self.figures["compile_workers_at_exit_s"] = round(seconds, 3)
 
-    def _eager_after(self, failure, module, args, kwargs):
+    def _eager_after(self, failure, call, args, kwargs):
         """The captured call raised: run the call as plain PyTorch would. If that raises too, the
         error is the user's own and propagates unchanged (capture stays as it was); if it does not,
         capture was at fault: it is switched off, reported, and the run goes on."""
-        result = module._call_impl(*args, **kwargs)
-        self.session.unit_failed_at_run_time(self, failure)
+        result = call(*args, **kwargs)
+        self.failed_at_run_time(failure)
         return result

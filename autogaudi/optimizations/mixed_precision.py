@@ -15,10 +15,11 @@ so nothing happens unless the user asks, and what is asked is checked on the use
   (read every ``WATCH_EVERY`` backward passes: no host read per step); on either, the run goes back
   to float32 from that step on.
 
-Mechanism (:func:`autocast_forward`): autocast is entered in a forward pre-hook of the training model
-and left in its forward hook (``always_call``: also when the forward raises), which hands low-precision
-outputs back as float32, as accelerate's ``convert_outputs_to_fp32`` does: the user's loss and backward
-run as in the float32 script. Parameters, optimizer state and checkpoints stay float32. fp16, whose
+Mechanism (:func:`autocast_call`): the precision layer of the training model's call route
+(:mod:`autogaudi.model_call`, nothing of it travels with the model) runs the call under autocast and
+hands low-precision outputs back as float32, as accelerate's ``convert_outputs_to_fp32`` does: the
+user's loss and backward run as in the float32 script. The guard sees the training forwards through
+the route's observe layer. Parameters, optimizer state and checkpoints stay float32. fp16, whose
 range is narrow enough for small gradients to underflow, adds loss scaling (:class:`LossScale`) that
 the script does not see. The measured story and what the guard cannot promise:
 docs/units/mixed_precision.md.
@@ -37,7 +38,7 @@ import time
 import torch
 
 from autogaudi.events import Event
-from autogaudi.optimizations.graph_capture import compiled_by_the_script
+from autogaudi.model_call import Layer, compiled_by_the_script
 from autogaudi.optimizations.step_profiler import FP32_MATRIX_SHARE
 from autogaudi.options import PRECISIONS
 from autogaudi.unit import ActsOnProfile
@@ -85,31 +86,11 @@ def _tensors(value) -> list:
     return []
 
 
-def autocast_forward(model, device_type: str, dtype, active):
-    """Run ``model``'s forward under autocast while ``active()``, with float32 outputs; return the undo."""
-    entered = []
-
-    def before(_module, _args, _kwargs):
-        context = torch.autocast(device_type, dtype=dtype) if active() else None
-        if context is not None:
-            context.__enter__()
-        entered.append(context)
-
-    def after(_module, _args, _kwargs, output):
-        context = entered.pop() if entered else None
-        if context is None:
-            return None
-        context.__exit__(None, None, None)
-        return to_float32(output)
-
-    before_handle = model.register_forward_pre_hook(before, with_kwargs=True)
-    after_handle = model.register_forward_hook(after, with_kwargs=True, always_call=True)
-
-    def undo():
-        before_handle.remove()
-        after_handle.remove()
-
-    return undo
+def autocast_call(call, args, kwargs, device_type: str, dtype):
+    """``call(*args, **kwargs)`` under autocast to ``dtype``, its outputs handed back in float32."""
+    with torch.autocast(device_type, dtype=dtype):
+        output = call(*args, **kwargs)
+    return to_float32(output)
 
 
 def _grads_by_device(parameters) -> dict:
@@ -328,13 +309,13 @@ class _Guard:
         state = (torch.get_rng_state(), [self.device.get_rng_state(d) for d in self.devices])
         self.pending.append([detached, state, None, None])
 
-    def after_forward(self, output) -> None:
+    def after_forward(self, output) -> list:
+        """The forward's output tensors, each with the hook that keeps the gradient it gets."""
         record = self.pending[-1]
         outputs = [t for t in _tensors(output) if t.requires_grad and t.is_floating_point()]
         record[2] = outputs
         record[3] = [None] * len(outputs)
-        for index, tensor in enumerate(outputs):
-            tensor.register_hook(self._keeper(record, index))
+        return [(tensor, self._keeper(record, index)) for index, tensor in enumerate(outputs)]
 
     @staticmethod
     def _keeper(record, index):
@@ -405,7 +386,7 @@ class MixedPrecision(ActsOnProfile):
     }
     targets = ("torch.amp.GradScaler.scale",)  # only seen: a script that scales its loss keeps fp16 off
     acts_on = (
-        "<training model> forward pre-hook and forward hook (autocast, float32 outputs)",
+        "<training model> call route: precision layer (autocast, float32 outputs), observe layer while checked",
         "CUDA TF32 switches (torch.backends.cuda.matmul / cudnn allow_tf32), --precision tf32",
         "losses before each backward (the session's step watcher), watched for NaN/Inf and spikes",
         "fp16: a hook on each backpropagated tensor and every gradient before and after each backward "
@@ -452,24 +433,19 @@ class MixedPrecision(ActsOnProfile):
         self.on(Event.STEP_PROFILED, self._profiled)
 
     def _seen_scaling(self, wrapped, instance, args, kwargs):
-        with self.fail_open():
-            if instance.is_enabled() and not self._script_scales:
-                self._script_scales = True
-                if self._loss_scale is not None and self._on:  # scaled twice: the script's scaler stays, ours goes
-                    self._fall_back("the script began scaling its loss itself (GradScaler)")
-                elif self._loss_scale is not None:  # still being checked or tried
-                    self.session.trials.cancel(self)
-                    self.because("script_scaler")
-                    self._release()
-                    self.session.check_settled()
+        if instance.is_enabled() and not self._script_scales:
+            self._script_scales = True
+            if self._loss_scale is not None and self._on:  # scaled twice: the script's scaler stays, ours goes
+                self._fall_back("the script began scaling its loss itself (GradScaler)")
+            elif self._loss_scale is not None:  # still being checked or tried
+                self.session.trials.cancel(self)
+                self.because("script_scaler")
+                self._release()
+                self.session.check_settled()
         return wrapped(*args, **kwargs)
 
     def deciding(self) -> bool:
         return self._guard is not None
-
-    def holds(self, module) -> bool:
-        """Whether ``module`` is being checked or runs in the chosen precision."""
-        return self._candidate is not None and module is self._model
 
     def changes(self) -> list:
         if not (self._on and self._model is not None):
@@ -522,16 +498,14 @@ class MixedPrecision(ActsOnProfile):
             return
         self._model = model
         self._candidate = self.scope.child()
-        if self._precision != "tf32":
-            self._candidate.add(autocast_forward(model, device_type, DTYPES[self._precision], lambda: self._on))
+        self.hold(model, Layer.PRECISION, self._in_precision, self._candidate)
         if self._precision == "fp16":
             device = next((p.device for p in model.parameters()), torch.device(device_type))
             self._loss_scale = LossScale(self._scaled_parameters, device, lambda: self._on, self._overflowing)
             self._loss_scale.install(self, self._candidate)
         self._candidate.add(lambda: self._switch(False))
         guarding = self._candidate.child()
-        guarding.add(model.register_forward_pre_hook(self._guard_before, with_kwargs=True).remove)
-        guarding.add(model.register_forward_hook(self._guard_after).remove)
+        self.hold(model, Layer.OBSERVE, self._guard_forward, guarding)
         self.on(Event.BEFORE_BACKWARD, self._guard_loss, guarding)
         self.on(Event.AFTER_BACKWARD, self._guard_check, guarding)
         self._guarding = guarding
@@ -555,15 +529,23 @@ class MixedPrecision(ActsOnProfile):
         self.figures["skipped_steps"] = skipped
         self._fall_back(f"{SKIPS_IN_A_ROW} optimizer steps in a row had inf/NaN gradients ({skipped} skipped in all)")
 
-    def _guard_before(self, module, args, kwargs):
-        with self.fail_open():
-            if module.training and torch.is_grad_enabled():
-                self._guard.before_forward(args, kwargs)
+    def _in_precision(self, call, args, kwargs):
+        """The precision layer: autocast while on (TF32 is a process-wide switch: nothing per call)."""
+        if self._on and self._precision in DTYPES:
+            return autocast_call(call, args, kwargs, self.backend.device_type, DTYPES[self._precision])
+        return call(*args, **kwargs)
 
-    def _guard_after(self, module, _args, output):
-        with self.fail_open():
-            if module.training and torch.is_grad_enabled() and self._guard.pending:
-                self._guard.after_forward(output)
+    def _guard_forward(self, call, args, kwargs):
+        """The observe layer while the guard checks: the training forwards' inputs, and the gradients
+        their outputs get."""
+        training = self._model.training and torch.is_grad_enabled()
+        if training:
+            self._guard.before_forward(args, kwargs)
+        output = call(*args, **kwargs)
+        if training and self._guard.pending:
+            for tensor, keep in self._guard.after_forward(output):
+                self.hook(tensor.register_hook, keep, scope=self._guarding)
+        return output
 
     def _guard_loss(self, tensors) -> None:
         if isinstance(tensors, torch.Tensor) and tensors.numel() == 1:

@@ -7,7 +7,6 @@ import gc
 import io
 import json
 import pickle
-import time
 import weakref
 
 import pytest
@@ -101,12 +100,14 @@ def test_a_captured_model_saves_pickles_and_copies_as_a_plain_one():
     assert set(vars(model)) == keys
 
 
-def slow_graphs(monkeypatch, seconds=0.004):
-    """A capture that is correct but slower than eager: what a trial must reject."""
+def slow_graphs(monkeypatch, clock=None, seconds=0.004):
+    """A capture that is correct but, on the trials' ``clock``, slower than eager: what a trial must
+    reject (without a clock: a capture that only calls the module's own code)."""
 
     def graph_forward(self, module, exact_random=False, static_outputs=True):
         def call(*args, **kwargs):
-            time.sleep(seconds)
+            if clock is not None:
+                clock.advance(seconds)
             return module._call_impl(*args, **kwargs)
 
         return call
@@ -135,8 +136,10 @@ def read_as(monkeypatch, bound):
     ],
     ids=["mlp-capture", "cnn-capture", "cnn-channels-last"],
 )
-def test_a_rejected_trial_leaves_the_process_and_the_model_as_they_were(monkeypatch, make, shape, bound, candidate):
-    slow_graphs(monkeypatch)
+def test_a_rejected_trial_leaves_the_process_and_the_model_as_they_were(
+    monkeypatch, trial_clock, make, shape, bound, candidate
+):
+    slow_graphs(monkeypatch, trial_clock)
     read_as(monkeypatch, bound)
     from autogaudi import trials
     from autogaudi.optimizations import channels_last
@@ -144,7 +147,7 @@ def test_a_rejected_trial_leaves_the_process_and_the_model_as_they_were(monkeypa
     monkeypatch.setattr(trials, "MARGIN", 0.0)
     monkeypatch.setattr(CpuBackend, "least_capture_one_off_s", 0.0)  # a trial at once, not after a wait
     real_convert = channels_last._convert
-    monkeypatch.setattr(channels_last, "_convert", lambda value: time.sleep(0.004) or real_convert(value))
+    monkeypatch.setattr(channels_last, "_convert", lambda value: trial_clock.advance(0.004) or real_convert(value))
     before = process_state()
     autogaudi.enable(device="cpu", only=CAPTURE_UNITS)
 
@@ -163,7 +166,7 @@ def test_a_rejected_trial_leaves_the_process_and_the_model_as_they_were(monkeypa
         assert process_state() == before
         assert set(vars(model)) == model_keys and set(vars(optimizer)) == optimizer_keys
         assert [p.is_contiguous() for p in model.parameters()] == layouts
-        assert not model._forward_pre_hooks
+        assert not model._forward_pre_hooks and "_compiled_call_impl" not in vars(model)
         assert_plain_copies(model, torch.randn(4, *shape))
         return weakref.ref(model)
 
@@ -342,7 +345,7 @@ class RejectsSmallBatches(nn.Module):
 
 
 def test_the_users_own_error_inside_a_captured_model_propagates_unchanged(monkeypatch):
-    slow_graphs(monkeypatch, seconds=0.0)  # a capture that calls the module's own code
+    slow_graphs(monkeypatch)  # a capture that calls the module's own code
     autogaudi.enable(device="cpu", only=CAPTURE_UNITS, force="graph_capture")
     model = RejectsSmallBatches()
     train(model, batches(), STEPS + 2)

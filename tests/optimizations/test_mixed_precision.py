@@ -12,6 +12,7 @@ from torch import nn
 
 import autogaudi
 from autogaudi import session
+from autogaudi.model_call import Layer, holder
 from autogaudi.optimizations import mixed_precision
 from tests.optimizations.test_step_profiler import STEPS
 
@@ -195,7 +196,7 @@ def test_graph_capture_leaves_a_model_it_holds_alone(monkeypatch, capture_first)
     train(net, STEPS + 20)
     assert row()["reason_code"] == "on", row()
     assert autogaudi.report().unit("graph_capture")["reason_code"] == "mixed_precision"
-    assert "_compiled_call_impl" not in vars(net)
+    assert holder(net, Layer.CAPTURE) is None and holder(net, Layer.PRECISION).name == "mixed_precision"
 
 
 class ReturnsLossAndHidden(nn.Module):
