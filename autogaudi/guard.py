@@ -13,6 +13,14 @@ guarded code is skipped from then on) and ``failed_at_run_time(error)`` (switch 
 
 from __future__ import annotations
 
+import torch.utils.checkpoint
+
+# Exceptions torch raises through the user's calls on purpose, never autogaudi's failures: non-reentrant
+# checkpointing stops its recomputation early with one. Running the call again would recompute past it.
+PASSING_THROUGH = tuple(
+    cls for cls in (getattr(torch.utils.checkpoint, "_StopRecomputationError", None),) if cls is not None
+)
+
 
 class _UserCall:
     """The user's call as a guarded wrapper sees it: remembers whether it ran, what it returned and
@@ -54,6 +62,8 @@ def guarded_call(owner, wrapper, wrapped, args: tuple, kwargs: dict):
     call = _UserCall(wrapped)
     try:
         return wrapper(call, args, kwargs)
+    except PASSING_THROUGH:
+        raise
     except Exception as error:
         if call.raised is not None:
             if error is not call.raised:  # the wrapper replaced the user's exception: give it back
@@ -74,6 +84,8 @@ def run_guarded(owner, fn, *args, fallback=None):
         return fallback
     try:
         return fn(*args)
+    except PASSING_THROUGH:
+        raise
     except Exception as error:
         owner.failed_at_run_time(error)
         return fallback

@@ -140,6 +140,10 @@ class Unit:
     # headline says it ("{}" is the count). Units that only measure leave it empty.
     changed_figure: tuple = ()
     reasons: dict = {}  # code -> text template of why the unit is where it is (autogaudi/reasons.py)
+    # The states the unit can be in, for the generated contract test (tests/test_contract_matrix.py):
+    # in force before it acts, in use once the run is profiled and decided, failed at run time, and
+    # after disable(). Units that decide through trials or checks add theirs.
+    states: tuple = ("watching", "in_use", "failed", "disabled")
 
     def __init__(self, session, info):
         self.session = session
@@ -266,6 +270,7 @@ class ActsOnProfile(Unit):
     switch on at once or through a trial."""
 
     requires = ("step_profiler",)
+    states = ("watching", "in_use", "trial", "kept", "rejected", "failed", "disabled")
 
     def watching(self) -> bool:
         profiled = self.session.unit("step_profiler").profile is not None

@@ -13,6 +13,8 @@ HPU_DOUBLE = TESTS / "hpu_double"
 
 # Units that an option of their own switches on (off by default): the options that do, for generic tests.
 SWITCHED_ON_BY = {"mixed_precision": {"precision": "bf16"}}
+# Units whose trial an option of their own asks for (the others: --trial UNIT).
+TRIAL_BY = {"mixed_precision": {"precision": "auto"}}
 
 
 class SimulatedClock:

@@ -27,6 +27,7 @@ import torch
 import torch.utils.checkpoint
 
 from autogaudi.events import Event
+from autogaudi.guard import PASSING_THROUGH
 from autogaudi.model_call import Layer, compiled_by_the_script, holder
 from autogaudi.optimizations.step_profiler import input_shapes
 from autogaudi.ranks import rank_zero_choice
@@ -353,6 +354,8 @@ class GraphCapture(ActsOnProfile):
             if len(self._shapes) == self._compiled_for:
                 return self._graphed(*args, **kwargs)
             return self._compile_for_new_shape(args, kwargs)
+        except PASSING_THROUGH:
+            raise
         except Exception as error:
             failure = error
         # Outside the handler, so that an error raised eagerly is not chained to the captured one.

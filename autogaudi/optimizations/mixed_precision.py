@@ -385,6 +385,7 @@ class MixedPrecision(ActsOnProfile):
         "fell_back": "back to float32 from training step {step}: {what}",
     }
     targets = ("torch.amp.GradScaler.scale",)  # only seen: a script that scales its loss keeps fp16 off
+    states = ("watching", "checking", "in_use", "trial", "kept", "rejected", "failed", "disabled")
     acts_on = (
         "<training model> call route: precision layer (autocast, float32 outputs), observe layer while checked",
         "CUDA TF32 switches (torch.backends.cuda.matmul / cudnn allow_tf32), --precision tf32",

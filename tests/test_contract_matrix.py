@@ -1,0 +1,342 @@
+"""What a unit must never break, in every state it can be in, generated from the registry.
+
+For every unit x every state it declares (``Unit.states``) x every operation a script does with its
+objects, the outcome is plain PyTorch's: ``torch.save(model)`` loads back as a plain model,
+``pickle`` and ``copy.deepcopy`` give plain objects that hold nothing of autogaudi's,
+``state_dict()`` loads into a plain model and optimizer, ``autograd.grad(create_graph=True)``,
+``torch.utils.checkpoint`` and the script's own ``torch.compile`` give plain's numbers, a
+``KeyboardInterrupt`` raised in the script's code reaches the script as it was, and a checkpoint
+taken in that state resumes in plain PyTorch on the loss curve an uninterrupted plain run draws.
+
+A new unit is covered without a row written for it: it declares its states (a base class's by
+default) and the recipes below drive any unit into each. Trials are decided by the test (kept or
+rejected as the state says) on a clock the test moves; captures are identity graphs (the real
+compiler's copies and saves are tested in tests/optimizations/test_capture_safety.py), so the
+matrix stays cheap enough to run in full in CI.
+"""
+
+import copy
+import importlib
+import io
+import pickle
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import torch.utils.checkpoint
+from torch import nn
+
+import autogaudi
+from autogaudi import runtime, trials
+from autogaudi.backends.cpu import CpuBackend
+from autogaudi.registry import UNITS
+from tests.helpers import SWITCHED_ON_BY, TRIAL_BY
+
+RESUMED_STEPS = 3
+MAX_STEPS = 120  # a state not reached by then fails the test
+# How far numbers may be from plain's (relative and absolute): float reassociation (fused kernels,
+# channels_last), and bf16's 8 significant bits where the model runs in it.
+TOLERANCE = {"default": 1e-4, "mixed_precision": 5e-2}
+
+
+class ContractNet(nn.Module):
+    """Small, with something for every unit: a convolution and BatchNorm (channels_last), matrix
+    products (mixed precision), attention through scaled_dot_product_attention (fused SDPA)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.norm = nn.BatchNorm2d(4)
+        self.proj = nn.Linear(4, 8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, images):
+        features = torch.relu(self.norm(self.conv(images)))
+        tokens = self.proj(features.flatten(2).transpose(1, 2)).unsqueeze(1)
+        attended = F.scaled_dot_product_attention(tokens, tokens, tokens).squeeze(1)
+        return self.head(attended.mean(1))
+
+
+def unit_class(info):
+    module_name, class_name = info.module.split(":")
+    return getattr(importlib.import_module(module_name), class_name)
+
+
+def on_hpu(info) -> bool:
+    return "cpu" not in unit_class(info).backends
+
+
+def under_ddp(info) -> bool:
+    return any("DistributedDataParallel" in target for target in unit_class(info).targets)
+
+
+CELLS = [(info, state) for info in UNITS for state in unit_class(info).states]
+
+
+class Training:
+    """The script: model, AdamW, a scheduler, a DataLoader, clipping; built from a seed, so that a
+    plain run and a run under autogaudi start from the same weights and see the same batches."""
+
+    def __init__(self, ddp=False):
+        torch.manual_seed(0)
+        self.model = ContractNet()
+        self.inner = self.model
+        if ddp:
+            self.model = nn.parallel.DistributedDataParallel(self.model)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=0.01)
+        self.scheduler = torch.optim.lr_scheduler.StepLR(self.optimizer, step_size=5, gamma=0.5)
+        generator = torch.Generator().manual_seed(1)
+        images, labels = torch.randn(64, 3, 8, 8, generator=generator), torch.randint(0, 3, (64,), generator=generator)
+        self.loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(images, labels), batch_size=8)
+        self.batches = self._batches()
+        self.steps = 0
+
+    def _batches(self):
+        while True:
+            yield from self.loader
+
+    def step(self) -> float:
+        images, labels = next(self.batches)
+        loss = F.cross_entropy(self.model(images), labels)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        self.scheduler.step()
+        self.steps += 1
+        return loss.item()
+
+    def checkpoint(self) -> dict:
+        state = {
+            "model": self.inner.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+        }
+        return copy.deepcopy(state)
+
+    def resume(self, checkpoint: dict, steps_done: int) -> None:
+        self.inner.load_state_dict(checkpoint["model"])
+        self.optimizer.load_state_dict(checkpoint["optimizer"])
+        self.scheduler.load_state_dict(checkpoint["scheduler"])
+        for _ in range(steps_done):  # the data stream where the checkpointed run left it
+            next(self.batches)
+        self.steps = steps_done
+
+
+def session():
+    return runtime._STATE.session
+
+
+def profiled() -> bool:
+    profiler = session().unit("step_profiler")
+    return profiler is None or profiler.profile is not None
+
+
+def trial_decided(name):
+    return lambda unit: any(record["candidate"] == name for record in session().trials.records)
+
+
+def settled_in_use(unit) -> bool:
+    """Profiled, every decision made (a precision checked, a trial over), and a few steps since."""
+    steps = session().steps
+    return (
+        profiled() and session().trials.idle and not unit.deciding() and steps.steps >= steps.options.warmup_steps + 12
+    )
+
+
+# state -> (options for the unit called name, whether the unit is there: a predicate on the live unit)
+def recipe(name: str, state: str):
+    base = {"force": name} if name in ("graph_capture", "channels_last") else {}
+    in_use = {
+        "watching": ({}, lambda unit: True),
+        "in_use": (base, settled_in_use),
+        "checking": ({}, lambda unit: unit.deciding()),
+        "trial": (TRIAL_BY.get(name, {"trial": name}), lambda unit: session().trials.pending(unit)),
+    }
+    if state in in_use:
+        return in_use[state]
+    if state in ("kept", "rejected"):
+        return TRIAL_BY.get(name, {"trial": name}), trial_decided(name)
+    if state in ("failed", "disabled"):
+        return recipe(name, "in_use")
+    raise AssertionError(f"no recipe for the state {state!r}: add one to tests/test_contract_matrix.py")
+
+
+def options_for(info, state):
+    options, until = recipe(info.name, state)
+    only = ["step_profiler", info.name, *unit_class(info).requires]
+    enabled = {
+        "device": "hpu" if on_hpu(info) else "cpu",
+        "only": ",".join(dict.fromkeys(only)),
+        **SWITCHED_ON_BY.get(info.name, {}),
+        **options,
+    }
+    if info.opt_in:
+        enabled["force"] = ",".join(dict.fromkeys(filter(None, [*enabled.get("force", "").split(","), info.name])))
+    return enabled, until
+
+
+def free_of_autogaudi(obj, what: str) -> None:
+    """Nothing of autogaudi's is reachable from ``obj``: pickling it names no autogaudi module."""
+    data = pickle.dumps(obj)
+    assert b"autogaudi" not in data, f"{what} pickles autogaudi's objects"
+
+
+def plain_module(module, what: str) -> None:
+    for sub in module.modules():
+        assert "_compiled_call_impl" not in vars(sub), f"{what}: a call route travelled"
+        for hooks in (sub._forward_pre_hooks, sub._forward_hooks, sub._backward_hooks, sub._backward_pre_hooks):
+            assert not hooks, f"{what}: hooks travelled on {type(sub).__name__}"
+    free_of_autogaudi(module, what)
+
+
+def forward_of(module, images):
+    was_training = module.training
+    module.eval()
+    try:
+        with torch.no_grad():
+            return module(images)
+    finally:
+        module.train(was_training)
+
+
+def check_operations(training: Training, images, tolerance: float) -> None:
+    model, inner = training.model, training.inner
+    expected = forward_of(copy.deepcopy(inner), images)
+
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    assert b"autogaudi" not in buffer.getvalue(), "torch.save(model) wrote autogaudi's objects"
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    plain_module(loaded, "torch.load(torch.save(model))")
+    torch.testing.assert_close(forward_of(loaded, images), expected, rtol=1e-4, atol=1e-5)
+
+    for twin, what in ((pickle.loads(pickle.dumps(model)), "pickle"), (copy.deepcopy(model), "deepcopy")):
+        plain_module(twin, what)
+        torch.testing.assert_close(forward_of(twin, images), expected, rtol=1e-4, atol=1e-5)
+    for obj, what in ((training.optimizer, "the optimizer"), (training.scheduler, "the scheduler")):
+        free_of_autogaudi(obj, what)
+        free_of_autogaudi(copy.deepcopy(obj), f"a deepcopy of {what}")
+
+    fresh = ContractNet()
+    fresh.load_state_dict(inner.state_dict())
+    torch.testing.assert_close(forward_of(fresh, images), expected, rtol=1e-4, atol=1e-5)
+    fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=0.01)
+    fresh_optimizer.load_state_dict(training.optimizer.state_dict())
+    free_of_autogaudi(training.optimizer.state_dict(), "optimizer.state_dict()")
+
+    twin = copy.deepcopy(inner)  # plain (checked above): the reference for the calls below
+    params, twin_params = list(inner.parameters()), list(twin.parameters())
+    grads = torch.autograd.grad(inner(images).sum(), params, create_graph=True)
+    twin_grads = torch.autograd.grad(twin(images).sum(), twin_params, create_graph=True)
+    assert [g.requires_grad for g in grads] == [g.requires_grad for g in twin_grads], "create_graph=True lost the graph"
+    torch.testing.assert_close(grads, twin_grads, rtol=tolerance, atol=tolerance)
+
+    for module in (inner, twin):
+        module.zero_grad(set_to_none=True)
+        torch.utils.checkpoint.checkpoint(module, images, use_reentrant=False).sum().backward()
+    torch.testing.assert_close([p.grad for p in params], [p.grad for p in twin_params], rtol=tolerance, atol=tolerance)
+    inner.zero_grad(set_to_none=True)
+
+    expected = forward_of(copy.deepcopy(inner), images)  # BatchNorm's statistics moved in the training calls
+    compiled = torch.compile(inner, backend="eager")  # the script's own compile (dynamo, no codegen)
+    torch.testing.assert_close(forward_of(compiled, images), expected, rtol=tolerance, atol=tolerance)
+
+    interrupt = KeyboardInterrupt("the user's")
+
+    def interrupted(_module, _args):
+        raise interrupt
+
+    handle = inner.register_forward_pre_hook(interrupted)
+    try:
+        with pytest.raises(KeyboardInterrupt) as raised:
+            model(images)
+        assert raised.value is interrupt
+    finally:
+        handle.remove()
+
+
+@pytest.fixture
+def decided_trials(monkeypatch, trial_clock):
+    """Trials decided as the state says (``set(keep)``), each step one tick of the test's clock."""
+    real_outcome = trials.Trial.outcome
+    wanted = {}
+
+    def outcome(self):
+        keep, record = real_outcome(self)
+        return wanted.get("keep", keep), record
+
+    monkeypatch.setattr(trials.Trial, "outcome", outcome)
+    return wanted
+
+
+@pytest.fixture
+def cheap_capture(monkeypatch):
+    """Identity graphs: what capture attaches and routes, without a compiler's seconds per cell."""
+    monkeypatch.setattr(CpuBackend, "graph_forward", lambda self, module, **kwargs: module._call_impl)
+
+
+@pytest.fixture
+def world(tmp_path):
+    """A one-rank gloo group, for the units that act on DistributedDataParallel."""
+    started = []
+
+    def start():
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+        started.append(True)
+
+    yield start
+    if started:
+        dist.destroy_process_group()
+
+
+def test_every_unit_declares_states_the_matrix_can_reach():
+    for info in UNITS:
+        states = unit_class(info).states
+        assert states and len(set(states)) == len(states), info.name
+        for state in states:
+            recipe(info.name, state)
+
+
+def test_the_matrix_size_is_every_unit_times_its_states():
+    assert len(CELLS) == sum(len(unit_class(info).states) for info in UNITS) >= 3 * len(UNITS)
+
+
+@pytest.mark.parametrize("info, state", CELLS, ids=[f"{info.name}-{state}" for info, state in CELLS])
+def test_a_unit_in_this_state_breaks_nothing_a_script_does(
+    info, state, hpu_double, decided_trials, cheap_capture, trial_clock, world
+):
+    if on_hpu(info):
+        hpu_double(lazy=True)
+    if under_ddp(info):
+        world()
+    decided_trials["keep"] = state != "rejected"
+    options, until = options_for(info, state)
+    autogaudi.enable(**options)
+    training = Training(ddp=under_ddp(info))
+    unit = session().unit(info.name)
+    assert unit in session().applied, autogaudi.report().unit(info.name)
+    while not until(unit):
+        assert training.steps < MAX_STEPS, f"{info.name} never reached {state}: {autogaudi.report().unit(info.name)}"
+        training.step()
+        trial_clock.advance(0.001)
+    if state == "failed":
+        unit.failed_at_run_time(RuntimeError("injected by the contract test"))
+        assert autogaudi.report().unit(info.name)["status"] == "failed"
+    if state == "disabled":
+        autogaudi.disable()
+    steps_done, checkpoint = training.steps, training.checkpoint()
+    images = torch.randn(4, 3, 8, 8)
+
+    tolerance = TOLERANCE.get(info.name, TOLERANCE["default"])
+    check_operations(training, images, tolerance)
+
+    autogaudi.disable()
+    reference = Training()
+    plain_losses = [reference.step() for _ in range(steps_done + RESUMED_STEPS)][steps_done:]
+    resumed = Training()
+    resumed.resume(checkpoint, steps_done)
+    losses = [resumed.step() for _ in range(RESUMED_STEPS)]
+    torch.testing.assert_close(losses, plain_losses, rtol=tolerance, atol=tolerance)
