@@ -5,8 +5,9 @@ the whole update in one pass, which is what the Gaudi guide (hpex ``FusedAdamW``
 the Hugging Face guide (``fused=True``) recommend.
 
 How, per backend:
-- CUDA and CPU: the user's optimizer is built exactly as written plus ``fused=True`` (torch's own
-  kernel). If torch refuses it for these parameters (device, dtype), it is built without.
+- CUDA and CPU: the user's optimizer is built exactly as written, and each of its steps sets
+  ``fused=True`` in its groups for the time of the update (torch's own kernel). Outside a step the
+  object is the script's, so ``state_dict()``, ``copy.deepcopy`` and pickles carry its settings.
 - HPU: the user's ``torch.optim`` object is built as written and keeps every user-visible aspect
   (type, ``param_groups``, ``state``, schedulers, ``add_param_group``); its ``step`` runs an hpex
   fused optimizer that shares that state and mirrors each of the user's groups in a group of its
@@ -16,26 +17,41 @@ How, per backend:
   (``group["step"]``), and a mirror rebuilt each step made every step its first (a constant
   learning rate of sqrt(1-beta2)/(1-beta1) times the user's). The user's step hooks fire once.
 
-Checkpoints stay plain PyTorch both ways: ``state_dict()`` reports the user's own ``fused`` value
-and torch's per-parameter tensor ``step``, taken from the group counter; ``load_state_dict()``
-accepts a plain checkpoint and the group counters continue from its steps.
+torch refuses some tensors only inside the fused step (sparse gradients, complex or integer
+parameters, other devices, DTensors under SGD), after building the optimizer without complaint: they
+are checked before each update (after the closure, whose gradients count) and at construction, and
+such an optimizer runs torch's own unfused step from then on. If the fused step raises anyway, the
+group it raised on (torch checks a group before updating it) and the groups after it run unfused,
+its counters put back, and the optimizer stays unfused.
+
+Checkpoints and copies stay plain PyTorch both ways: ``state_dict()``, ``deepcopy`` and pickles carry
+the user's own ``fused`` value and torch's per-parameter tensor ``step`` (on HPU taken from the group
+counter); ``load_state_dict()`` accepts a plain checkpoint and the counters continue from its steps.
 Skipped per optimizer (with the reason) when the script chose ``fused``/``foreach`` itself, for
 subclasses (their ``step`` may be their own), and for arguments the fused kernel lacks
-(amsgrad, maximize, differentiable, … on HPU). Optimizers built while enabled stay fused after
-``disable()``; it affects optimizers built afterwards.
+(amsgrad, maximize, differentiable, … on HPU). ``disable()`` gives every optimizer back to torch's
+own step, its state in torch's format.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import functools
 import inspect
+import sys
 import weakref
 
 import torch
+from torch.optim.optimizer import _foreach_supported_types
+from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from autogaudi.unit import Unit
 
 FUSABLE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
+# The classes whose torch kernel DTensor (FSDP2's parameters) has a sharding rule for (_fused_adam_,
+# _fused_adamw_); torch 2.13 has none for _fused_sgd_: SGD over DTensors raises NotImplementedError.
+TAKES_DTENSOR = (torch.optim.Adam, torch.optim.AdamW)
 
 
 def user_hyperparameters(optimizer_class, args, kwargs) -> dict:
@@ -48,6 +64,71 @@ def user_hyperparameters(optimizer_class, args, kwargs) -> dict:
     return values
 
 
+def unfusable_tensor(optimizer, dtensor_refused_by=None):
+    """``(code, values)`` for the first tensor of ``optimizer`` its fused kernel would refuse at the
+    step (torch's own criteria: ``_default_to_fused_or_foreach`` and the kernels' checks), or None."""
+    devices = _get_fused_kernels_supported_devices()
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if dtensor is not None and isinstance(param, dtensor):
+                if dtensor_refused_by:
+                    return "dtensor_parameters", {"kernel": dtensor_refused_by}
+            elif type(param) not in _foreach_supported_types:
+                return "parameter_type", {"type": type(param).__name__}
+            if param.device.type not in devices:
+                return "parameter_device", {"device": param.device.type, "devices": "/".join(devices)}
+            if not torch.is_floating_point(param):
+                return "parameter_dtype", {"dtype": str(param.dtype)}
+            if param.grad is not None and param.grad.layout is not torch.strided:
+                return "sparse_gradients", {"layout": str(param.grad.layout)}
+    return None
+
+
+@contextlib.contextmanager
+def _fused_flag(group):
+    """``fused=True`` in ``group`` for the time of torch's step, where the script left it unset."""
+    if group.get("fused") is not None:
+        yield
+        return
+    group["fused"] = True
+    try:
+        yield
+    finally:
+        group["fused"] = None
+
+
+def _step_counters(optimizer, group) -> dict:
+    """Adam's ``step`` counter of each of ``group``'s parameters that has one, with its version."""
+    counters = {}
+    for param in group["params"]:
+        step = optimizer.state.get(param, {}).get("step")
+        if torch.is_tensor(step):
+            counters[id(param)] = (step, step._version)
+    return counters
+
+
+def _rewind(optimizer, group, counters) -> None:
+    """Put back the counters a fused step that raised had advanced: it counts before its kernel
+    runs (and takes one back itself on a step GradScaler skips), the unfused step counts again."""
+    for param in group["params"]:
+        step = optimizer.state.get(param, {}).get("step")
+        if torch.is_tensor(step):
+            before, version = counters.get(id(param), (None, 0))  # a counter created in this step: 0
+            if step._version != (version if before is step else 0):
+                step.sub_(1)
+
+
+def _fused_format_steps(optimizer) -> None:
+    """Adam's per-parameter ``step`` where the fused kernel wants it, float32 on the parameter's
+    device: torch puts it there when it loads a checkpoint into a fused optimizer, and this one's
+    groups say the script's ``fused`` (a plain checkpoint keeps it on the CPU)."""
+    for param, state in optimizer.state.items():
+        step = state.get("step")
+        if torch.is_tensor(step):
+            state["step"] = step.to(dtype=torch.float32, device=param.device)
+
+
 def _raw_step(optimizer):
     """The optimizer class's ``step`` without torch's hook layer (``profile_hook_step``)."""
     step = type(optimizer).step
@@ -55,22 +136,39 @@ def _raw_step(optimizer):
 
 
 class FusedOptimizer(Unit):
-    reasons = {"torch_fused": "torch fused=True kernels", "hpex": "hpex fused optimizers"}
+    reasons = {
+        "torch_fused": "torch fused=True kernels",
+        "hpex": "hpex fused optimizers",
+        # why one optimizer runs unfused (figure kernel_refusals, and the notes)
+        "parameter_type": "a parameter is a {type}, which the fused kernel does not take",
+        "parameter_device": "a parameter is on {device}; the fused kernel runs on {devices}",
+        "parameter_dtype": "a parameter is {dtype}; the fused kernel takes floating-point tensors only",
+        "dtensor_parameters": "its parameters are DTensors (FSDP2), which {kernel} does not take",
+        "sparse_gradients": "a gradient is sparse ({layout}), which the fused kernel does not take",
+        "fused_step_raised": "the fused step raised {error!r}",
+    }
     changed_figure = ("optimizers_fused", "{} optimizer(s) run as one fused kernel per step")
     targets = tuple(f"torch.optim.{cls.__name__}.__init__" for cls in FUSABLE)
-    acts_on = ("HPU: torch.optim.{Adam,AdamW,SGD}.step, wrapped when the first such optimizer is built",)
+    acts_on = (
+        "torch.optim.{Adam,AdamW,SGD}.step, wrapped when the first such optimizer is built",
+        "HPU: torch.optim.Optimizer.__getstate__, wrapped with it (copies and pickles in torch's format)",
+    )
 
     def apply(self) -> None:
         self.figures.update(optimizers_fused=0, optimizers_kept=0)
         self._native = self.backend.name != "hpu"
-        self._delegates = weakref.WeakKeyDictionary()  # HPU: user's optimizer -> hpex optimizer
+        # CUDA/CPU: user's optimizer -> the state dict whose steps are in the fused kernel's format
+        self._fused = weakref.WeakKeyDictionary()
+        self._delegates = weakref.WeakKeyDictionary()  # HPU: user's optimizer -> (hpex optimizer, hook handles)
         self._mirrors = weakref.WeakKeyDictionary()  # HPU: user's optimizer -> {id(group): (group, mirror)}
-        self._steps_wrapped = set()
+        self._raw_steps = {}  # optimizer class -> its step inside torch's hook layer
+        self._getstate_wrapped = False
         self._extra_settings = {}  # optimizer class -> hpex-only group settings (bias_correction, ...)
-        self._hooked_delegate_step = torch.optim.Optimizer.profile_hook_step(self._delegate_step)
+        self._hooked_step = torch.optim.Optimizer.profile_hook_step(self._checked_step)
         for optimizer_class in FUSABLE:
             self.wrap(optimizer_class, "__init__", functools.partial(self._init, optimizer_class))
         self.on_revert(self._hand_state_back_to_torch)
+        self.on_revert(self._fused.clear)
         self.because("torch_fused" if self._native else "hpex")
 
     def _init(self, owner, wrapped, instance, args, kwargs):
@@ -79,14 +177,21 @@ class FusedOptimizer(Unit):
         refusal, hyperparameters = "autogaudi could not read the arguments", None
         with self.fail_open():
             refusal, hyperparameters = self._refusal(owner, args, kwargs)
+        result = wrapped(*args, **kwargs)  # exactly the script's call: nothing of ours on the object
         if refusal:
             self._kept(owner, refusal)
-            return wrapped(*args, **kwargs)
-        if self._native:
-            return self._init_with_torch_fused(owner, wrapped, instance, args, kwargs)
-        result = wrapped(*args, **kwargs)
+            return result
         with self.fail_open():
-            self._attach_hpu_delegate(owner, instance, hyperparameters)
+            unfusable = self._unfusable(instance)
+            if unfusable:
+                self._kept(owner, unfusable.text)
+                self._count_refusal(unfusable)
+            elif self._native:
+                self._fused[instance] = None
+                self._route_steps(owner)
+                self.figures["optimizers_fused"] += 1
+            else:
+                self._attach_hpu_delegate(owner, instance, hyperparameters)
         return result
 
     def _refusal(self, owner, args, kwargs):
@@ -99,23 +204,99 @@ class FusedOptimizer(Unit):
             return "the constructor arguments do not bind", None
         return self.backend.fused_optimizer_refusal(owner, hyperparameters), hyperparameters
 
-    def _kept(self, owner, reason: str) -> None:
+    def _unfusable(self, optimizer):
+        """Why the fused kernel would refuse this optimizer's tensors at its step, as a Reason, or None.
+        torch checks these only inside ``step()`` (after building the optimizer without complaint)."""
+        if not self._native:
+            refused_by = "an hpex fused optimizer"
+        elif type(optimizer) not in TAKES_DTENSOR:
+            refused_by = f"torch's fused {type(optimizer).__name__}"
+        else:
+            refused_by = None
+        found = unfusable_tensor(optimizer, dtensor_refused_by=refused_by)
+        return self.reason_for(found[0], **found[1]) if found else None
+
+    def _kept(self, owner, reason: str, verb: str = "kept as is") -> None:
         self.figures["optimizers_kept"] += 1
-        self.note(f"{owner.__name__} kept as is: {reason}")
+        self.note(f"{owner.__name__} {verb}: {reason}")
+
+    def _count_refusal(self, reason) -> None:
+        refusals = self.figures.setdefault("kernel_refusals", {})
+        refusals[reason.code] = refusals.get(reason.code, 0) + 1
+
+    def _unfuse(self, optimizer, reason) -> None:
+        """From this step on, ``optimizer`` runs as the script built it: torch's own unfused step."""
+        if optimizer in self._fused:
+            del self._fused[optimizer]
+        elif not self._hand_back(optimizer):
+            return
+        self.figures["optimizers_fused"] -= 1
+        self._kept(type(optimizer), reason.text, verb="runs unfused from its next step on")
+        self._count_refusal(reason)
+
+    # Each step of an optimizer it fused --------------------------------------------------------
+
+    def _route_steps(self, owner) -> None:
+        if owner not in self._raw_steps:
+            # Wrapped only now that torch has put its hook layer on `owner.step` (it does so in the
+            # first __init__), so this wrapper sits outside it and can route the step.
+            self._raw_steps[owner] = owner.step.__wrapped__
+            self.wrap(owner, "step", self._step)
+
+    def _step(self, wrapped, instance, args, kwargs):
+        if instance not in self._fused and instance not in self._delegates:
+            return wrapped(*args, **kwargs)
+        if len(args) + len(kwargs) > 1 or set(kwargs) - {"closure"}:  # torch raises its own TypeError
+            return wrapped(*args, **kwargs)
+        # Through torch's own hook layer, so the user's step hooks (and schedulers) see `instance`.
+        return self._hooked_step(instance, *args, **kwargs)
+
+    def _checked_step(self, optimizer, closure=None):
+        """torch's step, with the closure run first (its gradients are checked too) and the update
+        fused only where the kernel takes this step's tensors; else the script's own unfused step."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()  # the user's code: its exceptions propagate untouched
+        with self.fail_open():
+            unfusable = self._unfusable(optimizer)
+            if unfusable:
+                self._unfuse(optimizer, unfusable)
+        if optimizer in self._fused:
+            self._torch_fused_step(optimizer)
+        elif optimizer in self._delegates:
+            self._delegate_step(optimizer)
+        else:
+            self._raw_steps[type(optimizer)](optimizer)
+        return loss
 
     # CUDA / CPU: torch's own fused kernels -------------------------------------------------------
 
-    def _init_with_torch_fused(self, owner, wrapped, instance, args, kwargs):
+    def _torch_fused_step(self, optimizer) -> None:
+        """torch's step with ``fused=True`` set in each group for the time of its update, one group at
+        a time: a group the kernel refuses (torch checks a group's tensors before updating any) is
+        run unfused with the groups after it, the groups before it being done. Outside the step the
+        groups hold the script's value, so state_dict(), copies and pickles are the script's."""
+        if self._fused[optimizer] is not optimizer.state:  # new, or replaced by load_state_dict()
+            _fused_format_steps(optimizer)
+            self._fused[optimizer] = optimizer.state
+        step = self._raw_steps[type(optimizer)]
+        groups = optimizer.param_groups
         try:
-            result = wrapped(*args, **{**kwargs, "fused": True})
-        except Exception as error:  # torch checks fused=True against the params (device, dtype)
-            self._kept(owner, f"torch refused fused=True ({error})")
-            return wrapped(*args, **kwargs)
-        user_value = kwargs.get("fused")
-        instance.register_state_dict_post_hook(functools.partial(_with_fused, value=user_value))
-        instance.register_load_state_dict_pre_hook(functools.partial(_with_fused, value=True))
-        self.figures["optimizers_fused"] += 1
-        return result
+            for index, group in enumerate(groups):
+                optimizer.param_groups = [group]
+                counters = _step_counters(optimizer, group)
+                try:
+                    with _fused_flag(group):
+                        step(optimizer)
+                except Exception as error:
+                    _rewind(optimizer, group, counters)
+                    self._unfuse(optimizer, self.reason_for("fused_step_raised", error=error))
+                    optimizer.param_groups = groups[index:]
+                    step(optimizer)  # plain PyTorch's step for the rest: its errors are its own
+                    return
+        finally:
+            optimizer.param_groups = groups
 
     # HPU: an hpex optimizer behind the user's torch.optim object --------------------------------
 
@@ -131,15 +312,20 @@ class FusedOptimizer(Unit):
             key: value for key, value in delegate.defaults.items() if key not in instance.defaults
         }
         self._share_groups(instance, delegate)
-        instance.register_state_dict_post_hook(functools.partial(_torch_format_checkpoint, steps=self._group_steps))
-        instance.register_load_state_dict_post_hook(self._fused_format_state)
-        self._fused_format_state(instance)
-        self._delegates[instance] = delegate
-        if owner not in self._steps_wrapped:
-            # Wrapped only now that torch has put its hook layer on `owner.step` (it does so in the
-            # first __init__), so this wrapper sits outside it and can route the step.
-            self.wrap(owner, "step", self._step)
-            self._steps_wrapped.add(owner)
+        handles = (
+            instance.register_state_dict_post_hook(
+                functools.partial(_torch_format_checkpoint, steps=self._group_steps)
+            ),
+            instance.register_load_state_dict_post_hook(_int_steps),
+        )
+        _int_steps(instance)
+        self._delegates[instance] = (delegate, handles)
+        self._route_steps(owner)
+        if not self._getstate_wrapped:
+            # A copy or pickle of the object carries torch's state (tensor steps from the group
+            # counters), which a plain torch.optim object steps on correctly.
+            self._getstate_wrapped = True
+            self.wrap(torch.optim.Optimizer, "__getstate__", self._torch_format_getstate)
         self.figures["optimizers_fused"] += 1
 
     def _share_groups(self, instance, delegate) -> None:
@@ -171,41 +357,52 @@ class FusedOptimizer(Unit):
             for param in mirror["params"]
         }
 
-    def _step(self, wrapped, instance, args, kwargs):
-        if instance not in self._delegates:
-            return wrapped(*args, **kwargs)
-        # Through torch's own hook layer, so the user's step hooks (and schedulers) see `instance`.
-        return self._hooked_delegate_step(instance, *args, **kwargs)
-
-    def _delegate_step(self, optimizer, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()  # the user's code: its exceptions propagate untouched
+    def _delegate_step(self, optimizer) -> None:
         done = False
         with self.fail_open():
-            delegate = self._delegates[optimizer]
+            delegate = self._delegates[optimizer][0]
             self._share_groups(optimizer, delegate)  # add_param_group / load_state_dict may have run
             _raw_step(delegate)(delegate)
             done = True
         if not done:  # the unit was reverted and the state handed back: take torch's own step
-            _raw_step(optimizer)(optimizer)
-        return loss
+            self._raw_steps[type(optimizer)](optimizer)
 
-    @staticmethod
-    def _fused_format_state(optimizer) -> None:
-        for state in optimizer.state.values():
-            if torch.is_tensor(state.get("step")):
-                state["step"] = int(state["step"].item())
+    def _torch_format_getstate(self, wrapped, instance, args, kwargs):
+        state = wrapped(*args, **kwargs)
+        if instance not in self._delegates:
+            return state
+        steps = self._group_steps(instance)
+        per_param = {
+            param: {**values, "step": _torch_step(steps.get(id(param), values["step"]))} if "step" in values else values
+            for param, values in state["state"].items()
+        }
+        return {**state, "state": collections.defaultdict(dict, per_param)}
+
+    def _hand_back(self, optimizer) -> bool:
+        """Give an hpex-stepped optimizer back to torch: its state in torch's format, no hook of ours
+        left on it. False where it was not one."""
+        delegate = self._delegates.pop(optimizer, None)
+        if delegate is None:
+            return False
+        steps = self._group_steps(optimizer)
+        for param, state in optimizer.state.items():
+            if "step" in state:
+                state["step"] = _torch_step(steps.get(id(param), state["step"]))
+        for handle in delegate[1]:
+            handle.remove()
+        self._mirrors.pop(optimizer, None)
+        return True
 
     def _hand_state_back_to_torch(self) -> None:
         for optimizer in list(self._delegates):
-            steps = self._group_steps(optimizer)
-            for param, state in optimizer.state.items():
-                if "step" in state:
-                    state["step"] = _torch_step(steps.get(id(param), state["step"]))
-        self._delegates.clear()
-        self._mirrors.clear()
+            self._hand_back(optimizer)
+
+
+def _int_steps(optimizer) -> None:
+    """The hpex optimizers keep ``step`` as a Python int (torch: a float32 tensor)."""
+    for state in optimizer.state.values():
+        if torch.is_tensor(state.get("step")):
+            state["step"] = int(state["step"].item())
 
 
 def _torch_step(step):
@@ -235,9 +432,3 @@ def _torch_format_checkpoint(optimizer, state_dict, steps):
         for index, values in state_dict["state"].items()
     }
     return {**state_dict, "state": state}
-
-
-def _with_fused(optimizer, state_dict, value):
-    """A copy of ``state_dict`` whose param groups say ``fused=value``."""
-    groups = [{**group, "fused": value} for group in state_dict["param_groups"]]
-    return {**state_dict, "param_groups": groups}

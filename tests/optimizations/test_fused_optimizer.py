@@ -1,6 +1,10 @@
 """fused_optimizer on the real CPU (torch fused=True) and against the HPU double (hpex FusedAdamW/FusedSGD)."""
 
+import copy
+import gc
 import io
+import pickle
+import types
 
 import pytest
 import torch
@@ -118,17 +122,28 @@ def test_hpu_adamw_follows_the_bridge_formula_step_after_step(hpu_double, betas)
     assert autogaudi.report().unit("fused_optimizer")["figures"]["optimizers_fused"] == 1
 
 
-def test_cpu_builds_the_users_own_class_with_fused_true():
+def counting(monkeypatch, kernel):
+    """Calls of ``torch.<kernel>`` (what torch's fused step runs) from now on."""
+    calls = []
+    original = getattr(torch, kernel)
+    monkeypatch.setattr(torch, kernel, lambda *args, **kwargs: calls.append(kernel) or original(*args, **kwargs))
+    return calls
+
+
+def test_cpu_keeps_the_users_object_as_built_and_steps_it_with_torchs_fused_kernel(monkeypatch):
+    plain = torch.optim.AdamW(model().parameters(), lr=2e-3, eps=1e-7)
     enable("cpu")
     net = model()
     optimizer = torch.optim.AdamW(net.parameters(), lr=2e-3, eps=1e-7)
     assert type(optimizer) is torch.optim.AdamW
-    assert optimizer.defaults["fused"] is True
-    assert (optimizer.defaults["lr"], optimizer.defaults["eps"], optimizer.defaults["weight_decay"]) == (
-        2e-3,
-        1e-7,
-        1e-2,
-    )
+    assert optimizer.defaults == plain.defaults and optimizer.defaults["fused"] is None
+    assert set(vars(optimizer)) == set(vars(plain))  # no attribute, no hook of autogaudi's
+    assert all(not hooks for name, hooks in vars(optimizer).items() if name.endswith("_hooks"))
+    calls = counting(monkeypatch, "_fused_adamw_")
+    net(torch.randn(2, 10)).sum().backward()
+    optimizer.step()
+    assert calls == ["_fused_adamw_"]
+    assert [group["fused"] for group in optimizer.param_groups] == [None]  # set for the update only
 
 
 def test_hpu_keeps_the_users_object_and_passes_torchs_values_to_fused_adamw(hpu_double):
@@ -310,3 +325,181 @@ def test_closure_exceptions_are_the_users(backend):
     with pytest.raises(KeyError, match="from the user's closure"):
         optimizer.step(closure)
     assert autogaudi.report().unit("fused_optimizer")["status"] == "applied"
+
+
+def sparse_model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.ModuleDict({"embedding": torch.nn.Embedding(20, 6, sparse=True), "head": torch.nn.Linear(6, 3)})
+
+
+def train_sparse(use_closure=False, steps=5):
+    """An embedding with sparse gradients under SGD (torch's fused SGD refuses them at its step), the
+    step through a closure or not; beside it a dense model of its own under AdamW."""
+    net, side = sparse_model(), torch.nn.Linear(4, 1)
+    sparse = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    dense = torch.optim.AdamW(side.parameters(), lr=1e-2)
+    generator = torch.Generator().manual_seed(3)
+    for _ in range(steps):
+        tokens, labels = torch.randint(0, 20, (8,), generator=generator), torch.randint(0, 3, (8,), generator=generator)
+        inputs = torch.randn(8, 4, generator=generator)
+
+        def closure(tokens=tokens, labels=labels, inputs=inputs):
+            sparse.zero_grad()
+            dense.zero_grad()
+            loss = torch.nn.functional.cross_entropy(net["head"](net["embedding"](tokens)), labels)
+            (loss + side(inputs).pow(2).mean()).backward()
+            return loss
+
+        if use_closure:
+            sparse.step(closure)
+        else:
+            closure()
+            sparse.step()
+        dense.step()
+    return net, side
+
+
+@pytest.mark.parametrize("use_closure", [False, True], ids=["step", "closure"])
+def test_sparse_gradients_step_unfused_exactly_as_plain_and_the_rest_stays_fused(backend, use_closure):
+    plain, plain_side = train_sparse(use_closure)
+    enable(backend)
+    tuned, tuned_side = train_sparse(use_closure)  # torch's fused SGD would raise at the first step
+    assert all(map(torch.equal, tuned.parameters(), plain.parameters()))  # torch's own unfused step
+    torch.testing.assert_close(list(tuned_side.parameters()), list(plain_side.parameters()), **TOLERANCE)
+    row = autogaudi.report().unit("fused_optimizer")
+    assert row["figures"] == {"optimizers_fused": 1, "optimizers_kept": 1, "kernel_refusals": {"sparse_gradients": 1}}
+    assert any(note.startswith("SGD runs unfused from its next step on: a gradient is sparse") for note in row["notes"])
+
+
+def complex_parameter():
+    torch.manual_seed(0)
+    return torch.nn.Parameter(torch.randn(4, dtype=torch.complex64))
+
+
+def fit(optimizer, parameters, steps=3):
+    for _ in range(steps):
+        sum((parameter.abs() ** 2).sum() for parameter in parameters).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def test_tensors_the_kernel_refuses_keep_the_optimizer_unfused_built_or_added_later():
+    """torch builds a fused optimizer over complex parameters and raises at its first step."""
+    enable("cpu")
+    built_with = complex_parameter()
+    fit(torch.optim.Adam([built_with]), [built_with])
+    net = model()
+    added_later = complex_parameter()
+    optimizer = torch.optim.Adam(net.parameters())
+    optimizer.add_param_group({"params": [added_later]})
+    fit(optimizer, [added_later])
+    row = autogaudi.report().unit("fused_optimizer")
+    assert row["figures"] == {"optimizers_fused": 0, "optimizers_kept": 2, "kernel_refusals": {"parameter_dtype": 2}}
+    assert (
+        "Adam kept as is: a parameter is torch.complex64; the fused kernel takes floating-point tensors only"
+        in (row["notes"])
+    )
+    autogaudi.disable()
+    for tuned in (built_with, added_later):
+        plain = complex_parameter()
+        fit(torch.optim.Adam([plain]), [plain])
+        assert torch.equal(tuned, plain)
+
+
+def test_a_fused_group_that_raises_runs_unfused_with_the_groups_after_it_once(monkeypatch):
+    """The safety net: a group torch's fused step raised on (having checked it, it updated nothing)
+    takes torch's unfused step; the groups before it, done fused, are not stepped twice."""
+    make = OPTIMIZERS["per_group"]
+    plain, plain_net, _ = train(make, steps=3)
+    enable("cpu")
+    kernel = torch._fused_adamw_
+    seen = []
+
+    def second_group_refused(*args, **kwargs):
+        seen.append(len(args[0]))
+        if len(seen) == 2:
+            raise RuntimeError("injected refusal")
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_fused_adamw_", second_group_refused)
+    losses, net, optimizer = train(make, steps=3)
+    assert seen == [2, 2]  # both groups tried fused once, then unfused for good
+    torch.testing.assert_close(losses, plain, **TOLERANCE)
+    torch.testing.assert_close(list(net.parameters()), list(plain_net.parameters()), **TOLERANCE)
+    row = autogaudi.report().unit("fused_optimizer")
+    assert (row["reason_code"], row["figures"]["kernel_refusals"]) == ("torch_fused", {"fused_step_raised": 1})
+
+
+def test_after_disable_its_optimizers_are_plain(monkeypatch):
+    enable("cpu")
+    net = sparse_model()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    autogaudi.disable()
+    calls = counting(monkeypatch, "_fused_sgd_")
+    net["head"](net["embedding"](torch.tensor([1, 2]))).sum().backward()
+    optimizer.step()  # sparse gradients: a fused step would raise
+    assert calls == []
+
+
+def autogaudi_objects(root) -> list:
+    """What of autogaudi's is reachable from ``root`` through references (modules and classes,
+    shared by every object, are not followed)."""
+    seen, stack, found = set(), [root], []
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, (type, types.ModuleType)):
+            continue
+        seen.add(id(obj))
+        module = getattr(obj, "__module__", None) if callable(obj) else type(obj).__module__
+        if isinstance(module, str) and module.startswith("autogaudi"):
+            found.append(obj)
+        if not isinstance(obj, (types.FunctionType, types.BuiltinFunctionType)):  # not into their globals
+            stack.extend(gc.get_referents(obj))
+    return found
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd_momentum"])
+def test_copies_and_pickles_are_plain_optimizers_that_continue_training(backend, name):
+    make = OPTIMIZERS[name]
+    net = model()
+    reference = run(net, make(net), 0, 20)  # plain PyTorch, uninterrupted
+    enable(backend)
+    net = model()
+    optimizer = make(net)
+    first = run(net, optimizer, 0, 10)
+    rng = torch.get_rng_state()
+    pickled = pickle.dumps((net, optimizer))
+    assert b"autogaudi" not in pickled  # unpickling needs nothing of autogaudi's
+    copied_net, copied = copy.deepcopy((net, optimizer))
+    assert autogaudi_objects(copied) == []
+    assert all(group["fused"] is None for group in copied.param_groups) and copied.defaults["fused"] is None
+    autogaudi.disable()
+    for net, optimizer in (pickle.loads(pickled), (copied_net, copied)):
+        torch.set_rng_state(rng)
+        torch.testing.assert_close(first + run(net, optimizer, 10, 20), reference, **tolerance(backend, name))
+
+
+def test_fsdp2_dtensor_parameters_fuse_under_adamw_not_under_sgd(process_group):
+    """FSDP2's DTensor parameters: DTensor has sharding rules for torch's fused Adam/AdamW kernels,
+    none for _fused_sgd_ (torch 2.13 raises NotImplementedError at the step)."""
+    from torch.distributed.fsdp import fully_shard
+
+    def sharded():
+        net = model()
+        fully_shard(net)
+        return net
+
+    plain, plain_net, _ = train(lambda net: torch.optim.AdamW(fully_shard(net).parameters(), lr=3e-3), steps=3)
+    enable("cpu")
+    adamw_net = sharded()
+    adamw = torch.optim.AdamW(adamw_net.parameters(), lr=3e-3)
+    sgd_net = sharded()
+    sgd = torch.optim.SGD(sgd_net.parameters(), lr=0.1)
+    for net, optimizer in ((adamw_net, adamw), (sgd_net, sgd)):
+        net(torch.randn(4, 10)).sum().backward()
+        optimizer.step()
+    row = autogaudi.report().unit("fused_optimizer")
+    assert row["figures"] == {"optimizers_fused": 1, "optimizers_kept": 1, "kernel_refusals": {"dtensor_parameters": 1}}
+    assert "SGD kept as is: its parameters are DTensors (FSDP2), which torch's fused SGD does not take" in row["notes"]
+    losses, net, _ = train(lambda net: torch.optim.AdamW(fully_shard(net).parameters(), lr=3e-3), steps=3)
+    torch.testing.assert_close(losses, plain, **TOLERANCE)
