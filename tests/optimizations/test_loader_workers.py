@@ -16,6 +16,7 @@ from autogaudi.optimizations.loader_workers import (
     CLEARLY_INPUT_BOUND,
     EARLY_BATCHES,
     MEASURED_BATCHES,
+    Phase,
     _Timing,
     measured_enough,
 )
@@ -80,18 +81,24 @@ def row():
 def test_loader_bound_run_gets_workers_with_the_same_batches_and_losses():
     make = lambda: DataLoader(Slow(), batch_size=8, shuffle=True)  # noqa: E731
     plain_losses, plain_seen, plain_workers, _ = train(make)
+    script_threads = torch.get_num_threads()
     only_loader_workers()
-    losses, seen, workers, loader = train(make)
+    children = []
+    losses, seen, workers, loader = train(make, children=children)
     assert seen == plain_seen and losses == plain_losses  # dropout draws included: the RNG stream is kept
-    assert plain_workers == [0, 0, 0] and workers[0] == 0 and workers[1] == workers[2] >= 2
     figures = row()["figures"]
     # warm-up, measured (this loader waits ~99%: the short window), then workers in epoch 1
     assert figures["workers_from_batch"] == 2 + EARLY_BATCHES + 1
     assert figures["loaders_tuned"] == 1 and figures["input_bound_fraction"] > 0.5
     assert figures["ms_per_batch_after"] < figures["ms_per_batch_before"]
-    assert torch.get_num_threads() == figures["main_threads"]
+    # each later epoch: its first batch in-process, the rest from workers
+    later = children[BATCHES_PER_EPOCH:]
+    assert min(later[1:BATCHES_PER_EPOCH]) >= 2 and min(later[BATCHES_PER_EPOCH + 1 :]) >= 2
+    # what the script observes is what it set: the loader and the thread count are not changed
+    assert plain_workers == workers == [0, 0, 0] and loader.num_workers == 0
+    assert torch.get_num_threads() == script_threads and torch._C.get_num_threads() == figures["main_threads"]
     autogaudi.disable()
-    assert loader.num_workers == 0  # put back by disable()
+    assert torch._C.get_num_threads() == script_threads  # the cut undone
 
 
 @pytest.mark.slow
@@ -134,10 +141,10 @@ def test_a_clearly_starved_loader_is_decided_early_and_a_borderline_one_measured
     timing = _Timing()
     for batches in range(1, MEASURED_BATCHES + 1):  # noqa: B007 (read after the loop)
         timing.add(waiting_ms / 1000, (100 - waiting_ms) / 1000)
-        if measured_enough(timing, "before"):
+        if measured_enough(timing, Phase.MEASURING):
             break
     assert batches == batches_to_decide
-    assert not measured_enough(timing, "after") or batches == MEASURED_BATCHES  # re-timing is never cut short
+    assert not measured_enough(timing, Phase.CHECKING) or batches == MEASURED_BATCHES  # re-timing is never cut short
 
 
 def test_compute_bound_run_is_left_alone():
@@ -264,9 +271,12 @@ def test_forced_a_starving_loader_the_script_configured_is_measured_and_raised(c
     losses, seen, workers, loader = train(make)
     assert seen == plain_seen and losses == plain_losses
     budget = worker_budget()[0]
-    assert plain_workers == [chosen] * 3 and workers == [chosen, budget, budget]
+    # num_workers=0 is routed to workers, the loader untouched; the script's own workers are raised in
+    # place, which the script can read, and the reason code says so
+    assert plain_workers == [chosen] * 3 and workers == ([0, 0, 0] if chosen == 0 else [1, budget, budget])
     figures = row()["figures"]
     assert figures["loaders_tuned"] == 1 and ("workers_from_batch" in figures) == (chosen == 0)
+    assert row()["reason_code"] == ("workers" if chosen == 0 else "workers_raised")
     assert any("--force loader_workers" in note for note in row()["notes"])
     autogaudi.disable()
     assert loader.num_workers == chosen  # the script's choice, put back
