@@ -53,8 +53,7 @@ from types import FunctionType
 import psutil
 import torch
 import wrapt
-from torch.utils.data import Dataset, IterableDataset, dataloader
-from torch.utils.data._utils import MP_STATUS_CHECK_INTERVAL, signal_handling
+from torch.utils.data import Dataset, IterableDataset, _utils, dataloader
 
 from autogaudi.events import Event
 from autogaudi.steps import loader_arguments
@@ -354,14 +353,14 @@ class _WorkerIterator(dataloader._MultiProcessingDataLoaderIter):
         super().__init__(loader)
         # A dead worker is found here, by polling, and the batch built in-process; torch's SIGCHLD
         # handler would raise its error wherever the script's own code happens to be running.
-        signal_handling._remove_worker_pids(id(self))
+        _utils.signal_handling._remove_worker_pids(id(self))
         self._worker_pids_set = False
 
     def _get_data(self):
         bound = START_BOUND_S if self._given == 0 else self._batch_bound_s
         deadline = time.monotonic() + bound
         while (left := deadline - time.monotonic()) > 0:
-            success, data = self._try_get_data(min(left, MP_STATUS_CHECK_INTERVAL))
+            success, data = self._try_get_data(min(left, _utils.MP_STATUS_CHECK_INTERVAL))
             if success:
                 return data
         raise _TooSlow(f"no batch from the workers within {bound:.0f} s")
@@ -397,7 +396,7 @@ class _WorkerIterator(dataloader._MultiProcessingDataLoaderIter):
             self._shutdown = True
             for worker in getattr(self, "_workers", ()):
                 worker.terminate()
-                worker.join(MP_STATUS_CHECK_INTERVAL)
+                worker.join(_utils.MP_STATUS_CHECK_INTERVAL)
             return
         super()._shutdown_workers()
 
@@ -701,7 +700,7 @@ class LoaderWorkers(Unit):
     def _before_batch(self, iterator) -> None:
         state = self._state(iterator)
         if state is not None and state.phase is Phase.MEASURING and state.epoch_batches >= WARMUP_BATCHES:
-            state.before = (random_state(), instance_state(state.loader().dataset))
+            state.before = (random_state(), instance_state(iterator._dataset))
 
     def _after_batch(self, iterator, _batch, waited: float) -> None:
         state = self._state(iterator)
@@ -716,7 +715,7 @@ class LoaderWorkers(Unit):
             if state.last_end is not None and (state.phase is Phase.CHECKING or state.epoch_batches >= WARMUP_BATCHES):
                 window.add(waited, now - waited - state.last_end)
                 if state.phase is Phase.MEASURING:
-                    self._check_getitem(state)
+                    self._check_getitem(state, iterator._dataset)
             state.last_end = now
         state.epoch_batches += 1
         if timed and measured_enough(window, state.phase):
@@ -725,13 +724,13 @@ class LoaderWorkers(Unit):
             # a tuned loader's later epoch: its first batch was built here, the rest by workers
             self._start_workers(state, iterator, state.loader())
 
-    def _check_getitem(self, state) -> None:
+    def _check_getitem(self, state, dataset) -> None:
         """Whether the measured batch's ``__getitem__`` changed what workers would not give back:
         the global random streams (workers draw from their own) or the dataset's own attributes."""
         if state.before is None or state.getitem_changes is not None:
             return
         random_before, dataset_before = state.before
-        attribute = changed_attribute(dataset_before, instance_state(state.loader().dataset))
+        attribute = changed_attribute(dataset_before, instance_state(dataset))
         if not _same(random_before, random_state()):
             state.getitem_changes = ("draws_global_random", {})
         elif attribute is not None:
