@@ -4,6 +4,8 @@ samplers included); compute-bound runs, random __getitem__, explicit choices and
 alone."""
 
 import gc
+import os
+import random
 import time
 
 import psutil
@@ -16,6 +18,7 @@ from autogaudi.optimizations.loader_workers import (
     CLEARLY_INPUT_BOUND,
     EARLY_BATCHES,
     MEASURED_BATCHES,
+    Phase,
     _Timing,
     measured_enough,
 )
@@ -80,18 +83,24 @@ def row():
 def test_loader_bound_run_gets_workers_with_the_same_batches_and_losses():
     make = lambda: DataLoader(Slow(), batch_size=8, shuffle=True)  # noqa: E731
     plain_losses, plain_seen, plain_workers, _ = train(make)
+    script_threads = torch.get_num_threads()
     only_loader_workers()
-    losses, seen, workers, loader = train(make)
+    children = []
+    losses, seen, workers, loader = train(make, children=children)
     assert seen == plain_seen and losses == plain_losses  # dropout draws included: the RNG stream is kept
-    assert plain_workers == [0, 0, 0] and workers[0] == 0 and workers[1] == workers[2] >= 2
     figures = row()["figures"]
     # warm-up, measured (this loader waits ~99%: the short window), then workers in epoch 1
     assert figures["workers_from_batch"] == 2 + EARLY_BATCHES + 1
     assert figures["loaders_tuned"] == 1 and figures["input_bound_fraction"] > 0.5
     assert figures["ms_per_batch_after"] < figures["ms_per_batch_before"]
-    assert torch.get_num_threads() == figures["main_threads"]
+    # each later epoch: its first batch in-process, the rest from workers
+    later = children[BATCHES_PER_EPOCH:]
+    assert min(later[1:BATCHES_PER_EPOCH]) >= 2 and min(later[BATCHES_PER_EPOCH + 1 :]) >= 2
+    # what the script observes is what it set: the loader and the thread count are not changed
+    assert plain_workers == workers == [0, 0, 0] and loader.num_workers == 0
+    assert torch.get_num_threads() == script_threads and torch._C.get_num_threads() == figures["main_threads"]
     autogaudi.disable()
-    assert loader.num_workers == 0  # put back by disable()
+    assert torch._C.get_num_threads() == script_threads  # the cut undone
 
 
 @pytest.mark.slow
@@ -134,10 +143,10 @@ def test_a_clearly_starved_loader_is_decided_early_and_a_borderline_one_measured
     timing = _Timing()
     for batches in range(1, MEASURED_BATCHES + 1):  # noqa: B007 (read after the loop)
         timing.add(waiting_ms / 1000, (100 - waiting_ms) / 1000)
-        if measured_enough(timing, "before"):
+        if measured_enough(timing, Phase.MEASURING):
             break
     assert batches == batches_to_decide
-    assert not measured_enough(timing, "after") or batches == MEASURED_BATCHES  # re-timing is never cut short
+    assert not measured_enough(timing, Phase.CHECKING) or batches == MEASURED_BATCHES  # re-timing is never cut short
 
 
 def test_compute_bound_run_is_left_alone():
@@ -264,9 +273,196 @@ def test_forced_a_starving_loader_the_script_configured_is_measured_and_raised(c
     losses, seen, workers, loader = train(make)
     assert seen == plain_seen and losses == plain_losses
     budget = worker_budget()[0]
-    assert plain_workers == [chosen] * 3 and workers == [chosen, budget, budget]
+    # num_workers=0 is routed to workers, the loader untouched; the script's own workers are raised in
+    # place, which the script can read, and the reason code says so
+    assert plain_workers == [chosen] * 3 and workers == ([0, 0, 0] if chosen == 0 else [1, budget, budget])
     figures = row()["figures"]
     assert figures["loaders_tuned"] == 1 and ("workers_from_batch" in figures) == (chosen == 0)
+    assert row()["reason_code"] == ("workers" if chosen == 0 else "workers_raised")
     assert any("--force loader_workers" in note for note in row()["notes"])
     autogaudi.disable()
     assert loader.num_workers == chosen  # the script's choice, put back
+
+
+@pytest.fixture
+def starving(monkeypatch):
+    """Every measured loader counts as starving the step: what happens next does not hang on how
+    loaded this machine is."""
+    from autogaudi.optimizations import loader_workers
+
+    monkeypatch.setattr(loader_workers, "INPUT_BOUND", 0.0)
+    monkeypatch.setattr(loader_workers, "CLEARLY_INPUT_BOUND", 0.0)  # decided after the short window
+    monkeypatch.setattr(loader_workers, "MEASURED_BATCHES", 10**6)  # and never re-timed, so never put back
+
+
+def test_an_unguarded_spawn_script_stays_in_process_instead_of_hanging(tmp_path):
+    """Its workers would re-run the script and die at its top-level set_start_method, and starting
+    them blocks on a pipe nobody drains: it is kept in-process, checked before any worker starts."""
+    import json
+
+    from tests.helpers import SCRIPTS, run_python
+
+    script = SCRIPTS / "loader_spawn_unguarded.py"
+    plain = run_python(script)
+    tuned = run_python(
+        "-m", "autogaudi", "--quiet", "--only", "loader_workers", "--report", tmp_path / "r.json", script
+    )
+    assert plain.returncode == 0 and tuned.returncode == 0, tuned.stderr
+    assert json.loads(tuned.stdout) == json.loads(plain.stdout)
+    (unit,) = [row for row in json.loads((tmp_path / "r.json").read_text())["units"] if row["name"] == "loader_workers"]
+    assert unit["reason_code"] == "main_reruns" and unit["figures"]["kept_because"] == {"main_reruns": 1}, unit
+
+
+@pytest.mark.parametrize(
+    "source, safe",
+    [
+        ('"""doc"""\nimport torch\nN = 3\nclass A:\n    pass\nif __name__ == "__main__":\n    train()\n', True),
+        ("try:\n    import apex\nexcept ImportError:\n    apex = None\nSIZES = (1, 2)\n", True),
+        ("import torch.multiprocessing as mp\nmp.set_start_method('spawn')\n", False),
+        ("import argparse\nARGS = argparse.ArgumentParser().parse_args()\n", False),
+        ("import sys\nPATH = sys.argv[1]\n", False),
+        ('if __name__ == "__main__":\n    pass\nelse:\n    train()\n', False),
+        ("def broken(:\n", False),
+    ],
+    ids=["guarded", "try-import", "set-start-method", "argparse", "argv", "else-branch", "syntax-error"],
+)
+def test_a_main_is_safe_to_rerun_in_a_worker_only_when_it_only_defines_and_imports(tmp_path, source, safe):
+    from autogaudi.optimizations.loader_workers import main_reruns_safely
+
+    script = tmp_path / "script.py"
+    script.write_text(source)
+    assert main_reruns_safely(str(script)) is safe
+
+
+class Augmenting(Dataset):
+    """Random augmentation from a generator of its own: each worker would draw from a copy."""
+
+    def __init__(self, kind):
+        import numpy
+
+        self.rng = {
+            "random": lambda: random.Random(123),
+            "numpy-randomstate": lambda: numpy.random.RandomState(123),
+            "numpy-generator": lambda: numpy.random.default_rng(123),
+            "torch": lambda: torch.Generator().manual_seed(123),
+        }[kind]()
+
+    def __len__(self):
+        return BATCHES_PER_EPOCH * 8
+
+    def __getitem__(self, index):
+        time.sleep(0.001)
+        if isinstance(self.rng, random.Random):
+            noise = self.rng.random()
+        elif isinstance(self.rng, torch.Generator):
+            noise = torch.rand((), generator=self.rng).item()
+        else:
+            noise = float(self.rng.random() if hasattr(self.rng, "bit_generator") else self.rng.rand())
+        return torch.full((8,), index / len(self) + noise), index % 3
+
+
+@pytest.mark.parametrize("kind", ["random", "numpy-randomstate", "numpy-generator", "torch"])
+def test_a_dataset_with_its_own_generator_keeps_the_plain_runs_samples(starving, kind):
+    make = lambda: DataLoader(Augmenting(kind), batch_size=8, shuffle=True)  # noqa: E731
+    plain_losses, plain_seen, _, _ = train(make, epochs=1)
+    only_loader_workers()
+    losses, seen, _, _ = train(make, epochs=1)
+    assert losses == plain_losses and seen == plain_seen
+    assert row()["reason_code"] == "holds_generator" and row()["figures"]["loaders_tuned"] == 0
+
+
+class Counting(Slow):
+    """Counts its calls and caches what it built: workers would count and cache in their copies."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+        self.cache = {}
+
+    def __getitem__(self, index):
+        self.calls += 1
+        self.cache[index] = item = super().__getitem__(index)
+        return item
+
+
+def test_a_dataset_that_counts_or_caches_keeps_the_plain_runs_counts(starving):
+    plain = Counting()
+    train(lambda: DataLoader(plain, batch_size=8, shuffle=True), epochs=2)
+    only_loader_workers()
+    dataset = Counting()
+    train(lambda: DataLoader(dataset, batch_size=8, shuffle=True), epochs=2)
+    assert dataset.calls == plain.calls == 2 * BATCHES_PER_EPOCH * 8 and len(dataset.cache) == len(plain.cache)
+    assert row()["reason_code"] == "mutates_state" and row()["reason_params"] == {"attribute": "cache"}
+
+
+def test_a_dataset_that_does_not_pickle_stays_in_process_under_spawn(starving):
+    """Under spawn the workers get the dataset pickled: checked before they start."""
+    import multiprocessing
+
+    previous = multiprocessing.get_start_method(allow_none=True)
+    multiprocessing.set_start_method("spawn", force=True)
+    try:
+        dataset = Slow()
+        dataset.transform = lambda features: features  # a lambda does not pickle
+        only_loader_workers()
+        _, seen, _, _ = train(lambda: DataLoader(dataset, batch_size=8), epochs=1)
+    finally:
+        multiprocessing.set_start_method(previous, force=True)
+    assert seen == [[index % 3 for index in range(start, start + 8)] for start in range(0, len(dataset), 8)]
+    assert row()["reason_code"] == "not_picklable" and "lambda" in row()["reason_params"]["error"]
+
+
+class DiesInWorkers(Slow):
+    """Fine in-process; in a worker it exits, or never returns."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+
+    def __getitem__(self, index):
+        if torch.utils.data.get_worker_info() is not None:
+            if self.how == "exit":
+                os._exit(3)
+            time.sleep(600)
+        return super().__getitem__(index)
+
+
+@pytest.mark.parametrize("how", ["exit", "stall"])
+def test_workers_that_die_or_stall_hand_the_epoch_back_with_the_same_batches(starving, monkeypatch, how):
+    """A failed attempt: the workers go, the batches they had not yielded are built in-process (none
+    lost, none twice), and the reason code says so. The bound is shortened here; the stall is far
+    longer than it."""
+    from torch.utils.data import _utils
+
+    from autogaudi.optimizations import loader_workers
+
+    monkeypatch.setattr(loader_workers, "START_BOUND_S", 1.0)
+    monkeypatch.setattr(_utils, "MP_STATUS_CHECK_INTERVAL", 0.2)  # how often a dead worker is looked for
+    make = lambda: DataLoader(DiesInWorkers(how), batch_size=8, shuffle=True)  # noqa: E731
+    plain_losses, plain_seen, _, _ = train(make, epochs=2)
+    only_loader_workers()
+    losses, seen, _, _ = train(make, epochs=2)
+    assert seen == plain_seen and losses == plain_losses
+    assert row()["reason_code"] == "workers_failed" and row()["figures"]["loaders_tuned"] == 0
+    assert ("RuntimeError" if how == "exit" else "_TooSlow") in row()["reason_params"]["error"]
+    gc.collect()
+    assert psutil.Process().children() == []
+
+
+def test_the_script_reads_and_sets_its_own_thread_count_while_workers_take_cores(starving):
+    from autogaudi.optimizations.loader_workers import worker_budget
+
+    script_threads = torch.get_num_threads()
+    only_loader_workers()
+    loader = DataLoader(Slow(), batch_size=8)
+    read = []
+    for index, _batch in enumerate(loader):
+        read.append(torch.get_num_threads())
+        if index == BATCHES_PER_EPOCH - 2:
+            torch.set_num_threads(3)  # the script's own choice, while the threads are cut
+    assert row()["figures"]["loaders_tuned"] == 1 and loader.num_workers == 0
+    assert read[:-1] == [script_threads] * (BATCHES_PER_EPOCH - 1) and read[-1] == 3
+    assert torch._C.get_num_threads() == min(3, worker_budget()[1])
+    autogaudi.disable()
+    assert torch.get_num_threads() == 3  # the script's number, the cut undone
+    torch.set_num_threads(script_threads)
