@@ -150,10 +150,11 @@ def test_the_cpu_cases_run_plain_under_autogaudi_and_with_capture_forced(tmp_pat
 
 
 @pytest.mark.slow
-def test_fsdp2_and_ddp_scripts_run_on_two_ranks_plain_under_autogaudi_and_with_capture_forced(tmp_path):
-    """pytorch/examples' FSDP2 example and DDP tutorial, unmodified, under torchrun on two gloo ranks
-    (FSDP2 crashed in its first census backward under autogaudi's defaults). The DCP resume case is
-    left to the full corpus run: its set-up run doubles the time."""
+def test_the_fsdp2_example_runs_on_two_ranks_plain_under_autogaudi_and_with_capture_forced(tmp_path):
+    """pytorch/examples' FSDP2 example, unmodified, under torchrun on two gloo ranks: it crashed in
+    its first census backward under autogaudi's defaults. About 65 s here; the DCP resume and DDP
+    cases (another 100 s) are left to the full corpus run, DDP under torchrun being tested by
+    ddp_tuning's tests."""
     out = tmp_path / "corpus.json"
     corpus = load_corpus()
     done = subprocess.run(
@@ -163,7 +164,7 @@ def test_fsdp2_and_ddp_scripts_run_on_two_ranks_plain_under_autogaudi_and_with_c
             "--corpus",
             str(corpus.DIST_CORPUS),
             "--cases",
-            "fsdp2,ddp",
+            "fsdp2",
             "--out",
             str(out),
             "--scratch",
@@ -175,7 +176,7 @@ def test_fsdp2_and_ddp_scripts_run_on_two_ranks_plain_under_autogaudi_and_with_c
     )
     assert out.exists(), done.stderr[-3000:]
     rows = {row["name"]: row for row in json.loads(out.read_text())["cases"]}
-    assert sorted(rows) == ["ddp", "fsdp2"]
+    assert sorted(rows) == ["fsdp2"]
     for row in rows.values():
         assert row["runs"]["plain"]["exit_code"] == 0, row["runs"]["plain"]["output_tail"]
         assert row["runs"]["plain"]["checkpoints"], row["runs"]["plain"]["files"]
