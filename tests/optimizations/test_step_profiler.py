@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 from torch.utils.data import DataLoader, Dataset
 
@@ -388,7 +389,6 @@ def test_fsdp2_with_a_dcp_checkpoint_trains_under_autogaudi_as_plain(tmp_path):
     script = SCRIPTS / "fsdp2_train.py"
     result, plain = torchrun(tmp_path, *TORCHRUN, script)
     assert result.returncode == 0, result.stderr[-3000:]
-    plain_full = torch.load(tmp_path / "run0" / "full.pt", weights_only=True)
     result, mine = torchrun(tmp_path, *TORCHRUN, script, env={"AUTOGAUDI": "1", "AUTOGAUDI_QUIET": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
     assert [worker["rank"] for worker in mine] == [0, 1] and all(worker["autogaudi"] for worker in mine)
@@ -400,7 +400,16 @@ def test_fsdp2_with_a_dcp_checkpoint_trains_under_autogaudi_as_plain(tmp_path):
         assert row["status"] != "failed", row
         assert row["figures"]["collectives_without_future_per_step"] >= 1, row["figures"]
         assert "collective_wait_fraction" in row["figures"], row["figures"]
-    full = torch.load(sorted(tmp_path.glob("run*/full.pt"))[-1], weights_only=True)
+    plain_run, my_run = tmp_path / "run0", tmp_path / "run1"  # torchrun() names each job's folder in turn
+    full, plain_full = (torch.load(run / "full.pt", weights_only=True) for run in (my_run, plain_run))
     assert full.keys() == plain_full.keys()
     for name, tensor in full.items():
         torch.testing.assert_close(tensor, plain_full[name], rtol=1e-4, atol=1e-6)
+    # The DCP checkpoint, read without a process group: plain's weights, optimizer state and settings
+    # (fused_optimizer's fused=True is not in it).
+    for run in (plain_run, my_run):
+        dcp_to_torch_save(run / "dcp", run / "dcp.pt")
+    mine_dcp, plain_dcp = (torch.load(run / "dcp.pt", weights_only=False) for run in (my_run, plain_run))
+    assert mine_dcp["optim"]["param_groups"] == plain_dcp["optim"]["param_groups"]
+    torch.testing.assert_close(mine_dcp["model"], plain_dcp["model"], rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(mine_dcp["optim"]["state"], plain_dcp["optim"]["state"], rtol=1e-4, atol=1e-6)
