@@ -1,11 +1,14 @@
 """Run public training scripts nobody here wrote, plain and under autogaudi, and compare what they did.
 
-    python benchmarks/corpus.py [--corpus ../shared/corpus] [--cases a,b] [--short] [--jobs N]
+    python benchmarks/corpus.py [--corpus ../shared/corpus ...] [--cases a,b] [--short] [--jobs N]
 
-For every case of the corpus manifest that fits the machine (``cpu`` cases without a GPU, all with
-one), the whole corpus is copied to a scratch folder per variant (the scripts write next to
-themselves and reach for their neighbours' files), the case's set-up commands run there, and then
-its command runs in a fresh interpreter:
+Two manifests by default: the shared corpus (``../shared/corpus``) and ``benchmarks/corpus_dist``
+(distributed scripts, FSDP2 and DDP, run by torchrun on two ranks; ``--corpus`` names others). For
+every case that fits the machine (``cpu`` cases without a GPU, all with one), its whole corpus is
+copied to a scratch folder per variant (the scripts write next to themselves and reach for their
+neighbours' files), the case's set-up commands run there, and then its command runs in a fresh
+interpreter (a torchrun case's command is ``-m torch.distributed.run ...``, so the launcher wraps
+torchrun and every rank runs under autogaudi):
 
 - ``plain``: ``python script args``;
 - ``autogaudi``: ``python -m autogaudi script args`` (defaults);
@@ -16,8 +19,10 @@ its command runs in a fresh interpreter:
 Per case and variant it records the exit code (must equal plain's), the result line (the manifest's
 regex, last match; its numbers compared with plain's, see :func:`compare_results`), the wall time
 and its ratio to plain, autogaudi's JSON report, and every file the run wrote: the same files must
-exist under autogaudi, and each checkpoint must load with plain ``torch.load`` in a process without
-autogaudi, holding the same keys, dtypes and shapes as plain's. Writes
+exist under autogaudi (names that carry a time compared by kind), and each checkpoint must load
+with plain ``torch.load`` in a process without autogaudi, holding the same keys, dtypes and shapes
+as plain's, and values whose sums are within the result tolerance of plain's (for scripts that print
+no result, the only check of what they computed). Writes
 ``benchmarks/results/corpus-<machine>.{json,md}``; the test suite runs the ``cpu`` cases with
 ``--short`` (the cases' own arguments made shorter; the scripts are never edited).
 """
@@ -28,6 +33,7 @@ import argparse
 import concurrent.futures
 import importlib.util
 import json
+import math
 import os
 import re
 import shutil
@@ -40,6 +46,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 DEFAULT_CORPUS = REPO.parent / "shared" / "corpus"
+DIST_CORPUS = HERE / "corpus_dist"
 
 VARIANTS = {
     "plain": [],
@@ -56,8 +63,17 @@ DEFAULT_VARIANTS = ("plain", "autogaudi", "capture forced")
 # same training, compared loosely (25%), and the table says so.
 # bf16 keeps 8 significant bits: a different trajectory too, held to 25% like forced capture.
 TOLERANCE = {"plain": 0.0, "autogaudi": 0.05, "capture forced": 0.25, "precision bf16": 0.25, "precision auto": 0.25}
-# Cases whose result cannot be compared with another run's: the script draws unseeded random numbers.
-UNSEEDED = {"regression": "the script draws unseeded random data every step; its exit (converged) is compared"}
+# Cases whose results and checkpoint values cannot be compared with another run's, and why.
+NOT_COMPARED = {
+    "regression": "the script draws unseeded random data every step; its exit (converged) is compared",
+    "ddp": "the script's dataset is unseeded torch.rand; its exit and checkpoint's shapes are compared",
+    **dict.fromkeys(
+        ("fsdp2", "fsdp2-dcp-resume"),
+        "the script never initialises its layers' weights (to_empty, then the root's reset_parameters, which "
+        "skips the layers: whatever memory held, NaN after training here); exit, files and checkpoint shapes "
+        "are compared",
+    ),
+}
 # A variant whose whole run takes this much longer than plain's is "slower".
 SLOWER = 1.10
 CHECKPOINT_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin")
@@ -77,22 +93,32 @@ SHORT = {
 TIMING = re.compile(r"[0-9.]+\s*m?s\b")
 NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
 
+# Each checkpoint's tensors, nested dicts flattened ("MODEL_STATE.weight", "state.0.exp_avg"), with
+# their dtype and shape, and (sum, sum of absolute values) of the floating ones.
 LOAD_CHECKPOINTS = r"""
 import json, sys, torch
+def flat(value, prefix=""):
+    for key, item in (value.items() if isinstance(value, dict) else ()):
+        name = f"{prefix}{key}"
+        if isinstance(item, torch.Tensor):
+            yield name, item
+        else:
+            yield from flat(item, name + ".")
 summaries = {}
-for path in sys.argv[1:]:
+for name, path in zip(sys.argv[1::2], sys.argv[2::2]):
     try:
         value = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as error:
-        summaries[path] = {"error": f"{type(error).__name__}: {error}"[:300]}
+        summaries[name] = {"error": f"{type(error).__name__}: {error}"[:300]}
         continue
     if isinstance(value, torch.nn.Module):
         kind, value = f"module {type(value).__name__}", value.state_dict()
     else:
         kind = type(value).__name__
-    tensors = value.items() if isinstance(value, dict) else ()
-    summaries[path] = {"kind": kind, "tensors": {str(k): [str(v.dtype), list(v.shape)]
-                                                   for k, v in tensors if isinstance(v, torch.Tensor)}}
+    tensors = dict(flat(value))
+    summaries[name] = {"kind": kind, "tensors": {k: [str(v.dtype), list(v.shape)] for k, v in tensors.items()},
+                       "sums": {k: [float(v.double().sum()), float(v.double().abs().sum())]
+                                for k, v in tensors.items() if v.is_floating_point()}}
 print(json.dumps(summaries))
 """
 
@@ -104,17 +130,20 @@ def machine_name() -> str:
     return name()
 
 
-def load_cases(corpus: Path, where: str, names) -> list:
-    manifest = json.loads((corpus / "corpus.json").read_text())
-    cases = [case for case in manifest["cases"] if where in case["where"]]
+def load_cases(corpora: list, where: str, names) -> list:
+    """The cases of every corpus's manifest (each remembers its corpus), those that fit ``where``
+    unless named."""
+    every = [
+        {**case, "corpus": corpus}
+        for corpus in corpora
+        for case in json.loads((corpus / "corpus.json").read_text())["cases"]
+    ]
     if names:
-        unknown = sorted(set(names) - {case["name"] for case in manifest["cases"]})
+        unknown = sorted(set(names) - {case["name"] for case in every})
         if unknown:
-            raise SystemExit(
-                f"unknown case(s) {', '.join(unknown)}; valid: " + ", ".join(case["name"] for case in manifest["cases"])
-            )
-        cases = [case for case in manifest["cases"] if case["name"] in names]
-    return cases
+            raise SystemExit(f"unknown case(s) {', '.join(unknown)}; valid: " + ", ".join(c["name"] for c in every))
+        return [case for case in every if case["name"] in names]
+    return [case for case in every if where in case["where"]]
 
 
 def shortened(case: dict) -> dict:
@@ -146,8 +175,10 @@ def snapshot(folder: Path) -> dict:
 
 
 def normalised(name: str) -> str:
-    """File names that carry a time, host or process id (TensorBoard's event files) compared by kind."""
-    return re.sub(r"events\.out\.tfevents\..*", "events.out.tfevents.*", name)
+    """File names that carry a time, host or process id (TensorBoard's event files, a checkpoint
+    folder named by the time in ms: FSDP2's example) compared by kind."""
+    name = re.sub(r"events\.out\.tfevents\..*", "events.out.tfevents.*", name)
+    return re.sub(r"(^|/)[0-9]{10,}(?=/)", r"\1<time>", name)
 
 
 def written_files(before: dict, after: dict) -> list:
@@ -160,8 +191,10 @@ def result_numbers(text):
 
 def compare_results(case: dict, variant: str, plain, mine) -> tuple:
     """(same, why): the numbers of the result line within ``TOLERANCE[variant]`` of plain's."""
-    if case["name"] in UNSEEDED:
-        return True, f"not compared: {UNSEEDED[case['name']]}"
+    if case["name"] in NOT_COMPARED:
+        return True, f"not compared: {NOT_COMPARED[case['name']]}"
+    if case.get("result") is None:
+        return True, "the script prints no result: its checkpoints' values are compared"
     if mine is None:
         return False, "no result line"
     if plain is None:
@@ -176,15 +209,35 @@ def compare_results(case: dict, variant: str, plain, mine) -> tuple:
     return True, f"within {bound:.0%} (largest difference {worst:.2%})"
 
 
+def different_sums(case: dict, variant: str, plain: dict, mine: dict) -> list:
+    """The floating tensors of a checkpoint whose sum is further from plain's than the result
+    tolerance, in units of plain's sum of absolute values (a sum near zero is not a scale), or
+    finite where plain's is not, or the other way round."""
+    if case["name"] in NOT_COMPARED:
+        return []
+    bound = TOLERANCE[variant]
+
+    def far(total, plain_total, plain_size):
+        if not (math.isfinite(total) and math.isfinite(plain_total)):
+            return math.isfinite(total) != math.isfinite(plain_total)
+        return abs(total - plain_total) > bound * max(plain_size, 1e-12)
+
+    theirs = plain.get("sums", {})
+    return [
+        name for name, (total, _size) in mine.get("sums", {}).items() if name in theirs and far(total, *theirs[name])
+    ]
+
+
 def check_checkpoints(folder: Path, files: list, case: dict) -> dict:
-    """Load each checkpoint with plain torch (no autogaudi in that process), in the case's folder."""
+    """Load each checkpoint with plain torch (no autogaudi in that process), in the case's folder;
+    summaries by normalised name."""
     checkpoints = [name for name in files if name.endswith(CHECKPOINT_SUFFIXES)]
     if not checkpoints:
         return {}
     env = clean_env(case, "plain")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), str(folder / case["dir"])) if p)
     done = subprocess.run(
-        [sys.executable, "-c", LOAD_CHECKPOINTS, *checkpoints],
+        [sys.executable, "-c", LOAD_CHECKPOINTS, *(part for name in checkpoints for part in (normalised(name), name))],
         cwd=folder,
         env=env,
         capture_output=True,
@@ -200,10 +253,10 @@ def _text(output) -> str:
     return output.decode(errors="replace") if isinstance(output, bytes) else (output or "")
 
 
-def run_variant(corpus: Path, case: dict, variant: str, scratch: Path, timeout: float) -> dict:
+def run_variant(case: dict, variant: str, scratch: Path, timeout: float) -> dict:
     root = scratch / case["name"] / variant.replace(" ", "-")
     copy = root / "corpus"
-    shutil.copytree(corpus, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(case["corpus"], copy, ignore=shutil.ignore_patterns("__pycache__"))
     folder = copy / case["dir"]
     env = clean_env(case, "plain")
     for command in case.get("setup", ()):
@@ -230,7 +283,7 @@ def run_variant(corpus: Path, case: dict, variant: str, scratch: Path, timeout: 
             _text(expired.stderr) + f"\nkilled after {timeout} s",
         )
     seconds = time.perf_counter() - began
-    matches = re.findall(f"(?:{case['result']})", done.stdout + done.stderr)
+    matches = re.findall(f"(?:{case['result']})", done.stdout + done.stderr) if case.get("result") else []
     files = written_files(before, snapshot(copy))
     record = {
         "exit_code": done.returncode,
@@ -259,8 +312,15 @@ def verdict(case: dict, variant: str, plain: dict, mine: dict) -> dict:
     for name, summary in mine["checkpoints"].items():
         if "error" in summary and "error" not in plain["checkpoints"].get(name, {"error": None}):
             problems["crashed"].append(f"{name} does not load with plain torch.load: {summary['error']}")
-        elif name in plain["checkpoints"] and summary != plain["checkpoints"][name]:
-            problems["differs"].append(f"{name} holds other keys, dtypes or shapes than plain's")
+        elif name in plain["checkpoints"]:
+            theirs = plain["checkpoints"][name]
+            wrong = different_sums(case, variant, theirs, summary)
+            if (summary.get("kind"), summary.get("tensors")) != (theirs.get("kind"), theirs.get("tensors")):
+                problems["differs"].append(f"{name} holds other keys, dtypes or shapes than plain's")
+            elif wrong:
+                problems["differs"].append(
+                    f"{name}: values further from plain's than {TOLERANCE[variant]:.0%} ({wrong[0]}, ...)"
+                )
     ratio = mine["seconds"] / plain["seconds"]
     if ratio > SLOWER:
         problems["slower"].append(f"whole run {ratio:.2f}x plain's wall time")
@@ -272,13 +332,13 @@ def verdict(case: dict, variant: str, plain: dict, mine: dict) -> dict:
     }
 
 
-def run_case(corpus: Path, case: dict, variants: list, scratch: Path, log, timeout: float) -> dict:
+def run_case(case: dict, variants: list, scratch: Path, log, timeout: float) -> dict:
     missing = missing_requirements(case)
     if missing:
         return {"name": case["name"], "skipped": f"needs {', '.join(missing)}, not installed here"}
     runs = {}
     for variant in variants:
-        runs[variant] = run_variant(corpus, case, variant, scratch, timeout)
+        runs[variant] = run_variant(case, variant, scratch, timeout)
         log(
             f"  {case['name']}: {variant} exit {runs[variant]['exit_code']} in {runs[variant]['seconds']:.1f} s, "
             f"result {runs[variant]['result']!r}"
@@ -377,7 +437,12 @@ def markdown(results: dict) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS)
+    parser.add_argument(
+        "--corpus",
+        type=Path,
+        action="append",
+        help=f"a corpus folder with its corpus.json, repeatable (default: {DEFAULT_CORPUS} and {DIST_CORPUS})",
+    )
     parser.add_argument("--cases", help="comma-separated case names (default: every case that fits the machine)")
     parser.add_argument("--where", choices=("cpu", "gpu"), help="default: gpu when CUDA is available, else cpu")
     parser.add_argument(
@@ -397,7 +462,8 @@ def main(argv=None) -> int:
     if variants[0] != "plain" or set(variants) - set(VARIANTS):
         parser.error(f"--variants must start with plain and name only: {', '.join(VARIANTS)}")
     where = args.where or ("gpu" if torch.cuda.is_available() else "cpu")
-    cases = load_cases(args.corpus, where, args.cases.split(",") if args.cases else None)
+    corpora = args.corpus or [corpus for corpus in (DEFAULT_CORPUS, DIST_CORPUS) if (corpus / "corpus.json").exists()]
+    cases = load_cases(corpora, where, args.cases.split(",") if args.cases else None)
     if args.short:
         cases = [shortened(case) for case in cases]
     machine = machine_name()
@@ -420,7 +486,7 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     order = {case["name"]: index for index, case in enumerate(cases)}
     with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        pending = [pool.submit(run_case, args.corpus, case, variants, scratch, log, args.timeout) for case in cases]
+        pending = [pool.submit(run_case, case, variants, scratch, log, args.timeout) for case in cases]
         for finished in concurrent.futures.as_completed(pending):  # written as cases end: a cut run keeps its rows
             results["cases"] = sorted([*results["cases"], finished.result()], key=lambda row: order[row["name"]])
             out.write_text(json.dumps(results, indent=1, default=str) + "\n")

@@ -96,26 +96,29 @@ def classify(waiting: float, busy: float, collective: float = 0.0) -> tuple:
 def census_figures(clean: list, censuses: list) -> tuple:
     """The step's figures, and the (input wait, ops computing, collective wait) shares of a step that
     :func:`classify` reads, from the clean steps' (seconds, seconds waiting for data) and the census
-    steps' (ops, busy seconds, collective wait seconds or None)."""
+    steps' (ops, busy seconds, collective wait seconds or None, collectives without a future)."""
     step_s = statistics.median(seconds for seconds, _waited in clean)
     waiting = sum(waited for _seconds, waited in clean) / sum(seconds for seconds, _waited in clean)
     # Per pair: (busy + collective wait, busy, collective wait) as shares of the clean step; the
     # median pair by their sum decides (PAIRS is odd).
     pairs = sorted(
         ((busy_s + (collective_s or 0.0)) / seconds, busy_s / seconds, (collective_s or 0.0) / seconds)
-        for (seconds, _waited), (_ops, busy_s, collective_s) in zip(clean, censuses)
+        for (seconds, _waited), (_ops, busy_s, collective_s, _unfutured) in zip(clean, censuses)
     )
     _, busy_share, collective_share = pairs[len(pairs) // 2]
     busy = sorted(share for _, share, _ in pairs)
     figures = {
         "ms_per_step": round(1000 * step_s, 3),
         "input_wait_fraction": round(waiting, 3),
-        "ops_per_step": int(statistics.median(ops for ops, _busy, _collective in censuses)),
+        "ops_per_step": int(statistics.median(ops for ops, *_ in censuses)),
         "compute_fraction": round(min(busy_share, 1.0), 3),
         "compute_fraction_range": [round(min(busy[0], 1.0), 3), round(min(busy[-1], 1.0), 3)],
     }
-    if any(collective_s is not None for _ops, _busy, collective_s in censuses):
+    if any(collective_s is not None for _ops, _busy, collective_s, _unfutured in censuses):
         figures["collective_wait_fraction"] = round(min(collective_share, 1.0), 3)
+    unfutured = statistics.median(unfutured for *_, unfutured in censuses)
+    if unfutured:  # their waits are measured up to the next op only (_Census._completion)
+        figures["collectives_without_future_per_step"] = unfutured
     return figures, (waiting, busy_share, collective_share)
 
 
@@ -157,7 +160,9 @@ class _Census(TorchDispatchMode):
         self.overhead = 0.0
         self.collectives = 0
         self.collective_seconds = 0.0
-        self._in_flight: list = []  # the futures of the collectives not yet seen completed
+        self.without_future = 0  # collectives whose Work has no future (see _completion)
+        self._in_flight: list = []  # a done() per collective not yet seen completed
+        self._returns = 0  # times the thread came back to the census after an op (or at the step's end)
         self._gap = None  # (wall, thread CPU time) when an op ended with a collective in flight
         self.host_reads = Counter()  # (device type, user's (file, line) or None) -> reads of a value
         self.matrix_ops = Counter()  # input dtype -> matrix products
@@ -208,16 +213,31 @@ class _Census(TorchDispatchMode):
         for value in result if isinstance(result, (tuple, list)) else (result,):
             if isinstance(value, torch.ScriptObject) and value._type().qualified_name().endswith("c10d.Work"):
                 self.collectives += 1
-                self._in_flight.append(Work.unbox(value).get_future())
+                self._in_flight.append(self._completion(Work.unbox(value)))
+
+    def _completion(self, work):
+        """What says whether ``work`` has completed: its future's ``done``. Some backends' Work has no
+        future (gloo's reduce-scatter, FSDP2's gradient reduction, raises "Work::getFuture not
+        implemented", and its ``is_completed()`` stays False even after ``wait()``): such a Work
+        counts as completed once the thread is back after the op that issued it. That is exact where
+        the caller waits at once (torch.distributed does for every call without ``async_op=True``,
+        FSDP2's reduce-scatter among them); the wait on a handle kept and waited later is missed."""
+        try:
+            return work.get_future().done
+        except RuntimeError:
+            self.without_future += 1
+            issued = self._returns
+            return lambda: self._returns > issued
 
     def _drop_completed(self) -> bool:
         """Drops the collectives that have completed from those in flight; True if any had."""
         in_flight = len(self._in_flight)
-        self._in_flight = [future for future in self._in_flight if not future.done()]
+        self._in_flight = [done for done in self._in_flight if not done()]
         return len(self._in_flight) < in_flight
 
     def close_gap(self) -> None:
         """Ends the time since the last op, if a collective was in flight then."""
+        self._returns += 1
         if self._gap is None:
             return
         (began, cpu_began), self._gap = self._gap, None
@@ -331,9 +351,10 @@ class _CensusStep:
             raise
 
     def stop(self) -> tuple:
-        """(ops issued, seconds the device was busy, seconds waited for collectives) of the step. The
-        last is None where the step ran no collective, and on CUDA and HPU: there collectives run on
-        the device (NCCL kernels, HCCL), and their time is in the device's already."""
+        """(ops issued, seconds the device was busy, seconds waited for collectives, collectives whose
+        Work had no future) of the step. The wait is None where the step ran no collective, and on
+        CUDA and HPU: there collectives run on the device (NCCL kernels, HCCL), and their time is in
+        the device's already."""
         self.census.close_gap()
         self.abandon()
         if self.census.failure is not None:  # out of the mode now: the unit can fail and be reverted
@@ -342,13 +363,14 @@ class _CensusStep:
             self.backend.mark_step()
             issued = time.perf_counter()
             self.backend.synchronize()
-            return self.census.ops, time.perf_counter() - issued, None
+            return self.census.ops, time.perf_counter() - issued, None, 0
         if self.backend.name == "cuda":
-            return self.census.ops, self.kernels.seconds, None
+            return self.census.ops, self.kernels.seconds, None, 0
         return (
             self.census.ops,
             self.census.busy_seconds(),
             self.census.collective_seconds if self.census.collectives else None,
+            self.census.without_future,
         )
 
     def _leave_census(self) -> None:
@@ -428,7 +450,7 @@ class StepProfiler(Unit):
         self._waited = 0.0
         self._clean: list = []  # (seconds, seconds waiting for data) of each clean step
         self._census_step = None
-        self._censuses: list = []  # (ops, busy seconds, collective wait seconds or None) of each census step
+        self._censuses: list = []  # what _CensusStep.stop() gave for each census step
         self._roots: list = []
         self._calls: list = []  # calls of each root module (by id) in each census step
         self._reads: list = []  # host reads (device type, where) of each census step

@@ -3,18 +3,20 @@ one stalled step that must not flip them, the HPU path through the double's timi
 module it names as the training model."""
 
 import importlib
+import threading
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 from torch.utils.data import DataLoader, Dataset
 
 import autogaudi
 from autogaudi import runtime
-from autogaudi.optimizations.step_profiler import PAIRS, classify
+from autogaudi.optimizations.step_profiler import PAIRS, classify, new_census
 from tests.helpers import SCRIPTS, run_python
 from tests.optimizations.ddp_helpers import TORCHRUN, torchrun
 
@@ -334,3 +336,80 @@ def test_the_census_does_not_load_dynamo_and_keeps_out_of_it_once_loaded(tmp_pat
     result = run_python(path, script)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == expected
+
+
+def gloo_pair(tmp_path) -> list:
+    """Two gloo ranks in this process (one per thread), through the dispatcher's c10d ops as
+    torch.distributed's own calls go."""
+    store = dist.FileStore(str(tmp_path / "store"), 2)
+    groups = [None, None]
+
+    def join(rank):
+        group = dist.ProcessGroup(store, rank, 2)
+        group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+        gloo = dist.ProcessGroupGloo(store, rank, 2)
+        group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
+        groups[rank] = group
+
+    threads = [threading.Thread(target=join, args=(rank,)) for rank in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    return groups
+
+
+def test_a_collective_whose_work_has_no_future_is_counted_and_its_wait_measured(tmp_path):
+    """gloo's reduce-scatter (FSDP2's gradient reduction) hands back a Work without a future: asking
+    for one raised inside the user's backward. Its caller waits at once; the time off the CPU until
+    the next op is the wait for the other rank, here 0.1 s late."""
+    groups = gloo_pair(tmp_path)
+
+    def late_rank():
+        time.sleep(0.1)
+        groups[1]._reduce_scatter_base(torch.empty(2), torch.ones(4)).wait()
+
+    peer = threading.Thread(target=late_rank)
+    peer.start()
+    census = new_census()
+    with census:
+        groups[0]._reduce_scatter_base(torch.empty(2), torch.ones(4)).wait()
+        torch.add(torch.ones(1), torch.ones(1))
+    peer.join(timeout=60)
+    assert (census.collectives, census.without_future) == (1, 1)
+    assert census.collective_seconds >= 0.05, census.collective_seconds
+
+
+@pytest.mark.slow
+def test_fsdp2_with_a_dcp_checkpoint_trains_under_autogaudi_as_plain(tmp_path):
+    """FSDP2 on two gloo ranks (fully_shard per block, prefetching, gradient sync off for the first
+    micro-batch, clipping), saved with torch.distributed.checkpoint, loaded into a fresh model and
+    trained on: the same losses and weights as plain, a full state dict plain torch loads alike, and
+    a profile that counts the reduce-scatters whose Work has no future."""
+    script = SCRIPTS / "fsdp2_train.py"
+    result, plain = torchrun(tmp_path, *TORCHRUN, script)
+    assert result.returncode == 0, result.stderr[-3000:]
+    result, mine = torchrun(tmp_path, *TORCHRUN, script, env={"AUTOGAUDI": "1", "AUTOGAUDI_QUIET": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [worker["rank"] for worker in mine] == [0, 1] and all(worker["autogaudi"] for worker in mine)
+    for worker, reference in zip(mine, plain):
+        assert worker["saved"] == worker["reloaded"]  # DCP restored every weight into the fresh model
+        torch.testing.assert_close(worker["losses"], reference["losses"], rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(worker["checksum"], reference["checksum"], rtol=1e-4, atol=1e-6)
+        row = worker["units"]["step_profiler"]
+        assert row["status"] != "failed", row
+        assert row["figures"]["collectives_without_future_per_step"] >= 1, row["figures"]
+        assert "collective_wait_fraction" in row["figures"], row["figures"]
+    plain_run, my_run = tmp_path / "run0", tmp_path / "run1"  # torchrun() names each job's folder in turn
+    full, plain_full = (torch.load(run / "full.pt", weights_only=True) for run in (my_run, plain_run))
+    assert full.keys() == plain_full.keys()
+    for name, tensor in full.items():
+        torch.testing.assert_close(tensor, plain_full[name], rtol=1e-4, atol=1e-6)
+    # The DCP checkpoint, read without a process group: plain's weights, optimizer state and settings
+    # (fused_optimizer's fused=True is not in it).
+    for run in (plain_run, my_run):
+        dcp_to_torch_save(run / "dcp", run / "dcp.pt")
+    mine_dcp, plain_dcp = (torch.load(run / "dcp.pt", weights_only=False) for run in (my_run, plain_run))
+    assert mine_dcp["optim"]["param_groups"] == plain_dcp["optim"]["param_groups"]
+    torch.testing.assert_close(mine_dcp["model"], plain_dcp["model"], rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(mine_dcp["optim"]["state"], plain_dcp["optim"]["state"], rtol=1e-4, atol=1e-6)
