@@ -313,10 +313,11 @@ class FusedOptimizer(Unit):
         }
         self._share_groups(instance, delegate)
         handles = (
-            instance.register_state_dict_post_hook(
-                functools.partial(_torch_format_checkpoint, steps=self._group_steps)
+            self.hook(
+                instance.register_state_dict_post_hook,
+                functools.partial(_torch_format_checkpoint, steps=self._group_steps),
             ),
-            instance.register_load_state_dict_post_hook(_int_steps),
+            self.hook(instance.register_load_state_dict_post_hook, _int_steps),
         )
         _int_steps(instance)
         self._delegates[instance] = (delegate, handles)

@@ -31,6 +31,7 @@ import collections
 import collections.abc
 import contextlib
 import copy
+import functools
 import math
 import statistics
 import time
@@ -156,7 +157,7 @@ class LossScale:
         for device, grads in self._scaled.items():
             torch._foreach_mul_(grads, self.scale.to(device))
         roots = {id(t): t for t in tensors if isinstance(t, torch.Tensor) and t.requires_grad}  # each once
-        self._hooks = [root.register_hook(self._scale_gradient) for root in roots.values()]
+        self._hooks = [self._hook(root.register_hook, self._scale_gradient) for root in roots.values()]
 
     def _scale_gradient(self, grad):
         return (grad * self.scale.to(grad.device)).to(grad.dtype)
@@ -217,6 +218,7 @@ class LossScale:
         """Listen through ``unit`` to the session's backward passes and optimizer steps until
         ``scope`` closes (the session's dispatcher, not torch's hook tables: a listener removed while
         torch runs a step's hooks would change the table torch is iterating)."""
+        self._hook = functools.partial(unit.hook, scope=scope)  # the tensor hooks, through the core's guard
         unit.on(Event.BEFORE_BACKWARD, self.before_backward, scope)
         unit.on(Event.AFTER_BACKWARD, self.after_backward, scope)
         unit.on(Event.BEFORE_OPTIMIZER_STEP, self.before_step, scope)

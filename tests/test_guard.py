@@ -1,0 +1,203 @@
+"""The one fail-open boundary: the guard tells the user's exception from autogaudi's, never runs a
+user's call twice, switches the owner off; no unit can hand torch a callable around it; and a
+deliberately broken unit, wherever it breaks, leaves the user's run as plain PyTorch's."""
+
+import ast
+import pathlib
+
+import pytest
+import torch
+import torch.utils.checkpoint
+from torch import nn
+
+import autogaudi
+from autogaudi import guard, session
+from autogaudi.events import Event
+from autogaudi.model_call import Layer
+from autogaudi.registry import UNITS, UnitInfo
+from autogaudi.unit import ActsOnProfile
+from tests.helpers import REPO
+
+
+class Owner:
+    def __init__(self):
+        self.failures = []
+
+    @property
+    def in_force(self):
+        return not self.failures
+
+    def failed_at_run_time(self, error):
+        self.failures.append(error)
+
+
+class Counted:
+    def __init__(self, result=None, raises=None):
+        self.calls = 0
+        self.result = result
+        self.raises = raises
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        if self.raises is not None:
+            raise self.raises
+        return self.result
+
+
+def test_the_users_exception_propagates_unchanged_and_the_owner_stays_on():
+    owner, error = Owner(), ValueError("the user's")
+    users = Counted(raises=error)
+    with pytest.raises(ValueError) as raised:
+        guard.guarded_call(owner, lambda call, args, kwargs: call(*args, **kwargs), users, (1,), {})
+    assert raised.value is error and users.calls == 1 and owner.in_force
+
+
+def test_autogaudi_raising_before_the_call_switches_it_off_and_the_call_runs_once():
+    owner, users = Owner(), Counted(result="plain")
+
+    def broken(call, args, kwargs):
+        raise RuntimeError("autogaudi's")
+
+    assert guard.guarded_call(owner, broken, users, (), {}) == "plain"
+    assert users.calls == 1 and not owner.in_force
+    assert guard.guarded_call(owner, broken, users, (), {}) == "plain"  # off: straight through
+    assert users.calls == 2 and len(owner.failures) == 1
+
+
+def test_autogaudi_raising_after_the_call_returns_its_result_without_running_it_again():
+    owner, users = Owner(), Counted(result="plain")
+
+    def broken_after(call, args, kwargs):
+        call(*args, **kwargs)
+        raise RuntimeError("autogaudi's")
+
+    assert guard.guarded_call(owner, broken_after, users, (), {}) == "plain"
+    assert users.calls == 1 and not owner.in_force
+
+
+def test_a_wrapper_that_replaces_the_users_exception_gives_the_users_back():
+    owner, error = Owner(), KeyError("the user's")
+
+    def replacing(call, args, kwargs):
+        try:
+            call()
+        except KeyError:
+            raise RuntimeError("autogaudi's") from None
+
+    with pytest.raises(KeyError) as raised:
+        guard.guarded_call(owner, replacing, Counted(raises=error), (), {})
+    assert raised.value is error and not owner.in_force
+
+
+@pytest.mark.parametrize("passing", guard.PASSING_THROUGH)
+def test_torchs_control_flow_exceptions_pass_and_fail_nothing(passing):
+    owner = Owner()
+
+    def stopped(call, args, kwargs):
+        raise passing()
+
+    with pytest.raises(passing):
+        guard.guarded_call(owner, stopped, Counted(), (), {})
+    assert owner.in_force
+
+
+def test_a_guarded_hook_that_raises_changes_nothing_and_interrupts_pass():
+    owner = Owner()
+    assert guard.run_guarded(owner, Counted(raises=RuntimeError("autogaudi's")), 1) is None and not owner.in_force
+    with pytest.raises(KeyboardInterrupt):
+        guard.run_guarded(Owner(), Counted(raises=KeyboardInterrupt()))
+
+
+# -- by construction: no unit hands torch a callable around the guard ------------------------------
+
+
+def unit_sources():
+    return sorted((REPO / "autogaudi" / "optimizations").glob("*.py"))
+
+
+@pytest.mark.parametrize("path", unit_sources(), ids=lambda path: path.name)
+def test_no_unit_registers_a_torch_hook_or_sets_a_call_slot_itself(path: pathlib.Path):
+    """Hooks go through ``Unit.hook`` (which takes the ``register_*`` method uncalled), a model's call
+    through ``Unit.hold``: a call of a ``register_*hook`` method, or an assignment of the compiled-call
+    slot, in a unit's module would bypass the guard."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    offending = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            name = node.func.attr
+            if name.startswith("register_") and "hook" in name:
+                offending.append(f"{path.name}:{node.lineno} calls {name}")
+        if isinstance(node, (ast.Assign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                if isinstance(target, ast.Attribute) and target.attr == "_compiled_call_impl":
+                    offending.append(f"{path.name}:{node.lineno} sets _compiled_call_impl")
+    assert not offending, offending
+
+
+# -- a deliberately broken unit --------------------------------------------------------------------
+
+
+class BrokenUnit(ActsOnProfile):
+    """Breaks where the test says: a wrapper around a torch function, a layer of the model's call
+    (before or after the call), a hook on the loss, or a listener."""
+
+    where = None
+    reasons = {"broken": "breaks at {where}"}
+
+    def apply(self):
+        self.because("broken", where=self.where)
+        if self.where == "wrapper":
+            self.wrap(torch.nn.functional, "relu", self._broken_wrapper)
+        if self.where == "listener":
+            self.on(Event.OPTIMIZER_STEP, self._raise)
+        if self.where == "loss_hook":
+            self.on(Event.BEFORE_BACKWARD, lambda loss: self.hook(loss.register_hook, self._raise))
+        self.on(Event.STEP_PROFILED, self._profiled)
+
+    def _profiled(self, profile):
+        if self.where in ("layer_before", "layer_after"):
+            self.hold(profile.model, Layer.INPUTS, self._broken_layer)
+
+    def _broken_wrapper(self, wrapped, instance, args, kwargs):
+        raise RuntimeError("broken wrapper")
+
+    def _broken_layer(self, call, args, kwargs):
+        if self.where == "layer_before":
+            raise RuntimeError("broken before the call")
+        call(*args, **kwargs)
+        raise RuntimeError("broken after the call")
+
+    def _raise(self, *args):
+        raise RuntimeError(f"broken {self.where}")
+
+
+def losses(steps=25):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(1)
+    seen = []
+    for _ in range(steps):
+        inputs = torch.randn(4, 8, generator=generator)
+        loss = nn.functional.cross_entropy(torch.nn.functional.relu(model(inputs)), torch.zeros(4, dtype=torch.long))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        seen.append(loss.item())
+    return seen
+
+
+@pytest.mark.parametrize("where", ["wrapper", "layer_before", "layer_after", "loss_hook", "listener"])
+def test_a_broken_unit_leaves_the_run_plain_and_its_row_failed(monkeypatch, where):
+    monkeypatch.setattr(BrokenUnit, "where", where)
+    monkeypatch.setattr(session, "UNITS", (*session.UNITS, UnitInfo("broken", "breaks", "tests.test_guard:BrokenUnit")))
+    relu, plain = torch.nn.functional.relu, losses()
+    others = [info.name for info in UNITS if info.name != "step_profiler"]
+    autogaudi.enable(device="cpu", disable=",".join(others))
+    assert autogaudi.report().unit("broken")["status"] == "watching"
+    assert losses() == plain
+    row = autogaudi.report().unit("broken")
+    assert (row["status"], row["reason_code"]) == ("failed", "failed_at_run_time"), row
+    assert row["reason_params"]["error"].startswith("RuntimeError('broken")
+    assert torch.nn.functional.relu is relu  # reverted: the plain function again
