@@ -18,8 +18,13 @@ def fsdp2_managed(module) -> bool:
     fsdp = sys.modules.get("torch.distributed.fsdp")
     if fsdp is not None and isinstance(module, fsdp.FSDPModule):
         return True
+    return holds_dtensors(module.parameters())
+
+
+def holds_dtensors(tensors) -> bool:
+    """True if any of ``tensors`` is a DTensor (a shard of a tensor spread over ranks)."""
     tensor = sys.modules.get("torch.distributed.tensor")
-    return tensor is not None and any(isinstance(param, tensor.DTensor) for param in module.parameters())
+    return tensor is not None and any(isinstance(value, tensor.DTensor) for value in tensors)
 
 
 def ddp_wrapped(module) -> bool:

@@ -48,3 +48,41 @@ def test_asking_imports_neither_fsdp_nor_dtensor():
     result = run_python("-c", code)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "[]"
+
+
+def test_units_that_change_a_models_call_step_aside_for_fsdp2_and_training_stays_plain(one_rank):
+    """Capture, channels_last and mixed precision each leave an FSDP2-sharded model alone, with a
+    code saying what to do instead, even when forced; the run's losses are plain FSDP2's."""
+    import torch
+
+    import autogaudi
+    from autogaudi.model_call import route_of
+    from tests.optimizations.test_step_profiler import STEPS
+
+    def run():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 3))
+        fully_shard(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+        generator, losses = torch.Generator().manual_seed(1), []
+        for _ in range(STEPS + 5):
+            loss = model(torch.randn(4, 3, 8, 8, generator=generator)).square().mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        return model, losses
+
+    _, plain = run()
+    autogaudi.enable(
+        device="cpu",
+        only="step_profiler,mixed_precision,graph_capture,channels_last",
+        force="graph_capture,channels_last",
+        precision="bf16",
+    )
+    model, losses = run()
+    report = autogaudi.report()
+    for name in ("mixed_precision", "graph_capture", "channels_last"):
+        assert report.unit(name)["reason_code"] == "fsdp2", report.unit(name)
+    assert route_of(model) is None
+    assert losses == plain

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from autogaudi.engines import fsdp2_managed
 from autogaudi.events import Event
 from autogaudi.model_call import Layer, holder
 from autogaudi.unit import ActsOnProfile
@@ -63,6 +64,7 @@ class ChannelsLast(ActsOnProfile):
         "already_channels_last": "left as is: the script already put the model in channels_last",
         "input_bound": "not tried: the step is input-bound ({why}); a trial would time the loader",
         "captured": "stepped aside: {holder} captures this model, and its graphs fix the memory format",
+        "fsdp2": "left as is: FSDP2 shards this model's parameters and owns their layout",
         "switched_on": "{model} in channels_last (without a trial)",
         "trial_running": "trial running on {model}",
         "measured_faster": "{model} in channels_last: measured faster",
@@ -86,6 +88,9 @@ class ChannelsLast(ActsOnProfile):
             return
         if in_channels_last(model):
             self.because("already_channels_last")
+            return
+        if fsdp2_managed(model):
+            self.because("fsdp2")
             return
         if profile.bound == "input" and self.name not in (*self.options.force, *self.options.trial):
             # Both arms would mostly time the wait for data: a trial measured 0.42x for channels_last

@@ -4,7 +4,9 @@ Why: the stock implementation computes one norm per gradient tensor and then sca
 small ops; ``FusedClipNorm.clip_norm`` does it in one fused op (optimum-habana's
 ``use_fused_clip_norm``). The return value is the same: the total norm, as a tensor.
 Only calls it can serve exactly are routed: ``norm_type`` 2 (FusedClipNorm has no other),
-``error_if_nonfinite=False``, and no explicit ``foreach``; any other call runs torch's own.
+``error_if_nonfinite=False``, no explicit ``foreach``, and no DTensor among the parameters (FSDP2's
+shards: torch's own takes the norm over every rank, FusedClipNorm would take this rank's); any other
+call runs torch's own.
 CUDA and CPU: skipped, torch's own ``clip_grad_norm_`` already runs its foreach kernels.
 Both public spellings are patched; a reference bound before autogaudi started
 (``from torch.nn.utils import clip_grad_norm_`` at the top of a script imported earlier) keeps
@@ -19,6 +21,7 @@ import torch
 import torch.nn.utils
 import torch.nn.utils.clip_grad
 
+from autogaudi.engines import holds_dtensors
 from autogaudi.unit import Unit
 
 _MAX_CACHED_SETS = 8
@@ -48,7 +51,8 @@ class FusedClipNormUnit(Unit):
         parameters = call["parameters"]
         parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         call["parameters"] = parameters  # a generator can only be read once
-        if float(call["norm_type"]) != 2.0 or call["error_if_nonfinite"] or call.get("foreach") is not None:
+        exact = float(call["norm_type"]) == 2.0 and not call["error_if_nonfinite"] and call.get("foreach") is None
+        if not exact or holds_dtensors(parameters):
             self.figures["torch_calls"] += 1
             return wrapped(**call)
         total = None

@@ -26,6 +26,7 @@ import warnings
 import torch
 import torch.utils.checkpoint
 
+from autogaudi.engines import fsdp2_managed
 from autogaudi.events import Event
 from autogaudi.guard import PASSING_THROUGH
 from autogaudi.model_call import Layer, compiled_by_the_script, holder
@@ -69,6 +70,8 @@ class GraphCapture(ActsOnProfile):
         "not_host_bound": "not captured: the run is {bound}-bound ({why})",
         "compiled_by_script": "stepped aside: the script (or its framework) already compiles the model with "
         "torch.compile",
+        "fsdp2": "not captured: FSDP2 shards this model, gathering its parameters in hooks around each block; "
+        "compile each block before fully_shard (as torchtitan does) instead",
         "mixed_precision": "stepped aside: {holder} holds this model's precision (its autocast would be traced "
         "into the graph)",
         "positional_forward": "not captured: {model}.forward takes *args or positional-only arguments, which "
@@ -149,6 +152,8 @@ class GraphCapture(ActsOnProfile):
             return self.reason_for("no_training_model")
         if compiled_by_the_script(profile.model):
             return self.reason_for("compiled_by_script")
+        if fsdp2_managed(profile.model):
+            return self.reason_for("fsdp2")
         precision = holder(profile.model, Layer.PRECISION)
         if precision is not None:
             return self.reason_for("mixed_precision", holder=precision.name)

@@ -38,6 +38,7 @@ import time
 
 import torch
 
+from autogaudi.engines import fsdp2_managed
 from autogaudi.events import Event
 from autogaudi.model_call import Layer, compiled_by_the_script
 from autogaudi.optimizations.step_profiler import FP32_MATRIX_SHARE
@@ -375,6 +376,8 @@ class MixedPrecision(ActsOnProfile):
         "compiled_by_script": "stepped aside: the script compiles the model (torch.compile); autocast it inside "
         "the compiled model's forward instead",
         "no_matrix_products": "nothing to speed up: the step runs no matrix products",
+        "fsdp2": "stepped aside: FSDP2 shards this model (its copy for the guard cannot be made); give fully_shard "
+        "mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) instead",
         "no_copy": "not checked, so not used: the model could not be copied for the guard ({error})",
         "not_checked": "not used: in {passes} backward passes the model's outputs never got the gradient of a "
         "loss the guard could compare against",
@@ -470,6 +473,8 @@ class MixedPrecision(ActsOnProfile):
             return self.reason_for("script_tf32")
         if self._precision == "fp16" and self._script_scales:
             return self.reason_for("script_scaler")
+        if fsdp2_managed(profile.model):
+            return self.reason_for("fsdp2")
         if self._precision != "tf32" and compiled_by_the_script(profile.model):
             return self.reason_for("compiled_by_script")  # hooks added under its graphs would recompile them
         return None

@@ -80,3 +80,14 @@ def test_skipped_on_cpu_with_the_reason():
     autogaudi.enable()
     row = autogaudi.report().unit("fused_clip_norm")
     assert (row["status"], row["reason_code"]) == ("skipped", "other_backend")
+
+
+def test_fsdp2_shards_keep_torchs_norm_over_every_rank(calls, process_group):
+    """FusedClipNorm would take this rank's shards' norm; torch's takes the global one (the same on
+    one rank, so the numbers say nothing: the path taken does)."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = fully_shard(grads())
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+    assert calls.names() == []
+    assert autogaudi.report().unit("fused_clip_norm")["figures"] == {"fused_calls": 0, "torch_calls": 1}
