@@ -248,8 +248,10 @@ class FusedOptimizer(Unit):
             return wrapped(*args, **kwargs)
         if len(args) + len(kwargs) > 1 or set(kwargs) - {"closure"}:  # torch raises its own TypeError
             return wrapped(*args, **kwargs)
-        # Through torch's own hook layer, so the user's step hooks (and schedulers) see `instance`.
-        return self._hooked_step(instance, *args, **kwargs)
+        # Through torch's own hook layer, so the user's step hooks (and schedulers) see `instance`. The
+        # routed step is the user's call as the guard sees it: it runs the closure and the step hooks,
+        # whose exceptions are the user's (never a reason to run the step again).
+        return wrapped.instead(functools.partial(self._hooked_step, instance))(*args, **kwargs)
 
     def _checked_step(self, optimizer, closure=None):
         """torch's step, with the closure run first (its gradients are checked too) and the update
