@@ -85,7 +85,7 @@ def test_the_dry_run_drives_every_harness_on_the_cpu(tmp_path):
     for part, item in [
         ("3a", "rl_policy"),
         ("4", "w2_transformer precision"),
-        ("5", "second run: w1_mlp, --trial graph_capture"),
+        ("5", "second run"),
     ]:
         assert rows[(part, item)]["status"] == "ok", rows[(part, item)]
     workloads = json.loads(next(tmp_path.glob("gpu-check-3a-workloads-*.json")).read_text())
