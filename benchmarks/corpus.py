@@ -14,7 +14,7 @@ torchrun and every rank runs under autogaudi):
 - ``autogaudi``: ``python -m autogaudi script args`` (defaults);
 - ``capture forced``: ``--force graph_capture,channels_last --no-trials``, the code paths a GPU takes
   by measurement, driven on any machine;
-- on request (``--variants``): ``precision bf16`` and ``precision auto`` (``--precision``).
+- on request (``--variants``): ``precision bf16``, ``fp16``, ``tf32`` and ``auto`` (``--precision``).
 
 Per case and variant it records the exit code (must equal plain's), the result line (the manifest's
 regex, last match; its numbers compared with plain's, see :func:`compare_results`), the wall time
@@ -55,14 +55,18 @@ VARIANTS = {
     # On request only (--variants): mixed precision changes numerics by design.
     "precision bf16": ["-m", "autogaudi", "--precision", "bf16"],
     "precision auto": ["-m", "autogaudi", "--precision", "auto"],
+    "precision fp16": ["-m", "autogaudi", "--precision", "fp16"],
+    "precision tf32": ["-m", "autogaudi", "--precision", "tf32"],
 }
 DEFAULT_VARIANTS = ("plain", "autogaudi", "capture forced")
 # The result line's numbers against plain's: relative, per number. Fused kernels and compiled code
 # reassociate float sums, and a trajectory drifts over hundreds of steps (5%). Forced capture also
 # draws dropout masks from another random stream (same distribution): a different trajectory of the
 # same training, compared loosely (25%), and the table says so.
-# bf16 keeps 8 significant bits: a different trajectory too, held to 25% like forced capture.
-TOLERANCE = {"plain": 0.0, "autogaudi": 0.05, "capture forced": 0.25, "precision bf16": 0.25, "precision auto": 0.25}
+# Below float32 (bf16 keeps 8 significant bits, fp16 11, tf32's matmuls 11): a different trajectory
+# too, held to 25% like forced capture.
+TOLERANCE = {"plain": 0.0, "autogaudi": 0.05, "capture forced": 0.25}
+TOLERANCE.update((variant, 0.25) for variant in VARIANTS if variant.startswith("precision "))
 # Cases whose results and checkpoint values cannot be compared with another run's, and why.
 NOT_COMPARED = {
     "regression": "the script draws unseeded random data every step; its exit (converged) is compared",
@@ -435,6 +439,32 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def log(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def new_results(where: str, jobs: int, short: bool, variants: list) -> dict:
+    """A results file's header, with no case yet."""
+    import torch
+
+    return {
+        "machine": machine_name(),
+        "torch": torch.__version__,
+        "where": where,
+        "jobs": jobs,
+        "mode": "short runs (--short)" if short else "the manifest's commands",
+        "variants": variants,
+        "tolerance": {v: TOLERANCE[v] for v in variants},
+        "cases": [],
+    }
+
+
+def write(results: dict, out: Path) -> None:
+    """The JSON and the Markdown table beside it."""
+    out.write_text(json.dumps(results, indent=1, default=str) + "\n")
+    out.with_suffix(".md").write_text(markdown(results))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -466,31 +496,16 @@ def main(argv=None) -> int:
     cases = load_cases(corpora, where, args.cases.split(",") if args.cases else None)
     if args.short:
         cases = [shortened(case) for case in cases]
-    machine = machine_name()
-    out = args.out or HERE / "results" / f"corpus-{machine}.json"
+    out = args.out or HERE / "results" / f"corpus-{machine_name()}.json"
     scratch = args.scratch or Path(tempfile.mkdtemp(prefix="autogaudi-corpus-"))
-
-    def log(text):
-        print(text, file=sys.stderr, flush=True)
-
-    results = {
-        "machine": machine,
-        "torch": torch.__version__,
-        "where": where,
-        "jobs": args.jobs,
-        "mode": "short runs (--short)" if args.short else "the manifest's commands",
-        "variants": variants,
-        "tolerance": {v: TOLERANCE[v] for v in variants},
-        "cases": [],
-    }
+    results = new_results(where, args.jobs, args.short, variants)
     out.parent.mkdir(parents=True, exist_ok=True)
     order = {case["name"]: index for index, case in enumerate(cases)}
     with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
         pending = [pool.submit(run_case, case, variants, scratch, log, args.timeout) for case in cases]
         for finished in concurrent.futures.as_completed(pending):  # written as cases end: a cut run keeps its rows
             results["cases"] = sorted([*results["cases"], finished.result()], key=lambda row: order[row["name"]])
-            out.write_text(json.dumps(results, indent=1, default=str) + "\n")
-            out.with_suffix(".md").write_text(markdown(results))
+            write(results, out)
     rows = results["cases"]
     print(markdown(results))
     if not args.scratch:

@@ -37,11 +37,12 @@ from autogaudi.registry import UNIT_NAMES  # noqa: E402
 LOSS_TOLERANCE = 1e-2  # the largest |loss - plain loss| / plain loss accepted at any step
 # bf16 keeps 8 significant bits (fp16 11): their losses are held to what the hand-written autocast script gets.
 LOW_PRECISION_LOSS_TOLERANCE = 5e-2
-LOW_PRECISION_VARIANTS = ("precision", "autocast")  # words in the names of the variants that run below float32
+LOW_PRECISION_VARIANTS = ("precision", "autocast", "tf32")  # words in the names of the variants that run below float32
 WORKLOADS = {
     "w1_mlp": [str(HERE / "workloads" / "mlp.py")],
     "w2_transformer": [str(HERE / "workloads" / "transformer.py")],
     "w3_cnn": [str(HERE / "workloads" / "cnn.py")],
+    "rl_policy": [str(HERE / "workloads" / "rl_policy.py")],
     "w4_loader_bound": [str(HERE / "workloads" / "loader_bound.py")],
     # One long epoch: what gains only if workers start inside the epoch that measured the loader.
     "w4_loader_bound_1_epoch": [
@@ -276,19 +277,7 @@ def main():
     unknown = sorted(set(chosen) - set(WORKLOADS))
     if unknown:
         parser.error(f"unknown workload(s) {', '.join(unknown)}; valid: {', '.join(WORKLOADS)}")
-    import torch
-
-    results = {
-        "machine": machine_name(),
-        "cpu": platform.processor() or platform.machine(),
-        "cpu_cores": psutil.cpu_count(logical=False),
-        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-        "torch_cuda": torch.version.cuda,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "rounds": args.rounds,
-        "workloads": {},
-    }
+    results = new_results(args.rounds)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     print(table_header(results), flush=True)
     for workload in chosen:  # written after each workload, so a run cut short still leaves its figures
@@ -302,6 +291,23 @@ def main():
     print("\n" + startup_line(results["startup"]))
     print(f"\nwritten to {args.out}, {table_path}")
     print(write_chart(results, chart_path))
+
+
+def new_results(rounds: int) -> dict:
+    """A results file's header (the machine and versions), with no workload yet."""
+    import torch
+
+    return {
+        "machine": machine_name(),
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_cores": psutil.cpu_count(logical=False),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "torch_cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "rounds": rounds,
+        "workloads": {},
+    }
 
 
 def companions(results_path: Path) -> tuple:

@@ -83,42 +83,75 @@ def pair(name: str, command: list, cwd: Path, env: dict, scratch: Path) -> dict:
     return {"first": first, "second": second, "second_one_off_over_first": ratio}
 
 
+def w3_capture_forced(env: dict, scratch: Path, corpus_folder: Path, short: list) -> dict:
+    w3 = [str(HERE / "workloads" / "cnn.py"), *short]
+    return pair("w3", ["-m", "autogaudi", "--quiet", "--force", "graph_capture", *w3], HERE, env, scratch)
+
+
+def gpt_capture_forced(env: dict, scratch: Path, corpus_folder: Path, short: list) -> dict:
+    (case,) = corpus.load_cases(corpus_folder, "cpu", ["mingpt-chargpt"])
+    if short:
+        case = corpus.shortened(case)
+    copy = scratch / "corpus"
+    shutil.copytree(corpus_folder, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    gpt_env = {**corpus.clean_env(case, "capture forced"), "AUTOGAUDI_NO_CACHE": "0"}
+    for command in case.get("setup", ()):  # as the corpus harness does (the GPT's input text)
+        subprocess.run([sys.executable, *command], cwd=copy / case["dir"], env=gpt_env, check=True, timeout=600)
+    return pair("gpt", [*corpus.VARIANTS["capture forced"], *case["command"]], copy / case["dir"], gpt_env, scratch)
+
+
+def w1_trial(env: dict, scratch: Path, corpus_folder: Path, short: list) -> dict:
+    w1 = [str(HERE / "workloads" / "mlp.py"), *short]
+    decisions = pair("w1", ["-m", "autogaudi", "--quiet", "--trial", "graph_capture", *w1], HERE, env, scratch)
+    report = scratch / "w1-disabled.json"
+    decisions["graph_capture disabled"] = timed(
+        [sys.executable, "-m", "autogaudi", "--report", str(report), "--quiet", "--disable", "graph_capture", *w1],
+        HERE,
+        {**env, "AUTOGAUDI_NO_CACHE": "1"},
+        report,
+    )
+    return decisions
+
+
+# --short: arguments after each workload.
+SHORT = ["--steps", "30", "--warmup", "10"]
+# --cases NAME: (the case's title in the results, what runs it)
+CASES = {
+    "w3": ("w3_cnn, capture forced", w3_capture_forced),
+    "gpt": ("mingpt-chargpt, capture forced", gpt_capture_forced),
+    "w1": ("w1_mlp, --trial graph_capture", w1_trial),
+}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--corpus", type=Path, default=corpus.DEFAULT_CORPUS)
     parser.add_argument("--out", type=Path, default=HERE / "results" / f"second-run-{suite.machine_name()}.json")
+    parser.add_argument(
+        "--cases", type=lambda text: text.split(","), help=f"comma-separated (default: all): {','.join(CASES)}"
+    )
+    parser.add_argument(
+        "--short",
+        action="store_true",
+        help=f"a dry run of the harness: workloads with {' '.join(SHORT)}, the corpus case with corpus.py's --short",
+    )
     arguments = parser.parse_args(argv)
+    chosen = arguments.cases or list(CASES)
+    unknown = sorted(set(chosen) - set(CASES))
+    if unknown:
+        parser.error(f"unknown case(s) {', '.join(unknown)}; valid: {', '.join(CASES)}")
+    arguments.out.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix="autogaudi-second-run-"))
     results = {"machine": suite.machine_name(), "cases": {}}
+    env = {key: value for key, value in suite.clean_env().items() if key != "AUTOGAUDI_CACHE_DIR"}
     try:
-        env = {key: value for key, value in suite.clean_env().items() if key != "AUTOGAUDI_CACHE_DIR"}
-        w3 = [str(HERE / "workloads" / "cnn.py")]
-        results["cases"]["w3_cnn, capture forced"] = pair(
-            "w3", ["-m", "autogaudi", "--quiet", "--force", "graph_capture", *w3], HERE, env, scratch
-        )
-        (case,) = corpus.load_cases(arguments.corpus, "cpu", ["mingpt-chargpt"])
-        copy = scratch / "corpus"
-        shutil.copytree(arguments.corpus, copy, ignore=shutil.ignore_patterns("__pycache__"))
-        gpt_env = {**corpus.clean_env(case, "capture forced"), "AUTOGAUDI_NO_CACHE": "0"}
-        for command in case.get("setup", ()):  # as the corpus harness does (the GPT's input text)
-            subprocess.run([sys.executable, *command], cwd=copy / case["dir"], env=gpt_env, check=True, timeout=600)
-        results["cases"]["mingpt-chargpt, capture forced"] = pair(
-            "gpt", [*corpus.VARIANTS["capture forced"], *case["command"]], copy / case["dir"], gpt_env, scratch
-        )
-        w1 = [str(HERE / "workloads" / "mlp.py")]
-        decisions = pair("w1", ["-m", "autogaudi", "--quiet", "--trial", "graph_capture", *w1], HERE, env, scratch)
-        report = scratch / "w1-disabled.json"
-        decisions["graph_capture disabled"] = timed(
-            [sys.executable, "-m", "autogaudi", "--report", str(report), "--quiet", "--disable", "graph_capture", *w1],
-            HERE,
-            {**env, "AUTOGAUDI_NO_CACHE": "1"},
-            report,
-        )
-        results["cases"]["w1_mlp, --trial graph_capture"] = decisions
+        for name in chosen:
+            title, run_case = CASES[name]
+            results["cases"][title] = run_case(env, scratch, arguments.corpus, SHORT if arguments.short else [])
+            arguments.out.write_text(json.dumps(results, indent=2) + "\n")  # after each case: a cut run keeps it
+            arguments.out.with_suffix(".md").write_text(markdown(results))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    arguments.out.write_text(json.dumps(results, indent=2) + "\n")
-    arguments.out.with_suffix(".md").write_text(markdown(results))
     print(markdown(results))
     return 0
 

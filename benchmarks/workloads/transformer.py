@@ -31,8 +31,17 @@ def main():
     parser.add_argument(
         "--fp16", action="store_true", help="fp16 autocast around forward and loss and a GradScaler, by hand"
     )
+    parser.add_argument("--tf32", action="store_true", help="CUDA's TF32 matmul and cuDNN switches on, by hand")
+    parser.add_argument(
+        "--overflow-at",
+        type=int,
+        metavar="STEP",
+        help="multiply the gradient at the model's output by 1e4 in this step: fp16's loss scaling must skip it",
+    )
     args = parser.parse_args()
     torch.manual_seed(0)
+    if args.tf32:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     model = Classifier().to(DEVICE)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, **({"fused": True} if args.hand_tuned else {}))
     total = args.steps + args.warmup
@@ -41,11 +50,14 @@ def main():
     dtype = torch.float16 if args.fp16 else torch.bfloat16
     scaler = torch.amp.GradScaler(DEVICE.type, enabled=args.fp16)
 
-    def step(_index):
+    def step(index):
         tokens, labels = next(batches)
         optimizer.zero_grad()
         with torch.autocast(DEVICE.type, dtype=dtype, enabled=args.autocast or args.fp16):
-            loss = nn.functional.cross_entropy(model(tokens.to(DEVICE)), labels.to(DEVICE))
+            output = model(tokens.to(DEVICE))
+            if index == args.overflow_at:  # the loss stays as it is: an overflow only the gradients show
+                output.register_hook(lambda grad: grad * 1e4)
+            loss = nn.functional.cross_entropy(output, labels.to(DEVICE))
         scaler.scale(loss).backward()
         scaler.unscale_(optimizer)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

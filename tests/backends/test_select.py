@@ -35,6 +35,7 @@ def test_requesting_cuda_without_it_falls_back_to_cpu():
     assert backend.reason.startswith("always available; requested cuda: torch.cuda.is_available() is False")
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device (run on a lent GPU)")
 def test_cuda_backend_on_a_real_gpu():
     backend = backends.select("cuda")

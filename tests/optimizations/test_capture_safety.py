@@ -228,7 +228,16 @@ def gan_losses(steps, device="cpu"):
     return losses, critic
 
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.cuda,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on a lent GPU)"),
+        ],
+    ),
+]
 
 
 @pytest.mark.slow

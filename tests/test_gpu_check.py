@@ -1,0 +1,93 @@
+"""The lent-GPU battery (benchmarks/gpu_check.py): its parts fit a 10-minute command, its install
+makes a checkout importable without pip, and its dry run drives every harness on the CPU."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import REPO
+
+CORPUS = REPO.parent / "shared" / "corpus"
+
+
+def load_gpu_check():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "benchmarks" / "gpu_check.py")
+    module = sys.modules["gpu_check"] = importlib.util.module_from_spec(spec)  # its dataclasses look it up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_part_is_listed_in_order_and_fits_a_ten_minute_command():
+    gpu_check = load_gpu_check()
+    assert sorted(gpu_check.ORDER) == sorted(gpu_check.PARTS)
+    assert all(part.gpu_minutes < 10 for part in gpu_check.PARTS.values())
+    done = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--list"], capture_output=True, text=True
+    )
+    assert done.returncode == 0 and all(f"| {part} |" in done.stdout for part in gpu_check.ORDER)
+
+
+def test_every_corpus_gpu_case_is_in_exactly_one_shard():
+    if not (CORPUS / "corpus.json").exists():
+        pytest.skip(f"no corpus at {CORPUS}")
+    gpu_check = load_gpu_check()
+    manifest = json.loads((CORPUS / "corpus.json").read_text())
+    sharded = [name for names in gpu_check.CORPUS_SHARDS.values() for name in names]
+    assert sorted(sharded) == sorted(case["name"] for case in manifest["cases"] if "gpu" in case["where"])
+
+
+def test_pytest_counts_read_passes_failures_and_skips_from_junit_xml(tmp_path):
+    xml = tmp_path / "junit.xml"
+    xml.write_text(
+        '<testsuites><testsuite><testcase classname="a" name="ok"/>'
+        '<testcase classname="a" name="bad"><failure message="assert 1 == 2"/></testcase>'
+        '<testcase classname="a" name="gpu"><skipped message="needs CUDA"/></testcase></testsuite></testsuites>'
+    )
+    counts = load_gpu_check().pytest_counts(xml)
+    assert (counts["passed"], counts["failed"], counts["skipped"]) == (1, 1, 1)
+    assert counts["failures"] == [{"test": "a::bad", "message": "assert 1 == 2"}]
+
+
+def test_install_makes_the_checkout_importable_through_a_path_file(tmp_path, monkeypatch):
+    """On the lent machine autogaudi is not installed: the path files must make a bare interpreter
+    (no PYTHONPATH, started elsewhere) find this checkout, as an editable install would."""
+    gpu_check = load_gpu_check()
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(gpu_check.sysconfig, "get_paths", lambda: {"purelib": str(tmp_path)})
+    said = gpu_check.install()
+    assert str(REPO) in said and (tmp_path / "autogaudi.pth").exists()
+    probe = f"import site; site.addsitedir({str(tmp_path)!r}); import autogaudi; print(autogaudi.__file__)"
+    done = subprocess.run([sys.executable, "-S", "-c", probe], cwd=tmp_path, capture_output=True, text=True, env={})
+    assert done.stdout.strip() == str(REPO / "autogaudi" / "__init__.py"), done.stderr
+
+
+@pytest.mark.slow
+def test_the_dry_run_drives_every_harness_on_the_cpu(tmp_path):
+    done = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--dry-run", "--out", str(tmp_path)]
+        + (["--corpus", str(CORPUS)] if CORPUS.exists() else []),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    assert done.stdout.count("DRY RUN on the CPU") == len(load_gpu_check().ORDER)
+    rows = {}
+    for summary in tmp_path.glob("gpu-check-*-summary-*.json"):
+        data = json.loads(summary.read_text())
+        assert data["dry_run"]
+        rows.update({(data["part"], r["item"]): r for r in data["rows"]})
+    assert rows[("1", "pytest -m cuda tests")]["detail"].startswith("0 passed, 0 failed, 2 skipped")
+    for part, item in [
+        ("3a", "rl_policy"),
+        ("4", "w2_transformer precision"),
+        ("5", "second run"),
+    ]:
+        assert rows[(part, item)]["status"] == "ok", rows[(part, item)]
+    workloads = json.loads(next(tmp_path.glob("gpu-check-3a-workloads-*.json")).read_text())
+    assert set(workloads["workloads"]["rl_policy"]) == {"plain", "autogaudi", "hand-tuned"}
+    assert all(row["losses_match"] for row in workloads["workloads"]["rl_policy"].values())
