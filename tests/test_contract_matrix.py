@@ -30,6 +30,7 @@ from torch import nn
 import autogaudi
 from autogaudi import runtime, trials
 from autogaudi.backends.cpu import CpuBackend
+from autogaudi.optimizations import step_profiler
 from autogaudi.registry import UNITS
 from tests.helpers import SWITCHED_ON_BY, TRIAL_BY
 
@@ -168,6 +169,7 @@ def options_for(info, state):
     only = ["step_profiler", info.name, *unit_class(info).requires]
     enabled = {
         "device": "hpu" if on_hpu(info) else "cpu",
+        "warmup_steps": 1,
         "only": ",".join(dict.fromkeys(only)),
         **SWITCHED_ON_BY.get(info.name, {}),
         **options,
@@ -260,7 +262,10 @@ def check_operations(training: Training, images, tolerance: float) -> None:
 
 @pytest.fixture
 def decided_trials(monkeypatch, trial_clock):
-    """Trials decided as the state says (``set(keep)``), each step one tick of the test's clock."""
+    """Trials decided as the state says (``set(keep)``), each step one tick of the test's clock, and
+    short: one step per block and round, one profiled pair (the states are the same, the steps fewer)."""
+    for module, name in ((trials, "BLOCK"), (trials, "ROUNDS"), (trials, "WARMUP"), (step_profiler, "PAIRS")):
+        monkeypatch.setattr(module, name, 1)
     real_outcome = trials.Trial.outcome
     wanted = {}
 
