@@ -66,3 +66,11 @@ def test_under_exact_a_unit_is_on_only_where_it_leaves_every_number_plain(info, 
     else:
         assert row["status"] in IN_FORCE, row
         assert exact == plain
+
+
+RL_LOOP = SCRIPTS / "rl_loop.py"
+
+
+def test_a_seeded_rl_loop_under_exact_is_the_plain_run_bit_for_bit():
+    plain = numbers(run_python(RL_LOOP))
+    assert numbers(run_python("-m", "autogaudi", "--exact", "--quiet", RL_LOOP)) == plain
