@@ -74,3 +74,14 @@ RL_LOOP = SCRIPTS / "rl_loop.py"
 def test_a_seeded_rl_loop_under_exact_is_the_plain_run_bit_for_bit():
     plain = numbers(run_python(RL_LOOP))
     assert numbers(run_python("-m", "autogaudi", "--exact", "--quiet", RL_LOOP)) == plain
+
+
+@pytest.mark.parametrize("options", [[], ["--disable", "fused_optimizer"]], ids=["defaults", "unfused"])
+def test_by_default_the_rl_loop_is_the_plain_run_unless_the_report_names_what_changed_its_numbers(tmp_path, options):
+    plain = numbers(run_python(RL_LOOP))
+    result = run_python("-m", "autogaudi", *options, "--report", tmp_path / "report.json", RL_LOOP)
+    named = {row["unit"]: row["how"] for row in json.loads((tmp_path / "report.json").read_text())["numerics"]}
+    assert (numbers(result) == plain) == (not named), named
+    assert named == ({} if options else {"fused_optimizer": ["rounding"]})  # on this CPU: its fused Adam
+    headline = next(line for line in result.stderr.splitlines() if line.startswith("  results"))
+    assert all(unit in headline for unit in named)
