@@ -198,7 +198,9 @@ def main(argv: list) -> int:
     from autogaudi.options import Options
 
     parser = argparse.ArgumentParser(
-        prog="python -m autogaudi cache", description="Show or clear what autogaudi remembers between runs."
+        prog="python -m autogaudi cache",
+        description="Show or clear what autogaudi remembers between runs.",
+        allow_abbrev=False,
     )
     parser.add_argument("action", choices=("list", "clear"))
     parser.add_argument("--cache-dir", default=None, metavar="PATH", help="the cache folder (default: as runs use)")

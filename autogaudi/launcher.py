@@ -53,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
         f"environment (CLI flags win over it; enable(**kwargs) wins over both):\n"
         f"  {'AUTOGAUDI=1':<24} enable in any Python process, without the launcher\n{env}",
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        # a prefix is refused, never taken for the option it starts (split_command_line knows whole flags only)
+        allow_abbrev=False,
     )
     parser.add_argument("--version", action="version", version=f"autogaudi {__version__}")
     for option in OPTIONS:

@@ -196,12 +196,20 @@ OPTIONS: tuple = (
         "inside the run; apply them by their static rule instead",
     ),
     Option(
+        "exact",
+        False,
+        parse_bool,
+        "only the units that leave the run's numbers bitwise identical to plain PyTorch on this machine "
+        "(every loss, parameter, gradient and random draw); the others are off, each with the reason "
+        "code not_exact (docs/numerics.md)",
+    ),
+    Option(
         "exact_random",
         False,
         parse_bool,
         "graph_capture compiles with inductor's fallback_random: dropout draws the same masks as "
-        "eager PyTorch, so losses match a plain run exactly (slower: issue 5 measured 0.80x of the "
-        "default compiled speed on a 2-core CPU); no effect on HPU",
+        "eager PyTorch, though compiled kernels still round otherwise (--exact for identical numbers; "
+        "slower: measured 0.80x of the default compiled speed on a 2-core CPU); no effect on HPU",
     ),
     Option("quiet", False, parse_bool, "do not print the exit report (the JSON report is still written)"),
     Option(

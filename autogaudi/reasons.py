@@ -19,6 +19,7 @@ CORE = {
     "old_torch": "needs torch >= {needed}; this is {version}",
     "apply_raised": "apply() raised {error!r}; reverted",
     "failed_at_run_time": "raised {error!r} at run time in {where}; reverted, the run went on without it",
+    "not_exact": "off under {flag}: it would change {how}{when}",
     "waiting_for_profile": "waiting for the step profile",
     "no_training_model": "no module owning the optimizer's parameters was called in the profiled step",
     "remembered": "{decision}, as its trial decided in run {run} on {date} ({speedup}x) with the same script, model "

@@ -53,6 +53,8 @@ class UnitRow:
             "reason_params": dict(reason.params) if reason is not None else {},
             "figures": dict(unit.figures) if unit else {},
             "notes": list(unit.notes) if unit else [],
+            # how what the unit did can have made the numbers differ from plain PyTorch's ([]: it cannot)
+            "numerics": list(unit.numerics_in_run()) if unit and self.status != SKIPPED else [],
         }
 
 
@@ -112,6 +114,7 @@ class Report:
             "steps": self.steps,
             "memory": self.memory,
             "changed": self.changed(),
+            "numerics": self.numerics(),
             "recommendations": self.recommended(),
             "units": self.units,
             "trials": self.trials,
@@ -122,6 +125,10 @@ class Report:
     def changed(self) -> list:
         """What autogaudi changed in this run, unit by unit: the report's headline."""
         return [{"unit": row["name"], "what": what} for row in self.units for what in row.get("changes", ())]
+
+    def numerics(self) -> list:
+        """The units whose work in this run can have made its numbers differ from plain PyTorch's, and how."""
+        return [{"unit": row["name"], "how": row["numerics"]} for row in self.units if row.get("numerics")]
 
     def recommended(self) -> list:
         """What autogaudi measured but leaves to the user, with what to try."""
@@ -147,6 +154,8 @@ class Report:
             + (":" if changed else " (each unit's reason below says why)")
         )
         lines.extend(f"           {row['unit']}: {row['what']}" for row in changed)
+        differ = ", ".join(f"{row['unit']} ({', '.join(row['how'])})" for row in self.numerics())
+        lines.append(f"  results  {f'may differ from plain: {differ}' if differ else 'identical to plain'}")
         width = max([len(row["name"]) for row in self.units] + [4])
         lines.append(f"  {'unit'.ljust(width)}  {'status':<11} reason")
         for row in self.units:

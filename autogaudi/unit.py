@@ -23,10 +23,20 @@ from autogaudi import model_call
 from autogaudi.events import Event
 from autogaudi.guard import guarded, guarded_call
 from autogaudi.memory import origin
+from autogaudi.options import OPTIONS_BY_NAME
 from autogaudi.reasons import Reason
 from autogaudi.trials import WARMUP, Check, Trial
 
 ALL_BACKENDS = ("hpu", "cuda", "cpu")
+# How a unit can make a run's numbers differ from plain PyTorch's on the same machine (losses,
+# parameters, gradients, random draws; docs/numerics.md), as the report and --exact's reason say it.
+ROUNDING, RANDOM, PRECISION, DATA = "rounding", "random", "precision", "data"
+NUMERICS = {
+    ROUNDING: "rounding (the same maths, summed or fused in another order)",
+    RANDOM: "random draws (other dropout masks or samples, from the same distributions)",
+    PRECISION: "precision (lower-precision arithmetic)",
+    DATA: "the batches (samples repeated or dropped)",
+}
 
 
 def wrap_attribute(owner, attribute: str, wrapper):
@@ -140,6 +150,10 @@ class Unit:
     # headline says it ("{}" is the count). Units that only measure leave it empty.
     changed_figure: tuple = ()
     reasons: dict = {}  # code -> text template of why the unit is where it is (autogaudi/reasons.py)
+    # How the unit can change the run's numbers (keys of NUMERICS); () leaves them bitwise plain
+    # PyTorch's, which the generated test tests/test_exact.py checks. Only () units run under --exact.
+    numerics: tuple = ()
+    exact_when = ""  # where numerics is not (): when they still come out identical, in words
     # The states the unit can be in, for the generated contract test (tests/test_contract_matrix.py):
     # in force before it acts, in use once the run is profiled and decided, failed at run time, and
     # after disable(). Units that decide through trials or checks add theirs.
@@ -181,7 +195,27 @@ class Unit:
             )
         if torch_version() < self.min_torch:
             return self.reason_for("old_torch", needed=".".join(map(str, self.min_torch)), version=torch.__version__)
+        numerics = self.numerics_on(self.backend)
+        if self.options.exact and numerics:
+            return self.reason_for(
+                "not_exact",
+                flag=OPTIONS_BY_NAME["exact"].flag,
+                how=" and ".join(NUMERICS[effect] for effect in numerics),
+                when=f"; identical only where {self.exact_when}" if self.exact_when else "",
+            )
         return None
+
+    @classmethod
+    def numerics_on(cls, backend) -> tuple:
+        """``numerics`` on ``backend`` (a :class:`~autogaudi.backends.base.Backend`); a unit whose
+        effect differs by backend says so here."""
+        return cls.numerics
+
+    def numerics_in_run(self) -> tuple:
+        """How what this unit did in this run can have changed the numbers: its ``numerics`` where it
+        changed something (:meth:`changes`) or a trial ran it, else ()."""
+        acted = self.changes() or any(record["candidate"] == self.name for record in self.session.trials.records)
+        return self.numerics_on(self.backend) if acted else ()
 
     def apply(self) -> None:
         raise NotImplementedError

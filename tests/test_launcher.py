@@ -131,6 +131,22 @@ def test_bad_options_fail_before_the_script_starts(args, message):
     assert result.stdout == ""  # the script never ran
 
 
+@pytest.mark.parametrize(
+    "command, abbreviation",
+    [
+        ([], "--exact-rand"),
+        ([], "--no-tri"),
+        (["cache", "list"], "--cache"),
+        (["doctor"], "--fail"),
+    ],
+)
+def test_an_abbreviated_option_is_refused_by_name(command, abbreviation):
+    result = run_python("-m", "autogaudi", *command, abbreviation, SCRIPTS / "show_main.py")
+    assert result.returncode == 2
+    assert f"unrecognized arguments: {abbreviation}" in result.stderr
+    assert result.stdout == ""  # the script never ran
+
+
 def test_our_flags_stop_at_the_script_name():
     assert split_command_line(["--quiet", "train.py", "--quiet", "-m", "x"]) == (
         ["--quiet"],

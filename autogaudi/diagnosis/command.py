@@ -30,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run a training script for a few steps, observing only, and list what would make it "
         "slow on Intel Gaudi: host syncs, dynamic shapes, graph blockers, unsupported dtypes, "
         "input stalls, tile sizes, bf16 readiness.",
+        allow_abbrev=False,
     )
     parser.add_argument(
         "--steps",

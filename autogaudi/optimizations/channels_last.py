@@ -25,7 +25,7 @@ import torch
 from autogaudi.engines import fsdp2_managed
 from autogaudi.events import Event
 from autogaudi.model_call import Layer, holder
-from autogaudi.unit import ActsOnProfile
+from autogaudi.unit import ROUNDING, ActsOnProfile
 
 
 def _convert(value):
@@ -58,6 +58,7 @@ def to_memory_format(model, optimizer, layout) -> None:
 
 
 class ChannelsLast(ActsOnProfile):
+    numerics = (ROUNDING,)  # NHWC kernels sum in another order; a rejected trial ran its steps in it
     after = ("graph_capture",)  # decides first on a profile: a model it holds keeps its format
     reasons = {
         "no_conv2d": "no Conv2d in the training model",

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from autogaudi.events import Event
-from autogaudi.unit import Unit
+from autogaudi.unit import ROUNDING, Unit
 
 
 def why_ddp_keeps(model) -> str | None:
@@ -115,6 +115,10 @@ class FlatAllReduce:
 
 
 class FastDdp(Unit):
+    # One flat buffer: each gradient lands elsewhere in the all-reduce's chunks, so ranks' values can
+    # be summed in another order (by reading)
+    numerics = (ROUNDING,)
+    exact_when = "there are two ranks"
     reasons = {
         "flat_all_reduce": "one flattened all-reduce of the gradients after each synchronised backward",
         "gradients_changed": "handed back to DDP's reducer: the set of parameters with gradients changed (ranks "

@@ -22,12 +22,13 @@ import torch.nn.utils
 import torch.nn.utils.clip_grad
 
 from autogaudi.engines import holds_dtensors
-from autogaudi.unit import Unit
+from autogaudi.unit import ROUNDING, Unit
 
 _MAX_CACHED_SETS = 8
 
 
 class FusedClipNormUnit(Unit):
+    numerics = (ROUNDING,)  # the norm summed in one fused op (by reading)
     reasons = {"hpex": "hpex FusedClipNorm"}
     changed_figure = ("fused_calls", "{} clip_grad_norm_ calls through FusedClipNorm")
     targets = ("torch.nn.utils.clip_grad_norm_", "torch.nn.utils.clip_grad.clip_grad_norm_")

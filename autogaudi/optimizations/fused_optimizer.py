@@ -46,7 +46,7 @@ import torch
 from torch.optim.optimizer import _foreach_supported_types
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
-from autogaudi.unit import Unit
+from autogaudi.unit import ROUNDING, Unit
 
 FUSABLE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 # The classes whose torch kernel DTensor (FSDP2's parameters) has a sharding rule for (_fused_adam_,
@@ -136,6 +136,7 @@ def _raw_step(optimizer):
 
 
 class FusedOptimizer(Unit):
+    numerics = (ROUNDING,)  # one fused update rounds otherwise than torch's per-op one (measured on CPU)
     reasons = {
         "torch_fused": "torch fused=True kernels",
         "hpex": "hpex fused optimizers",

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional
 
-from autogaudi.unit import Unit
+from autogaudi.unit import RANDOM, ROUNDING, Unit
 
 _RECOMPUTE = {"auto": None, "on": True, "off": False}
 _FUSED_DTYPES = (torch.float32, torch.bfloat16)
@@ -41,6 +41,8 @@ def fallback_reason(call: dict):
 
 
 class FusedSdpa(Unit):
+    # Another attention kernel; with dropout_p, masks of FusedSDPA's own (by reading)
+    numerics = (ROUNDING, RANDOM)
     reasons = {"hpex": "hpex FusedSDPA, recompute {recompute}"}
     changed_figure = ("fused_calls", "{} attention calls through FusedSDPA")
     targets = ("torch.nn.functional.scaled_dot_product_attention",)

@@ -33,7 +33,7 @@ from autogaudi.model_call import Layer, compiled_by_the_script, holder
 from autogaudi.optimizations.step_profiler import input_shapes
 from autogaudi.ranks import rank_zero_choice
 from autogaudi.run_length import remaining_steps
-from autogaudi.unit import ActsOnProfile
+from autogaudi.unit import RANDOM, ROUNDING, ActsOnProfile
 
 MAX_SHAPES = 8
 # What capture costs once, each measured where it happens: setting it up (importing the compiler
@@ -63,6 +63,9 @@ def uses_gradient_checkpointing(module) -> bool:
 
 
 class GraphCapture(ActsOnProfile):
+    # Compiled kernels fuse and reorder; compiled dropout draws other masks (--exact-random: the same
+    # masks, still not the same rounding). A rejected trial ran its steps captured.
+    numerics = (ROUNDING, RANDOM)
     after = ("mixed_precision",)  # decides first on a profile: a model it holds is not captured
     reasons = {
         "too_short": "not tried: {steps} steps left ({source}) could save at most {most:.2f} s, less than the "

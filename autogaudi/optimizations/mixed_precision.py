@@ -43,7 +43,7 @@ from autogaudi.events import Event
 from autogaudi.model_call import Layer, compiled_by_the_script
 from autogaudi.optimizations.step_profiler import FP32_MATRIX_SHARE
 from autogaudi.options import PRECISIONS
-from autogaudi.unit import ActsOnProfile
+from autogaudi.unit import PRECISION, ActsOnProfile
 
 GUARD_CHECKS = 3  # forward/backward pairs compared before a precision is used
 GUARD_PATIENCE = 30  # backward passes the guard waits for them; after that the precision is not used
@@ -365,6 +365,7 @@ class _Guard:
 
 
 class MixedPrecision(ActsOnProfile):
+    numerics = (PRECISION,)
     reasons = {
         "off": "off by default (it changes numerics): --precision {choices}",
         "no_bf16": "this GPU has no bf16 (compute capability < 8.0): --precision fp16 runs fp16 with loss scaling",

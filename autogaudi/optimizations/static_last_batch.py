@@ -19,7 +19,7 @@ from torch.utils.data import IterableDataset, RandomSampler, Sampler, Sequential
 
 from autogaudi.events import Event
 from autogaudi.steps import loader_arguments
-from autogaudi.unit import Unit
+from autogaudi.unit import DATA, Unit
 
 
 class PaddedSampler(Sampler):
@@ -41,6 +41,7 @@ class PaddedSampler(Sampler):
 
 
 class StaticLastBatch(Unit):
+    numerics = (DATA,)
     reasons = {
         "hpu_eager": "HPU eager mode compiles nothing per shape unless graph capture is on",
         "policy": "policy {policy}",

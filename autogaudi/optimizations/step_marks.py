@@ -18,10 +18,13 @@ from __future__ import annotations
 import torch
 
 from autogaudi.events import Event
-from autogaudi.unit import Unit
+from autogaudi.unit import ROUNDING, Unit
 
 
 class LazyModeUnit(Unit):
+    # The bridge compiles what lies between two marks as one graph and fuses within it (by reading)
+    numerics = (ROUNDING,)
+    exact_when = "the script marks the same steps itself"
     """A unit that only makes sense where ops queue until ``mark_step()``: HPU lazy mode."""
 
     reasons = {"hpu_eager": "HPU eager mode (PT_HPU_LAZY_MODE=0) runs ops as issued; there is nothing to mark"}

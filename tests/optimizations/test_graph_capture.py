@@ -221,6 +221,7 @@ def test_a_rejected_hpu_capture_lets_go_of_the_cacher_and_its_graphs(hpu_double,
     keys = set(vars(model))
     losses_of(model, batches(), steps=STEPS + 40)
     assert [(t["candidate"], t["decision"]) for t in autogaudi.report().trials] == [("graph_capture", "rejected")]
+    assert row()["numerics"] == ["rounding", "random"]  # rejected, but its trial's steps ran captured
     gc.collect()
     assert set(vars(model)) == keys and not list(graphs.LIVE_CACHERS)
 

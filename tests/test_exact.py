@@ -1,0 +1,87 @@
+"""--exact: every unit on under it leaves a seeded run's numbers bit for bit plain PyTorch's (each
+loss, the final parameters, the torch, random and numpy streams), and every other unit is off.
+
+Generated from the registry: each unit is checked on the CPU where it applies there, else on the HPU
+double (lazy mode), in one run per backend with every opt-in unit asked for, against the plain run.
+"""
+
+import importlib
+import json
+import types
+
+import pytest
+
+from autogaudi.registry import OPT_IN_UNITS, UNITS
+from tests.helpers import HPU_DOUBLE, SCRIPTS, SWITCHED_ON_BY, clean_env, run_python
+
+SCRIPT = SCRIPTS / "seeded_train.py"
+ENVIRONMENTS = {"cpu": {}, "hpu": {"PYTHONPATH": str(HPU_DOUBLE)}}
+BACKENDS = {
+    "cpu": types.SimpleNamespace(name="cpu", is_lazy=False),
+    "hpu": types.SimpleNamespace(name="hpu", is_lazy=True),
+}
+IN_FORCE = ("applied", "watching", "not needed")
+
+
+def unit_class(info):
+    module, name = info.module.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def numbers(result) -> dict:
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """backend -> (the plain run's numbers, the --exact run's, its report), each run once."""
+    done = {}
+
+    def run(backend):
+        if backend not in done:
+            env = clean_env(**ENVIRONMENTS[backend])
+            plain = numbers(run_python(SCRIPT, env=env))
+            report = tmp_path_factory.mktemp(backend) / "report.json"
+            switched_on = [f"--{key}={value}" for unit in SWITCHED_ON_BY.values() for key, value in unit.items()]
+            exact = run_python(
+                "-m", "autogaudi", "--exact", "--force", ",".join(OPT_IN_UNITS), *switched_on, "--quiet",
+                "--report", report, SCRIPT, env=env,
+            )  # fmt: skip
+            done[backend] = plain, numbers(exact), json.loads(report.read_text())
+        return done[backend]
+
+    return run
+
+
+@pytest.mark.parametrize("info", UNITS, ids=lambda info: info.name)
+def test_under_exact_a_unit_is_on_only_where_it_leaves_every_number_plain(info, runs):
+    unit = unit_class(info)
+    backend = "cpu" if "cpu" in unit.backends else "hpu"
+    plain, exact, report = runs(backend)
+    row = next(row for row in report["units"] if row["name"] == info.name)
+    if unit.numerics_on(BACKENDS[backend]):
+        # off: itself, or through a unit it requires that is
+        assert (row["status"], row["reason_code"]) in {("skipped", "not_exact"), ("skipped", "needs_unit")}, row
+    else:
+        assert row["status"] in IN_FORCE, row
+        assert exact == plain
+
+
+RL_LOOP = SCRIPTS / "rl_loop.py"
+
+
+def test_a_seeded_rl_loop_under_exact_is_the_plain_run_bit_for_bit():
+    plain = numbers(run_python(RL_LOOP))
+    assert numbers(run_python("-m", "autogaudi", "--exact", "--quiet", RL_LOOP)) == plain
+
+
+@pytest.mark.parametrize("options", [[], ["--disable", "fused_optimizer"]], ids=["defaults", "unfused"])
+def test_by_default_the_rl_loop_is_the_plain_run_unless_the_report_names_what_changed_its_numbers(tmp_path, options):
+    plain = numbers(run_python(RL_LOOP))
+    result = run_python("-m", "autogaudi", *options, "--report", tmp_path / "report.json", RL_LOOP)
+    named = {row["unit"]: row["how"] for row in json.loads((tmp_path / "report.json").read_text())["numerics"]}
+    assert (numbers(result) == plain) == (not named), named
+    assert named == ({} if options else {"fused_optimizer": ["rounding"]})  # on this CPU: its fused Adam
+    headline = next(line for line in result.stderr.splitlines() if line.startswith("  results"))
+    assert all(unit in headline for unit in named)
