@@ -14,6 +14,8 @@ torchrun and every rank runs under autogaudi):
 - ``autogaudi``: ``python -m autogaudi script args`` (defaults);
 - ``capture forced``: ``--force graph_capture,channels_last --no-trials``, the code paths a GPU takes
   by measurement, driven on any machine;
+- ``exact``: ``--exact``, only the units that leave the numbers bitwise plain's: results and
+  checkpoint values must equal plain's exactly;
 - on request (``--variants``): ``precision bf16``, ``fp16``, ``tf32`` and ``auto`` (``--precision``).
 
 Per case and variant it records the exit code (must equal plain's), the result line (the manifest's
@@ -52,20 +54,21 @@ VARIANTS = {
     "plain": [],
     "autogaudi": ["-m", "autogaudi"],
     "capture forced": ["-m", "autogaudi", "--force", "graph_capture,channels_last", "--no-trials"],
+    "exact": ["-m", "autogaudi", "--exact"],
     # On request only (--variants): mixed precision changes numerics by design.
     "precision bf16": ["-m", "autogaudi", "--precision", "bf16"],
     "precision auto": ["-m", "autogaudi", "--precision", "auto"],
     "precision fp16": ["-m", "autogaudi", "--precision", "fp16"],
     "precision tf32": ["-m", "autogaudi", "--precision", "tf32"],
 }
-DEFAULT_VARIANTS = ("plain", "autogaudi", "capture forced")
+DEFAULT_VARIANTS = ("plain", "autogaudi", "capture forced", "exact")
 # The result line's numbers against plain's: relative, per number. Fused kernels and compiled code
 # reassociate float sums, and a trajectory drifts over hundreds of steps (5%). Forced capture also
 # draws dropout masks from another random stream (same distribution): a different trajectory of the
 # same training, compared loosely (25%), and the table says so.
 # Below float32 (bf16 keeps 8 significant bits, fp16 11, tf32's matmuls 11): a different trajectory
 # too, held to 25% like forced capture.
-TOLERANCE = {"plain": 0.0, "autogaudi": 0.05, "capture forced": 0.25}
+TOLERANCE = {"plain": 0.0, "autogaudi": 0.05, "capture forced": 0.25, "exact": 0.0}  # exact: bitwise
 TOLERANCE.update((variant, 0.25) for variant in VARIANTS if variant.startswith("precision "))
 # Cases whose results and checkpoint values cannot be compared with another run's, and why.
 NOT_COMPARED = {

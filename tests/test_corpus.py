@@ -110,7 +110,7 @@ def test_forced_capture_is_compared_more_loosely_and_unseeded_cases_not_at_all()
     not (CORPUS / "corpus.json").exists(),
     reason=f"no corpus at {CORPUS}: it comes with the project's shared folder, beside the repository",
 )
-def test_the_cpu_cases_run_plain_under_autogaudi_and_with_capture_forced(tmp_path):
+def test_the_cpu_cases_run_plain_under_autogaudi_with_capture_forced_and_exact(tmp_path):
     out = tmp_path / "corpus.json"
     done = subprocess.run(
         [
@@ -137,7 +137,7 @@ def test_the_cpu_cases_run_plain_under_autogaudi_and_with_capture_forced(tmp_pat
     for row in results["cases"]:
         assert "skipped" not in row, row  # the test extra installs what the cases need
         assert row["runs"]["plain"]["exit_code"] == 0, row["runs"]["plain"]["output_tail"]
-        for variant in ("autogaudi", "capture forced"):
+        for variant in ("autogaudi", "capture forced", "exact"):
             mine = row["runs"][variant]
             where = f"{row['name']} / {variant}: {mine['why']}\n{mine['output_tail'][-2000:]}"
             assert mine["verdict"] != "crashed", where
@@ -145,6 +145,8 @@ def test_the_cpu_cases_run_plain_under_autogaudi_and_with_capture_forced(tmp_pat
             assert all("error" not in summary for summary in mine["checkpoints"].values()), where
             checkpoints += len(mine["checkpoints"])
         assert row["runs"]["autogaudi"]["verdict"] in ("same", "slower"), row["runs"]["autogaudi"]["why"]
+        # --exact: the result line and every checkpoint value exactly plain's (tolerance 0)
+        assert row["runs"]["exact"]["verdict"] in ("same", "slower"), row["runs"]["exact"]["why"]
     assert checkpoints >= 4  # minGPT's cases save model.pt: the loadability check really ran
     assert done.returncode == 0
 
@@ -180,7 +182,7 @@ def test_the_fsdp2_example_runs_on_two_ranks_plain_under_autogaudi_and_with_capt
     for row in rows.values():
         assert row["runs"]["plain"]["exit_code"] == 0, row["runs"]["plain"]["output_tail"]
         assert row["runs"]["plain"]["checkpoints"], row["runs"]["plain"]["files"]
-        for variant in ("autogaudi", "capture forced"):
+        for variant in ("autogaudi", "capture forced", "exact"):
             mine = row["runs"][variant]
             where = f"{row['name']} / {variant}: {mine['why']}\n{mine['output_tail'][-2000:]}"
             assert mine["verdict"] in ("same", "slower"), where
