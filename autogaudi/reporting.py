@@ -205,9 +205,10 @@ class Report:
         return lines
 
     def _profile_reason(self) -> str:
-        """What the step profile found (its row's reason), where a profile was taken."""
+        """What bounds the step, where the step profiler classified it."""
         row = next((row for row in self.units if row["name"] == "step_profiler"), None)
-        return row["reason"] if row is not None and "bound" in row["figures"] else ""
+        bound = row["figures"].get("bound") if row is not None else None
+        return f"the step is {bound}-bound (--verbose: by how much)" if bound else ""
 
     def _table_lines(self) -> list:
         backend = self.backend

@@ -22,6 +22,7 @@ from autogaudi import backends
 from autogaudi.cache import RECIPE_CACHE, Cache, compile_cache_environment
 from autogaudi.events import Dispatcher
 from autogaudi.memory import Memory
+from autogaudi.page import render as render_page
 from autogaudi.ranks import gather_from_ranks, is_rank_zero, several_ranks
 from autogaudi.reasons import Reason
 from autogaudi.registry import UNITS
@@ -311,8 +312,9 @@ class Session:
             return
         report = self.report()
         if self.options.report:
+            page = self.options.report.lower().endswith(".html")
             with open(self.options.report, "w", encoding="utf-8") as handle:
-                handle.write(report.to_json())
+                handle.write(render_page(report) if page else report.to_json())
         if not self.options.quiet:
             sys.stderr.write(report.format())
             sys.stderr.flush()
