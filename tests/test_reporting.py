@@ -144,3 +144,20 @@ def test_the_table_shows_a_remembered_decisions_check_and_the_cache_line():
     assert "cache    /c: decisions measured in this run; compile caches kept there (TORCHINDUCTOR_CACHE_DIR)" in text
     assert "note: ignored a cache entry that could not be read: /c/x.json" in text
     assert report.as_dict()["cache"]["compile"]["TORCHINDUCTOR_CACHE_DIR"]["set_by"] == "autogaudi"
+
+
+def test_a_cache_folder_that_could_not_be_used_says_so():
+    from autogaudi.reporting import Report
+
+    report = Report(
+        torch_version="2.13.0",
+        enabled_by=["enable"],
+        active=True,
+        backend={"name": "cpu", "device": "x86_64 CPU", "reason": "always available"},
+        options={},
+        steps={},
+        memory=None,
+        units=[],
+        cache={"dir": None, "decisions": "not remembered", "compile": {}, "notes": []},
+    )
+    assert "  cache    not used: decisions not remembered" in report.format(verbose=True)
