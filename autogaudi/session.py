@@ -142,7 +142,7 @@ class Session:
         self._revert(unit)
         self.check_settled()
         self.rows[unit.name].set(FAILED, Reason("failed_at_run_time", error=error, where=where_raised(error)))
-        unit.mark("failed")
+        unit.moment("failed")
         warn(f"{unit.name} raised {error!r}; it is switched off and the run goes on without it")
 
     # The session as the guard's owner of its own code inside the user's calls (the step watcher's

@@ -249,7 +249,7 @@ class Unit:
         if all(advice["what"] != text for advice in self.recommendations):
             self.recommendations.append({"what": text, "do": do, "saves": saves, "saves_basis": saves_basis})
 
-    def mark(self, event: str, **params) -> None:
+    def moment(self, event: str, **params) -> None:
         """A moment the unit acted, for the run's timeline (the report's chart): ``event`` a code,
         ``params`` JSON values."""
         steps = self.session.steps

@@ -778,7 +778,7 @@ class LoaderWorkers(Unit):
         self.figures.update(
             loaders_tuned=self.figures["loaders_tuned"] + 1, workers=workers, main_threads=torch._C.get_num_threads()
         )
-        self.mark("workers", workers=workers)
+        self.moment("workers", workers=workers)
         # timed on from the last measured batch, or from the next epoch's start: the workers' start-up
         # counts against them
         if _in_process(iterator):
@@ -821,7 +821,7 @@ class LoaderWorkers(Unit):
             return
         scope, state.scope = state.scope, None
         self.close_scope(scope)
-        self.mark("in_process")
+        self.moment("in_process")
         self.figures["loaders_tuned"] -= 1
         self.figures["main_threads"] = torch._C.get_num_threads()
 

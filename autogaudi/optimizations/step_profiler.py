@@ -527,7 +527,7 @@ class StepProfiler(Unit):
 
     def _publish(self) -> None:
         self._roots, self._calls = [], []  # hold none of the user's objects
-        self.mark("profiled", bound=self.profile.bound)
+        self.moment("profiled", bound=self.profile.bound)
         self.close_scope(self._listening)  # classified once: no more work on every step and batch
         self.session.events.emit(Event.STEP_PROFILED, self.profile)
         self.session.check_settled()
