@@ -183,7 +183,20 @@ OPTIONS: tuple = (
         "switched back on a NaN/Inf or spiking loss (off by default: it changes numerics)",
         "{" + ",".join(PRECISIONS) + "}",
     ),
-    Option("report", None, _parse_path, "also write the exit report as JSON to this path", "PATH"),
+    Option(
+        "report",
+        None,
+        _parse_path,
+        "also write the exit report to this path: a page with the step-time chart where it ends in .html, else JSON",
+        "PATH",
+    ),
+    Option(
+        "verbose",
+        False,
+        parse_bool,
+        "print every unit's row, the trials and the advice in full after the short exit report "
+        "(the JSON report always has them)",
+    ),
     Option(
         "log_every", 0, _parse_count, "throughput_meter prints a progress line every N optimizer steps (0: never)", "N"
     ),

@@ -1,8 +1,10 @@
 """What autogaudi did in this process: per unit applied (changed something), watching, not needed,
 skipped or failed, why, and the figures.
 
-The same content is printed as a table on stderr at exit (rank 0 only) and written as JSON when the
-``report`` option names a path, so a person and a script read the same facts.
+At exit (rank 0 only) a short report goes to stderr: what changed and what it did to this run's
+steps, and what to try next; ``--verbose`` adds every unit's row. The JSON (``--report PATH``) and
+the page (``--report run.html``, :mod:`autogaudi.page`) carry all of it, so a person and a script
+read the same facts.
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ APPLIED, SKIPPED, FAILED = "applied", "skipped", "failed"
 # What an applied (in force) unit reads as when it changed nothing: still measuring or deciding, or
 # decided that nothing needs changing. "applied" is kept for units that changed something.
 WATCHING, NOT_NEEDED = "watching", "not needed"
-# The JSON report's layout: 2 since units that changed nothing read watching / not needed.
-SCHEMA = 2
+# The JSON report's layout: 2 since units that changed nothing read watching / not needed; 3 since
+# recommendations are {what, do, saves} and the report carries a summary and a timeline.
+SCHEMA = 3
+NEXT_STEPS = 3  # the most useful recommendations the short report lists
 
 
 class UnitRow:
@@ -37,7 +41,8 @@ class UnitRow:
         unit = self.unit
         in_force = unit is not None and self.status == APPLIED
         reason = unit.reason if in_force else self.reason
-        changes = unit.changes() if in_force else []
+        # A candidate on trial is on only in some steps: nothing is changed until it is kept.
+        changes = unit.changes() if in_force and not unit.session.trials.trying(unit) else []
         status = self.status
         if in_force and not changes:
             status = WATCHING if unit.watching() else NOT_NEEDED
@@ -46,7 +51,7 @@ class UnitRow:
             "summary": self.summary,
             "status": status,
             "changes": changes,
-            "recommendations": list(unit.recommendations) if unit else [],
+            "recommendations": [dict(advice) for advice in unit.recommendations] if unit else [],
             "targets": list(unit.targets) + list(unit.acts_on) if unit else [],
             "reason": reason.text if reason is not None else "",
             "reason_code": reason.code if reason is not None else None,
@@ -73,6 +78,7 @@ class Report:
         trials=(),
         ranks=None,
         cache=None,
+        timeline=None,
     ):
         self.torch_version = torch_version
         self.enabled_by = enabled_by
@@ -85,6 +91,7 @@ class Report:
         self.trials = list(trials)  # every A/B trial run: candidate, medians, one-off cost, decision
         self.ranks = ranks  # multi-rank jobs, on rank 0: {rank: that rank's unit rows, or None if it never answered}
         self.cache = cache  # the cache folder, what this run took from it and what it set, or None (--no-cache)
+        self.timeline = timeline  # each step's seconds and the moments autogaudi acted (autogaudi.timeline)
 
     @classmethod
     def not_started(cls, options) -> Report:
@@ -113,6 +120,7 @@ class Report:
             "options": self.options,
             "steps": self.steps,
             "memory": self.memory,
+            "summary": self.summary(),
             "changed": self.changed(),
             "numerics": self.numerics(),
             "recommendations": self.recommended(),
@@ -120,6 +128,7 @@ class Report:
             "trials": self.trials,
             "ranks": None if self.ranks is None else {str(rank): rows for rank, rows in self.ranks.items()},
             "cache": self.cache,
+            "timeline": self.timeline,
         }
 
     def changed(self) -> list:
@@ -131,31 +140,93 @@ class Report:
         return [{"unit": row["name"], "how": row["numerics"]} for row in self.units if row.get("numerics")]
 
     def recommended(self) -> list:
-        """What autogaudi measured but leaves to the user, with what to try."""
-        return [{"unit": row["name"], "what": what} for row in self.units for what in row.get("recommendations", ())]
+        """What autogaudi measured but leaves to the user, with what to try (``do``) and the share of
+        a step it could save (``saves``: measured or estimated; None where unknown)."""
+        return [{"unit": row["name"], **advice} for row in self.units for advice in row.get("recommendations", ())]
+
+    def summary(self) -> dict:
+        """The short report's facts: the run, each change with its measured effect, the trials not
+        kept, those the run ended in, and the most useful next steps."""
+        ms_per_step = round(1000 / self.steps["steps_per_s"], 3) if self.steps.get("steps_per_s") else None
+        effects = {record["candidate"]: record for record in self.trials if "check" not in record}
+        return {
+            "steps": self.steps.get("steps", 0),
+            "seconds": round(sum(self.timeline["step_s"]) * self.timeline["every"], 3) if self.timeline else None,
+            "ms_per_step": ms_per_step,
+            "changed": [
+                {**change, "effect": _effect(effects.get(change["unit"]), self.steps.get("steps", 0))}
+                for change in self.changed()
+            ],
+            "tried": [
+                {"unit": record["candidate"], "speedup": record["speedup"], "cost_s": _trial_cost_s(record)}
+                for record in effects.values()
+                if record["decision"] == "rejected"
+            ],
+            "unfinished": [row["name"] for row in self.units if row.get("reason_code") == "trial_running"],
+            "next": sorted(self.recommended(), key=lambda advice: -(advice.get("saves") or 0))[:NEXT_STEPS],
+        }
 
     def to_json(self) -> str:
         return json.dumps(self.as_dict(), indent=2, default=str)
 
-    def format(self) -> str:
+    def format(self, verbose=None) -> str:
+        """The short report (what changed, its effect, what to try next); ``verbose`` (default: the
+        ``verbose`` option) adds every unit's row, the trials, the advice in full and the cache."""
         if self.backend is None:
             return f"autogaudi {__version__}: enabled, waiting for torch to be imported\n"
+        if verbose is None:
+            verbose = bool((self.options or {}).get("verbose"))
+        lines = self._short_lines()
+        if verbose:
+            lines.extend(self._table_lines())
+        else:
+            lines.append("  more     --verbose: every unit's row and reason; --report run.html: the step-time chart")
+        return "\n".join(lines) + "\n"
+
+    __str__ = format
+
+    def _short_lines(self) -> list:
+        summary, backend = self.summary(), self.backend
+        lines = [
+            f"autogaudi {__version__} report (torch {self.torch_version}{'' if self.active else ', disabled since'}) "
+            f"on {backend['name']} ({backend['device']})",
+            f"  run      {_format_run(self.steps, summary)}",
+        ]
+        lines += _block(
+            "changed",
+            [f"{change['unit']}: {change['what']}; {_format_effect(change)}" for change in summary["changed"]],
+        ) or ["  changed  nothing (--verbose says why for each unit)"]
+        differ = ", ".join(f"{row['unit']} ({', '.join(row['how'])})" for row in self.numerics())
+        lines.append(f"  results  {f'may differ from plain: {differ}' if differ else 'identical to plain'}")
+        tried = [
+            f"{tried['unit']}: {tried['speedup']}x in its trial, not kept; the trial cost {tried['cost_s']} s"
+            for tried in summary["tried"]
+        ]
+        tried += [
+            f"{name}: its trial was still running when the run ended; nothing kept" for name in summary["unfinished"]
+        ]
+        lines += _block("tried", tried)
+        lines += _block("next", [_format_next(advice, summary["ms_per_step"]) for advice in summary["next"]]) or (
+            [f"  next     nothing measured to try: {self._profile_reason()}"] if self._profile_reason() else []
+        )
+        if self.ranks is not None:
+            lines.append(f"  ranks    {_format_ranks(self.ranks)}")
+        return lines
+
+    def _profile_reason(self) -> str:
+        """What bounds the step, where the step profiler classified it."""
+        row = next((row for row in self.units if row["name"] == "step_profiler"), None)
+        bound = row["figures"].get("bound") if row is not None else None
+        return f"the step is {bound}-bound (--verbose: by how much)" if bound else ""
+
+    def _table_lines(self) -> list:
         backend = self.backend
         lines = [
-            f"autogaudi {__version__} report (torch {self.torch_version}{'' if self.active else ', disabled since'})",
             f"  backend  {backend['name']}: {backend['device']} ({backend['reason']})",
             f"  steps    {_format_steps(self.steps)}",
         ]
         if self.memory:
             lines.append("  memory   " + ", ".join(f"{k} {v}" for k, v in self.memory.items()))
-        changed = self.changed()
-        lines.append(
-            f"  changed  {len(changed)} thing{'' if len(changed) == 1 else 's'}"
-            + (":" if changed else " (each unit's reason below says why)")
-        )
-        lines.extend(f"           {row['unit']}: {row['what']}" for row in changed)
-        differ = ", ".join(f"{row['unit']} ({', '.join(row['how'])})" for row in self.numerics())
-        lines.append(f"  results  {f'may differ from plain: {differ}' if differ else 'identical to plain'}")
         width = max([len(row["name"]) for row in self.units] + [4])
         lines.append(f"  {'unit'.ljust(width)}  {'status':<11} reason")
         for row in self.units:
@@ -168,17 +239,99 @@ class Report:
             lines.append(f"  trial    {_format_trial(trial)}")
         for row in self.recommended():
             lines.append(f"  advice   {row['unit']}: {row['what']}")
-        if self.ranks is not None:
-            lines.append(f"  ranks    {_format_ranks(self.ranks)}")
         if self.cache is not None:
             lines.append(f"  cache    {_format_cache(self.cache)}")
             lines.extend(f"           note: {note}" for note in self.cache["notes"])
-        return "\n".join(lines) + "\n"
+        return lines
 
-    __str__ = format
+
+def _block(label: str, items: list) -> list:
+    """Lines under one label: the label on the first, the others indented under it."""
+    return [f"  {label if index == 0 else '':<9}{item}" for index, item in enumerate(items)]
+
+
+def _effect(record, steps: int):
+    """What a kept trial's change did over the whole run: the step time before and with it, and
+    the seconds it saved net of its one-off, from the trial's start to the run's end; None where
+    the change was not timed against the step without it (on from the start, or remembered)."""
+    if record is None or record["decision"] != "kept":
+        return None
+    without_steps = sum(count for arm, count in record.get("arms", ()) if arm == "without")
+    steps_with = max(0, steps - record["started_at_step"] - without_steps)
+    saved = (record["ms_per_step_without"] - record["ms_per_step_with"]) / 1000 * steps_with - record["one_off_s"]
+    return {
+        "ms_per_step_without": record["ms_per_step_without"],
+        "ms_per_step_with": record["ms_per_step_with"],
+        "speedup": record["speedup"],
+        "one_off_s": record["one_off_s"],
+        "steps_with": steps_with,
+        "saved_s": round(saved, 3),
+    }
+
+
+def _trial_cost_s(record) -> float:
+    """What a trial not kept cost the run: its one-off and its "with" steps beyond the step without."""
+    with_steps = sum(count for arm, count in record.get("arms", ()) if arm == "with")
+    extra = (record["ms_per_step_with"] - record["ms_per_step_without"]) / 1000 * with_steps
+    return round(record["one_off_s"] + extra, 3)
+
+
+def _format_effect(change: dict) -> str:
+    effect = change["effect"]
+    if effect is None:
+        return "not timed without it (in force from the start)"
+    net = "saved" if effect["saved_s"] >= 0 else "lost"
+    return (
+        f"{effect['ms_per_step_without']} -> {effect['ms_per_step_with']} ms/step ({effect['speedup']}x); this run: "
+        f"{abs(effect['saved_s'])} s {net} over {effect['steps_with']} steps, one-off {effect['one_off_s']} s included"
+    )
+
+
+def _format_next(advice: dict, ms_per_step) -> str:
+    text = advice.get("do") or advice["what"]
+    saves = advice.get("saves")
+    if saves:
+        figure = f"up to {saves:.0%} of a step"
+        if ms_per_step:
+            figure += f", {round(saves * ms_per_step, 1)} ms"
+        text += f" ({figure}, {advice.get('saves_basis', 'estimated')})"
+    return text
+
+
+def _format_run(steps: dict, summary: dict) -> str:
+    count = steps.get("steps", 0)
+    text = f"{count} training step{'' if count == 1 else 's'}"
+    if steps.get("steps_counted_by") == "backward passes":
+        per_step = steps.get("backward_passes_per_step") or 1
+        text += f" (no optimizer: {per_step} backward pass{'' if per_step == 1 else 'es'} each)"
+    if count and summary["seconds"] is not None:
+        text += f" in {_seconds(summary['seconds'])} s"
+    if summary["ms_per_step"] is not None:
+        text += f", {summary['ms_per_step']:.4g} ms/step after {steps.get('warmup_steps', 0)} warm-up"
+    if steps.get("decisions_settled_at_step") is not None:
+        text += f"; every decision made by step {steps['decisions_settled_at_step']}"
+    not_steps = _not_steps(steps)
+    if not_steps:
+        text += f"; not steps: {not_steps}"
+    return text
+
+
+def _seconds(seconds: float) -> str:
+    return f"{seconds:.1f}" if seconds >= 10 else f"{seconds:.3g}"
+
+
+def _not_steps(steps: dict) -> str:
+    """The backward passes that are no training step of their own, named."""
+    kinds = (
+        ("backward_passes_in_optimizer_steps", "inside optimizer steps (closures)"),
+        ("own_backward_passes", "autogaudi's own or inside another pass"),
+    )
+    return ", ".join(f"{steps[key]} backward passes {words}" for key, words in kinds if steps.get(key))
 
 
 def _format_cache(cache: dict) -> str:
+    if cache["dir"] is None:
+        return f"not used: decisions {cache['decisions']}"
     text = f"{cache['dir']}: decisions {cache['decisions']}"
     set_here = [name for name, setting in cache["compile"].items() if setting["set_by"] == "autogaudi"]
     if set_here:

@@ -22,6 +22,7 @@ from autogaudi import backends
 from autogaudi.cache import RECIPE_CACHE, Cache, compile_cache_environment
 from autogaudi.events import Dispatcher
 from autogaudi.memory import Memory
+from autogaudi.page import render as render_page
 from autogaudi.ranks import gather_from_ranks, is_rank_zero, several_ranks
 from autogaudi.reasons import Reason
 from autogaudi.registry import UNITS
@@ -69,6 +70,7 @@ class Session:
         self.applied: list = []  # units in force, in the order they were applied
         self.rows = {info.name: UnitRow(info.name, info.summary) for info in UNITS}
         self.rank_rows = None  # on rank 0 of a multi-rank job: every rank's unit rows, once gathered
+        self.rank_step_s = None  # and every rank's step times ({"every", "step_s"}), for the chart
         self._shared_with_ranks = False
         self.core_failure = None  # what switched the session's own watcher off at run time, if anything did
         self._scope = Scope(self)
@@ -140,6 +142,7 @@ class Session:
         self._revert(unit)
         self.check_settled()
         self.rows[unit.name].set(FAILED, Reason("failed_at_run_time", error=error, where=where_raised(error)))
+        unit.moment("failed")
         warn(f"{unit.name} raised {error!r}; it is switched off and the run goes on without it")
 
     # The session as the guard's owner of its own code inside the user's calls (the step watcher's
@@ -238,18 +241,26 @@ class Session:
         return wrapped(*args, **kwargs)
 
     def share_with_ranks(self) -> None:
-        """Every rank posts its unit rows; rank 0 keeps them all for its report. Once, while the
-        default process group (and so its store) is still up."""
+        """Every rank posts its unit rows and step times (bounded: :mod:`autogaudi.timeline`); rank 0
+        keeps them all for its report. Once, while the default process group (and so its store) is
+        still up."""
         if self._shared_with_ranks or not several_ranks():
             return
         self._shared_with_ranks = True
+        timeline = self.steps.timeline.as_dict()
+        payload = {
+            "units": [row.as_dict() for row in self.rows.values()],
+            "steps": {"every": timeline["every"], "step_s": timeline["step_s"]},
+        }
         try:
-            gathered = gather_from_ranks(json.dumps([row.as_dict() for row in self.rows.values()], default=str))
+            gathered = gather_from_ranks(json.dumps(payload, default=str))
         except Exception as error:  # neither the script's shutdown nor rank 0's own report may break
             warn(f"could not gather the other ranks' unit decisions: {error!r}")
             return
         if gathered is not None:
-            self.rank_rows = {rank: None if rows is None else json.loads(rows) for rank, rows in gathered.items()}
+            posted = {rank: None if text is None else json.loads(text) for rank, text in gathered.items()}
+            self.rank_rows = {rank: None if got is None else got["units"] for rank, got in posted.items()}
+            self.rank_step_s = {str(rank): None if got is None else got["steps"] for rank, got in posted.items()}
 
     def report(self) -> Report:
         memory = self.backend.memory_stats()
@@ -265,6 +276,7 @@ class Session:
             trials=list(self.trials.records),
             ranks=self.rank_rows,
             cache=self._cache_facts(),
+            timeline={**self.steps.timeline.as_dict(), "ranks": self.rank_step_s},
         )
 
     def _cache_facts(self):
@@ -300,8 +312,9 @@ class Session:
             return
         report = self.report()
         if self.options.report:
+            page = self.options.report.lower().endswith(".html")
             with open(self.options.report, "w", encoding="utf-8") as handle:
-                handle.write(report.to_json())
+                handle.write(render_page(report) if page else report.to_json())
         if not self.options.quiet:
             sys.stderr.write(report.format())
             sys.stderr.flush()

@@ -3,7 +3,9 @@ r"""Where the training steps are: every backward pass and every optimizer step, 
 Several units need the same moments (HPU step marks, throughput, the step profiler), so the
 session watches them once and emits them as :class:`~autogaudi.events.Event`\ s:
 ``torch.autograd.backward`` is wrapped (``loss.backward()`` and ``scaler.scale(loss).backward()``
-both go through it), and optimizer steps come from torch's own ``register_optimizer_step_post_hook``,
+both go through it), and so is ``torch.autograd.grad`` (a pass that hands its gradients back; one
+with ``create_graph=True`` is part of a larger computation, a gradient penalty or an inner loop, and
+is no pass of its own); optimizer steps come from torch's own ``register_optimizer_step_post_hook``,
 which fires for every optimizer, including ``GradScaler.step`` and ``step(closure)``. Timing reads
 the clock at step boundaries and adds no device synchronisation.
 
@@ -11,7 +13,11 @@ A *training step* is one iteration of the user's loop: a step of one optimizer, 
 to step; a GAN's two optimizers or forward-forward's per-layer ones make one iteration one step; the
 pacer passes to another optimizer that steps ``REPACE_AFTER`` times in a row without it). A loop that
 updates its parameters by hand (no ``torch.optim`` step after ``NO_OPTIMIZER_AFTER`` backward passes)
-has its steps counted by backward passes; an optimizer that steps later takes over the count.
+has its steps counted by backward passes, the ones before that point included once it is known; where
+its gradients are cleared only every k passes (accumulation), k passes make one step. An optimizer that
+steps later takes over the count. Backward passes that are not the loop's own are not counted: those
+inside an optimizer step (LBFGS's closure), inside another backward pass (reentrant checkpointing), and
+autogaudi's own (:meth:`TrainingSteps.unseen`); the report names each count.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import statistics
 import sys
 import time
 import weakref
@@ -29,11 +36,13 @@ from torch.utils.data import dataloader
 
 from autogaudi import guard
 from autogaudi.events import Event
+from autogaudi.timeline import Timeline
 from autogaudi.unit import Scope
 
 # What the step watcher patches (dotted owner.attribute), besides torch's optimizer-step hooks.
 TARGETS = (
     "torch.autograd.backward",
+    "torch.autograd.grad",
     "torch.utils.data.dataloader._BaseDataLoaderIter.__next__",
     "torch.utils.data.DataLoader.__init__",
     "torch.utils.data.DataLoader.__iter__",
@@ -41,6 +50,7 @@ TARGETS = (
 NO_OPTIMIZER_AFTER = 16  # backward passes with no optimizer step before backward passes count as steps
 REPACE_AFTER = 8  # steps of another optimizer in a row, the pacer silent, before it paces instead
 BY_OPTIMIZER, BY_BACKWARD = "optimizer steps", "backward passes"
+LEAF_SEARCH = 64  # autograd nodes searched from the loss for a parameter whose gradient tells accumulation apart
 _LOADER_SIGNATURE = inspect.signature(dataloader.DataLoader.__init__)
 
 
@@ -62,7 +72,9 @@ class TrainingSteps:
         self.backend = backend
         self.options = options
         self.events = events  # the session's Dispatcher: what this watcher sees, it emits there
-        self.backwards = 0
+        self.backwards = 0  # the user's backward passes (and torch.autograd.grad calls), all of them
+        self.backwards_in_optimizer_steps = 0  # of which inside an optimizer step: step(closure)
+        self.own_backwards = 0  # autogaudi's own (unseen()), and passes inside another pass: not the loop's
         self.optimizer_steps = 0
         self.steps = 0  # training steps: iterations of the user's loop
         self.counted_by = None  # BY_OPTIMIZER or BY_BACKWARD once the first step is seen
@@ -74,7 +86,18 @@ class TrainingSteps:
         self._timed_from = None  # (step number, clock) once warm-up is over
         self.last_step_clock = None
         self._unseen = 0  # > 0 while autogaudi runs backward passes of its own (see unseen())
+        self._passing = 0  # > 0 while a backward pass runs: one started inside it is part of it
         self.optimizers = weakref.WeakSet()  # every optimizer that has stepped
+        self.timeline = Timeline()
+        self._first_clock = None  # when the first backward pass began: the first step's start
+        # Telling accumulation apart in a loop without an optimizer: one parameter's gradient, as the
+        # last pass left it (a weak reference and its version counter, bumped by zero_() and by
+        # accumulating), and how many passes ran between clearings.
+        self._sentinel = None
+        self._grad_left = None
+        self._since_cleared = 0
+        self._cycles: list = []  # passes between clearings, before the counting mode is known
+        self._per_step = 1  # backward passes per step once counted by backward passes
 
     @property
     def warmed_up(self) -> bool:
@@ -89,6 +112,7 @@ class TrainingSteps:
     def install(self) -> None:
         self._scope.add(self._routes.clear)
         self._scope.wrap(torch.autograd, "backward", self._backward)
+        self._scope.wrap(torch.autograd, "grad", self._grad)
         self._scope.hook(register_optimizer_step_pre_hook, self._before_optimizer_step)
         self._scope.hook(register_optimizer_step_post_hook, self._after_optimizer_step)
         self._scope.wrap(dataloader._BaseDataLoaderIter, "__next__", self._next_batch)
@@ -138,19 +162,85 @@ class TrainingSteps:
             self._unseen -= 1
 
     def _backward(self, wrapped, instance, args, kwargs):
-        if self._unseen:
+        if self._unseen or self._passing:
+            self.own_backwards += 1
             return wrapped(*args, **kwargs)
-        self.events.emit(Event.BEFORE_BACKWARD, args[0] if args else kwargs.get("tensors"))
-        result = wrapped(*args, **kwargs)
-        self.backwards += 1
+        tensors = args[0] if args else kwargs.get("tensors")
+        cleared = self._gradients_cleared(tensors)
+        self.events.emit(Event.BEFORE_BACKWARD, tensors)
+        result = self._pass(wrapped, args, kwargs)
         self.events.emit(Event.AFTER_BACKWARD)
-        if self._step_frames and self._inside_an_optimizer_step():
-            return result
-        if self.counted_by is None and self.backwards >= NO_OPTIMIZER_AFTER and not self.optimizer_steps:
-            self.counted_by = BY_BACKWARD
-        if self.counted_by == BY_BACKWARD:
-            self._end_step(None)
+        self._passed(cleared)
         return result
+
+    def _grad(self, wrapped, instance, args, kwargs):
+        """``torch.autograd.grad``: counted like a backward pass, unheard by the listeners (they act
+        on ``.grad``, which it leaves alone); each one starts afresh (nothing accumulates)."""
+        if args[4] if len(args) > 4 else kwargs.get("create_graph", False):
+            return wrapped(*args, **kwargs)
+        if self._unseen or self._passing:
+            self.own_backwards += 1
+            return wrapped(*args, **kwargs)
+        result = self._pass(wrapped, args, kwargs)
+        self._passed(cleared=True)
+        return result
+
+    def _pass(self, wrapped, args, kwargs):
+        if self._first_clock is None:
+            self._first_clock = time.perf_counter()
+        self._passing += 1
+        try:
+            return wrapped(*args, **kwargs)
+        finally:
+            self._passing -= 1
+
+    def _gradients_cleared(self, tensors) -> bool:
+        """Whether the gradients were cleared (set to None, zeroed or replaced) since the last pass:
+        where not, this pass accumulates into the last one's. Only asked while the loop may be one
+        without an optimizer (an optimizer's steps count the steps otherwise)."""
+        if self.counted_by == BY_OPTIMIZER:
+            return True
+        param = self._sentinel() if self._sentinel is not None else None
+        if param is None:
+            param = _a_parameter(tensors)
+            self._sentinel = weakref.ref(param) if param is not None else None
+            self._grad_left = None
+        grad = param.grad if param is not None else None
+        left = self._grad_left
+        return grad is None or left is None or left[0]() is not grad or grad._version != left[1]
+
+    def _passed(self, cleared: bool) -> None:
+        self.backwards += 1
+        if self._step_frames and self._inside_an_optimizer_step():
+            self.backwards_in_optimizer_steps += 1
+            return
+        if self.counted_by == BY_OPTIMIZER:
+            return
+        param = self._sentinel() if self._sentinel is not None else None
+        grad = param.grad if param is not None else None
+        self._grad_left = (weakref.ref(grad), grad._version) if grad is not None else None
+        if cleared and self._since_cleared:
+            if self.counted_by is None:
+                self._cycles.append(self._since_cleared)
+            self._since_cleared = 0
+        self._since_cleared += 1
+        if self.counted_by is None:
+            if self.backwards < NO_OPTIMIZER_AFTER or self.optimizer_steps:
+                return
+            self._count_by_backward()
+        elif self._since_cleared % self._per_step == 0:
+            self._end_step(None)
+
+    def _count_by_backward(self) -> None:
+        """No optimizer: from now on k backward passes make a step, k the passes between gradient
+        clearings seen so far (1 where none were seen); the passes so far are counted now, as the
+        steps they made, over the time they took."""
+        self.counted_by = BY_BACKWARD
+        self._per_step = max(1, round(statistics.median(self._cycles))) if self._cycles else 1
+        done = len(self._cycles) + self._since_cleared // self._per_step
+        self._since_cleared %= self._per_step
+        if done:
+            self._end_step(None, steps=done)
 
     def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
         frame = sys._getframe(1)
@@ -191,9 +281,15 @@ class TrainingSteps:
             return True
         return False
 
-    def _end_step(self, optimizer) -> None:
-        self.steps += 1
+    def _end_step(self, optimizer, steps: int = 1) -> None:
+        """``steps`` training steps ended (more than one only when they are counted after the fact,
+        each given an equal share of the time since the last boundary); listeners hear one."""
         now = time.perf_counter()
+        start = self.last_step_clock if self.last_step_clock is not None else self._first_clock
+        if start is not None:
+            for _ in range(steps):
+                self.timeline.step((now - start) / steps)
+        self.steps += steps
         self.last_step_clock = now
         if self._timed_from is None and self.warmed_up:
             self._timed_from = (self.steps, now)
@@ -213,6 +309,9 @@ class TrainingSteps:
             "steps": self.steps,
             "steps_counted_by": self.counted_by,
             "backward_passes": self.backwards,
+            "backward_passes_per_step": self._per_step if self.counted_by == BY_BACKWARD else None,
+            "backward_passes_in_optimizer_steps": self.backwards_in_optimizer_steps,
+            "own_backward_passes": self.own_backwards,
             "optimizer_steps": self.optimizer_steps,
         }
         if self.timed:
@@ -221,3 +320,19 @@ class TrainingSteps:
             figures["timed_steps"] = steps
         figures["warmup_steps"] = self.options.warmup_steps
         return figures
+
+
+def _a_parameter(tensors):
+    """A tensor the pass accumulates a gradient into (a parameter), found from the loss's graph
+    within ``LEAF_SEARCH`` nodes; None where there is none near."""
+    tensors = (tensors,) if isinstance(tensors, torch.Tensor) else tensors or ()
+    nodes = [t.grad_fn for t in tensors if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    for _ in range(LEAF_SEARCH):
+        if not nodes:
+            return None
+        node = nodes.pop(0)
+        variable = getattr(node, "variable", None)  # AccumulateGrad: a leaf's gradient goes there
+        if variable is not None:
+            return variable
+        nodes.extend(child for child, _ in node.next_functions if child is not None)
+    return None

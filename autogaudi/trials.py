@@ -77,6 +77,23 @@ class Trial:
             self.times[on].append(seconds)
         self.position += 1
 
+    def arms(self) -> list:
+        """The schedule as runs of [arm, steps], the arm ``with``, ``without`` or ``warm-up`` (the
+        first "with" steps, which absorb the one-off): what the report's chart shades."""
+        runs: list = []
+        for position, on in enumerate(self.schedule):
+            arm = self._arm(position, on)
+            if runs and runs[-1][0] == arm:
+                runs[-1][1] += 1
+            else:
+                runs.append([arm, 1])
+        return runs
+
+    def _arm(self, position: int, on: bool) -> str:
+        if BLOCK <= position < BLOCK + WARMUP:
+            return "warm-up"
+        return "with" if on else "without"
+
     @property
     def finished(self) -> bool:
         return self.position >= len(self.schedule)
@@ -119,6 +136,9 @@ class Check(Trial):
         self.warmup = warmup
         self.schedule = [keep] * (warmup + 2 * BLOCK)
         self.steady: list = []
+
+    def _arm(self, position: int, on: bool) -> str:
+        return "warm-up" if position < self.warmup else ("with" if on else "without")
 
     def record(self, seconds: float) -> None:
         if self.position < self.warmup:
@@ -169,6 +189,7 @@ class TrialRunner:
         if self.current is not None:
             self.queue.remove(self.current)
             self.current.started_at_step = self.steps.steps
+            self.steps.timeline.mark(self.steps.steps, self.current.candidate, "trial_started")
             self.last_clock = None
             self._running = self.events.on(Event.TRAINING_STEP, self.current.unit, self._after_step)
             self._flip(self.current.schedule[0])
@@ -205,6 +226,7 @@ class TrialRunner:
         keep = bool(rank_zero_choice(keep))
         record["decision"] = trial.words[keep]
         record["started_at_step"] = trial.started_at_step
+        record["arms"] = trial.arms()
         self.records.append(record)
         self._running.remove()
         trial.switch(keep)
@@ -214,6 +236,15 @@ class TrialRunner:
     def pending(self, unit) -> bool:
         """Whether a trial of ``unit`` is running or waiting to start."""
         return any(trial.unit is unit for trial in (self.current, *self.queue) if trial is not None)
+
+    def trying(self, unit) -> bool:
+        """Whether a trial of ``unit`` (not a check of a remembered decision, which it follows) is
+        running or waiting to start: its candidate is not yet the run's."""
+        return any(
+            trial.unit is unit and not isinstance(trial, Check)
+            for trial in (self.current, *self.queue)
+            if trial is not None
+        )
 
     @property
     def idle(self) -> bool:

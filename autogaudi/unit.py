@@ -275,10 +275,19 @@ class Unit:
         if text not in self.notes:
             self.notes.append(text)
 
-    def recommend(self, text: str) -> None:
-        """Something autogaudi measured but will not change for the user, with what to do; once."""
-        if text not in self.recommendations:
-            self.recommendations.append(text)
+    def recommend(self, text: str, do=None, saves=None, saves_basis: str = "estimated") -> None:
+        """Something autogaudi measured but will not change for the user, with what to do; once.
+        ``do``: the exact change (an option, a value, a ``file:line``), what the short report shows;
+        ``saves``: the share of a step it could save, ``measured`` or ``estimated`` (None: unknown),
+        which ranks it among the next steps."""
+        if all(advice["what"] != text for advice in self.recommendations):
+            self.recommendations.append({"what": text, "do": do, "saves": saves, "saves_basis": saves_basis})
+
+    def moment(self, event: str, **params) -> None:
+        """A moment the unit acted, for the run's timeline (the report's chart): ``event`` a code,
+        ``params`` JSON values."""
+        steps = self.session.steps
+        steps.timeline.mark(steps.steps, self.name, event, **params)
 
     def on(self, event: Event, listener, scope=None) -> None:
         """Call ``listener`` at every ``event`` while this unit is in force (or until ``scope``, one of

@@ -38,19 +38,19 @@ def report_with(ranks):
 
 def test_the_report_says_whether_the_ranks_decided_alike():
     same = report_with({0: rows(fast_ddp="applied"), 1: rows(fast_ddp="applied")})
-    assert "ranks    2 of 2 reported their unit decisions; all the same" in same.format()
+    assert "ranks    2 of 2 reported their unit decisions; all the same" in same.format(verbose=True)
     differing = report_with(
         {0: rows(fast_ddp="applied", ddp_tuning="applied"), 1: rows(fast_ddp="failed", ddp_tuning="applied"), 2: None}
     )
     assert (
         "ranks    2 of 3 reported their unit decisions (no answer from rank 2); "
         "they differ: fast_ddp: rank 0 applied, rank 1 failed"
-    ) in differing.format()
+    ) in differing.format(verbose=True)
     assert differing.as_dict()["ranks"]["2"] is None and differing.as_dict()["ranks"]["1"][0]["status"] == "failed"
 
 
 def test_single_process_reports_have_no_ranks_line():
-    assert "ranks" not in report_with(None).format() and report_with(None).as_dict()["ranks"] is None
+    assert "ranks" not in report_with(None).format(verbose=True) and report_with(None).as_dict()["ranks"] is None
 
 
 def test_a_store_that_fails_costs_the_ranks_line_only_not_the_report(monkeypatch, capsys):

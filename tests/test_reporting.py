@@ -1,6 +1,8 @@
-"""The exit report: table on stderr, JSON on request, quiet, rank 0 only; the launcher always reports."""
+"""The exit report: a short summary on stderr (the table with --verbose), JSON on request, quiet,
+rank 0 only; the launcher always reports."""
 
 import json
+import re
 
 import torch
 
@@ -11,7 +13,7 @@ BACKEND = "cuda" if torch.cuda.is_available() else "cpu"  # what a launcher run 
 
 def test_launcher_prints_the_table_and_writes_json(tmp_path):
     path = tmp_path / "report.json"
-    result = run_python("-m", "autogaudi", "--report", path, SCRIPTS / "train_tiny.py")
+    result = run_python("-m", "autogaudi", "--verbose", "--report", path, SCRIPTS / "train_tiny.py")
     assert result.returncode == 0, result.stderr
     plain = run_python(SCRIPTS / "train_tiny.py")
     assert result.stdout == plain.stdout  # the report never touches the script's own output
@@ -37,7 +39,7 @@ def test_quiet_keeps_stderr_clean_but_still_writes_json(tmp_path):
 
 def test_launcher_reports_even_without_training():
     result = run_python("-m", "autogaudi", SCRIPTS / "train_tiny.py", env=clean_env(TRAIN="0"))
-    assert "0 optimizer steps" in result.stderr
+    assert "  run      0 training steps\n" in result.stderr
 
 
 def test_only_rank_zero_reports(tmp_path):
@@ -54,9 +56,24 @@ def test_log_every_prints_progress_lines():
     assert "steps/s" in progress[1] and "mem" in progress[1]
 
 
-def test_the_report_leads_with_what_autogaudi_changed(tmp_path):
+def test_the_default_report_is_short_and_says_what_changed_and_its_effect(tmp_path):
+    """A person reads it in five seconds: the header (CI greps it), the run, each change with what
+    it did to the run's steps, and nothing of the per-unit table, which --verbose and the JSON keep."""
     path = tmp_path / "report.json"
     result = run_python("-m", "autogaudi", "--report", path, SCRIPTS / "train_tiny.py")
+    lines = result.stderr.splitlines()
+    assert re.match(r"^autogaudi .* report \(torch", lines[0]) and len(lines) <= 10, result.stderr
+    assert [line[:11] for line in lines[1:3]] == ["  run      ", "  changed  "]
+    assert not any(line.startswith("  unit ") for line in lines)
+    summary = json.loads(path.read_text())["summary"]
+    assert summary["steps"] == 10 and summary["seconds"] > 0
+    (change,) = [change for change in summary["changed"] if change["unit"] == "fused_optimizer"]
+    assert change["effect"] is None  # in force from the first step: never timed without it
+
+
+def test_the_report_leads_with_what_autogaudi_changed(tmp_path):
+    path = tmp_path / "report.json"
+    result = run_python("-m", "autogaudi", "--verbose", "--report", path, SCRIPTS / "train_tiny.py")
     report = json.loads(path.read_text())
     changed = {row["unit"] for row in report["changed"]}
     assert "fused_optimizer" in changed  # train_tiny's optimizer runs fused
@@ -68,16 +85,15 @@ def test_the_report_leads_with_what_autogaudi_changed(tmp_path):
     assert {name for name, word in status.items() if word == "applied"} == changed
     assert status["throughput_meter"] == status["ddp_tuning"] == "watching"  # measuring; no DDP model came
     assert status["channels_last"] == "watching"  # 10 steps: the step profile it decides on is not taken yet
-    assert report["schema"] == 2
+    assert report["schema"] == 3
     lines = result.stderr.splitlines()
     headline = next(index for index, line in enumerate(lines) if line.startswith("  changed  "))
     assert headline < next(index for index, line in enumerate(lines) if line.startswith("  unit "))
-    assert lines[headline] == f"  changed  {len(report['changed'])} thing{'' if len(report['changed']) == 1 else 's'}:"
 
 
 def test_a_unit_that_decided_nothing_needs_changing_says_not_needed(tmp_path):
     path = tmp_path / "report.json"
-    result = run_python("-m", "autogaudi", "--report", path, REPO / "examples" / "train_mnist_mlp.py")
+    result = run_python("-m", "autogaudi", "--verbose", "--report", path, REPO / "examples" / "train_mnist_mlp.py")
     status = {unit["name"]: unit["status"] for unit in json.loads(path.read_text())["units"]}
     assert status["channels_last"] == "not needed"  # profiled: no Conv2d in the training model
     assert status["fused_optimizer"] == "applied" and status["step_profiler"] == "watching"
@@ -86,7 +102,7 @@ def test_a_unit_that_decided_nothing_needs_changing_says_not_needed(tmp_path):
 
 def test_nothing_changed_is_said_so(tmp_path):
     result = run_python("-m", "autogaudi", "--only", "step_profiler", SCRIPTS / "train_tiny.py")
-    assert "  changed  0 things (each unit's reason below says why)" in result.stderr
+    assert "  changed  nothing (--verbose says why for each unit)" in result.stderr
 
 
 def test_the_table_shows_a_remembered_decisions_check_and_the_cache_line():
@@ -120,7 +136,7 @@ def test_the_table_shows_a_remembered_decisions_check_and_the_cache_line():
             "notes": ["ignored a cache entry that could not be read: /c/x.json"],
         },
     )
-    text = report.format()
+    text = report.format(verbose=True)
     assert (
         "trial    graph_capture: 1.0 ms/step without it, against 1.1 remembered (0.909x) over 9 steps -> matches"
         in text
@@ -128,3 +144,20 @@ def test_the_table_shows_a_remembered_decisions_check_and_the_cache_line():
     assert "cache    /c: decisions measured in this run; compile caches kept there (TORCHINDUCTOR_CACHE_DIR)" in text
     assert "note: ignored a cache entry that could not be read: /c/x.json" in text
     assert report.as_dict()["cache"]["compile"]["TORCHINDUCTOR_CACHE_DIR"]["set_by"] == "autogaudi"
+
+
+def test_a_cache_folder_that_could_not_be_used_says_so():
+    from autogaudi.reporting import Report
+
+    report = Report(
+        torch_version="2.13.0",
+        enabled_by=["enable"],
+        active=True,
+        backend={"name": "cpu", "device": "x86_64 CPU", "reason": "always available"},
+        options={},
+        steps={},
+        memory=None,
+        units=[],
+        cache={"dir": None, "decisions": "not remembered", "compile": {}, "notes": []},
+    )
+    assert "  cache    not used: decisions not remembered" in report.format(verbose=True)

@@ -35,10 +35,11 @@ def test_a_loop_that_updates_its_parameters_by_hand_is_profiled():
     train_by_hand(model, iterations)
     figures = steps_figures()
     assert figures["steps_counted_by"] == "backward passes"
-    assert figures["steps"] == iterations - NO_OPTIMIZER_AFTER + 1 and figures["optimizer_steps"] == 0
+    # the passes before the counting mode was known count too, once it is
+    assert figures["steps"] == iterations and figures["optimizer_steps"] == 0
     row = autogaudi.report().unit("step_profiler")
     assert row["figures"]["bound"] in ("host", "device") and row["figures"]["model"] == "Sequential", row
-    assert "training steps (counted by backward passes)" in autogaudi.report().format()
+    assert figures["backward_passes_per_step"] == 1
 
 
 def test_two_optimizers_per_iteration_make_one_step():
@@ -113,4 +114,51 @@ def test_an_optimizer_step_that_raised_does_not_hide_later_backward_passes():
     train_by_hand(model, iterations)
     figures = steps_figures()
     assert figures["steps_counted_by"] == "backward passes"
-    assert figures["steps"] == 1 + iterations - NO_OPTIMIZER_AFTER + 1
+    assert figures["steps"] == iterations and figures["backward_passes_in_optimizer_steps"] == 1
+
+
+def test_accumulation_by_hand_counts_one_step_per_update():
+    """Gradients cleared every 4 passes: 4 passes make a step, before and after the counting mode is known."""
+    autogaudi.enable(device="cpu", only="throughput_meter")
+    model = nn.Linear(4, 1)
+    batches = data()
+    for _ in range(30):
+        model.zero_grad()
+        for _ in range(4):
+            inputs, targets = next(batches)
+            nn.functional.mse_loss(model(inputs), targets).backward()
+        for param in model.parameters():
+            param.data.add_(param.grad, alpha=-0.01)
+    figures = steps_figures()
+    assert (figures["steps"], figures["backward_passes"], figures["backward_passes_per_step"]) == (30, 120, 4)
+    assert len(autogaudi.report().as_dict()["timeline"]["step_s"]) == 30  # one point per step, not per pass
+
+
+def test_autograd_grad_passes_are_seen_and_a_gradient_penalty_is_not_a_pass():
+    autogaudi.enable(device="cpu", only="throughput_meter")
+    model = nn.Linear(4, 1)
+    for _, (inputs, targets) in zip(range(20), data()):
+        inputs.requires_grad_(True)
+        output = model(inputs)
+        (slope,) = torch.autograd.grad(output.sum(), inputs, create_graph=True)  # part of the loss
+        loss = nn.functional.mse_loss(output, targets) + slope.pow(2).mean()
+        grads = torch.autograd.grad(loss, list(model.parameters()))
+        with torch.no_grad():
+            for param, grad in zip(model.parameters(), grads):
+                param -= 0.01 * grad
+    figures = steps_figures()
+    assert (figures["steps"], figures["backward_passes"], figures["steps_counted_by"]) == (20, 20, "backward passes")
+
+
+def test_a_pass_inside_a_pass_is_not_the_loops_own():
+    """Reentrant checkpointing runs a backward pass inside the backward pass."""
+    autogaudi.enable(device="cpu", only="throughput_meter")
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    for _, (inputs, targets) in zip(range(5), data()):
+        output = torch.utils.checkpoint.checkpoint(model, inputs.requires_grad_(True), use_reentrant=True)
+        nn.functional.mse_loss(output, targets).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    figures = steps_figures()
+    assert (figures["steps"], figures["backward_passes"], figures["own_backward_passes"]) == (5, 5, 5)

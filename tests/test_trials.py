@@ -5,14 +5,16 @@ import pytest
 
 from autogaudi import trials
 from autogaudi.events import Dispatcher, Event
+from autogaudi.timeline import Timeline
 
 
 class FakeSteps:
-    """The session's step watcher, reduced to its count and the training-step event."""
+    """The session's step watcher, reduced to its count, the training-step event and its timeline."""
 
     def __init__(self):
         self.events = Dispatcher()
         self.steps = 0
+        self.timeline = Timeline()
 
     @property
     def listening(self) -> bool:
@@ -69,6 +71,9 @@ def test_keeps_the_candidate_that_is_faster(trial_clock):
     assert record["one_off_s"] == pytest.approx(0.05, abs=0.03)
     assert record["pays_back_after_steps"] > 0
     assert len(ran) == record["steps"] == trials.BLOCK + trials.WARMUP + trials.ROUNDS * 4 * trials.BLOCK
+    # the arms the report's chart shades: every step of the trial, in the order they ran
+    assert sum(count for _arm, count in record["arms"]) == record["steps"]
+    assert record["arms"][:3] == [["without", trials.BLOCK], ["warm-up", trials.WARMUP], ["with", trials.BLOCK]]
     assert ran[: trials.BLOCK] == [False] * trials.BLOCK  # timed before the candidate is ever on
     assert ran.count(False) - trials.BLOCK == ran.count(True) - trials.WARMUP  # both arms measured equally
     assert runner.records == [record]

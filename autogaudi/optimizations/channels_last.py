@@ -84,7 +84,10 @@ class ChannelsLast(ActsOnProfile):
 
     def _profiled(self, profile) -> None:
         model = profile.model
-        if model is None or not any(isinstance(m, torch.nn.Conv2d) for m in model.modules()):
+        if model is None:
+            self.because("no_training_model")
+            return
+        if not any(isinstance(m, torch.nn.Conv2d) for m in model.modules()):
             self.because("no_conv2d")
             return
         if in_channels_last(model):

@@ -667,7 +667,10 @@ class LoaderWorkers(Unit):
                 f"the step waits for data {profile.figures['input_wait_fraction']:.0%} of the time and an "
                 "IterableDataset feeds it in-process; workers would each replay the whole stream unless the "
                 "dataset splits it by torch.utils.data.get_worker_info() (id, num_workers): if yours does, "
-                f"try num_workers={workers}"
+                f"try num_workers={workers}",
+                do=f"num_workers={workers} with a dataset that splits its stream by get_worker_info()",
+                saves=profile.figures["input_wait_fraction"],
+                saves_basis="measured",
             )
         if not self._script_workers:
             return
@@ -680,7 +683,10 @@ class LoaderWorkers(Unit):
             f"the step waits for data {profile.figures['input_wait_fraction']:.0%} of the time and the script "
             f"chose num_workers={chosen}; this machine has {cores} cores for {ranks} local rank(s): "
             f"try num_workers={workers}, or --force loader_workers to have it measured and raised "
-            "(worker random streams then differ from this run's, same distribution)"
+            "(worker random streams then differ from this run's, same distribution)",
+            do=f"num_workers={workers} instead of the script's {chosen} (or --force loader_workers)",
+            saves=profile.figures["input_wait_fraction"],
+            saves_basis="measured",
         )
 
     def _new_epoch(self, loader) -> None:
@@ -776,6 +782,7 @@ class LoaderWorkers(Unit):
         self.figures.update(
             loaders_tuned=self.figures["loaders_tuned"] + 1, workers=workers, main_threads=torch._C.get_num_threads()
         )
+        self.moment("workers", workers=workers)
         # timed on from the last measured batch, or from the next epoch's start: the workers' start-up
         # counts against them
         if _in_process(iterator):
@@ -818,6 +825,7 @@ class LoaderWorkers(Unit):
             return
         scope, state.scope = state.scope, None
         self.close_scope(scope)
+        self.moment("in_process")
         self.figures["loaders_tuned"] -= 1
         self.figures["main_threads"] = torch._C.get_num_threads()
 

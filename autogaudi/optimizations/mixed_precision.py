@@ -651,6 +651,7 @@ class MixedPrecision(ActsOnProfile):
         step = self.session.steps.steps
         self.session.trials.cancel(self)
         self.figures["fell_back_at_step"] = step
+        self.moment("fell_back")
         self.because("fell_back", step=step, what=what)
         self.note(
             f"losses are read every {WATCH_EVERY} backward passes: the steps between the bad loss and its read "

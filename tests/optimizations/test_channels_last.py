@@ -78,6 +78,17 @@ def test_models_without_convolutions_are_left_alone():
     assert autogaudi.report().unit("channels_last")["reason_code"] == "no_conv2d"
 
 
+def test_a_model_not_found_is_not_a_model_without_convolutions():
+    """Parameters trained through functional calls, no module: "not found" is said, never "none"."""
+    autogaudi.enable(device="cpu", only="step_profiler,channels_last")
+    weight = torch.randn(2, 4, requires_grad=True)
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    for _ in range(STEPS):
+        nn.functional.linear(torch.randn(2, 4), weight).sum().backward()
+        optimizer.step()
+    assert autogaudi.report().unit("channels_last")["reason_code"] == "no_training_model"
+
+
 def test_no_trial_on_an_input_bound_step(monkeypatch):
     """Both arms would time mostly the wait for data (0.42x read on an input-bound ResNet-18)."""
     from autogaudi.optimizations import step_profiler

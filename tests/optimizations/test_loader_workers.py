@@ -237,6 +237,7 @@ def test_a_starving_loader_the_script_configured_gets_advice_not_a_change(chosen
         (row,) = advice
         assert row["unit"] == "loader_workers" and "chose num_workers=0" in row["what"]
         assert f"try num_workers={worker_budget()[0]}" in row["what"]
+        assert row["do"].startswith(f"num_workers={worker_budget()[0]} ") and row["saves_basis"] == "measured"
     else:
         assert advice == []
 

@@ -212,10 +212,14 @@ def test_on_a_device_that_runs_ahead_reads_and_fp32_products_are_recommended_aga
     row = profile_row()
     assert row["figures"]["bound"] == "device", row
     reads, *precision = row["recommendations"]
-    assert reads.startswith("1 host read(s)") and f"test_step_profiler.py:{READ_LINE}" in reads, reads
+    assert reads["what"].startswith("1 host read(s)") and f"test_step_profiler.py:{READ_LINE}" in reads["do"], reads
     # a script that already runs its products in bf16 is not told to
     assert row["figures"]["fp32_matrix_fraction"] == (0.0 if autocast else 1.0), row
-    assert [bool(precision), "bfloat16" in "".join(precision)] == [not autocast] * 2, precision
+    assert [bool(precision), any(advice["do"].startswith("--precision auto") for advice in precision)] == [
+        not autocast,
+        not autocast,
+    ], precision
+    assert all(0 < advice["saves"] <= 0.5 and advice["saves_basis"] == "estimated" for advice in precision)
 
 
 class PassThrough(TorchDispatchMode):

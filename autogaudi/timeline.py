@@ -1,0 +1,54 @@
+"""The run as a line: each training step's seconds and the moments autogaudi acted, for the report's
+chart (``--report run.html``) and its JSON.
+
+Why bounded: a run of a million steps must not grow the report (or the memory) with it, so past
+``MAX_POINTS`` points neighbours are merged two by two and each point stands for twice as many
+steps (their mean); the events are few (a profile, a handful of trials, a fall-back) and kept up to
+``MAX_EVENTS``.
+"""
+
+from __future__ import annotations
+
+MAX_POINTS = 1000
+MAX_EVENTS = 200
+
+
+class Timeline:
+    def __init__(self):
+        self.every = 1  # training steps per point
+        self._points: list = []  # [seconds, steps] per point
+        self.events: list = []  # {"step", "unit", "event", ...params}, in the order they happened
+        self.events_left_out = 0
+
+    def step(self, seconds: float) -> None:
+        """One more training step, ``seconds`` long (boundary to boundary)."""
+        points = self._points
+        if points and points[-1][1] < self.every:
+            points[-1][0] += seconds
+            points[-1][1] += 1
+            return
+        points.append([seconds, 1])
+        if len(points) > MAX_POINTS:
+            merged = [[a[0] + b[0], a[1] + b[1]] for a, b in zip(points[::2], points[1::2])]
+            self._points = merged + points[len(merged) * 2 :]
+            self.every *= 2
+
+    def mark(self, step: int, unit: str, event: str, **params) -> None:
+        """Something ``unit`` did after training step ``step``; ``event`` is a code, ``params`` JSON values."""
+        if len(self.events) >= MAX_EVENTS:
+            self.events_left_out += 1
+            return
+        self.events.append({"step": step, "unit": unit, "event": event, **params})
+
+    @property
+    def seconds(self) -> float:
+        """The steps' seconds in all: the run's training time, one-offs included."""
+        return sum(point[0] for point in self._points)
+
+    def as_dict(self) -> dict:
+        return {
+            "every": self.every,
+            "step_s": [round(total / count, 6) for total, count in self._points],
+            "events": list(self.events),
+            "events_left_out": self.events_left_out,
+        }
