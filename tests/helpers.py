@@ -18,8 +18,9 @@ TRIAL_BY = {"mixed_precision": {"precision": "auto"}}
 
 
 class SimulatedClock:
-    """A clock that moves only when told: trials decided on the step times a test gives, with no
-    sleeps and whatever else the machine runs (``autogaudi.trials.clock``, see the fixture)."""
+    """A clock that moves only when told: decisions taken on the times a test gives, with no sleeps
+    and whatever else the machine runs (``autogaudi.trials.clock`` and ``autogaudi.steps.clock``, see
+    the fixtures)."""
 
     def __init__(self):
         self.now = 0.0

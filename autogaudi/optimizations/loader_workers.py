@@ -55,6 +55,7 @@ import torch
 import wrapt
 from torch.utils.data import Dataset, IterableDataset, _utils, dataloader
 
+from autogaudi import steps
 from autogaudi.events import Event
 from autogaudi.steps import loader_arguments
 from autogaudi.unit import Unit
@@ -687,7 +688,7 @@ class LoaderWorkers(Unit):
             state.epoch_batches = 0
             if state.phase is Phase.NEXT_EPOCH:
                 state.phase = Phase.CHECKING
-            state.last_end = time.perf_counter() if state.phase is Phase.CHECKING else None
+            state.last_end = steps.clock() if state.phase is Phase.CHECKING else None
         self._starting = state
 
     def _state(self, iterator):
@@ -706,7 +707,7 @@ class LoaderWorkers(Unit):
         state = self._state(iterator)
         if state is None:
             return
-        now = time.perf_counter()
+        now = steps.clock()
         timed = state.phase in (Phase.MEASURING, Phase.CHECKING)
         if timed:
             window = state.windows[state.phase]

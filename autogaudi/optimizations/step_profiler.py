@@ -44,6 +44,7 @@ from collections import Counter
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from autogaudi import steps
 from autogaudi._paths import short_location, user_location
 from autogaudi.events import Event
 from autogaudi.guard import guarded_call
@@ -60,6 +61,12 @@ MATRIX_OPS = frozenset(
     | {f"_scaled_dot_product_{kind}_attention" for kind in ("flash", "efficient", "cudnn", "flash_attention_for_cpu")}
 )
 FP32_MATRIX_SHARE = 0.9  # a step whose matrix products run in float32 at least this often trains in fp32
+
+
+def thread_clock() -> float:
+    """This thread's CPU time (seconds): set against ``steps.clock`` it gives the time the thread was
+    off the CPU, waiting for a collective; tests replace both (the ``step_clock`` fixture)."""
+    return time.thread_time()
 
 
 def input_shapes(args, kwargs) -> tuple:
@@ -181,9 +188,9 @@ class _Census(TorchDispatchMode):
         """The op, timed, and what it tells: host reads, matrix products, collectives in flight."""
         self.ops += 1
         self.close_gap()
-        start = time.perf_counter()
+        start = steps.clock()
         result = call(*args, **kwargs)
-        end = time.perf_counter()
+        end = steps.clock()
         self.cpu_seconds += end - start
         if func.namespace == "c10d":
             self._watch(result)
@@ -191,7 +198,7 @@ class _Census(TorchDispatchMode):
             self._note_op(func, args, kwargs)
         self._drop_completed()
         if self._in_flight:
-            self._gap = (end, time.thread_time())
+            self._gap = (end, thread_clock())
         return result
 
     def _note_op(self, func, args, kwargs) -> None:
@@ -241,7 +248,7 @@ class _Census(TorchDispatchMode):
         if self._gap is None:
             return
         (began, cpu_began), self._gap = self._gap, None
-        off_cpu = time.perf_counter() - began - (time.thread_time() - cpu_began)
+        off_cpu = steps.clock() - began - (thread_clock() - cpu_began)
         if self._drop_completed():
             self.collective_seconds += max(0.0, off_cpu)
 
@@ -361,9 +368,9 @@ class _CensusStep:
             raise self.census.failure
         if self.backend.name == "hpu":
             self.backend.mark_step()
-            issued = time.perf_counter()
+            issued = steps.clock()
             self.backend.synchronize()
-            return self.census.ops, time.perf_counter() - issued, None, 0
+            return self.census.ops, steps.clock() - issued, None, 0
         if self.backend.name == "cuda":
             return self.census.ops, self.kernels.seconds, None, 0
         return (
@@ -479,7 +486,7 @@ class StepProfiler(Unit):
             return
         done, self._done = self._done, self._done + 1
         if done % 2:
-            self._clean.append((time.perf_counter() - self._step_began, self._waited))
+            self._clean.append((steps.clock() - self._step_began, self._waited))
             self._step_began = None
             self._census_step = _CensusStep(self.backend, self._roots, self)
             return
@@ -493,7 +500,7 @@ class StepProfiler(Unit):
         if done == 2 * PAIRS:
             self._finish_census(optimizer)
         else:
-            self._waited, self._step_began = 0.0, time.perf_counter()
+            self._waited, self._step_began = 0.0, steps.clock()
 
     def _abandon_census(self) -> None:
         if self._census_step is not None:
