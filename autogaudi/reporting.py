@@ -19,6 +19,16 @@ WATCHING, NOT_NEEDED = "watching", "not needed"
 SCHEMA = 2
 
 
+def _said(kind: str, reasons: list) -> dict:
+    """A unit's notes or recommendations (``kind``: "note", "recommendation") as the report carries
+    them: the texts, and beside them the same as data, as a unit's reason is (codes and values)."""
+    return {
+        f"{kind}s": [reason.text for reason in reasons],
+        f"{kind}_codes": [reason.code for reason in reasons],
+        f"{kind}_params": [dict(reason.params) for reason in reasons],
+    }
+
+
 class UnitRow:
     """One unit's line in the report."""
 
@@ -46,13 +56,13 @@ class UnitRow:
             "summary": self.summary,
             "status": status,
             "changes": changes,
-            "recommendations": list(unit.recommendations) if unit else [],
+            **_said("recommendation", unit.recommendations if unit else []),
             "targets": list(unit.targets) + list(unit.acts_on) if unit else [],
             "reason": reason.text if reason is not None else "",
             "reason_code": reason.code if reason is not None else None,
             "reason_params": dict(reason.params) if reason is not None else {},
             "figures": dict(unit.figures) if unit else {},
-            "notes": list(unit.notes) if unit else [],
+            **_said("note", unit.notes if unit else []),
         }
 
 
@@ -125,7 +135,15 @@ class Report:
 
     def recommended(self) -> list:
         """What autogaudi measured but leaves to the user, with what to try."""
-        return [{"unit": row["name"], "what": what} for row in self.units for what in row.get("recommendations", ())]
+        return [
+            {"unit": row["name"], "what": what, "code": code, "params": params}
+            for row in self.units
+            for what, code, params in zip(
+                row.get("recommendations", ()),
+                row.get("recommendation_codes", ()),
+                row.get("recommendation_params", ()),
+            )
+        ]
 
     def to_json(self) -> str:
         return json.dumps(self.as_dict(), indent=2, default=str)

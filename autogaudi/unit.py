@@ -45,7 +45,7 @@ def wrap_attribute(owner, attribute: str, wrapper):
 
     def undo():
         if vars(owner).get(attribute) is not patched:
-            return f"{_dotted(owner, attribute)} was replaced after autogaudi patched it; left as is"
+            return Reason("patch_replaced", target=_dotted(owner, attribute))
         if owned:
             setattr(owner, attribute, original)
         else:
@@ -236,15 +236,19 @@ class Unit:
             self.failure = repr(error)
             self.session.unit_failed_at_run_time(self, error)
 
-    def note(self, text: str) -> None:
-        """Add a line to the unit's report notes, once however often the situation recurs."""
-        if text not in self.notes:
-            self.notes.append(text)
+    def note(self, code: str, **params) -> None:
+        """Add a note to the unit's report (a code from its ``reasons``, filled in with ``params``, as
+        :meth:`because`), once however often the situation recurs."""
+        note = self.reason_for(code, **params)
+        if note not in self.notes:
+            self.notes.append(note)
 
-    def recommend(self, text: str) -> None:
-        """Something autogaudi measured but will not change for the user, with what to do; once."""
-        if text not in self.recommendations:
-            self.recommendations.append(text)
+    def recommend(self, code: str, **params) -> None:
+        """Something autogaudi measured but will not change for the user, with what to do (a code from
+        its ``reasons``, filled in with ``params``); once."""
+        advice = self.reason_for(code, **params)
+        if advice not in self.recommendations:
+            self.recommendations.append(advice)
 
     def on(self, event: Event, listener, scope=None) -> None:
         """Call ``listener`` at every ``event`` while this unit is in force (or until ``scope``, one of

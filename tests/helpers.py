@@ -32,6 +32,12 @@ class SimulatedClock:
         self.now += seconds
 
 
+def said(row, kind="note") -> list:
+    """A report row's notes (``kind="recommendation"``: its recommendations) as (code, params) pairs:
+    what tests assert, rather than the text."""
+    return list(zip(row[f"{kind}_codes"], row[f"{kind}_params"]))
+
+
 def clean_env(**extra):
     """The environment of a plain run: no autogaudi settings inherited from whoever runs pytest, and
     no cache folder (each run decides afresh; the cache's tests pass ``AUTOGAUDI_NO_CACHE=0``)."""

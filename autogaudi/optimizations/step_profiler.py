@@ -445,6 +445,15 @@ class StepProfiler(Unit):
         "remembered_profile": "{bound}-bound, as measured in run {run} on {date} with the same script, model "
         "and inputs: {why}",
         **{f"{bound}_bound": f"{bound}-bound: {{why}}" for bound in ("input", "host", "communication", "device")},
+        "follows_rank_zero": "this rank measured {bound}-bound ({why}); every rank follows rank 0",
+        "hpu_lazy_device_time": "HPU lazy: the device time is the wait in synchronize() after mark_step, which also "
+        "drains the host's graph building; a host-bound run can read device-bound",
+        "host_reads": "{per_step:g} host read(s) of device values per step (.item(), float(), bool(), .cpu()) at "
+        "{sites}: each makes the host wait until the device has finished the step, so the next step cannot be "
+        "queued behind it; read every N steps, or accumulate on the device",
+        "fp32_products": "device-bound, and {share:.0%} of the step's matrix products run in float32: bf16 autocast "
+        'runs them on the matrix units; try torch.autocast(device_type="{device}", dtype=torch.bfloat16) around '
+        "the forward and the loss, and compare the loss curve",
     }
     acts_on = (
         "training steps and batch fetches (the session's step watcher)",
@@ -511,7 +520,7 @@ class StepProfiler(Unit):
         measured = classify(*shares)
         bound, why = rank_zero_choice(measured)
         if bound != measured[0]:
-            self.note(f"this rank measured {measured[0]}-bound ({measured[1]}); every rank follows rank 0")
+            self.note("follows_rank_zero", bound=measured[0], why=measured[1])
         root = training_root(self._roots, optimizer)
         calls = max((step_calls.get(id(root), 0) for step_calls in self._calls), default=0) if root else 0
         inputs = self._inputs.get(id(root), ())
@@ -525,10 +534,7 @@ class StepProfiler(Unit):
             # The bridge's synchronize() marks a step and drains the host pipeline before it waits
             # (hpu/csrc/bindings.cpp, as read for issue 23): what is timed as device work includes the
             # host's graph building. Unverified on hardware; said rather than corrected.
-            self.note(
-                "HPU lazy: the device time is the wait in synchronize() after mark_step, which also drains "
-                "the host's graph building; a host-bound run can read device-bound"
-            )
+            self.note("hpu_lazy_device_time")
         self._advise(root)
         self._publish()
 
@@ -593,11 +599,7 @@ class StepProfiler(Unit):
         if where:
             self.figures["host_read_sites"] = where
         if per_step >= 1 and self.backend.host_runs_ahead:
-            self.recommend(
-                f"{per_step:g} host read(s) of device values per step (.item(), float(), bool(), .cpu()) at "
-                f"{', '.join(where)}: each makes the host wait until the device has finished the step, so the "
-                "next step cannot be queued behind it; read every N steps, or accumulate on the device"
-            )
+            self.recommend("host_reads", per_step=per_step, sites=", ".join(where))
         matrix = sum(self._matrix_ops.values())
         if not matrix:
             return
@@ -605,8 +607,4 @@ class StepProfiler(Unit):
         # Also in the profile: what mixed_precision reads, remembered with it for a later run.
         self.figures["fp32_matrix_fraction"] = self.profile.figures["fp32_matrix_fraction"] = round(fp32, 3)
         if fp32 >= FP32_MATRIX_SHARE and self.profile.bound == "device" and self.backend.fast_bf16():
-            self.recommend(
-                f"device-bound, and {fp32:.0%} of the step's matrix products run in float32: bf16 autocast runs "
-                f'them on the matrix units; try torch.autocast(device_type="{self.backend.device_type}", '
-                "dtype=torch.bfloat16) around the forward and the loss, and compare the loss curve"
-            )
+            self.recommend("fp32_products", share=fp32, device=self.backend.device_type)

@@ -23,6 +23,7 @@ from autogaudi.optimizations.loader_workers import (
     _Timing,
     measured_enough,
 )
+from tests.helpers import said
 
 BATCHES_PER_EPOCH = 24
 # Real time, as a clock a dataset or a step can take time on: advancing it is sleeping. The tests that
@@ -160,14 +161,14 @@ def test_compute_bound_run_is_left_alone(step_clock):
     make = lambda: DataLoader(Slow(delay=0.0001, clock=step_clock), batch_size=8)  # noqa: E731
     _, _, workers, _ = train(make, epochs=2, clock=step_clock, compute_s=0.004)
     assert workers == [0, 0]
-    assert any(note.startswith("kept in-process: waiting for data is") for note in row()["notes"])
+    assert row()["note_codes"] == ["not_starved"]
 
 
 def test_random_getitem_is_left_alone(step_clock):
     only_loader_workers()
     _, _, workers, _ = train(lambda: DataLoader(Slow(noisy=True, clock=step_clock), batch_size=8), epochs=2)
     assert workers == [0, 0]
-    assert any("draws from the global random generators" in note for note in row()["notes"])
+    assert row()["note_codes"] == ["draws_global_random"]
 
 
 def test_explicit_choices_subclasses_and_iterables_are_left_alone():
@@ -187,7 +188,7 @@ def test_explicit_choices_subclasses_and_iterables_are_left_alone():
             pass
         assert loader.num_workers == 0
     assert row()["figures"]["loaders_kept"] == 2  # the subclass is not even considered
-    assert "a loader whose script chose num_workers is kept as is" in row()["notes"]
+    assert row()["note_codes"] == ["script_chose_workers", "iterable_dataset"]
 
 
 @pytest.mark.slow
@@ -243,8 +244,8 @@ def test_a_starving_loader_the_script_configured_gets_advice_not_a_change(step_c
     advice = autogaudi.report().recommended()
     if advised:
         (row,) = advice
-        assert row["unit"] == "loader_workers" and "chose num_workers=0" in row["what"]
-        assert f"try num_workers={worker_budget()[0]}" in row["what"]
+        assert (row["unit"], row["code"]) == ("loader_workers", "more_workers")
+        assert (row["params"]["chosen"], row["params"]["workers"]) == (0, worker_budget()[0])
     else:
         assert advice == []
 
@@ -264,7 +265,7 @@ def test_a_starving_iterable_dataset_stays_in_process_with_advice_on_sharding(st
     train_one_epoch(loader, step_clock)
     assert loader.num_workers == 0 and row()["figures"]["loaders_tuned"] == 0
     (advice,) = autogaudi.report().recommended()
-    assert "get_worker_info()" in advice["what"] and f"try num_workers={worker_budget()[0]}" in advice["what"]
+    assert (advice["code"], advice["params"]["workers"]) == ("shard_iterable", worker_budget()[0])
 
 
 @pytest.mark.slow
@@ -290,7 +291,7 @@ def test_forced_a_starving_loader_the_script_configured_is_measured_and_raised(s
     figures = row()["figures"]
     assert figures["loaders_tuned"] == 1 and ("workers_from_batch" in figures) == (chosen == 0)
     assert row()["reason_code"] == ("workers" if chosen == 0 else "workers_raised")
-    assert any("--force loader_workers" in note for note in row()["notes"])
+    assert ("forced_measured", {"chosen": chosen}) in said(row())
     autogaudi.disable()
     assert loader.num_workers == chosen  # the script's choice, put back
 
@@ -456,6 +457,7 @@ def test_workers_that_die_or_stall_hand_the_epoch_back_with_the_same_batches(sta
     assert seen == plain_seen and losses == plain_losses
     assert row()["reason_code"] == "workers_failed" and row()["figures"]["loaders_tuned"] == 0
     assert ("RuntimeError" if how == "exit" else "_TooSlow") in row()["reason_params"]["error"]
+    assert said(row()) == [("workers_failed", row()["reason_params"])]  # and no note from the undo
     gc.collect()
     assert psutil.Process().children() == []
 

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, Dataset
 import autogaudi
 from autogaudi import runtime, steps
 from autogaudi.optimizations.step_profiler import PAIRS, census_figures, classify, new_census
-from tests.helpers import SCRIPTS, run_python
+from tests.helpers import SCRIPTS, run_python, said
 from tests.optimizations.ddp_helpers import TORCHRUN, torchrun
 
 STEPS = 3 + 2 * PAIRS + 2  # warm-up, the clean and census steps, and a couple more
@@ -233,11 +233,12 @@ def test_on_a_device_that_runs_ahead_reads_and_fp32_products_are_recommended_aga
     train_reading_the_loss(model, endless(lambda: (torch.randn(8, 16), torch.randint(0, 3, (8,)))), autocast)
     row = profile_row()
     assert row["figures"]["bound"] == "device", row
-    reads, *precision = row["recommendations"]
-    assert reads.startswith("1 host read(s)") and f"test_step_profiler.py:{READ_LINE}" in reads, reads
+    (reads, params), *precision = said(row, "recommendation")
+    site = f"tests/optimizations/test_step_profiler.py:{READ_LINE} (1/step)"
+    assert (reads, params) == ("host_reads", {"per_step": 1, "sites": site}), params
     # a script that already runs its products in bf16 is not told to
     assert row["figures"]["fp32_matrix_fraction"] == (0.0 if autocast else 1.0), row
-    assert [bool(precision), "bfloat16" in "".join(precision)] == [not autocast] * 2, precision
+    assert precision == ([] if autocast else [("fp32_products", {"share": 1.0, "device": "hpu"})]), precision
 
 
 class PassThrough(TorchDispatchMode):
@@ -267,7 +268,7 @@ def test_a_census_step_that_fails_to_stop_is_reverted_once_and_the_scripts_mode_
     row = profile_row()
     assert (row["status"], row["reason_code"]) == ("failed", "failed_at_run_time"), row
     assert "device lost" in row["reason_params"]["error"]
-    assert not any("revert() raised" in note for note in row["notes"]), row  # the census mode left once
+    assert "revert_raised" not in row["note_codes"], row  # the census mode left once
     assert calls.names().count("mark_step") == 1 and len(waits) == 2  # reverted: no further census steps
 
 
@@ -297,7 +298,9 @@ def test_ranks_that_measure_apart_follow_rank_zero_and_finish_the_trial_together
     assert result.returncode == 0, result.stderr[-3000:]
     profiles = [worker["units"]["step_profiler"] for worker in workers]
     assert profiles[0]["figures"]["bound"] == profiles[1]["figures"]["bound"] == "host"
-    assert any("this rank measured input-bound" in note for note in profiles[1]["notes"]), profiles[1]
+    assert ("follows_rank_zero", "input") in [(code, params["bound"]) for code, params in said(profiles[1])], profiles[
+        1
+    ]
     captures = [worker["units"]["graph_capture"]["reason_code"] for worker in workers]
     assert captures[0] == captures[1] and captures[0] != "trial_running"  # decided alike, no trial left running
     assert workers[0]["checksum"] == workers[1]["checksum"]
