@@ -22,6 +22,7 @@ import sys
 import weakref
 
 from autogaudi.guard import guarded_call
+from autogaudi.reasons import Reason
 
 
 class Layer(enum.IntEnum):
@@ -92,7 +93,7 @@ def hold(owner, model, layer: Layer, around):
         if route.layers.get(layer) is entry:
             del route.layers[layer]
         if vars(model).get("_compiled_call_impl") is not route:
-            return f"{type(model).__name__}'s compiled-call slot was replaced after autogaudi set it; left as is"
+            return Reason("call_slot_replaced", model=type(model).__name__)
         if not route.layers:
             del model._compiled_call_impl
         return None

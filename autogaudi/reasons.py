@@ -1,9 +1,12 @@
 """Why a unit is where it is, as data: a stable code for scripts and tests, and the text for people.
 
 Both come from one table: the codes every unit can be given by the core (below) and each unit's own
-``reasons`` (``Unit.reasons``). The report's JSON carries ``reason_code`` and ``reason_params`` (the
-values the text was filled in with) beside ``reason``; the table of every code is generated into
-docs/reasons.md. Texts may change; codes are kept.
+``reasons`` (``Unit.reasons``). The same table gives the unit's notes and recommendations their codes
+(``Unit.note``, ``Unit.recommend``): one place to read what a unit can say. The report's JSON carries
+``reason_code`` and ``reason_params`` (the values the text was filled in with) beside ``reason``, and
+``note_codes``/``note_params`` beside ``notes``, and each of its ``recommendations`` carries its
+``code`` and ``params``; the table of every code is generated into docs/reasons.md. Texts may
+change; codes are kept.
 """
 
 from __future__ import annotations
@@ -24,6 +27,10 @@ CORE = {
     "no_training_model": "no module owning the optimizer's parameters was called in the profiled step",
     "remembered": "{decision}, as its trial decided in run {run} on {date} ({speedup}x) with the same script, model "
     "and inputs; this run's step time is checked against that trial's",
+    # notes of an undo that left something as it found it
+    "patch_replaced": "{target} was replaced after autogaudi patched it; left as is",
+    "call_slot_replaced": "{model}'s compiled-call slot was replaced after autogaudi set it; left as is",
+    "revert_raised": "revert() raised {error!r}",
 }
 
 
@@ -46,6 +53,12 @@ class Reason:
 
     def __str__(self):
         return self.text
+
+    def __eq__(self, other):
+        """The same code with the same values: what a note said once is not said again."""
+        return isinstance(other, Reason) and (self.code, self.params) == (other.code, other.params)
+
+    __hash__ = None  # params is a dict
 
     def __repr__(self):
         return f"Reason({self.code!r}: {self.text!r})"

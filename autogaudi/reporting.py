@@ -23,6 +23,28 @@ SCHEMA = 3
 NEXT_STEPS = 3  # the most useful recommendations the short report lists
 
 
+def _said(kind: str, reasons: list) -> dict:
+    """A unit's notes or recommendations (``kind``: "note", "recommendation") as the report carries
+    them: the texts, and beside them the same as data, as a unit's reason is (codes and values)."""
+    return {
+        f"{kind}s": [reason.text for reason in reasons],
+        f"{kind}_codes": [reason.code for reason in reasons],
+        f"{kind}_params": [dict(reason.params) for reason in reasons],
+    }
+
+
+def _advice(advice: dict) -> dict:
+    """A recommendation as the report carries it: its text and, as data, its code and values, the
+    exact change (``do``) and what it could save."""
+    reason = advice["reason"]
+    return {
+        "what": reason.text,
+        "code": reason.code,
+        "params": dict(reason.params),
+        **{key: advice[key] for key in ("do", "saves", "saves_basis")},
+    }
+
+
 class UnitRow:
     """One unit's line in the report."""
 
@@ -51,13 +73,13 @@ class UnitRow:
             "summary": self.summary,
             "status": status,
             "changes": changes,
-            "recommendations": [dict(advice) for advice in unit.recommendations] if unit else [],
+            "recommendations": [_advice(advice) for advice in unit.recommendations] if unit else [],
             "targets": list(unit.targets) + list(unit.acts_on) if unit else [],
             "reason": reason.text if reason is not None else "",
             "reason_code": reason.code if reason is not None else None,
             "reason_params": dict(reason.params) if reason is not None else {},
             "figures": dict(unit.figures) if unit else {},
-            "notes": list(unit.notes) if unit else [],
+            **_said("note", unit.notes if unit else []),
             # how what the unit did can have made the numbers differ from plain PyTorch's ([]: it cannot)
             "numerics": list(unit.numerics_in_run()) if unit and self.status != SKIPPED else [],
         }

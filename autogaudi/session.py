@@ -225,7 +225,7 @@ class Session:
         try:
             unit.revert()
         except Exception as error:
-            unit.notes.append(f"revert() raised {error!r}")
+            unit.note("revert_raised", error=error)
 
     def stop(self) -> None:
         while self.applied:

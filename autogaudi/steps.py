@@ -67,6 +67,12 @@ def loader_arguments(loader, args: tuple, kwargs: dict, defaults: bool = False):
     return {name: value for name, value in bound.arguments.items() if name != "self"}
 
 
+def clock() -> float:
+    """The clock batch waits are timed by (seconds), and the step profiler's and loader_workers'
+    measurements with them; tests replace it to decide on given times (the ``step_clock`` fixture)."""
+    return time.perf_counter()
+
+
 class TrainingSteps:
     def __init__(self, backend, options, events, guard):
         self.backend = backend
@@ -145,9 +151,9 @@ class TrainingSteps:
         if not self.events.listening(Event.BEFORE_BATCH, Event.BATCH_FETCHED):
             return wrapped(*args, **kwargs)
         self.events.emit(Event.BEFORE_BATCH, instance)
-        start = time.perf_counter()
+        start = clock()
         batch = wrapped(*args, **kwargs)  # StopIteration and the user's errors pass straight through
-        self.events.emit(Event.BATCH_FETCHED, instance, batch, time.perf_counter() - start)
+        self.events.emit(Event.BATCH_FETCHED, instance, batch, clock() - start)
         return batch
 
     @contextlib.contextmanager

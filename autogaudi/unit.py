@@ -55,7 +55,7 @@ def wrap_attribute(owner, attribute: str, wrapper):
 
     def undo():
         if vars(owner).get(attribute) is not patched:
-            return f"{_dotted(owner, attribute)} was replaced after autogaudi patched it; left as is"
+            return Reason("patch_replaced", target=_dotted(owner, attribute))
         if owned:
             setattr(owner, attribute, original)
         else:
@@ -270,18 +270,21 @@ class Unit:
             self.failure = repr(error)
             self.session.unit_failed_at_run_time(self, error)
 
-    def note(self, text: str) -> None:
-        """Add a line to the unit's report notes, once however often the situation recurs."""
-        if text not in self.notes:
-            self.notes.append(text)
+    def note(self, code: str, **params) -> None:
+        """Add a note to the unit's report (a code from its ``reasons``, filled in with ``params``, as
+        :meth:`because`), once however often the situation recurs."""
+        note = self.reason_for(code, **params)
+        if note not in self.notes:
+            self.notes.append(note)
 
-    def recommend(self, text: str, do=None, saves=None, saves_basis: str = "estimated") -> None:
-        """Something autogaudi measured but will not change for the user, with what to do; once.
-        ``do``: the exact change (an option, a value, a ``file:line``), what the short report shows;
-        ``saves``: the share of a step it could save, ``measured`` or ``estimated`` (None: unknown),
-        which ranks it among the next steps."""
-        if all(advice["what"] != text for advice in self.recommendations):
-            self.recommendations.append({"what": text, "do": do, "saves": saves, "saves_basis": saves_basis})
+    def recommend(self, code: str, do=None, saves=None, saves_basis: str = "estimated", **params) -> None:
+        """Something autogaudi measured but will not change for the user, with what to do (a code from
+        its ``reasons``, filled in with ``params``); once. ``do``: the exact change (an option, a
+        value, a ``file:line``), what the short report shows; ``saves``: the share of a step it could
+        save, ``measured`` or ``estimated`` (None: unknown), which ranks it among the next steps."""
+        advice = self.reason_for(code, **params)
+        if all(item["reason"] != advice for item in self.recommendations):
+            self.recommendations.append({"reason": advice, "do": do, "saves": saves, "saves_basis": saves_basis})
 
     def moment(self, event: str, **params) -> None:
         """A moment the unit acted, for the run's timeline (the report's chart): ``event`` a code,

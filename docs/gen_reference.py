@@ -72,6 +72,8 @@ def render_reasons() -> str:
         "Every unit row of the [report](report.md) says why the unit is where it is three ways: `reason` (text),",
         "`reason_code` (one of the codes below, stable across versions: what scripts and tests should read)",
         "and `reason_params` (the values the text was filled in with). Texts may be reworded; codes are kept.",
+        "A unit's `notes` and `recommendations` come from the same table: `note_codes` and `note_params` are",
+        "the notes as data, and each of the `recommendations` has its `code` and `params`.",
         "",
         "| unit | code | text |",
         "|---|---|---|",

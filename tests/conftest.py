@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import autogaudi
-from autogaudi import trials
+from autogaudi import steps, trials
+from autogaudi.optimizations import step_profiler
 from tests.helpers import HPU_DOUBLE, SimulatedClock
 
 
@@ -52,4 +53,15 @@ def trial_clock(monkeypatch):
     """The trials' clock, moved by the test (``clock.advance(seconds)``) instead of by real time."""
     clock = SimulatedClock()
     monkeypatch.setattr(trials, "clock", clock)
+    return clock
+
+
+@pytest.fixture
+def step_clock(monkeypatch):
+    """The clock batch waits, the step profiler and loader_workers time by, moved by the test
+    (``clock.advance(seconds)``: in a dataset for a wait, in the loop for the host's time, in an op
+    for compute). The thread's CPU time moves with it: the thread is never off the CPU."""
+    clock = SimulatedClock()
+    monkeypatch.setattr(steps, "clock", clock)
+    monkeypatch.setattr(step_profiler, "thread_clock", clock)
     return clock

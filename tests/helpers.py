@@ -18,8 +18,9 @@ TRIAL_BY = {"mixed_precision": {"precision": "auto"}}
 
 
 class SimulatedClock:
-    """A clock that moves only when told: trials decided on the step times a test gives, with no
-    sleeps and whatever else the machine runs (``autogaudi.trials.clock``, see the fixture)."""
+    """A clock that moves only when told: decisions taken on the times a test gives, with no sleeps
+    and whatever else the machine runs (``autogaudi.trials.clock`` and ``autogaudi.steps.clock``, see
+    the fixtures)."""
 
     def __init__(self):
         self.now = 0.0
@@ -29,6 +30,14 @@ class SimulatedClock:
 
     def advance(self, seconds: float) -> None:
         self.now += seconds
+
+
+def said(row, kind="note") -> list:
+    """A report row's notes (``kind="recommendation"``: its recommendations) as (code, params) pairs:
+    what tests assert, rather than the text."""
+    if kind == "recommendation":  # objects with the exact change and what it could save
+        return [(advice["code"], advice["params"]) for advice in row["recommendations"]]
+    return list(zip(row[f"{kind}_codes"], row[f"{kind}_params"]))
 
 
 def clean_env(**extra):

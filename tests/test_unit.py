@@ -46,7 +46,8 @@ def test_undo_leaves_a_later_patch_alone():
     module.function = original = lambda: 1
     undo = wrap_attribute(module, "function", passthrough)
     module.function = theirs = lambda: 2
-    assert "was replaced after autogaudi patched it" in undo()
+    note = undo()
+    assert (note.code, note.params) == ("patch_replaced", {"target": "m.function"})
     assert module.function is theirs and module.function is not original
 
 

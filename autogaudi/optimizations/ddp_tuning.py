@@ -41,6 +41,10 @@ class DdpTuning(Unit):
     reasons = {
         "bucket_view": "gradient_as_bucket_view",
         "bucket_view_and_size": "gradient_as_bucket_view, bucket size from the model",
+        "static_graph_advice": "find_unused_parameters=True: DDP searches the autograd graph for unused parameters "
+        "every step; if the same parameters are used in every step, static_graph=True skips that search. torch "
+        "accepts it only before the first step, before autogaudi could see the steps, so it is left to you",
+        "kept_own_settings": "kept the script's own {settings}",
     }
     changed_figure = ("ddp_models_tuned", "{} DistributedDataParallel model(s) tuned")
     targets = ("torch.nn.parallel.DistributedDataParallel.__init__",)
@@ -84,15 +88,10 @@ class DdpTuning(Unit):
         if self.backend.name == "hpu" and "bucket_cap_mb" not in given:
             changes["bucket_cap_mb"] = hpu_bucket_megabytes(module)
         if given.get("find_unused_parameters") and "static_graph" not in given:
-            self.note(
-                "find_unused_parameters=True: DDP searches the autograd graph for unused parameters every "
-                "step; if the same parameters are used in every step, static_graph=True skips that search. "
-                "torch accepts it only before the first step, before autogaudi could see the steps, so it is "
-                "left to you"
-            )
+            self.note("static_graph_advice")
         kept = sorted(name for name in ("gradient_as_bucket_view", "bucket_cap_mb", *buffer_choice) if name in given)
         if kept:
-            self.note(f"kept the script's own {', '.join(kept)}")
+            self.note("kept_own_settings", settings=", ".join(kept))
         self.figures["ddp_models_tuned"] += 1
         self.figures["last_settings"] = dict(changes)
         return changes

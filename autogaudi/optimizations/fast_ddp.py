@@ -123,6 +123,7 @@ class FastDdp(Unit):
         "flat_all_reduce": "one flattened all-reduce of the gradients after each synchronised backward",
         "gradients_changed": "handed back to DDP's reducer: the set of parameters with gradients changed (ranks "
         "per parameter {first} at first, then {then})",
+        "ddp_keeps_sync": "DDP kept its own gradient sync: {why}",
     }
     changed_figure = ("models", "{} DDP model(s) averaging gradients in one flat all-reduce")
     targets = ("torch.nn.parallel.DistributedDataParallel.forward",)
@@ -139,7 +140,7 @@ class FastDdp(Unit):
         if model not in self._models:
             why = why_ddp_keeps(model)
             if why:
-                self.note(f"DDP kept its own gradient sync: {why}")
+                self.note("ddp_keeps_sync", why=why)
                 self._models[model] = None
             else:
                 self._models[model] = FlatAllReduce(model)

@@ -147,6 +147,9 @@ class FusedOptimizer(Unit):
         "dtensor_parameters": "its parameters are DTensors (FSDP2), which {kernel} does not take",
         "sparse_gradients": "a gradient is sparse ({layout}), which the fused kernel does not take",
         "fused_step_raised": "the fused step raised {error!r}",
+        # notes: an optimizer left unfused, why (the code above in refusal, where the kernel refused)
+        "optimizer_kept": "{optimizer} kept as is: {why}",
+        "optimizer_unfused": "{optimizer} runs unfused from its next step on: {why}",
     }
     changed_figure = ("optimizers_fused", "{} optimizer(s) run as one fused kernel per step")
     targets = tuple(f"torch.optim.{cls.__name__}.__init__" for cls in FUSABLE)
@@ -185,7 +188,7 @@ class FusedOptimizer(Unit):
         with self.fail_open():
             unfusable = self._unfusable(instance)
             if unfusable:
-                self._kept(owner, unfusable.text)
+                self._kept(owner, unfusable.text, refusal=unfusable.code)
                 self._count_refusal(unfusable)
             elif self._native:
                 self._fused[instance] = None
@@ -217,9 +220,11 @@ class FusedOptimizer(Unit):
         found = unfusable_tensor(optimizer, dtensor_refused_by=refused_by)
         return self.reason_for(found[0], **found[1]) if found else None
 
-    def _kept(self, owner, reason: str, verb: str = "kept as is") -> None:
+    def _kept(self, owner, why: str, code: str = "optimizer_kept", refusal=None) -> None:
+        """A note that ``owner``'s optimizer runs unfused, ``why`` (the code of the kernel's refusal
+        where there is one, as ``refusal``)."""
         self.figures["optimizers_kept"] += 1
-        self.note(f"{owner.__name__} {verb}: {reason}")
+        self.note(code, optimizer=owner.__name__, why=why, refusal=refusal)
 
     def _count_refusal(self, reason) -> None:
         refusals = self.figures.setdefault("kernel_refusals", {})
@@ -232,7 +237,7 @@ class FusedOptimizer(Unit):
         elif not self._hand_back(optimizer):
             return
         self.figures["optimizers_fused"] -= 1
-        self._kept(type(optimizer), reason.text, verb="runs unfused from its next step on")
+        self._kept(type(optimizer), reason.text, "optimizer_unfused", refusal=reason.code)
         self._count_refusal(reason)
 
     # Each step of an optimizer it fused --------------------------------------------------------

@@ -98,6 +98,16 @@ class GraphCapture(ActsOnProfile):
         "rejected": "rejected: {model} captured was not faster in the trial; released",
         "dynamic_shapes": "switched off: dynamic shapes, {count} distinct input shapes (each one a "
         "recompilation), e.g. {shapes}",
+        # notes
+        "exact_random_no_effect": "--exact-random has no effect on {backend}: its graph compiler has no such setting",
+        "captured_called_several_times": "{model} is called {calls} times per step: captured without graphs that "
+        "replay into static outputs (CUDA graphs), which a later call would overwrite",
+        "dropout_exact": "dropout draws eager's random masks (--exact-random)",
+        "dropout_differs": "compiled dropout draws different random masks than eager (same distribution); "
+        "--exact-random makes them the same, at a cost in speed",
+        "gradients_reused": "zero_grad(set_to_none=False) while graphs are on: gradient tensors are reused, not freed",
+        "eager_outside_training": "calls outside training (eval mode or no_grad) run eagerly: only training steps "
+        "were measured",
     }
     targets = ("torch.utils.checkpoint.checkpoint",)  # HPU lazy only: calls counted (graphs refuse them)
     acts_on = (
@@ -249,24 +259,16 @@ class GraphCapture(ActsOnProfile):
         name = type(self._module).__name__
         exact = self.options.exact_random and self.backend.graphs_can_draw_eager_random
         if self.options.exact_random and not exact:
-            self.note(f"--exact-random has no effect on {self.backend.name}: its graph compiler has no such setting")
+            self.note("exact_random_no_effect", backend=self.backend.name)
         several = profile.calls_per_step > 1
         if several:
-            self.note(
-                f"{name} is called {profile.calls_per_step} times per step: captured without graphs that "
-                "replay into static outputs (CUDA graphs), which a later call would overwrite"
-            )
+            self.note("captured_called_several_times", model=name, calls=profile.calls_per_step)
         self._graphed = self.backend.graph_forward(self._module, exact_random=exact, static_outputs=not several)
         self._candidate.add(self._forget_graphs)
         self.hold(self._module, Layer.CAPTURE, self._around, self._candidate)
         self.figures["model"] = name
         if any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in self._module.modules()):
-            self.note(
-                "dropout draws eager's random masks (--exact-random)"
-                if exact
-                else "compiled dropout draws different random masks than eager (same distribution); "
-                "--exact-random makes them the same, at a cost in speed"
-            )
+            self.note("dropout_exact" if exact else "dropout_differs")
 
     def _when_to_try(self, profile) -> tuple:
         """(None, or the figures of why no trial could pay for itself; the training step from which one may start).
@@ -306,7 +308,7 @@ class GraphCapture(ActsOnProfile):
         self._optimizer = optimizer
         self._candidate.wrap(type(optimizer), "zero_grad", self._zero_grad)
         self._candidate.wrap(type(model), "zero_grad", self._zero_grad)
-        self.note("zero_grad(set_to_none=False) while graphs are on: gradient tensors are reused, not freed")
+        self.note("gradients_reused")
 
     def _zero_grad(self, wrapped, instance, args, kwargs):
         ours = instance is not None and (instance is self._module or instance is self._optimizer)
@@ -348,7 +350,7 @@ class GraphCapture(ActsOnProfile):
             return call(*args, **kwargs)
         if module.training != self._training_mode or not torch.is_grad_enabled():
             # Evaluation: not what the trial measured, and each mode would be one more compilation.
-            self.note("calls outside training (eval mode or no_grad) run eagerly: only training steps were measured")
+            self.note("eager_outside_training")
             return call(*args, **kwargs)
         shapes = input_shapes(args, kwargs)
         if shapes not in self._shapes:

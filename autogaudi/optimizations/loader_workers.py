@@ -55,6 +55,7 @@ import torch
 import wrapt
 from torch.utils.data import Dataset, IterableDataset, _utils, dataloader
 
+from autogaudi import steps
 from autogaudi.events import Event
 from autogaudi.steps import loader_arguments
 from autogaudi.unit import RANDOM, ROUNDING, Unit
@@ -585,6 +586,17 @@ class LoaderWorkers(Unit):
         "not_picklable": "kept in-process: under the {method} start method workers get the dataset pickled, "
         "and that fails: {error}",
         "workers_failed": "workers failed ({error}); the loader went back in-process, its batches built there",
+        "script_chose_workers": "a loader whose script chose num_workers is kept as is",
+        "iterable_dataset": "iterable datasets are kept in-process: each worker would replay the whole stream",
+        "forced_measured": "--force loader_workers: a loader whose script chose num_workers={chosen} is measured "
+        "too; if raised, its workers' random streams differ from the plain run's (same distribution)",
+        "shard_iterable": "the step waits for data {share:.0%} of the time and an IterableDataset feeds it "
+        "in-process; workers would each replay the whole stream unless the dataset splits it by "
+        "torch.utils.data.get_worker_info() (id, num_workers): if yours does, try num_workers={workers}",
+        "more_workers": "the step waits for data {share:.0%} of the time and the script chose num_workers={chosen}; "
+        "this machine has {cores} cores for {ranks} local rank(s): try num_workers={workers}, or --force "
+        "loader_workers to have it measured and raised (worker random streams then differ from this run's, same "
+        "distribution)",
     }
     changed_figure = ("loaders_tuned", "{} DataLoader(s) given worker processes")
     targets = ("torch.get_num_threads", "torch.set_num_threads")
@@ -610,15 +622,15 @@ class LoaderWorkers(Unit):
         # no loader yet, or one still being timed; not once every loader it saw is decided
         return not self._loaders or any(state.phase is not Phase.DONE for state in self._loaders.values())
 
-    def _kept(self, why: str) -> None:
+    def _kept(self, code: str, **values) -> None:
         self.figures["loaders_kept"] += 1
-        self.note(why)
+        self.note(code, **values)
 
     def _keep(self, state, code: str, **values) -> None:
         """Keep a measured loader in-process (or put it back) for ``code``; the unit says so while no
         loader has workers."""
         state.phase = Phase.DONE
-        self._kept(self.reason_for(code, **values).text)
+        self._kept(code, **values)
         kept = self.figures.setdefault("kept_because", {})
         kept[code] = kept.get(code, 0) + 1
         if not self.figures["loaders_tuned"]:
@@ -641,18 +653,15 @@ class LoaderWorkers(Unit):
             and not isinstance(dataset, IterableDataset)
         )
         if chosen is not None and not raisable:
-            self._kept("a loader whose script chose num_workers is kept as is")
+            self._kept("script_chose_workers")
             self._script_workers.append(chosen)
         elif isinstance(dataset, IterableDataset):
-            self._kept("iterable datasets are kept in-process: each worker would replay the whole stream")
+            self._kept("iterable_dataset")
             self._iterable_loaders += 1
         else:
             self._loaders[loader] = _Loader(loader)
             if raisable:
-                self.note(
-                    f"--force loader_workers: a loader whose script chose num_workers={chosen} is measured too; "
-                    "if raised, its workers' random streams differ from the plain run's (same distribution)"
-                )
+                self.note("forced_measured", chosen=chosen)
         return None
 
     def _advise(self, profile) -> None:
@@ -662,14 +671,14 @@ class LoaderWorkers(Unit):
         if profile.bound != "input":
             return
         workers, _threads = worker_budget()
+        share = profile.figures["input_wait_fraction"]
         if self._iterable_loaders:
             self.recommend(
-                f"the step waits for data {profile.figures['input_wait_fraction']:.0%} of the time and an "
-                "IterableDataset feeds it in-process; workers would each replay the whole stream unless the "
-                "dataset splits it by torch.utils.data.get_worker_info() (id, num_workers): if yours does, "
-                f"try num_workers={workers}",
+                "shard_iterable",
+                share=share,
+                workers=workers,
                 do=f"num_workers={workers} with a dataset that splits its stream by get_worker_info()",
-                saves=profile.figures["input_wait_fraction"],
+                saves=share,
                 saves_basis="measured",
             )
         if not self._script_workers:
@@ -680,12 +689,14 @@ class LoaderWorkers(Unit):
         cores = psutil.cpu_count(logical=False) or os.cpu_count() or 1
         ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         self.recommend(
-            f"the step waits for data {profile.figures['input_wait_fraction']:.0%} of the time and the script "
-            f"chose num_workers={chosen}; this machine has {cores} cores for {ranks} local rank(s): "
-            f"try num_workers={workers}, or --force loader_workers to have it measured and raised "
-            "(worker random streams then differ from this run's, same distribution)",
+            "more_workers",
+            share=share,
+            chosen=chosen,
+            cores=cores,
+            ranks=ranks,
+            workers=workers,
             do=f"num_workers={workers} instead of the script's {chosen} (or --force loader_workers)",
-            saves=profile.figures["input_wait_fraction"],
+            saves=share,
             saves_basis="measured",
         )
 
@@ -697,7 +708,7 @@ class LoaderWorkers(Unit):
             state.epoch_batches = 0
             if state.phase is Phase.NEXT_EPOCH:
                 state.phase = Phase.CHECKING
-            state.last_end = time.perf_counter() if state.phase is Phase.CHECKING else None
+            state.last_end = steps.clock() if state.phase is Phase.CHECKING else None
         self._starting = state
 
     def _state(self, iterator):
@@ -716,7 +727,7 @@ class LoaderWorkers(Unit):
         state = self._state(iterator)
         if state is None:
             return
-        now = time.perf_counter()
+        now = steps.clock()
         timed = state.phase in (Phase.MEASURING, Phase.CHECKING)
         if timed:
             window = state.windows[state.phase]
@@ -777,7 +788,7 @@ class LoaderWorkers(Unit):
         state.bound_s = max(BATCH_BOUND_S, BATCH_BOUND_FACTOR * measured.waited / max(measured.batches, 1))
         state.scope = self.scope.child()
         state.sources = weakref.WeakSet()  # the worker iterators of its epochs
-        state.scope.add(lambda: [source.give_up() for source in list(state.sources)])
+        state.scope.add(lambda: _give_up(state.sources))
         self._threads.hold(state, threads, state.scope)
         self.figures.update(
             loaders_tuned=self.figures["loaders_tuned"] + 1, workers=workers, main_threads=torch._C.get_num_threads()
@@ -828,6 +839,12 @@ class LoaderWorkers(Unit):
         self.moment("in_process")
         self.figures["loaders_tuned"] -= 1
         self.figures["main_threads"] = torch._C.get_num_threads()
+
+
+def _give_up(sources) -> None:
+    """Hand each worker iterator's epoch back in-process (an undo: it returns no note)."""
+    for source in list(sources):
+        source.give_up()
 
 
 def _in_process(iterator) -> bool:

@@ -389,6 +389,8 @@ class MixedPrecision(ActsOnProfile):
         "measured_faster": "{model} forward in {precision}: checked, and measured faster",
         "rejected": "float32 kept: {precision} was checked but not faster in the trial",
         "fell_back": "back to float32 from training step {step}: {what}",
+        "losses_read_every": "losses are read every {every} backward passes: the steps between the bad loss and its "
+        "read ran in {precision}",
     }
     targets = ("torch.amp.GradScaler.scale",)  # only seen: a script that scales its loss keeps fp16 off
     states = ("watching", "checking", "in_use", "trial", "kept", "rejected", "failed", "disabled")
@@ -653,10 +655,7 @@ class MixedPrecision(ActsOnProfile):
         self.figures["fell_back_at_step"] = step
         self.moment("fell_back")
         self.because("fell_back", step=step, what=what)
-        self.note(
-            f"losses are read every {WATCH_EVERY} backward passes: the steps between the bad loss and its read "
-            f"ran in {self._precision}"
-        )
+        self.note("losses_read_every", every=WATCH_EVERY, precision=self._precision)
         self._release()
 
     def _release(self) -> None:

@@ -45,6 +45,9 @@ class StaticLastBatch(Unit):
     reasons = {
         "hpu_eager": "HPU eager mode compiles nothing per shape unless graph capture is on",
         "policy": "policy {policy}",
+        "own_sampler": "a loader with its own {sampler} is not padded (its sampler stays the script's)",
+        "repeats_samples": "each epoch's last batch repeats samples from the epoch's start "
+        "(--last-batch drop: drop it)",
     }
     changed_figure = ("loaders_padded", "{} DataLoader(s) padded to whole batches")
     acts_on = ("DataLoader construction (the session's step watcher)",)
@@ -77,7 +80,7 @@ class StaticLastBatch(Unit):
         # The sampler DataLoader itself would build, or the script's own if it is one of those.
         sampler = call["sampler"]
         if sampler is not None and type(sampler) not in (RandomSampler, SequentialSampler):
-            self.note(f"a loader with its own {type(sampler).__name__} is not padded (its sampler stays the script's)")
+            self.note("own_sampler", sampler=type(sampler).__name__)
             return None
         if sampler is None:
             sampler = (
@@ -91,5 +94,5 @@ class StaticLastBatch(Unit):
             self.figures["samples_added_per_epoch"] -= remainder
             return (), {**call, "drop_last": True}
         self.figures["samples_added_per_epoch"] += batch_size - remainder
-        self.note("each epoch's last batch repeats samples from the epoch's start (--last-batch drop: drop it)")
+        self.note("repeats_samples")
         return (), {**call, "sampler": PaddedSampler(sampler, batch_size), "shuffle": None}

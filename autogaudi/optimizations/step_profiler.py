@@ -44,6 +44,7 @@ from collections import Counter
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from autogaudi import steps
 from autogaudi._paths import short_location, user_location
 from autogaudi.events import Event
 from autogaudi.guard import guarded_call
@@ -60,6 +61,12 @@ MATRIX_OPS = frozenset(
     | {f"_scaled_dot_product_{kind}_attention" for kind in ("flash", "efficient", "cudnn", "flash_attention_for_cpu")}
 )
 FP32_MATRIX_SHARE = 0.9  # a step whose matrix products run in float32 at least this often trains in fp32
+
+
+def thread_clock() -> float:
+    """This thread's CPU time (seconds): set against ``steps.clock`` it gives the time the thread was
+    off the CPU, waiting for a collective; tests replace both (the ``step_clock`` fixture)."""
+    return time.thread_time()
 
 
 def input_shapes(args, kwargs) -> tuple:
@@ -181,9 +188,9 @@ class _Census(TorchDispatchMode):
         """The op, timed, and what it tells: host reads, matrix products, collectives in flight."""
         self.ops += 1
         self.close_gap()
-        start = time.perf_counter()
+        start = steps.clock()
         result = call(*args, **kwargs)
-        end = time.perf_counter()
+        end = steps.clock()
         self.cpu_seconds += end - start
         if func.namespace == "c10d":
             self._watch(result)
@@ -191,7 +198,7 @@ class _Census(TorchDispatchMode):
             self._note_op(func, args, kwargs)
         self._drop_completed()
         if self._in_flight:
-            self._gap = (end, time.thread_time())
+            self._gap = (end, thread_clock())
         return result
 
     def _note_op(self, func, args, kwargs) -> None:
@@ -241,7 +248,7 @@ class _Census(TorchDispatchMode):
         if self._gap is None:
             return
         (began, cpu_began), self._gap = self._gap, None
-        off_cpu = time.perf_counter() - began - (time.thread_time() - cpu_began)
+        off_cpu = steps.clock() - began - (thread_clock() - cpu_began)
         if self._drop_completed():
             self.collective_seconds += max(0.0, off_cpu)
 
@@ -361,9 +368,9 @@ class _CensusStep:
             raise self.census.failure
         if self.backend.name == "hpu":
             self.backend.mark_step()
-            issued = time.perf_counter()
+            issued = steps.clock()
             self.backend.synchronize()
-            return self.census.ops, time.perf_counter() - issued, None, 0
+            return self.census.ops, steps.clock() - issued, None, 0
         if self.backend.name == "cuda":
             return self.census.ops, self.kernels.seconds, None, 0
         return (
@@ -438,6 +445,15 @@ class StepProfiler(Unit):
         "remembered_profile": "{bound}-bound, as measured in run {run} on {date} with the same script, model "
         "and inputs: {why}",
         **{f"{bound}_bound": f"{bound}-bound: {{why}}" for bound in ("input", "host", "communication", "device")},
+        "follows_rank_zero": "this rank measured {bound}-bound ({why}); every rank follows rank 0",
+        "hpu_lazy_device_time": "HPU lazy: the device time is the wait in synchronize() after mark_step, which also "
+        "drains the host's graph building; a host-bound run can read device-bound",
+        "host_reads": "{per_step:g} host read(s) of device values per step (.item(), float(), bool(), .cpu()) at "
+        "{sites}: each makes the host wait until the device has finished the step, so the next step cannot be "
+        "queued behind it; read every N steps, or accumulate on the device",
+        "fp32_products": "device-bound, and {share:.0%} of the step's matrix products run in float32: bf16 autocast "
+        'runs them on the matrix units; try torch.autocast(device_type="{device}", dtype=torch.bfloat16) around '
+        "the forward and the loss, and compare the loss curve",
     }
     acts_on = (
         "training steps and batch fetches (the session's step watcher)",
@@ -486,7 +502,7 @@ class StepProfiler(Unit):
             return
         done, self._done = self._done, self._done + 1
         if done % 2:
-            self._clean.append((time.perf_counter() - self._step_began, self._waited))
+            self._clean.append((steps.clock() - self._step_began, self._waited))
             self._step_began = None
             self._census_step = _CensusStep(self.backend, self._roots, self)
             return
@@ -500,7 +516,7 @@ class StepProfiler(Unit):
         if done == 2 * PAIRS:
             self._finish_census(optimizer)
         else:
-            self._waited, self._step_began = 0.0, time.perf_counter()
+            self._waited, self._step_began = 0.0, steps.clock()
 
     def _abandon_census(self) -> None:
         if self._census_step is not None:
@@ -511,7 +527,7 @@ class StepProfiler(Unit):
         measured = classify(*shares)
         bound, why = rank_zero_choice(measured)
         if bound != measured[0]:
-            self.note(f"this rank measured {measured[0]}-bound ({measured[1]}); every rank follows rank 0")
+            self.note("follows_rank_zero", bound=measured[0], why=measured[1])
         root = training_root(self._roots, optimizer)
         calls = max((step_calls.get(id(root), 0) for step_calls in self._calls), default=0) if root else 0
         inputs = self._inputs.get(id(root), ())
@@ -525,10 +541,7 @@ class StepProfiler(Unit):
             # The bridge's synchronize() marks a step and drains the host pipeline before it waits
             # (hpu/csrc/bindings.cpp, as read for issue 23): what is timed as device work includes the
             # host's graph building. Unverified on hardware; said rather than corrected.
-            self.note(
-                "HPU lazy: the device time is the wait in synchronize() after mark_step, which also drains "
-                "the host's graph building; a host-bound run can read device-bound"
-            )
+            self.note("hpu_lazy_device_time")
         self._advise(root)
         self._publish()
 
@@ -595,9 +608,9 @@ class StepProfiler(Unit):
             self.figures["host_read_sites"] = where
         if per_step >= 1 and self.backend.host_runs_ahead:
             self.recommend(
-                f"{per_step:g} host read(s) of device values per step (.item(), float(), bool(), .cpu()) at "
-                f"{', '.join(where)}: each makes the host wait until the device has finished the step, so the "
-                "next step cannot be queued behind it; read every N steps, or accumulate on the device",
+                "host_reads",
+                per_step=per_step,
+                sites=", ".join(where),
                 do=f"read device values every N steps, not every step, at {where[0] if where else 'the script'}",
             )
         matrix = sum(self._matrix_ops.values())
@@ -608,10 +621,9 @@ class StepProfiler(Unit):
         self.figures["fp32_matrix_fraction"] = self.profile.figures["fp32_matrix_fraction"] = round(fp32, 3)
         if fp32 >= FP32_MATRIX_SHARE and self.profile.bound == "device" and self.backend.fast_bf16():
             self.recommend(
-                f"device-bound, and {fp32:.0%} of the step's matrix products run in float32: bf16 autocast runs "
-                f'them on the matrix units; try torch.autocast(device_type="{self.backend.device_type}", '
-                "dtype=torch.bfloat16) around the forward and the loss, and compare the loss curve; or "
-                "--precision auto, which checks it against float32 on the run's own steps",
+                "fp32_products",
+                share=fp32,
+                device=self.backend.device_type,
                 do=f"--precision auto ({fp32:.0%} of the matrix products run in float32)",
                 # bf16 matrix units run about twice the float32 rate: half the float32 matrix share
                 saves=round(self.profile.figures["compute_fraction"] * fp32 / 2, 3),

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from tests.helpers import TESTS, clean_env, run_python, run_ranks
+from tests.helpers import TESTS, clean_env, run_python, run_ranks, said
 
 HERE = TESTS / "frameworks"
 # Trainer/Lightning/accelerate steps under autogaudi differ from plain ones by float reassociation
@@ -36,9 +36,11 @@ def test_hugging_face_trainer_trains_alike_and_its_own_choices_are_kept(tmp_path
     torch.testing.assert_close(tuned["losses"], plain["losses"], rtol=LOSS_RTOL, atol=1e-5)
     units = units_of(report)
     # Trainer already builds a fused AdamW (optim="adamw_torch_fused"): autogaudi steps aside.
-    assert "AdamW kept as is: the script chose fused=True" in units["fused_optimizer"]["notes"]
+    assert said(units["fused_optimizer"]) == [
+        ("optimizer_kept", {"optimizer": "AdamW", "why": "the script chose fused=True", "refusal": None})
+    ]
     assert units["fused_optimizer"]["figures"] == {"optimizers_fused": 0, "optimizers_kept": 1}
-    assert "a loader whose script chose num_workers is kept as is" in units["loader_workers"]["notes"]
+    assert "script_chose_workers" in units["loader_workers"]["note_codes"]
     assert units["step_profiler"]["figures"]["model"] == "BertForSequenceClassification"
     # 20 steps: no compile trial could pay for itself, and Trainer says how many steps are left.
     capture = units["graph_capture"]

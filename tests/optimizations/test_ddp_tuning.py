@@ -11,7 +11,7 @@ from torch.nn.parallel import DistributedDataParallel
 import autogaudi
 from autogaudi.optimizations.ddp_tuning import hpu_bucket_megabytes
 from autogaudi.registry import UNIT_NAMES
-from tests.helpers import SCRIPTS
+from tests.helpers import SCRIPTS, said
 from tests.optimizations.ddp_helpers import TORCHRUN, mlp, torchrun, train
 
 
@@ -49,9 +49,8 @@ def test_explicit_arguments_buffers_and_subclasses_are_kept(process_group):
         pass
 
     assert MyDDP(mlp()).gradient_as_bucket_view is False
-    assert (
-        "kept the script's own broadcast_buffers, bucket_cap_mb, gradient_as_bucket_view"
-        in (autogaudi.report().unit("ddp_tuning")["notes"])
+    assert ("kept_own_settings", {"settings": "broadcast_buffers, bucket_cap_mb, gradient_as_bucket_view"}) in said(
+        autogaudi.report().unit("ddp_tuning")
     )
 
 
@@ -106,7 +105,7 @@ def test_static_graph_is_suggested_not_set_where_ddp_searches_for_unused_paramet
     autogaudi.enable(device="cpu", only="ddp_tuning")
     searching = DistributedDataParallel(mlp(), find_unused_parameters=True)
     assert searching.static_graph is False and searching.find_unused_parameters is True
-    notes = autogaudi.report().unit("ddp_tuning")["notes"]
-    assert any("static_graph=True skips that search" in note for note in notes), notes
+    notes = autogaudi.report().unit("ddp_tuning")["note_codes"]
+    assert "static_graph_advice" in notes, notes
     DistributedDataParallel(mlp(), find_unused_parameters=True, static_graph=True)
-    assert len([note for note in autogaudi.report().unit("ddp_tuning")["notes"] if "static_graph" in note]) == 1
+    assert autogaudi.report().unit("ddp_tuning")["note_codes"].count("static_graph_advice") == 1

@@ -7,7 +7,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 import autogaudi
-from tests.helpers import SCRIPTS
+from tests.helpers import SCRIPTS, said
 from tests.optimizations.ddp_helpers import TORCHRUN, mlp, torchrun, train
 
 ONLY_DDP_UNITS = {"AUTOGAUDI_ONLY": "ddp_tuning,fast_ddp", "AUTOGAUDI_FORCE": "fast_ddp", "AUTOGAUDI_QUIET": "1"}
@@ -70,11 +70,10 @@ def test_ddp_keeps_models_whose_gradient_sync_the_script_customised(process_grou
     hooked.register_comm_hook(None, keep_local_gradients)
     row = autogaudi.report().unit("fast_ddp")
     assert row["figures"]["flat_all_reduces"] == 0
-    assert row["notes"] == ["DDP kept its own gradient sync: the script set static_graph"]
+    assert said(row) == [("ddp_keeps_sync", {"why": "the script set static_graph"})]
     train(hooked, steps=1)
-    assert (
-        "DDP kept its own gradient sync: the script set a communication hook"
-        in autogaudi.report().unit("fast_ddp")["notes"]
+    assert ("ddp_keeps_sync", {"why": "the script set a communication hook"}) in said(
+        autogaudi.report().unit("fast_ddp")
     )
 
 

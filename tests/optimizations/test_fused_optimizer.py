@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import autogaudi
+from tests.helpers import said
 
 STEPS = 50
 # torch's fused CPU kernel reassociates float math; the hpex double computes the same formulas.
@@ -273,7 +274,9 @@ def test_explicit_choices_and_subclasses_are_left_alone(backend):
     assert mine.defaults["fused"] is None
     row = autogaudi.report().unit("fused_optimizer")
     assert row["figures"] == {"optimizers_fused": 0, "optimizers_kept": 1}
-    assert "AdamW kept as is: the script chose foreach=False" in row["notes"]
+    assert said(row) == [
+        ("optimizer_kept", {"optimizer": "AdamW", "why": "the script chose foreach=False", "refusal": None})
+    ]
 
 
 def test_hpu_unsupported_arguments_keep_torchs_optimizer(hpu_double):
@@ -284,7 +287,8 @@ def test_hpu_unsupported_arguments_keep_torchs_optimizer(hpu_double):
     net(torch.randn(2, 10)).sum().backward()
     optimizer.step()
     assert "FusedAdamW.step" not in calls.names()
-    assert "AdamW kept as is: FusedAdamW has no amsgrad=True" in autogaudi.report().unit("fused_optimizer")["notes"]
+    ((code, params),) = said(autogaudi.report().unit("fused_optimizer"))
+    assert (code, params["optimizer"]) == ("optimizer_kept", "AdamW") and "amsgrad=True" in params["why"]
 
 
 def test_user_constructor_errors_are_torchs_own(backend):
@@ -368,7 +372,9 @@ def test_sparse_gradients_step_unfused_exactly_as_plain_and_the_rest_stays_fused
     torch.testing.assert_close(list(tuned_side.parameters()), list(plain_side.parameters()), **TOLERANCE)
     row = autogaudi.report().unit("fused_optimizer")
     assert row["figures"] == {"optimizers_fused": 1, "optimizers_kept": 1, "kernel_refusals": {"sparse_gradients": 1}}
-    assert any(note.startswith("SGD runs unfused from its next step on: a gradient is sparse") for note in row["notes"])
+    assert [(code, params["optimizer"], params["refusal"]) for code, params in said(row)] == [
+        ("optimizer_unfused", "SGD", "sparse_gradients")
+    ]
 
 
 def complex_parameter():
@@ -395,10 +401,10 @@ def test_tensors_the_kernel_refuses_keep_the_optimizer_unfused_built_or_added_la
     fit(optimizer, [added_later])
     row = autogaudi.report().unit("fused_optimizer")
     assert row["figures"] == {"optimizers_fused": 0, "optimizers_kept": 2, "kernel_refusals": {"parameter_dtype": 2}}
-    assert (
-        "Adam kept as is: a parameter is torch.complex64; the fused kernel takes floating-point tensors only"
-        in (row["notes"])
-    )
+    assert [(code, params["optimizer"], params["refusal"]) for code, params in said(row)] == [
+        ("optimizer_kept", "Adam", "parameter_dtype"),  # built with it
+        ("optimizer_unfused", "Adam", "parameter_dtype"),  # added later
+    ]
     autogaudi.disable()
     for tuned in (built_with, added_later):
         plain = complex_parameter()
@@ -500,6 +506,8 @@ def test_fsdp2_dtensor_parameters_fuse_under_adamw_not_under_sgd(process_group):
         optimizer.step()
     row = autogaudi.report().unit("fused_optimizer")
     assert row["figures"] == {"optimizers_fused": 1, "optimizers_kept": 1, "kernel_refusals": {"dtensor_parameters": 1}}
-    assert "SGD kept as is: its parameters are DTensors (FSDP2), which torch's fused SGD does not take" in row["notes"]
+    assert [(code, params["optimizer"], params["refusal"]) for code, params in said(row)] == [
+        ("optimizer_kept", "SGD", "dtensor_parameters")
+    ]
     losses, net, _ = train(lambda net: torch.optim.AdamW(fully_shard(net).parameters(), lr=3e-3), steps=3)
     torch.testing.assert_close(losses, plain, **TOLERANCE)

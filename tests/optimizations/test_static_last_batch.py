@@ -34,7 +34,7 @@ def test_repeat_pads_each_epoch_with_its_own_first_samples(lazy):
         assert flat_after[10:] == flat_before[:2]  # padded from the epoch's own start
     row = autogaudi.report().unit("static_last_batch")
     assert row["figures"] == {"loaders_padded": 1, "samples_added_per_epoch": 2}
-    assert any("repeats samples" in note for note in row["notes"])
+    assert row["note_codes"] == ["repeats_samples"]
 
 
 def test_drop_policy_and_positional_calls(lazy):

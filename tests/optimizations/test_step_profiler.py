@@ -15,9 +15,9 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 from torch.utils.data import DataLoader, Dataset
 
 import autogaudi
-from autogaudi import runtime
-from autogaudi.optimizations.step_profiler import PAIRS, classify, new_census
-from tests.helpers import SCRIPTS, run_python
+from autogaudi import runtime, steps
+from autogaudi.optimizations.step_profiler import PAIRS, census_figures, classify, new_census
+from tests.helpers import SCRIPTS, run_python, said
 from tests.optimizations.ddp_helpers import TORCHRUN, torchrun
 
 STEPS = 3 + 2 * PAIRS + 2  # warm-up, the clean and census steps, and a couple more
@@ -33,12 +33,62 @@ def test_classification_rule():
     assert classify(waiting=0.1, busy=0.4, collective=0.2)[0] == "device"
 
 
+def test_the_median_pair_decides_and_waits_are_shares_of_the_clean_steps():
+    """Given (clean step, wait) and census (ops, busy, collective wait, unfutured) figures: one stalled
+    census step (busy 0.3 s) is outvoted, and one stalled clean step only lowers its own pair's share."""
+    clean = [(0.010, 0.002)] * PAIRS
+    censuses = [(40, 0.001, None, 0)] * (PAIRS - 1) + [(40, 0.3, None, 0)]
+    figures, shares = census_figures(clean, censuses)
+    assert classify(*shares)[0] == "host" and shares == pytest.approx((0.2, 0.1, 0.0))
+    assert figures["compute_fraction_range"] == [0.1, 1.0] and figures["ms_per_step"] == 10.0
+    assert "collective_wait_fraction" not in figures and figures["ops_per_step"] == 40
+
+    clean = [(0.5, 0.0)] + [(0.010, 0.0)] * (PAIRS - 1)
+    figures, shares = census_figures(clean, [(40, 0.008, 0.0, 1)] * PAIRS)
+    assert classify(*shares)[0] == "device" and figures["compute_fraction"] == 0.8
+    assert figures["collective_wait_fraction"] == 0.0 and figures["collectives_without_future_per_step"] == 1
+
+    clean = [(0.010, 0.0)] * PAIRS
+    _, shares = census_figures(clean, [(40, 0.001, 0.006, 0)] * PAIRS)
+    assert classify(*shares)[0] == "communication"
+
+
+@torch.library.custom_op("autogaudi_tests::takes", mutates_args=())
+def takes(inputs: torch.Tensor, seconds: float) -> torch.Tensor:
+    """An op whose kernel computes for ``seconds`` of the step clock (the ``step_clock`` fixture's)."""
+    steps.clock.advance(seconds)
+    return inputs.clone()
+
+
+class Timed(nn.Module):
+    """``model``, each call taking ``host`` seconds of the step clock in Python (issuing ops) and
+    ``device`` seconds inside an op; call ``stall_at`` (1-based) also stalls ``stall_s``, in Python
+    or inside an op (what the census sees when the OS preempts a kernel)."""
+
+    def __init__(self, model, host=0.0, device=0.0, stall_at=None, stall_s=0.0, stall_in_op=False):
+        super().__init__()
+        self.model, self.host, self.device, self.calls = model, host, device, 0
+        self.stall_at, self.stall_s, self.stall_in_op = stall_at, stall_s, stall_in_op
+
+    def forward(self, inputs):
+        self.calls += 1
+        stall = self.stall_s if self.calls == self.stall_at else 0.0
+        steps.clock.advance(self.host + (0.0 if self.stall_in_op else stall))
+        inputs = takes(inputs, self.device + (stall if self.stall_in_op else 0.0))
+        return self.model(inputs)
+
+
 class Slow(Dataset):
+    """Each sample takes ``seconds`` of the step clock to build."""
+
+    def __init__(self, clock, seconds=0.003):
+        self.clock, self.seconds = clock, seconds
+
     def __len__(self):
         return 64
 
     def __getitem__(self, index):
-        time.sleep(0.003)
+        self.clock.advance(self.seconds)
         return torch.ones(4), 0
 
 
@@ -59,30 +109,29 @@ def profile_row():
     return autogaudi.report().unit("step_profiler")
 
 
-class Bookkeeping(nn.Module):
-    """A tiny layer with the Python work model code often does around its ops (shape checks,
-    config lookups): the host's time, not the kernels'."""
-
-    def __init__(self, work: int = 3000):
-        super().__init__()
-        self.linear = nn.Linear(8, 8)
-        self.work = work
-
-    def forward(self, inputs):
-        sum(index * index for index in range(self.work))
-        return torch.tanh(self.linear(inputs))
+def small_batches():
+    return endless(lambda: (torch.randn(4, 8), torch.randint(0, 3, (4,))))
 
 
-def test_python_heavy_tiny_layers_are_host_bound():
+def test_a_step_whose_ops_compute_little_of_it_is_host_bound(step_clock):
     autogaudi.enable(device="cpu", only="step_profiler")
-    model = nn.Sequential(*[Bookkeeping() for _ in range(30)], nn.Linear(8, 3))
-    train(model, endless(lambda: (torch.randn(4, 8), torch.randint(0, 3, (4,)))))
+    train(Timed(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3)), host=0.010), small_batches())
     figures = profile_row()["figures"]
     assert figures["bound"] == "host", profile_row()
-    assert figures["ops_per_step"] > 300 and figures["compute_fraction"] < 0.5
+    assert (figures["ms_per_step"], figures["compute_fraction"], figures["input_wait_fraction"]) == (10.0, 0.0, 0.0)
+    assert figures["ops_per_step"] > 10
+
+
+def test_a_step_whose_ops_compute_most_of_it_is_device_bound(step_clock):
+    autogaudi.enable(device="cpu", only="step_profiler")
+    train(Timed(nn.Linear(8, 3), host=0.002, device=0.008), small_batches())
+    figures = profile_row()["figures"]
+    assert figures["bound"] == "device" and figures["compute_fraction"] == 0.8, profile_row()
+    assert figures["compute_fraction_range"] == [0.8, 0.8]
 
 
 def test_large_matrix_products_are_device_bound():
+    """On real time (the census's clock around real kernels): a machine's load only adds to them."""
     autogaudi.enable(device="cpu", only="step_profiler")
     model = nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 3))
     train(model, endless(lambda: (torch.randn(512, 1024), torch.randint(0, 3, (512,)))))
@@ -93,57 +142,30 @@ def test_large_matrix_products_are_device_bound():
     assert low <= figures["compute_fraction"] <= high
 
 
-@torch.library.custom_op("autogaudi_tests::stall", mutates_args=())
-def stall(inputs: torch.Tensor, seconds: float) -> torch.Tensor:
-    """An op whose kernel sometimes takes long: what the census sees when the OS preempts a kernel."""
-    time.sleep(seconds)
-    return inputs.clone()
-
-
-class StallsOnce(nn.Module):
-    """Runs ``model``; on forward call ``at`` (1-based) it also stalls, in Python or inside an op."""
-
-    def __init__(self, model, at: int, in_op: bool):
-        super().__init__()
-        self.model, self.at, self.in_op, self.calls = model, at, in_op, 0
-
-    def forward(self, inputs):
-        self.calls += 1
-        if self.calls == self.at:
-            if self.in_op:
-                inputs = stall(inputs, 0.3)
-            else:
-                time.sleep(0.5)
-        return self.model(inputs)
-
-
-def test_one_stalled_clean_step_leaves_a_device_bound_run_device_bound():
+def test_one_stalled_clean_step_leaves_a_device_bound_run_device_bound(step_clock):
     """A mean over the clean steps would read the 0.5 s stall as host time in every step."""
     autogaudi.enable(device="cpu", only="step_profiler")
-    model = StallsOnce(nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 3)), at=3 + 1, in_op=False)
-    train(model, endless(lambda: (torch.randn(512, 1024), torch.randint(0, 3, (512,)))))
-    assert profile_row()["figures"]["bound"] == "device", profile_row()
+    model = Timed(nn.Linear(8, 3), host=0.002, device=0.008, stall_at=3 + 1, stall_s=0.5)  # the first clean step
+    train(model, small_batches())
+    figures = profile_row()["figures"]
+    assert figures["bound"] == "device" and figures["compute_fraction_range"][0] < 0.1, profile_row()
 
 
-def test_one_stalled_census_step_leaves_a_host_bound_run_host_bound():
-    """One census step whose op stalls 0.3 s reads as all compute; the other census steps outvote it.
-    (Three times the Python work of the plain fixture: the steps right after a stall run slow, and
-    on a busy machine that pushed the plain fixture's median pair to 60%.)"""
+def test_one_stalled_census_step_leaves_a_host_bound_run_host_bound(step_clock):
+    """One census step whose op stalls 0.3 s reads as all compute; the other census steps outvote it."""
     autogaudi.enable(device="cpu", only="step_profiler")
-    model = StallsOnce(
-        nn.Sequential(*[Bookkeeping(work=9000) for _ in range(30)], nn.Linear(8, 3)), at=3 + 2, in_op=True
-    )  # the first census step
-    train(model, endless(lambda: (torch.randn(4, 8), torch.randint(0, 3, (4,)))))
+    model = Timed(nn.Linear(8, 3), host=0.010, stall_at=3 + 2, stall_s=0.3, stall_in_op=True)  # the first census
+    train(model, small_batches())
     figures = profile_row()["figures"]
     assert figures["bound"] == "host", profile_row()
-    assert figures["compute_fraction_range"][1] == 1.0  # the stalled step was seen, and outvoted
+    assert figures["compute_fraction_range"] == [0.0, 1.0]  # the stalled step was seen, and outvoted
 
 
-def test_a_slow_dataset_is_input_bound():
+def test_a_slow_dataset_is_input_bound(step_clock):
     autogaudi.enable(device="cpu", only="step_profiler")
-    train(nn.Linear(4, 2), iter(DataLoader(Slow(), batch_size=4)))
+    train(Timed(nn.Linear(4, 2), host=0.004), iter(DataLoader(Slow(step_clock), batch_size=4)))
     figures = profile_row()["figures"]
-    assert figures["bound"] == "input" and figures["input_wait_fraction"] > 0.5, profile_row()
+    assert figures["bound"] == "input" and figures["input_wait_fraction"] == 0.75, profile_row()
 
 
 def test_a_loop_with_two_optimizers_is_measured_by_whole_iterations():
@@ -161,11 +183,11 @@ def test_a_loop_with_two_optimizers_is_measured_by_whole_iterations():
 
 
 @pytest.mark.parametrize("device_seconds,bound", [(0.05, "device"), (0.0, "host")])
-def test_hpu_device_time_comes_from_the_synchronize_wait(hpu_double, device_seconds, bound):
+def test_hpu_device_time_comes_from_the_synchronize_wait(hpu_double, step_clock, device_seconds, bound):
     calls = hpu_double(lazy=True)
     autogaudi.enable(device="hpu", only="step_profiler")
-    calls.DEVICE_SECONDS[0] = device_seconds
-    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3))
+    calls.DEVICE_SECONDS[0], calls.WAIT[0] = device_seconds, step_clock.advance
+    model = Timed(nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3)), host=0.01)
     train(model, endless(lambda: (torch.randn(8, 16), torch.randint(0, 3, (8,)))))
     assert profile_row()["figures"]["bound"] == bound, profile_row()
     # each census step starts on an idle device and ends with a flush and a wait; no other step waits.
@@ -203,23 +225,23 @@ def test_host_reads_and_matrix_dtypes_are_measured_but_cost_nothing_on_the_cpu()
 
 
 @pytest.mark.parametrize("autocast", [False, True])
-def test_on_a_device_that_runs_ahead_reads_and_fp32_products_are_recommended_against(hpu_double, autocast):
+def test_on_a_device_that_runs_ahead_reads_and_fp32_products_are_recommended_against(hpu_double, step_clock, autocast):
     calls = hpu_double(lazy=True)
     autogaudi.enable(device="hpu", only="step_profiler")
-    calls.DEVICE_SECONDS[0] = 0.05  # device-bound
-    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3))
+    calls.DEVICE_SECONDS[0], calls.WAIT[0] = 0.05, step_clock.advance  # device-bound: 50 ms against 10
+    model = Timed(nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3)), host=0.01)
     train_reading_the_loss(model, endless(lambda: (torch.randn(8, 16), torch.randint(0, 3, (8,)))), autocast)
     row = profile_row()
     assert row["figures"]["bound"] == "device", row
-    reads, *precision = row["recommendations"]
-    assert reads["what"].startswith("1 host read(s)") and f"test_step_profiler.py:{READ_LINE}" in reads["do"], reads
+    (reads, params), *precision = said(row, "recommendation")
+    site = f"tests/optimizations/test_step_profiler.py:{READ_LINE} (1/step)"
+    assert (reads, params) == ("host_reads", {"per_step": 1, "sites": site}), params
+    assert f"test_step_profiler.py:{READ_LINE}" in row["recommendations"][0]["do"]
     # a script that already runs its products in bf16 is not told to
     assert row["figures"]["fp32_matrix_fraction"] == (0.0 if autocast else 1.0), row
-    assert [bool(precision), any(advice["do"].startswith("--precision auto") for advice in precision)] == [
-        not autocast,
-        not autocast,
-    ], precision
-    assert all(0 < advice["saves"] <= 0.5 and advice["saves_basis"] == "estimated" for advice in precision)
+    assert precision == ([] if autocast else [("fp32_products", {"share": 1.0, "device": "hpu"})]), precision
+    advice = row["recommendations"][1:]
+    assert all(0 < item["saves"] <= 0.5 and item["saves_basis"] == "estimated" for item in advice), advice
 
 
 class PassThrough(TorchDispatchMode):
@@ -249,7 +271,7 @@ def test_a_census_step_that_fails_to_stop_is_reverted_once_and_the_scripts_mode_
     row = profile_row()
     assert (row["status"], row["reason_code"]) == ("failed", "failed_at_run_time"), row
     assert "device lost" in row["reason_params"]["error"]
-    assert not any("revert() raised" in note for note in row["notes"]), row  # the census mode left once
+    assert "revert_raised" not in row["note_codes"], row  # the census mode left once
     assert calls.names().count("mark_step") == 1 and len(waits) == 2  # reverted: no further census steps
 
 
@@ -279,7 +301,9 @@ def test_ranks_that_measure_apart_follow_rank_zero_and_finish_the_trial_together
     assert result.returncode == 0, result.stderr[-3000:]
     profiles = [worker["units"]["step_profiler"] for worker in workers]
     assert profiles[0]["figures"]["bound"] == profiles[1]["figures"]["bound"] == "host"
-    assert any("this rank measured input-bound" in note for note in profiles[1]["notes"]), profiles[1]
+    assert ("follows_rank_zero", "input") in [(code, params["bound"]) for code, params in said(profiles[1])], profiles[
+        1
+    ]
     captures = [worker["units"]["graph_capture"]["reason_code"] for worker in workers]
     assert captures[0] == captures[1] and captures[0] != "trial_running"  # decided alike, no trial left running
     assert workers[0]["checksum"] == workers[1]["checksum"]

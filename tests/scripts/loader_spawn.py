@@ -10,11 +10,14 @@ from torch.utils.data import DataLoader, Dataset
 
 
 class Slow(Dataset):
+    """80 ms asleep per batch: starving a step of a few ms by a wide margin on a loaded machine too
+    (at 24 ms, a step slowed to 7 ms beside pytest read 80% waiting; slowed more, not starved)."""
+
     def __len__(self):
         return 24 * 8
 
     def __getitem__(self, index):
-        time.sleep(0.003)
+        time.sleep(0.01)
         return torch.full((8,), index / len(self)), index % 3
 
 

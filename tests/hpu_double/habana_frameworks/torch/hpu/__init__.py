@@ -3,7 +3,6 @@ only, the HPU-graph API. One Gaudi 2 device with 96 GiB is simulated; the memory
 the double's MEMORY table so tests can set them."""
 
 import contextlib
-import time
 
 from habana_frameworks.torch import _calls
 from habana_frameworks.torch._calls import MEMORY, record
@@ -43,7 +42,7 @@ def synchronize():
         mark_step()
     record("synchronize")
     if _calls.DEVICE_SECONDS[0]:
-        time.sleep(_calls.DEVICE_SECONDS[0])
+        _calls.WAIT[0](_calls.DEVICE_SECONDS[0])
 
 
 def is_bf16_supported():
