@@ -17,6 +17,38 @@ SWITCHED_ON_BY = {"mixed_precision": {"precision": "bf16"}}
 TRIAL_BY = {"mixed_precision": {"precision": "auto"}}
 
 
+def bare_report(**fields):
+    """A Report of a CPU run with nothing in it but ``fields`` (trials, cache, ranks...)."""
+    from autogaudi.reporting import Report
+
+    empty = dict(
+        torch_version="2.13.0",
+        enabled_by=["enable"],
+        active=True,
+        backend={"name": "cpu", "device": "x86_64 CPU", "reason": "always available"},
+        options={},
+        steps={},
+        memory=None,
+        units=[],
+    )
+    return Report(**{**empty, **fields})
+
+
+class GuardOwner:
+    """What the core's guard and dispatcher see of a unit: in force until something of its raises,
+    which it keeps instead of reverting anything."""
+
+    def __init__(self):
+        self.failures = []
+
+    @property
+    def in_force(self):
+        return not self.failures
+
+    def failed_at_run_time(self, error):
+        self.failures.append(error)
+
+
 class SimulatedClock:
     """A clock that moves only when told: decisions taken on the times a test gives, with no sleeps
     and whatever else the machine runs (``autogaudi.trials.clock`` and ``autogaudi.steps.clock``, see

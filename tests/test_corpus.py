@@ -105,33 +105,27 @@ def test_forced_capture_is_compared_more_loosely_and_unseeded_cases_not_at_all()
     assert corpus.verdict(unseeded, "autogaudi", run(), run(result="loss 9.0"))["verdict"] == "same"
 
 
+def run_corpus(tmp_path, *args, timeout):
+    """benchmarks/corpus.py with ``args``, its scratch and results in ``tmp_path``: (the process, the results)."""
+    out = tmp_path / "corpus.json"
+    command = [sys.executable, str(REPO / "benchmarks" / "corpus.py"), *args]
+    done = subprocess.run(
+        [*command, "--out", str(out), "--scratch", str(tmp_path / "runs")],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert out.exists(), done.stderr[-3000:]
+    return done, json.loads(out.read_text())
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(
     not (CORPUS / "corpus.json").exists(),
     reason=f"no corpus at {CORPUS}: it comes with the project's shared folder, beside the repository",
 )
 def test_the_cpu_cases_run_plain_under_autogaudi_with_capture_forced_and_exact(tmp_path):
-    out = tmp_path / "corpus.json"
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "benchmarks" / "corpus.py"),
-            "--corpus",
-            str(CORPUS),
-            "--where",
-            "cpu",
-            "--short",
-            "--out",
-            str(out),
-            "--scratch",
-            str(tmp_path / "runs"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=1200,
-    )
-    assert out.exists(), done.stderr[-3000:]
-    results = json.loads(out.read_text())
+    done, results = run_corpus(tmp_path, "--corpus", str(CORPUS), "--where", "cpu", "--short", timeout=1200)
     assert {row["name"] for row in results["cases"]} >= {"regression", "mingpt-adder", "makemore-gru"}
     checkpoints = 0
     for row in results["cases"]:
@@ -157,27 +151,8 @@ def test_the_fsdp2_example_runs_on_two_ranks_plain_under_autogaudi_and_with_capt
     its first census backward under autogaudi's defaults. About 65 s here; the DCP resume and DDP
     cases (another 100 s) are left to the full corpus run, DDP under torchrun being tested by
     ddp_tuning's tests."""
-    out = tmp_path / "corpus.json"
-    corpus = load_corpus()
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "benchmarks" / "corpus.py"),
-            "--corpus",
-            str(corpus.DIST_CORPUS),
-            "--cases",
-            "fsdp2",
-            "--out",
-            str(out),
-            "--scratch",
-            str(tmp_path / "runs"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert out.exists(), done.stderr[-3000:]
-    rows = {row["name"]: row for row in json.loads(out.read_text())["cases"]}
+    done, results = run_corpus(tmp_path, "--corpus", str(load_corpus().DIST_CORPUS), "--cases", "fsdp2", timeout=900)
+    rows = {row["name"]: row for row in results["cases"]}
     assert sorted(rows) == ["fsdp2"]
     for row in rows.values():
         assert row["runs"]["plain"]["exit_code"] == 0, row["runs"]["plain"]["output_tail"]

@@ -2,24 +2,11 @@
 listener failing only its owner, constructor arguments adjusted in turn, and forget(owner)."""
 
 from autogaudi.events import Dispatcher, Event
-
-
-class Owner:
-    """A unit as the dispatcher sees it: in force until a listener of its raises."""
-
-    def __init__(self):
-        self.failures = []
-
-    @property
-    def in_force(self):
-        return not self.failures
-
-    def failed_at_run_time(self, error):
-        self.failures.append(error)
+from tests.helpers import GuardOwner
 
 
 def test_listeners_run_in_order_and_a_handle_removes_exactly_its_own():
-    events, first, second, heard = Dispatcher(), Owner(), Owner(), []
+    events, first, second, heard = Dispatcher(), GuardOwner(), GuardOwner(), []
     listener = heard.append  # the same function under two owners
     handle = events.on(Event.TRAINING_STEP, first, listener)
     events.on(Event.TRAINING_STEP, second, listener)
@@ -34,7 +21,7 @@ def test_listeners_run_in_order_and_a_handle_removes_exactly_its_own():
 
 
 def test_a_listener_that_raises_fails_its_owner_only():
-    events, broken, fine, heard = Dispatcher(), Owner(), Owner(), []
+    events, broken, fine, heard = Dispatcher(), GuardOwner(), GuardOwner(), []
 
     def breaks(_iterator, _batch, _waited):
         raise RuntimeError("unit bug")
@@ -47,7 +34,7 @@ def test_a_listener_that_raises_fails_its_owner_only():
 
 
 def test_loader_arguments_are_adjusted_in_turn_and_none_leaves_them():
-    events, owner = Dispatcher(), Owner()
+    events, owner = Dispatcher(), GuardOwner()
     events.on(Event.LOADER_BUILT, owner, lambda loader, args, kwargs: (args, {**kwargs, "pin_memory": True}))
     events.on(Event.LOADER_BUILT, owner, lambda loader, args, kwargs: None)
     events.on(Event.LOADER_BUILT, owner, lambda loader, args, kwargs: (args + ("seen",), kwargs))
@@ -55,7 +42,7 @@ def test_loader_arguments_are_adjusted_in_turn_and_none_leaves_them():
 
 
 def test_forget_removes_every_listener_of_an_owner():
-    events, gone, kept = Dispatcher(), Owner(), Owner()
+    events, gone, kept = Dispatcher(), GuardOwner(), GuardOwner()
     for event in (Event.BEFORE_BACKWARD, Event.AFTER_BACKWARD, Event.OPTIMIZER_STEP):
         events.on(event, gone, lambda *args: None)
     events.on(Event.AFTER_BACKWARD, kept, lambda: None)

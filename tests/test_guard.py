@@ -16,19 +16,7 @@ from autogaudi.events import Event
 from autogaudi.model_call import Layer
 from autogaudi.registry import UNITS, UnitInfo
 from autogaudi.unit import ActsOnProfile
-from tests.helpers import REPO
-
-
-class Owner:
-    def __init__(self):
-        self.failures = []
-
-    @property
-    def in_force(self):
-        return not self.failures
-
-    def failed_at_run_time(self, error):
-        self.failures.append(error)
+from tests.helpers import REPO, GuardOwner
 
 
 class Counted:
@@ -45,7 +33,7 @@ class Counted:
 
 
 def test_the_users_exception_propagates_unchanged_and_the_owner_stays_on():
-    owner, error = Owner(), ValueError("the user's")
+    owner, error = GuardOwner(), ValueError("the user's")
     users = Counted(raises=error)
     with pytest.raises(ValueError) as raised:
         guard.guarded_call(owner, lambda call, args, kwargs: call(*args, **kwargs), users, (1,), {})
@@ -53,7 +41,7 @@ def test_the_users_exception_propagates_unchanged_and_the_owner_stays_on():
 
 
 def test_autogaudi_raising_before_the_call_switches_it_off_and_the_call_runs_once():
-    owner, users = Owner(), Counted(result="plain")
+    owner, users = GuardOwner(), Counted(result="plain")
 
     def broken(call, args, kwargs):
         raise RuntimeError("autogaudi's")
@@ -65,7 +53,7 @@ def test_autogaudi_raising_before_the_call_switches_it_off_and_the_call_runs_onc
 
 
 def test_autogaudi_raising_after_the_call_returns_its_result_without_running_it_again():
-    owner, users = Owner(), Counted(result="plain")
+    owner, users = GuardOwner(), Counted(result="plain")
 
     def broken_after(call, args, kwargs):
         call(*args, **kwargs)
@@ -76,7 +64,7 @@ def test_autogaudi_raising_after_the_call_returns_its_result_without_running_it_
 
 
 def test_a_wrapper_that_replaces_the_users_exception_gives_the_users_back():
-    owner, error = Owner(), KeyError("the user's")
+    owner, error = GuardOwner(), KeyError("the user's")
 
     def replacing(call, args, kwargs):
         try:
@@ -91,7 +79,7 @@ def test_a_wrapper_that_replaces_the_users_exception_gives_the_users_back():
 
 @pytest.mark.parametrize("passing", guard.PASSING_THROUGH)
 def test_torchs_control_flow_exceptions_pass_and_fail_nothing(passing):
-    owner = Owner()
+    owner = GuardOwner()
 
     def stopped(call, args, kwargs):
         raise passing()
@@ -102,10 +90,10 @@ def test_torchs_control_flow_exceptions_pass_and_fail_nothing(passing):
 
 
 def test_a_guarded_hook_that_raises_changes_nothing_and_interrupts_pass():
-    owner = Owner()
+    owner = GuardOwner()
     assert guard.run_guarded(owner, Counted(raises=RuntimeError("autogaudi's")), 1) is None and not owner.in_force
     with pytest.raises(KeyboardInterrupt):
-        guard.run_guarded(Owner(), Counted(raises=KeyboardInterrupt()))
+        guard.run_guarded(GuardOwner(), Counted(raises=KeyboardInterrupt()))
 
 
 # -- by construction: no unit hands torch a callable around the guard ------------------------------

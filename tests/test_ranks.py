@@ -6,7 +6,7 @@ import torch.distributed as dist
 
 import autogaudi
 from autogaudi.ranks import gather_through_store
-from autogaudi.reporting import Report
+from tests.helpers import bare_report
 
 
 def test_rank_zero_gathers_what_the_others_posted_and_names_the_silent_ones():
@@ -23,17 +23,7 @@ def rows(**statuses):
 
 
 def report_with(ranks):
-    return Report(
-        torch_version="2.13",
-        enabled_by=["launcher"],
-        active=True,
-        backend={"name": "cpu", "device": "cpu", "reason": "test"},
-        options={},
-        steps={},
-        memory=None,
-        units=[],
-        ranks=ranks,
-    )
+    return bare_report(ranks=ranks)
 
 
 def test_the_report_says_whether_the_ranks_decided_alike():

@@ -6,7 +6,7 @@ import re
 
 import torch
 
-from tests.helpers import REPO, SCRIPTS, clean_env, run_python
+from tests.helpers import REPO, SCRIPTS, bare_report, clean_env, run_python
 
 BACKEND = "cuda" if torch.cuda.is_available() else "cpu"  # what a launcher run picks on this machine
 
@@ -106,17 +106,7 @@ def test_nothing_changed_is_said_so(tmp_path):
 
 
 def test_the_table_shows_a_remembered_decisions_check_and_the_cache_line():
-    from autogaudi.reporting import Report
-
-    report = Report(
-        torch_version="2.13.0",
-        enabled_by=["launcher"],
-        active=True,
-        backend={"name": "cpu", "device": "x86_64 CPU", "reason": "always available"},
-        options={},
-        steps={},
-        memory=None,
-        units=[],
+    report = bare_report(
         trials=[
             {
                 "candidate": "graph_capture",
@@ -147,17 +137,7 @@ def test_the_table_shows_a_remembered_decisions_check_and_the_cache_line():
 
 
 def test_a_cache_folder_that_could_not_be_used_says_so():
-    from autogaudi.reporting import Report
-
-    report = Report(
-        torch_version="2.13.0",
-        enabled_by=["enable"],
-        active=True,
-        backend={"name": "cpu", "device": "x86_64 CPU", "reason": "always available"},
-        options={},
-        steps={},
-        memory=None,
-        units=[],
+    report = bare_report(
         cache={"dir": None, "decisions": "not remembered", "compile": {}, "notes": []},
     )
     assert "  cache    not used: decisions not remembered" in report.format(verbose=True)
