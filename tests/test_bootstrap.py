@@ -59,7 +59,7 @@ def test_users_own_sitecustomize_still_runs_in_children(tmp_path):
 def test_env_only_process_reports_once_it_has_trained():
     trained = run_python(SCRIPTS / "train_tiny.py", env=clean_env(AUTOGAUDI="1"))
     assert trained.returncode == 0, trained.stderr
-    assert "autogaudi 0.1.0 report" in trained.stderr and "10 optimizer steps" in trained.stderr
+    assert "autogaudi 0.1.0 report" in trained.stderr and "10 training steps" in trained.stderr
     # A helper process (a DataLoader or compile worker, say) that never trains stays silent.
     idle = run_python(SCRIPTS / "train_tiny.py", env=clean_env(AUTOGAUDI="1", TRAIN="0"))
     assert (idle.returncode, idle.stderr) == (0, "")
