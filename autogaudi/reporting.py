@@ -80,9 +80,15 @@ class UnitRow:
             "reason_params": dict(reason.params) if reason is not None else {},
             "figures": dict(unit.figures) if unit else {},
             **_said("note", unit.notes if unit else []),
-            # how what the unit did can have made the numbers differ from plain PyTorch's ([]: it cannot)
-            "numerics": list(unit.numerics_in_run()) if unit and self.status != SKIPPED else [],
+            # how what the unit did can have made the numbers differ from plain PyTorch's ([]: it cannot),
+            # and by how much where the unit measured it (None: not measured; autogaudi.numerics.measured)
+            **_numerics(unit if self.status != SKIPPED else None),
         }
+
+
+def _numerics(unit) -> dict:
+    how = list(unit.numerics_in_run()) if unit is not None else []
+    return {"numerics": how, "numerics_measured": unit.figures.get("numerics_measured") if how else None}
 
 
 class Report:
@@ -159,7 +165,11 @@ class Report:
 
     def numerics(self) -> list:
         """The units whose work in this run can have made its numbers differ from plain PyTorch's, and how."""
-        return [{"unit": row["name"], "how": row["numerics"]} for row in self.units if row.get("numerics")]
+        return [
+            {"unit": row["name"], "how": row["numerics"], "measured": row.get("numerics_measured")}
+            for row in self.units
+            if row.get("numerics")
+        ]
 
     def recommended(self) -> list:
         """What autogaudi measured but leaves to the user, with what to try (``do``) and the share of
@@ -218,7 +228,9 @@ class Report:
             "changed",
             [f"{change['unit']}: {change['what']}; {_format_effect(change)}" for change in summary["changed"]],
         ) or ["  changed  nothing (--verbose says why for each unit)"]
-        differ = ", ".join(f"{row['unit']} ({', '.join(row['how'])})" for row in self.numerics())
+        differ = ", ".join(
+            f"{row['unit']} ({', '.join(row['how'])}, {_format_size(row['measured'])})" for row in self.numerics()
+        )
         lines.append(f"  results  {f'may differ from plain: {differ}' if differ else 'identical to plain'}")
         tried = [
             f"{tried['unit']}: {tried['speedup']}x in its trial, not kept; the trial cost {tried['cost_s']} s"
@@ -307,6 +319,13 @@ def _format_effect(change: dict) -> str:
         f"{effect['ms_per_step_without']} -> {effect['ms_per_step_with']} ms/step ({effect['speedup']}x); this run: "
         f"{abs(effect['saved_s'])} s {net} over {effect['steps_with']} steps, one-off {effect['one_off_s']} s included"
     )
+
+
+def _format_size(measured) -> str:
+    """How much a unit's numbers moved, as measured (``numerics_measured``), or that it was not."""
+    if not measured:
+        return "not measured"
+    return f"{measured['of']} ≤{measured['max_rel_diff']:.2g} relative per step, measured"
 
 
 def _format_next(advice: dict, ms_per_step) -> str:

@@ -141,3 +141,22 @@ def test_a_cache_folder_that_could_not_be_used_says_so():
         cache={"dir": None, "decisions": "not remembered", "compile": {}, "notes": []},
     )
     assert "  cache    not used: decisions not remembered" in report.format(verbose=True)
+
+
+def test_the_results_line_gives_each_units_measured_size_or_says_it_was_not_measured():
+    measured = {"max_rel_diff": 2.4e-07, "of": "parameters", "steps": 3, "against": "torch's unfused step"}
+    rows = [
+        {"name": "fused_optimizer", "numerics": ["rounding"], "numerics_measured": measured},
+        {"name": "graph_capture", "numerics": ["rounding", "random"], "numerics_measured": None},
+        {"name": "step_profiler", "numerics": [], "numerics_measured": None, "figures": {}},
+    ]
+    report = bare_report(units=rows)
+    assert report.as_dict()["numerics"] == [
+        {"unit": "fused_optimizer", "how": ["rounding"], "measured": measured},
+        {"unit": "graph_capture", "how": ["rounding", "random"], "measured": None},
+    ]
+    (line,) = [line for line in report.format().splitlines() if line.startswith("  results")]
+    assert line == (
+        "  results  may differ from plain: fused_optimizer (rounding, parameters ≤2.4e-07 relative per step, "
+        "measured), graph_capture (rounding, random, not measured)"
+    )

@@ -24,6 +24,11 @@ such an optimizer runs torch's own unfused step from then on. If the fused step 
 group it raised on (torch checks a group before updating it) and the groups after it run unfused,
 its counters put back, and the optimizer stays unfused.
 
+Numerics: one fused update rounds otherwise than torch's per-op one. In the run's first
+``MEASURED_STEPS`` fused steps torch's own unfused step runs beside it on copies of the parameters,
+gradients and state (where they fit in a quarter of the memory free), and the largest relative
+parameter difference goes to the report: the script's tensors are not touched.
+
 Checkpoints and copies stay plain PyTorch both ways: ``state_dict()``, ``deepcopy`` and pickles carry
 the user's own ``fused`` value and torch's per-parameter tensor ``step`` (on HPU taken from the group
 counter); ``load_state_dict()`` accepts a plain checkpoint and the counters continue from its steps.
@@ -46,12 +51,16 @@ import torch
 from torch.optim.optimizer import _foreach_supported_types
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
+from autogaudi import numerics
 from autogaudi.unit import ROUNDING, Unit
 
 FUSABLE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 # The classes whose torch kernel DTensor (FSDP2's parameters) has a sharding rule for (_fused_adam_,
 # _fused_adamw_); torch 2.13 has none for _fused_sgd_: SGD over DTensors raises NotImplementedError.
 TAKES_DTENSOR = (torch.optim.Adam, torch.optim.AdamW)
+# The run's first fused steps, each set beside torch's unfused step from the same state (on copies):
+# how far one fused update rounds from torch's own, for the report (numerics_measured).
+MEASURED_STEPS = 3
 
 
 def user_hyperparameters(optimizer_class, args, kwargs) -> dict:
@@ -150,6 +159,11 @@ class FusedOptimizer(Unit):
         # notes: an optimizer left unfused, why (the code above in refusal, where the kernel refused)
         "optimizer_kept": "{optimizer} kept as is: {why}",
         "optimizer_unfused": "{optimizer} runs unfused from its next step on: {why}",
+        # notes: the rounding the fused update adds was not measured (the report says "not measured")
+        "rounding_not_measured_memory": "rounding not measured: a copy of {optimizer}'s parameters, gradients "
+        "and state ({gb:.2f} GB) would take more than {share:.0%} of the memory free",
+        "rounding_not_measured_dtensor": "rounding not measured: {optimizer}'s parameters are DTensors, whose "
+        "comparison would be a collective",
     }
     changed_figure = ("optimizers_fused", "{} optimizer(s) run as one fused kernel per step")
     targets = tuple(f"torch.optim.{cls.__name__}.__init__" for cls in FUSABLE)
@@ -169,6 +183,7 @@ class FusedOptimizer(Unit):
         self._getstate_wrapped = False
         self._extra_settings = {}  # optimizer class -> hpex-only group settings (bias_correction, ...)
         self._hooked_step = torch.optim.Optimizer.profile_hook_step(self._checked_step)
+        self._rounding_steps, self._largest_rounding = 0, 0.0  # fused steps measured against torch's own
         for optimizer_class in FUSABLE:
             self.wrap(optimizer_class, "__init__", functools.partial(self._init, optimizer_class))
         self.on_revert(self._hand_state_back_to_torch)
@@ -178,24 +193,21 @@ class FusedOptimizer(Unit):
     def _init(self, owner, wrapped, instance, args, kwargs):
         if type(instance) is not owner:  # a subclass, or AdamW running Adam's __init__
             return wrapped(*args, **kwargs)
-        refusal, hyperparameters = "autogaudi could not read the arguments", None
-        with self.fail_open():
-            refusal, hyperparameters = self._refusal(owner, args, kwargs)
+        refusal, hyperparameters = self._refusal(owner, args, kwargs)
         result = wrapped(*args, **kwargs)  # exactly the script's call: nothing of ours on the object
         if refusal:
             self._kept(owner, refusal)
             return result
-        with self.fail_open():
-            unfusable = self._unfusable(instance)
-            if unfusable:
-                self._kept(owner, unfusable.text, refusal=unfusable.code)
-                self._count_refusal(unfusable)
-            elif self._native:
-                self._fused[instance] = None
-                self._route_steps(owner)
-                self.figures["optimizers_fused"] += 1
-            else:
-                self._attach_hpu_delegate(owner, instance, hyperparameters)
+        unfusable = self._unfusable(instance)
+        if unfusable:
+            self._kept(owner, unfusable.text, refusal=unfusable.code)
+            self._count_refusal(unfusable)
+        elif self._native:
+            self._fused[instance] = None
+            self._route_steps(owner)
+            self.figures["optimizers_fused"] += 1
+        else:
+            self._attach_hpu_delegate(owner, instance, hyperparameters)
         return result
 
     def _refusal(self, owner, args, kwargs):
@@ -266,17 +278,58 @@ class FusedOptimizer(Unit):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()  # the user's code: its exceptions propagate untouched
+        reference = None
         with self.fail_open():
             unfusable = self._unfusable(optimizer)
             if unfusable:
                 self._unfuse(optimizer, unfusable)
+            else:
+                reference = self._unfused_reference(optimizer)
         if optimizer in self._fused:
             self._torch_fused_step(optimizer)
         elif optimizer in self._delegates:
             self._delegate_step(optimizer)
         else:
             self._raw_steps[type(optimizer)](optimizer)
+        if reference is not None:
+            with self.fail_open():
+                self._rounding_measured(optimizer, reference)
         return loss
+
+    # How far the fused update is from torch's own -------------------------------------------------
+
+    def _unfused_reference(self, optimizer):
+        """In the run's first MEASURED_STEPS fused steps: the parameters torch's unfused step would
+        give from this state, computed on copies (:func:`autogaudi.numerics.unfused_update`); else
+        None. Where a copy would not fit, or the parameters are DTensors, it is not measured."""
+        if self._rounding_steps >= MEASURED_STEPS or (
+            optimizer not in self._fused and optimizer not in self._delegates
+        ):
+            return None
+        name = type(optimizer).__name__
+        if not numerics.plain_tensors(optimizer):
+            self._rounding_steps = MEASURED_STEPS
+            self.note("rounding_not_measured_dtensor", optimizer=name)
+            return None
+        tensors = numerics.optimizer_tensors(optimizer)
+        if not numerics.copy_fits(tensors, self.backend):
+            self._rounding_steps = MEASURED_STEPS
+            gb = sum(tensor.numel() * tensor.element_size() for tensor in tensors) / 1024**3
+            self.note("rounding_not_measured_memory", optimizer=name, gb=gb, share=numerics.FREE_SHARE)
+            return None
+        return numerics.unfused_update(optimizer, self._raw_steps[type(optimizer)], self._group_steps(optimizer))
+
+    def _rounding_measured(self, optimizer, reference) -> None:
+        """The fused step just taken against ``reference``, while the optimizer is still fused (a
+        fused step that raised finished unfused: nothing to compare)."""
+        if optimizer not in self._fused and optimizer not in self._delegates:
+            return
+        difference = numerics.largest_relative_difference(numerics.parameters(optimizer), reference)
+        self._rounding_steps += 1
+        self._largest_rounding = max(self._largest_rounding, difference)
+        self.figures["numerics_measured"] = numerics.measured(
+            self._largest_rounding, of="parameters", steps=self._rounding_steps, against="torch's unfused step"
+        )
 
     # CUDA / CPU: torch's own fused kernels -------------------------------------------------------
 

@@ -475,9 +475,7 @@ class ThreadCut:
         self._holders: dict = {}  # holder -> threads it needs cut to
         self._script = None  # the script's number while cut
 
-    def install(self, scope, fail_open) -> None:
-        """``fail_open``: the owning unit's, around its code inside the script's calls."""
-        self._fail_open = fail_open
+    def install(self, scope) -> None:
         scope.wrap(torch, "get_num_threads", self._get)
         scope.wrap(torch, "set_num_threads", self._set)
 
@@ -500,15 +498,18 @@ class ThreadCut:
     def _apply(self) -> None:
         torch._C.set_num_threads(min(self._script, *self._holders.values()))
 
+    def script_threads(self) -> int:
+        """The number of intra-op threads the script set (or started with), cut or not."""
+        return self._script if self._holders else torch._C.get_num_threads()
+
     def _get(self, wrapped, instance, args, kwargs):
         return self._script if self._holders else wrapped(*args, **kwargs)
 
     def _set(self, wrapped, instance, args, kwargs):
         result = wrapped(*args, **kwargs)  # torch's own checks and errors, the script's number set
-        with self._fail_open():
-            if self._holders:
-                self._script = torch._C.get_num_threads()
-                self._apply()
+        if self._holders:
+            self._script = torch._C.get_num_threads()
+            self._apply()
         return result
 
 
@@ -585,6 +586,9 @@ class LoaderWorkers(Unit):
         'more than define and import outside `if __name__ == "__main__":`',
         "not_picklable": "kept in-process: under the {method} start method workers get the dataset pickled, "
         "and that fails: {error}",
+        "threads_cut": "while workers build the batches the main process computes with {threads} intra-op "
+        "thread(s), not the script's {script}: CPU kernels that split a sum across threads add in another order "
+        "(rounding, not measured)",
         "workers_failed": "workers failed ({error}); the loader went back in-process, its batches built there",
         "script_chose_workers": "a loader whose script chose num_workers is kept as is",
         "iterable_dataset": "iterable datasets are kept in-process: each worker would replay the whole stream",
@@ -608,7 +612,7 @@ class LoaderWorkers(Unit):
         self._iterators = weakref.WeakKeyDictionary()  # iterator -> _Loader
         self._starting = None  # the _Loader whose next iterator is being created
         self._threads = ThreadCut()
-        self._threads.install(self.scope, self.fail_open)
+        self._threads.install(self.scope)
         self.on(Event.LOADER_BUILT, self._consider)
         self.on(Event.EPOCH_START, self._new_epoch)
         self.on(Event.BEFORE_BATCH, self._before_batch)
@@ -617,6 +621,10 @@ class LoaderWorkers(Unit):
         self._iterable_loaders = 0  # in-process loaders over an IterableDataset (never tuned)
         self.on(Event.STEP_PROFILED, self._advise)  # advice, where a step profiler runs
         self.because("measuring")
+
+    def numerics_in_run(self) -> tuple:
+        # Workers that ran and were put back (no faster) ran their checked batches with the threads cut.
+        return self.numerics_on(self.backend) if "workers" in self.figures else ()
 
     def watching(self) -> bool:
         # no loader yet, or one still being timed; not once every loader it saw is decided
@@ -789,7 +797,10 @@ class LoaderWorkers(Unit):
         state.scope = self.scope.child()
         state.sources = weakref.WeakSet()  # the worker iterators of its epochs
         state.scope.add(lambda: _give_up(state.sources))
+        script_threads = self._threads.script_threads()
         self._threads.hold(state, threads, state.scope)
+        if torch._C.get_num_threads() < script_threads:
+            self.note("threads_cut", threads=torch._C.get_num_threads(), script=script_threads)
         self.figures.update(
             loaders_tuned=self.figures["loaders_tuned"] + 1, workers=workers, main_threads=torch._C.get_num_threads()
         )

@@ -62,6 +62,11 @@ OPTIMIZERS = {
 }
 
 
+def counts(row) -> dict:
+    """The row's figures less the measured rounding (its own tests below)."""
+    return {name: value for name, value in row["figures"].items() if name != "numerics_measured"}
+
+
 def enable(backend):
     autogaudi.enable(device=backend, only="fused_optimizer")
 
@@ -371,7 +376,7 @@ def test_sparse_gradients_step_unfused_exactly_as_plain_and_the_rest_stays_fused
     assert all(map(torch.equal, tuned.parameters(), plain.parameters()))  # torch's own unfused step
     torch.testing.assert_close(list(tuned_side.parameters()), list(plain_side.parameters()), **TOLERANCE)
     row = autogaudi.report().unit("fused_optimizer")
-    assert row["figures"] == {"optimizers_fused": 1, "optimizers_kept": 1, "kernel_refusals": {"sparse_gradients": 1}}
+    assert counts(row) == {"optimizers_fused": 1, "optimizers_kept": 1, "kernel_refusals": {"sparse_gradients": 1}}
     assert [(code, params["optimizer"], params["refusal"]) for code, params in said(row)] == [
         ("optimizer_unfused", "SGD", "sparse_gradients")
     ]
@@ -505,9 +510,53 @@ def test_fsdp2_dtensor_parameters_fuse_under_adamw_not_under_sgd(process_group):
         net(torch.randn(4, 10)).sum().backward()
         optimizer.step()
     row = autogaudi.report().unit("fused_optimizer")
-    assert row["figures"] == {"optimizers_fused": 1, "optimizers_kept": 1, "kernel_refusals": {"dtensor_parameters": 1}}
-    assert [(code, params["optimizer"], params["refusal"]) for code, params in said(row)] == [
-        ("optimizer_kept", "SGD", "dtensor_parameters")
+    assert counts(row) == {"optimizers_fused": 1, "optimizers_kept": 1, "kernel_refusals": {"dtensor_parameters": 1}}
+    assert [(code, params["optimizer"], params.get("refusal")) for code, params in said(row)] == [
+        ("optimizer_kept", "SGD", "dtensor_parameters"),
+        ("rounding_not_measured_dtensor", "AdamW", None),  # a comparison of DTensors would be a collective
     ]
+    assert row["numerics_measured"] is None
     losses, net, _ = train(lambda net: torch.optim.AdamW(fully_shard(net).parameters(), lr=3e-3), steps=3)
     torch.testing.assert_close(losses, plain, **TOLERANCE)
+
+
+def test_the_first_fused_steps_are_measured_against_torchs_unfused_step_on_copies(monkeypatch):
+    """The rounding the report gives: each of the first steps beside torch's own unfused step from
+    the same state, on copies. Measuring changes nothing: the parameters are those of a run whose
+    steps are not measured, bit for bit."""
+    from autogaudi.optimizations import fused_optimizer
+
+    monkeypatch.setattr(fused_optimizer, "MEASURED_STEPS", 0)
+    enable("cpu")
+    _, unmeasured, _ = train(OPTIMIZERS["adamw"], steps=6)
+    autogaudi.disable()
+    monkeypatch.undo()
+    enable("cpu")
+    _, measured, _ = train(OPTIMIZERS["adamw"], steps=6)
+    assert all(map(torch.equal, measured.parameters(), unmeasured.parameters()))
+    row = autogaudi.report().unit("fused_optimizer")
+    figure = row["numerics_measured"]
+    assert figure == row["figures"]["numerics_measured"]
+    assert (figure["of"], figure["steps"]) == ("parameters", fused_optimizer.MEASURED_STEPS)
+    assert 0 < figure["max_rel_diff"] < 1e-5  # rounding: the last bits of a float32 parameter
+    assert autogaudi.report().numerics() == [{"unit": "fused_optimizer", "how": ["rounding"], "measured": figure}]
+
+
+def test_rounding_is_not_measured_where_a_copy_would_not_fit(monkeypatch):
+    from autogaudi import numerics
+
+    monkeypatch.setattr(numerics, "free_bytes", lambda backend, device: 1024)
+    enable("cpu")
+    train(OPTIMIZERS["adam"], steps=3)
+    row = autogaudi.report().unit("fused_optimizer")
+    assert row["numerics"] == ["rounding"] and row["numerics_measured"] is None
+    assert [code for code, _ in said(row)] == ["rounding_not_measured_memory"]
+
+
+def test_on_the_hpu_double_the_hpex_step_is_measured_against_torchs(hpu_double):
+    hpu_double(lazy=True)
+    enable("hpu")
+    train(OPTIMIZERS["adamw"], steps=4)
+    figure = autogaudi.report().unit("fused_optimizer")["numerics_measured"]
+    # the bridge's FusedAdamW adds eps to the uncorrected sqrt(v): more than rounding in the first steps
+    assert figure["steps"] == 3 and 0 < figure["max_rel_diff"] < 1e-3

@@ -458,7 +458,9 @@ def test_workers_that_die_or_stall_hand_the_epoch_back_with_the_same_batches(sta
     assert seen == plain_seen and losses == plain_losses
     assert row()["reason_code"] == "workers_failed" and row()["figures"]["loaders_tuned"] == 0
     assert ("RuntimeError" if how == "exit" else "_TooSlow") in row()["reason_params"]["error"]
-    assert said(row()) == [("workers_failed", row()["reason_params"])]  # and no note from the undo
+    notes = [note for note in said(row()) if note[0] != "threads_cut"]  # the cut while they ran
+    assert notes == [("workers_failed", row()["reason_params"])]  # and no note from the undo
+    assert row()["numerics"] == ["rounding", "random"]  # workers ran, with the threads cut: named
     gc.collect()
     assert psutil.Process().children() == []
 
@@ -477,6 +479,10 @@ def test_the_script_reads_and_sets_its_own_thread_count_while_workers_take_cores
     assert row()["figures"]["loaders_tuned"] == 1 and loader.num_workers == 0
     assert read[:-1] == [script_threads] * (BATCHES_PER_EPOCH - 1) and read[-1] == 3
     assert torch._C.get_num_threads() == min(3, worker_budget()[1])
+    # the report names what the cut can change in the numbers, and by how many threads
+    assert row()["numerics"] == ["rounding", "random"] and row()["numerics_measured"] is None
+    if worker_budget()[1] < script_threads:
+        assert ("threads_cut", {"threads": worker_budget()[1], "script": script_threads}) in said(row())
     autogaudi.disable()
     assert torch.get_num_threads() == 3  # the script's number, the cut undone
     torch.set_num_threads(script_threads)
