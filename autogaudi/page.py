@@ -19,7 +19,11 @@ LEFT, RIGHT, TOP, BOTTOM = 60, 20, 20, 40
 # step-time outliers (one-offs: a compile) beyond this many medians are drawn at the top edge, so the
 # steady steps stay readable
 CLIP_MEDIANS = 5
-ARM_COLOURS = {"without": "#cfe3ff", "with": "#c9f2d0", "warm-up": "#ffd9a8"}
+ARM_COLOURS = {"without": "#cfe3ff", "with": "#c9f2d0", "warm-up": "#ffd9a8", "first": "#f3c4c4"}
+FIRST_STEP_FROM = {
+    "batch": "first step, from its batch: its forward and lazy initialisation included",
+    "start": "first step, from autogaudi's start: set-up before the loop included",
+}
 RANK_COLOURS = ("#9c9c9c", "#b38bd9", "#d98b8b", "#8bbfd9", "#c9b458")
 EVENT_WORDS = {
     "profiled": "step profiled",
@@ -28,6 +32,7 @@ EVENT_WORDS = {
     "in_process": "loader back in-process",
     "fell_back": "precision fell back",
     "failed": "failed, switched off",
+    "evaluated": "evaluation forward passes, not steps",
 }
 
 
@@ -114,6 +119,7 @@ def chart(data: dict) -> str:
     legend = "".join(
         f'<span style="background:{colour}">{html.escape(words)}</span>'
         for words, colour in (
+            ("first step", ARM_COLOURS["first"]),
             ("warm-up / one-off", ARM_COLOURS["warm-up"]),
             ("trial: without", ARM_COLOURS["without"]),
             ("trial: with", ARM_COLOURS["with"]),
@@ -135,7 +141,11 @@ def _line(values: list, every: int, x, y, colour: str, name: str, element_id: st
 
 def _spans(data: dict, steps: int) -> list:
     """(first step, last step, colour, words) of each shaded span: warm-up, then each trial's arms."""
-    spans = [(0, data["steps"].get("warmup_steps", 0), ARM_COLOURS["warm-up"], "warm-up (not timed)")]
+    timeline = data.get("timeline") or {}
+    spans = [
+        (0, data["steps"].get("warmup_steps", 0), ARM_COLOURS["warm-up"], "warm-up (not timed)"),
+        (0, 1, ARM_COLOURS["first"], FIRST_STEP_FROM.get(timeline.get("first_step_from"), "first step")),
+    ]
     decided = set()
     for record in data["trials"]:
         step = record.get("started_at_step", 0)
@@ -143,7 +153,7 @@ def _spans(data: dict, steps: int) -> list:
         for arm, count in record.get("arms", ()):
             spans.append((step, step + count, ARM_COLOURS[arm], f"{record['candidate']} trial: {arm}"))
             step += count
-    for event in (data.get("timeline") or {}).get("events", ()):
+    for event in timeline.get("events", ()):
         if event["event"] == "trial_started" and (event["unit"], event["step"]) not in decided:
             spans.append((event["step"], steps, ARM_COLOURS["without"], f"{event['unit']} trial, unfinished"))
     return spans
@@ -152,7 +162,7 @@ def _spans(data: dict, steps: int) -> list:
 def _marks(data: dict) -> list:
     """(step, words) of each moment marked: what units did, each trial's decision, the settling."""
     marks = [
-        (event["step"], f"{event['unit']}: {EVENT_WORDS.get(event['event'], event['event'])}")
+        (event["step"], f"{event['unit']}: {EVENT_WORDS.get(event['event'], event['event'])}{_count(event)}")
         for event in (data.get("timeline") or {}).get("events", ())
         if event["event"] != "trial_started"
     ]
@@ -165,6 +175,10 @@ def _marks(data: dict) -> list:
     if settled:
         marks.append((settled, "every decision made"))
     return sorted(marks)
+
+
+def _count(event: dict) -> str:
+    return f": {event['passes']}" if "passes" in event else ""
 
 
 def unit_table(units: list) -> str:

@@ -343,12 +343,13 @@ def _seconds(seconds: float) -> str:
 
 
 def _not_steps(steps: dict) -> str:
-    """The backward passes that are no training step of their own, named."""
+    """The passes that are no training step of their own, named."""
     kinds = (
-        ("backward_passes_in_optimizer_steps", "inside optimizer steps (closures)"),
-        ("own_backward_passes", "autogaudi's own or inside another pass"),
+        ("backward_passes_in_optimizer_steps", "backward passes inside optimizer steps (closures)"),
+        ("own_backward_passes", "backward passes autogaudi's own or inside another pass"),
+        ("evaluation_forward_passes", "evaluation forward passes (no gradients)"),
     )
-    return ", ".join(f"{steps[key]} backward passes {words}" for key, words in kinds if steps.get(key))
+    return ", ".join(f"{steps[key]} {words}" for key, words in kinds if steps.get(key))
 
 
 def _format_cache(cache: dict) -> str:
@@ -408,4 +409,7 @@ def _format_steps(steps: dict) -> str:
         )
     if steps.get("decisions_settled_at_step") is not None:
         text += f"; every decision made by step {steps['decisions_settled_at_step']}"
+    not_steps = _not_steps(steps)
+    if not_steps:
+        text += f"; not steps: {not_steps}"
     return text

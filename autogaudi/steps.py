@@ -18,6 +18,17 @@ its gradients are cleared only every k passes (accumulation), k passes make one 
 steps later takes over the count. Backward passes that are not the loop's own are not counted: those
 inside an optimizer step (LBFGS's closure), inside another backward pass (reentrant checkpointing), and
 autogaudi's own (:meth:`TrainingSteps.unseen`); the report names each count.
+
+Forward passes without gradients (``no_grad``, ``inference_mode``, ``set_grad_enabled(False)``: an
+evaluation loop, a rollout, generation) are no steps either, and are counted apart when the model
+called is one being trained (it holds an optimizer's parameter, or the one a hand-written loop
+updates): a frozen backbone or a distillation teacher is not. Module hooks are on only while such a
+region is open, so the training step itself runs without them. Eval mode with gradients on is not
+told apart: that would need the hooks on every module call of every step.
+
+The first step is timed from the last batch fetched before the first backward pass (its forward,
+lazy initialisation included), or from the session's start where no DataLoader feeds the loop;
+``Timeline.first_step_from`` says which.
 """
 
 from __future__ import annotations
@@ -42,6 +53,12 @@ from autogaudi.unit import Scope
 # What the step watcher patches (dotted owner.attribute), besides torch's optimizer-step hooks.
 TARGETS = (
     "torch.autograd.backward",
+    "torch.autograd.grad_mode.no_grad.__enter__",
+    "torch.autograd.grad_mode.no_grad.__exit__",
+    "torch.autograd.grad_mode.inference_mode.__enter__",
+    "torch.autograd.grad_mode.inference_mode.__exit__",
+    "torch.autograd.grad_mode.set_grad_enabled.__enter__",
+    "torch.autograd.grad_mode.set_grad_enabled.__exit__",
     "torch.autograd.grad",
     "torch.utils.data.dataloader._BaseDataLoaderIter.__next__",
     "torch.utils.data.DataLoader.__init__",
@@ -50,6 +67,7 @@ TARGETS = (
 NO_OPTIMIZER_AFTER = 16  # backward passes with no optimizer step before backward passes count as steps
 REPACE_AFTER = 8  # steps of another optimizer in a row, the pacer silent, before it paces instead
 BY_OPTIMIZER, BY_BACKWARD = "optimizer steps", "backward passes"
+NO_GRAD_REGIONS = (torch.no_grad, torch.inference_mode, torch.set_grad_enabled)
 LEAF_SEARCH = 64  # autograd nodes searched from the loss for a parameter whose gradient tells accumulation apart
 _LOADER_SIGNATURE = inspect.signature(dataloader.DataLoader.__init__)
 
@@ -95,7 +113,11 @@ class TrainingSteps:
         self._passing = 0  # > 0 while a backward pass runs: one started inside it is part of it
         self.optimizers = weakref.WeakSet()  # every optimizer that has stepped
         self.timeline = Timeline()
-        self._first_clock = None  # when the first backward pass began: the first step's start
+        self._first_clock = time.perf_counter()  # the first step's start: see the module's docstring
+        self.evaluation_passes = 0  # forward passes of a trained model without gradients
+        self._no_grad = None  # a child scope with the module hooks, while a no-gradient region is open
+        self._depth = 0  # module calls under way inside such a region: only the outermost is a pass
+        self._evaluated = weakref.WeakKeyDictionary()  # module -> passes not yet told trained or not
         # Telling accumulation apart in a loop without an optimizer: one parameter's gradient, as the
         # last pass left it (a weak reference and its version counter, bumped by zero_() and by
         # accumulating), and how many passes ran between clearings.
@@ -119,6 +141,9 @@ class TrainingSteps:
         self._scope.add(self._routes.clear)
         self._scope.wrap(torch.autograd, "backward", self._backward)
         self._scope.wrap(torch.autograd, "grad", self._grad)
+        for region in NO_GRAD_REGIONS:
+            self._scope.wrap(region, "__enter__", self._region_entered)
+            self._scope.wrap(region, "__exit__", self._region_left)
         self._scope.hook(register_optimizer_step_pre_hook, self._before_optimizer_step)
         self._scope.hook(register_optimizer_step_post_hook, self._after_optimizer_step)
         self._scope.wrap(dataloader._BaseDataLoaderIter, "__next__", self._next_batch)
@@ -148,6 +173,9 @@ class TrainingSteps:
         source = self._routes.get(instance)
         if source is not None:  # the original __next__, run on the source: not seen twice here
             wrapped, args, kwargs = wrapped.instead(functools.partial(wrapped.wrapped.__func__, source)), (), {}
+        if not self.backwards:
+            self._first_clock = time.perf_counter()
+            self.timeline.first_step_from = "batch"
         if not self.events.listening(Event.BEFORE_BATCH, Event.BATCH_FETCHED):
             return wrapped(*args, **kwargs)
         self.events.emit(Event.BEFORE_BATCH, instance)
@@ -192,8 +220,6 @@ class TrainingSteps:
         return result
 
     def _pass(self, wrapped, args, kwargs):
-        if self._first_clock is None:
-            self._first_clock = time.perf_counter()
         self._passing += 1
         try:
             return wrapped(*args, **kwargs)
@@ -292,14 +318,66 @@ class TrainingSteps:
         each given an equal share of the time since the last boundary); listeners hear one."""
         now = time.perf_counter()
         start = self.last_step_clock if self.last_step_clock is not None else self._first_clock
-        if start is not None:
-            for _ in range(steps):
-                self.timeline.step((now - start) / steps)
+        for _ in range(steps):
+            self.timeline.step((now - start) / steps)
         self.steps += steps
         self.last_step_clock = now
         if self._timed_from is None and self.warmed_up:
             self._timed_from = (self.steps, now)
+        if self._evaluated:
+            self._tell_evaluation_passes()
         self.events.emit(Event.TRAINING_STEP, optimizer)
+
+    def _region_entered(self, wrapped, instance, args, kwargs):
+        result = wrapped(*args, **kwargs)
+        if self._no_grad is None and not torch.is_grad_enabled():
+            self._no_grad = self._scope.child()
+            self._depth = 0
+            self._no_grad.hook(torch.nn.modules.module.register_module_forward_pre_hook, self._forward_in)
+            self._no_grad.hook(
+                torch.nn.modules.module.register_module_forward_hook, self._forward_out, always_call=True
+            )
+        return result
+
+    def _region_left(self, wrapped, instance, args, kwargs):
+        result = wrapped(*args, **kwargs)
+        if self._no_grad is not None and torch.is_grad_enabled():
+            self._no_grad.close()
+            self._no_grad = None
+            if not self.backwards:  # an evaluation before training: the first step starts after it
+                self._first_clock = time.perf_counter()
+            self._tell_evaluation_passes()
+        return result
+
+    def _forward_in(self, module, args):
+        if self._depth == 0 and not self._unseen and not torch.is_grad_enabled():
+            self._evaluated[module] = self._evaluated.get(module, 0) + 1
+        self._depth += 1
+
+    def _forward_out(self, module, args, output):
+        self._depth = max(0, self._depth - 1)
+
+    def _tell_evaluation_passes(self) -> None:
+        """Count the forward passes without gradients of the models being trained, once it is known
+        which those are (an optimizer stepped, or the loop is counted by its backward passes); a
+        model that was not (a teacher, a frozen part) is forgotten. The timeline marks them."""
+        if not self.optimizers and self.counted_by != BY_BACKWARD:
+            return
+        trained = {
+            id(param) for optimizer in self.optimizers for group in optimizer.param_groups for param in group["params"]
+        }
+        sentinel = self._sentinel() if self._sentinel is not None else None
+        if sentinel is not None:
+            trained.add(id(sentinel))
+        passes = sum(
+            count
+            for module, count in list(self._evaluated.items())
+            if any(id(param) in trained for param in module.parameters())
+        )
+        self._evaluated.clear()
+        if passes:
+            self.evaluation_passes += passes
+            self.timeline.add_to_mark(self.steps, "steps", "evaluated", passes=passes)
 
     @property
     def timed(self):
@@ -319,6 +397,7 @@ class TrainingSteps:
             "backward_passes_in_optimizer_steps": self.backwards_in_optimizer_steps,
             "own_backward_passes": self.own_backwards,
             "optimizer_steps": self.optimizer_steps,
+            "evaluation_forward_passes": self.evaluation_passes,
         }
         if self.timed:
             steps, seconds = self.timed
