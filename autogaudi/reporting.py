@@ -99,6 +99,7 @@ class Report:
         units,
         trials=(),
         ranks=None,
+        children=None,
         cache=None,
         timeline=None,
     ):
@@ -112,6 +113,7 @@ class Report:
         self.units = units
         self.trials = list(trials)  # every A/B trial run: candidate, medians, one-off cost, decision
         self.ranks = ranks  # multi-rank jobs, on rank 0: {rank: that rank's unit rows, or None if it never answered}
+        self.children = children  # the parts child processes wrote (autogaudi.children), or None
         self.cache = cache  # the cache folder, what this run took from it and what it set, or None (--no-cache)
         self.timeline = timeline  # each step's seconds and the moments autogaudi acted (autogaudi.timeline)
 
@@ -149,6 +151,7 @@ class Report:
             "units": self.units,
             "trials": self.trials,
             "ranks": None if self.ranks is None else {str(rank): rows for rank, rows in self.ranks.items()},
+            "children": self.children or [],
             "cache": self.cache,
             "timeline": self.timeline,
         }
@@ -233,6 +236,8 @@ class Report:
         )
         if self.ranks is not None:
             lines.append(f"  ranks    {_format_ranks(self.ranks)}")
+        if self.children:
+            lines.append(f"  children {_format_children(self.children)}")
         return lines
 
     def _profile_reason(self) -> str:
@@ -257,6 +262,8 @@ class Report:
                 detail += (" | " if detail else "") + ", ".join(f"{k}={v}" for k, v in row["figures"].items())
             lines.append(f"  {row['name'].ljust(width)}  {row['status']:<11} {detail}")
             lines.extend(f"  {''.ljust(width)}  {'':<11} note: {note}" for note in row["notes"])
+        for part in self.children or ():
+            lines.append(f"  child    {_format_child(part)}")
         for trial in self.trials:
             lines.append(f"  trial    {_format_trial(trial)}")
         for row in self.recommended():
@@ -397,6 +404,35 @@ def _format_ranks(ranks: dict) -> str:
             for name in differing
         )
     )
+
+
+def _format_children(parts: list) -> str:
+    """The child processes that trained, in one line: their steps, and each unit that changed
+    something in them, in how many."""
+    count = len(parts)
+    started_by = ", ".join(sorted({part["started_by"] for part in parts}))
+    text = f"{count} child process{'' if count == 1 else 'es'} ({started_by}): "
+    text += f"{sum(part['steps']['steps'] for part in parts)} training steps in all"
+    evaluations = sum(part["steps"].get("evaluation_forward_passes", 0) for part in parts)
+    if evaluations:
+        text += f", {evaluations} evaluation forward passes"
+    changed = {}
+    for part in parts:
+        for unit in dict.fromkeys(change["unit"] for change in part["changed"]):
+            changed[unit] = changed.get(unit, 0) + 1
+    text += "; " + (
+        ", ".join(f"{unit} applied in {'each' if n == count else f'{n} of {count}'}" for unit, n in changed.items())
+        or "nothing changed in them"
+    )
+    differ = sorted({row["unit"] for part in parts for row in part["numerics"]})
+    if differ:
+        text += f"; results may differ from plain there: {', '.join(differ)}"
+    return text
+
+
+def _format_child(part: dict) -> str:
+    changed = "; ".join(f"{change['unit']}: {change['what']}" for change in part["changed"]) or "nothing changed"
+    return f"pid {part['pid']} ({part['started_by']}): {_format_steps(part['steps'])}; {changed}"
 
 
 def _format_steps(steps: dict) -> str:
