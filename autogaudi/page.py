@@ -32,7 +32,7 @@ EVENT_WORDS = {
     "in_process": "loader back in-process",
     "fell_back": "precision fell back",
     "failed": "failed, switched off",
-    "evaluated": "evaluation forward passes, not steps",
+    "evaluated": "evaluation forward passes (no gradients; not steps)",
 }
 
 
@@ -162,7 +162,7 @@ def _spans(data: dict, steps: int) -> list:
 def _marks(data: dict) -> list:
     """(step, words) of each moment marked: what units did, each trial's decision, the settling."""
     marks = [
-        (event["step"], f"{event['unit']}: {EVENT_WORDS.get(event['event'], event['event'])}{_count(event)}")
+        (event["step"], _words(event))
         for event in (data.get("timeline") or {}).get("events", ())
         if event["event"] != "trial_started"
     ]
@@ -177,8 +177,10 @@ def _marks(data: dict) -> list:
     return sorted(marks)
 
 
-def _count(event: dict) -> str:
-    return f": {event['passes']}" if "passes" in event else ""
+def _words(event: dict) -> str:
+    if "passes" in event:  # the step counter's, not a unit's
+        return f"{event['passes']} {EVENT_WORDS[event['event']]}"
+    return f"{event['unit']}: {EVENT_WORDS.get(event['event'], event['event'])}"
 
 
 def unit_table(units: list) -> str:
