@@ -11,6 +11,7 @@ from autogaudi._version import __version__
 from tests.helpers import SCRIPTS, clean_env, run_python
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
 def test_hogwild_children_reach_the_parent_s_report(start_method, tmp_path):
     report_path = tmp_path / "report.json"
