@@ -100,7 +100,7 @@ def chart(data: dict) -> str:
     parts.append(
         f'<line x1="{LEFT}" y1="{TOP + plot_h}" x2="{LEFT + plot_w}" y2="{TOP + plot_h}" stroke="#888"/>'
         f'<line x1="{LEFT}" y1="{TOP}" x2="{LEFT}" y2="{TOP + plot_h}" stroke="#888"/>'
-        f'<text x="{LEFT - 6}" y="{TOP + 10}" text-anchor="end">{top:.3g} ms</text>'
+        f'<text x="{LEFT - 6}" y="{TOP + 10}" text-anchor="end">{_duration(top)}</text>'
         f'<text x="{LEFT - 6}" y="{TOP + plot_h}" text-anchor="end">0</text>'
         f'<text x="{LEFT}" y="{HEIGHT - 18}">step 1</text>'
         f'<text x="{LEFT + plot_w}" y="{HEIGHT - 18}" text-anchor="end">step {steps}</text>'
@@ -127,6 +127,11 @@ def chart(data: dict) -> str:
     )
     marks = "".join(f"<li>step {step}: {html.escape(label)}</li>" for step, label in _marks(data))
     return f'{"".join(parts)}<p class="legend">{legend}</p><ul>{marks}</ul>'
+
+
+def _duration(ms: float) -> str:
+    """The axis's top in few characters: it sits in the chart's left margin."""
+    return f"{ms / 1000:.3g} s" if ms >= 1000 else f"{ms:.3g} ms"
 
 
 def _line(values: list, every: int, x, y, colour: str, name: str, element_id: str = "") -> str:
