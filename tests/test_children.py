@@ -42,3 +42,40 @@ def test_a_process_without_children_reports_none():
 
     assert autogaudi.report().as_dict()["children"] == []
     assert not children.is_child()
+
+
+def test_a_forked_child_writes_its_own_counts_not_its_parent_s():
+    """os.fork() after the parent trained: the child's part counts only what it did after the fork,
+    and the child prints no report (its exit writes the part)."""
+    import os
+
+    import torch
+    from torch import nn
+
+    import autogaudi
+    from autogaudi import runtime
+
+    autogaudi.enable(device="cpu", only="throughput_meter")
+    model = nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def train(steps):
+        for _ in range(steps):
+            model(torch.randn(2, 4)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+    train(5)
+    pid = os.fork()
+    if pid == 0:  # the child: its exit as multiprocessing's would end it, then no atexit
+        try:
+            train(3)
+            runtime.report_at_exit()
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    report = autogaudi.report().as_dict()
+    assert [(part["pid"], part["started_by"], part["steps"]["steps"]) for part in report["children"]] == [
+        (pid, "fork", 3)
+    ]
+    assert report["steps"]["steps"] == 5
