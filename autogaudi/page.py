@@ -130,8 +130,9 @@ def chart(data: dict) -> str:
 
 
 def _duration(ms: float) -> str:
-    """The axis's top in few characters: it sits in the chart's left margin."""
-    return f"{ms / 1000:.3g} s" if ms >= 1000 else f"{ms:.3g} ms"
+    """The axis's top in few characters (it sits in the chart's left margin), in the unit the axis
+    is named in."""
+    return f"{ms:.0f} ms" if ms >= 100 else f"{ms:.3g} ms"
 
 
 def _line(values: list, every: int, x, y, colour: str, name: str, element_id: str = "") -> str:
