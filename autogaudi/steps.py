@@ -22,9 +22,10 @@ autogaudi's own (:meth:`TrainingSteps.unseen`); the report names each count.
 Forward passes without gradients (``no_grad``, ``inference_mode``, ``set_grad_enabled(False)``: an
 evaluation loop, a rollout, generation) are no steps either, and are counted apart when the model
 called is one being trained (it holds an optimizer's parameter, or the one a hand-written loop
-updates): a frozen backbone or a distillation teacher is not. Module hooks are on only while such a
-region is open, so the training step itself runs without them. Eval mode with gradients on is not
-told apart: that would need the hooks on every module call of every step.
+updates): a frozen backbone or a distillation teacher is not. A module hook is on only while such a
+region is open, and steps aside during each outermost call, so the training step and the modules
+inside a pass run without it. Eval mode with gradients on is not told apart: that would need hooks
+on every module call of every step.
 
 The first step is timed from the last batch fetched before the first backward pass (its forward,
 lazy initialisation included), or from the session's start where no DataLoader feeds the loop;
@@ -42,11 +43,13 @@ import time
 import weakref
 
 import torch
+from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.data import dataloader
 
 from autogaudi import guard
 from autogaudi.events import Event
+from autogaudi.guard import guarded
 from autogaudi.timeline import Timeline
 from autogaudi.unit import Scope
 
@@ -115,8 +118,11 @@ class TrainingSteps:
         self.timeline = Timeline()
         self._first_clock = time.perf_counter()  # the first step's start: see the module's docstring
         self.evaluation_passes = 0  # forward passes of a trained model without gradients
-        self._no_grad = None  # a child scope with the module hooks, while a no-gradient region is open
-        self._depth = 0  # module calls under way inside such a region: only the outermost is a pass
+        self._in_region = False  # inside no_grad, inference_mode or set_grad_enabled(False)
+        self._calls_hook = None  # while in a region: the global hook that sees the next module call
+        self._returned_hook = None  # while that call runs: a hook on that module, for its return
+        self._guarded_call = guarded(guard, self._module_called)
+        self._guarded_return = guarded(guard, self._module_returned)
         self._evaluated = weakref.WeakKeyDictionary()  # module -> passes not yet told trained or not
         # Telling accumulation apart in a loop without an optimizer: one parameter's gradient, as the
         # last pass left it (a weak reference and its version counter, bumped by zero_() and by
@@ -144,6 +150,7 @@ class TrainingSteps:
         for region in NO_GRAD_REGIONS:
             self._scope.wrap(region, "__enter__", self._region_entered)
             self._scope.wrap(region, "__exit__", self._region_left)
+        self._scope.add(self._stop_watching_module_calls)
         self._scope.hook(register_optimizer_step_pre_hook, self._before_optimizer_step)
         self._scope.hook(register_optimizer_step_post_hook, self._after_optimizer_step)
         self._scope.wrap(dataloader._BaseDataLoaderIter, "__next__", self._next_batch)
@@ -330,32 +337,48 @@ class TrainingSteps:
 
     def _region_entered(self, wrapped, instance, args, kwargs):
         result = wrapped(*args, **kwargs)
-        if self._no_grad is None and not torch.is_grad_enabled():
-            self._no_grad = self._scope.child()
-            self._depth = 0
-            self._no_grad.hook(torch.nn.modules.module.register_module_forward_pre_hook, self._forward_in)
-            self._no_grad.hook(
-                torch.nn.modules.module.register_module_forward_hook, self._forward_out, always_call=True
-            )
+        if not self._in_region and not torch.is_grad_enabled():
+            self._in_region = True
+            self._watch_module_calls()
         return result
 
     def _region_left(self, wrapped, instance, args, kwargs):
         result = wrapped(*args, **kwargs)
-        if self._no_grad is not None and torch.is_grad_enabled():
-            self._no_grad.close()
-            self._no_grad = None
+        if self._in_region and torch.is_grad_enabled():
+            self._in_region = False
+            self._stop_watching_module_calls()
             if not self.backwards:  # an evaluation before training: the first step starts after it
                 self._first_clock = time.perf_counter()
             self._tell_evaluation_passes()
         return result
 
-    def _forward_in(self, module, args):
-        if self._depth == 0 and not self._unseen and not torch.is_grad_enabled():
-            self._evaluated[module] = self._evaluated.get(module, 0) + 1
-        self._depth += 1
+    # Inside a region without gradients one global pre-hook sees the next module call; it steps aside
+    # for that call (a hook on that module alone tells when it returns), so the modules inside a pass
+    # run on torch's fast path and only its outermost call costs anything.
+    def _watch_module_calls(self) -> None:
+        if self._calls_hook is None and self._returned_hook is None:
+            self._calls_hook = register_module_forward_pre_hook(self._guarded_call)
 
-    def _forward_out(self, module, args, output):
-        self._depth = max(0, self._depth - 1)
+    def _stop_watching_module_calls(self) -> None:
+        for handle in (self._calls_hook, self._returned_hook):
+            if handle is not None:
+                handle.remove()
+        self._calls_hook = self._returned_hook = None
+
+    def _module_called(self, module, args):
+        if _compiling() or _inside_a_module_call():  # a region opened inside a forward: no pass of its own
+            return
+        self._calls_hook.remove()
+        self._calls_hook = None
+        self._returned_hook = module.register_forward_hook(self._guarded_return, always_call=True)
+        if not self._unseen and not torch.is_grad_enabled():
+            self._evaluated[module] = self._evaluated.get(module, 0) + 1
+
+    def _module_returned(self, module, args, output):
+        self._returned_hook.remove()
+        self._returned_hook = None
+        if self._in_region:
+            self._watch_module_calls()
 
     def _tell_evaluation_passes(self) -> None:
         """Count the forward passes without gradients of the models being trained, once it is known
@@ -405,6 +428,29 @@ class TrainingSteps:
             figures["timed_steps"] = steps
         figures["warmup_steps"] = self.options.warmup_steps
         return figures
+
+
+_CALL_IMPL = torch.nn.Module._call_impl.__code__
+
+
+def _inside_a_module_call() -> bool:
+    """Whether another module's call is under way further up the stack (the module whose hook asks
+    is called inside another's forward): its own call is one ``_call_impl`` frame, another's would be
+    a second. Read once per outermost call in a region without gradients, never per step."""
+    frame, calls = sys._getframe(2), 0
+    while frame is not None:
+        if frame.f_code is _CALL_IMPL:
+            calls += 1
+            if calls > 1:
+                return True
+        frame = frame.f_back
+    return False
+
+
+def _compiling() -> bool:
+    """Inside a torch.compile trace: hooks are not added or removed there."""
+    compiler = getattr(torch, "compiler", None)
+    return compiler is not None and compiler.is_compiling()
 
 
 def _a_parameter(tensors):

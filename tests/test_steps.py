@@ -273,3 +273,30 @@ def test_without_a_loader_the_first_step_is_timed_from_the_start():
         optimizer.zero_grad()
     timeline = autogaudi.report().as_dict()["timeline"]
     assert timeline["first_step_from"] == "start" and timeline["step_s"][0] >= FIRST_CALL_S
+
+
+class NoGradInside(nn.Module):
+    """A forward that runs a part of itself without gradients (a running statistic, a target)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.target = nn.Linear(4, 1), nn.Linear(4, 1)
+
+    def forward(self, inputs):
+        with torch.no_grad():
+            target = self.target(inputs)
+        return self.body(inputs) - target
+
+
+def test_a_no_grad_block_inside_a_forward_is_no_evaluation():
+    autogaudi.enable(device="cpu", only="throughput_meter")
+    model = NoGradInside()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    for _, (inputs, targets) in zip(range(6), data()):
+        nn.functional.mse_loss(model(inputs), targets).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    with torch.no_grad():
+        model(torch.randn(2, 4))
+    figures = steps_figures()
+    assert (figures["steps"], figures["evaluation_forward_passes"]) == (6, 1)
