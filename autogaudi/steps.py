@@ -124,6 +124,7 @@ class TrainingSteps:
         self._guarded_call = guarded(guard, self._module_called)
         self._guarded_return = guarded(guard, self._module_returned)
         self._evaluated = weakref.WeakKeyDictionary()  # module -> passes not yet told trained or not
+        self._trained = weakref.WeakKeyDictionary()  # module -> whether it is a model being trained
         # Telling accumulation apart in a loop without an optimizer: one parameter's gradient, as the
         # last pass left it (a weak reference and its version counter, bumped by zero_() and by
         # accumulating), and how many passes ran between clearings.
@@ -383,20 +384,22 @@ class TrainingSteps:
     def _tell_evaluation_passes(self) -> None:
         """Count the forward passes without gradients of the models being trained, once it is known
         which those are (an optimizer stepped, or the loop is counted by its backward passes); a
-        model that was not (a teacher, a frozen part) is forgotten. The timeline marks them."""
+        model that was not (a teacher, a frozen part) is forgotten. Each model is told apart once
+        (a rollout under no_grad in every step must not walk the parameters every step). The
+        timeline marks them."""
         if not self.optimizers and self.counted_by != BY_BACKWARD:
             return
-        trained = {
-            id(param) for optimizer in self.optimizers for group in optimizer.param_groups for param in group["params"]
-        }
-        sentinel = self._sentinel() if self._sentinel is not None else None
-        if sentinel is not None:
-            trained.add(id(sentinel))
-        passes = sum(
-            count
-            for module, count in list(self._evaluated.items())
-            if any(id(param) in trained for param in module.parameters())
-        )
+        unknown = [module for module in list(self._evaluated.keys()) if module not in self._trained]
+        if unknown:
+            trained = {
+                id(p) for optimizer in self.optimizers for group in optimizer.param_groups for p in group["params"]
+            }
+            sentinel = self._sentinel() if self._sentinel is not None else None
+            if sentinel is not None:
+                trained.add(id(sentinel))
+            for module in unknown:
+                self._trained[module] = any(id(param) in trained for param in module.parameters())
+        passes = sum(count for module, count in list(self._evaluated.items()) if self._trained.get(module))
         self._evaluated.clear()
         if passes:
             self.evaluation_passes += passes
