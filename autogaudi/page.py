@@ -19,7 +19,11 @@ LEFT, RIGHT, TOP, BOTTOM = 60, 20, 20, 40
 # step-time outliers (one-offs: a compile) beyond this many medians are drawn at the top edge, so the
 # steady steps stay readable
 CLIP_MEDIANS = 5
-ARM_COLOURS = {"without": "#cfe3ff", "with": "#c9f2d0", "warm-up": "#ffd9a8"}
+ARM_COLOURS = {"without": "#cfe3ff", "with": "#c9f2d0", "warm-up": "#ffd9a8", "first": "#f3c4c4"}
+FIRST_STEP_FROM = {
+    "batch": "first step, from its batch: its forward and lazy initialisation included",
+    "start": "first step, from autogaudi's start: set-up before the loop included",
+}
 RANK_COLOURS = ("#9c9c9c", "#b38bd9", "#d98b8b", "#8bbfd9", "#c9b458")
 EVENT_WORDS = {
     "profiled": "step profiled",
@@ -28,6 +32,7 @@ EVENT_WORDS = {
     "in_process": "loader back in-process",
     "fell_back": "precision fell back",
     "failed": "failed, switched off",
+    "evaluated": "evaluation forward passes (no gradients; not steps)",
 }
 
 
@@ -95,7 +100,7 @@ def chart(data: dict) -> str:
     parts.append(
         f'<line x1="{LEFT}" y1="{TOP + plot_h}" x2="{LEFT + plot_w}" y2="{TOP + plot_h}" stroke="#888"/>'
         f'<line x1="{LEFT}" y1="{TOP}" x2="{LEFT}" y2="{TOP + plot_h}" stroke="#888"/>'
-        f'<text x="{LEFT - 6}" y="{TOP + 10}" text-anchor="end">{top:.3g} ms</text>'
+        f'<text x="{LEFT - 6}" y="{TOP + 10}" text-anchor="end">{_duration(top)}</text>'
         f'<text x="{LEFT - 6}" y="{TOP + plot_h}" text-anchor="end">0</text>'
         f'<text x="{LEFT}" y="{HEIGHT - 18}">step 1</text>'
         f'<text x="{LEFT + plot_w}" y="{HEIGHT - 18}" text-anchor="end">step {steps}</text>'
@@ -114,6 +119,7 @@ def chart(data: dict) -> str:
     legend = "".join(
         f'<span style="background:{colour}">{html.escape(words)}</span>'
         for words, colour in (
+            ("first step", ARM_COLOURS["first"]),
             ("warm-up / one-off", ARM_COLOURS["warm-up"]),
             ("trial: without", ARM_COLOURS["without"]),
             ("trial: with", ARM_COLOURS["with"]),
@@ -121,6 +127,12 @@ def chart(data: dict) -> str:
     )
     marks = "".join(f"<li>step {step}: {html.escape(label)}</li>" for step, label in _marks(data))
     return f'{"".join(parts)}<p class="legend">{legend}</p><ul>{marks}</ul>'
+
+
+def _duration(ms: float) -> str:
+    """The axis's top in few characters (it sits in the chart's left margin), in the unit the axis
+    is named in."""
+    return f"{ms:.0f} ms" if ms >= 100 else f"{ms:.3g} ms"
 
 
 def _line(values: list, every: int, x, y, colour: str, name: str, element_id: str = "") -> str:
@@ -135,7 +147,11 @@ def _line(values: list, every: int, x, y, colour: str, name: str, element_id: st
 
 def _spans(data: dict, steps: int) -> list:
     """(first step, last step, colour, words) of each shaded span: warm-up, then each trial's arms."""
-    spans = [(0, data["steps"].get("warmup_steps", 0), ARM_COLOURS["warm-up"], "warm-up (not timed)")]
+    timeline = data.get("timeline") or {}
+    spans = [
+        (0, data["steps"].get("warmup_steps", 0), ARM_COLOURS["warm-up"], "warm-up (not timed)"),
+        (0, 1, ARM_COLOURS["first"], FIRST_STEP_FROM.get(timeline.get("first_step_from"), "first step")),
+    ]
     decided = set()
     for record in data["trials"]:
         step = record.get("started_at_step", 0)
@@ -143,7 +159,7 @@ def _spans(data: dict, steps: int) -> list:
         for arm, count in record.get("arms", ()):
             spans.append((step, step + count, ARM_COLOURS[arm], f"{record['candidate']} trial: {arm}"))
             step += count
-    for event in (data.get("timeline") or {}).get("events", ()):
+    for event in timeline.get("events", ()):
         if event["event"] == "trial_started" and (event["unit"], event["step"]) not in decided:
             spans.append((event["step"], steps, ARM_COLOURS["without"], f"{event['unit']} trial, unfinished"))
     return spans
@@ -152,7 +168,7 @@ def _spans(data: dict, steps: int) -> list:
 def _marks(data: dict) -> list:
     """(step, words) of each moment marked: what units did, each trial's decision, the settling."""
     marks = [
-        (event["step"], f"{event['unit']}: {EVENT_WORDS.get(event['event'], event['event'])}")
+        (event["step"], _words(event))
         for event in (data.get("timeline") or {}).get("events", ())
         if event["event"] != "trial_started"
     ]
@@ -165,6 +181,12 @@ def _marks(data: dict) -> list:
     if settled:
         marks.append((settled, "every decision made"))
     return sorted(marks)
+
+
+def _words(event: dict) -> str:
+    if "passes" in event:  # the step counter's, not a unit's
+        return f"{event['passes']} {EVENT_WORDS[event['event']]}"
+    return f"{event['unit']}: {EVENT_WORDS.get(event['event'], event['event'])}"
 
 
 def unit_table(units: list) -> str:

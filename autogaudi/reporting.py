@@ -105,6 +105,7 @@ class Report:
         units,
         trials=(),
         ranks=None,
+        children=None,
         cache=None,
         timeline=None,
     ):
@@ -118,6 +119,7 @@ class Report:
         self.units = units
         self.trials = list(trials)  # every A/B trial run: candidate, medians, one-off cost, decision
         self.ranks = ranks  # multi-rank jobs, on rank 0: {rank: that rank's unit rows, or None if it never answered}
+        self.children = children  # the parts child processes wrote (autogaudi.children), or None
         self.cache = cache  # the cache folder, what this run took from it and what it set, or None (--no-cache)
         self.timeline = timeline  # each step's seconds and the moments autogaudi acted (autogaudi.timeline)
 
@@ -155,6 +157,7 @@ class Report:
             "units": self.units,
             "trials": self.trials,
             "ranks": None if self.ranks is None else {str(rank): rows for rank, rows in self.ranks.items()},
+            "children": self.children or [],
             "cache": self.cache,
             "timeline": self.timeline,
         }
@@ -245,6 +248,8 @@ class Report:
         )
         if self.ranks is not None:
             lines.append(f"  ranks    {_format_ranks(self.ranks)}")
+        if self.children:
+            lines.append(f"  children {_format_children(self.children)}")
         return lines
 
     def _profile_reason(self) -> str:
@@ -269,6 +274,8 @@ class Report:
                 detail += (" | " if detail else "") + ", ".join(f"{k}={v}" for k, v in row["figures"].items())
             lines.append(f"  {row['name'].ljust(width)}  {row['status']:<11} {detail}")
             lines.extend(f"  {''.ljust(width)}  {'':<11} note: {note}" for note in row["notes"])
+        for part in self.children or ():
+            lines.append(f"  child    {_format_child(part)}")
         for trial in self.trials:
             lines.append(f"  trial    {_format_trial(trial)}")
         for row in self.recommended():
@@ -362,12 +369,13 @@ def _seconds(seconds: float) -> str:
 
 
 def _not_steps(steps: dict) -> str:
-    """The backward passes that are no training step of their own, named."""
+    """The passes that are no training step of their own, named."""
     kinds = (
-        ("backward_passes_in_optimizer_steps", "inside optimizer steps (closures)"),
-        ("own_backward_passes", "autogaudi's own or inside another pass"),
+        ("backward_passes_in_optimizer_steps", "backward passes inside optimizer steps (closures)"),
+        ("own_backward_passes", "backward passes autogaudi's own or inside another pass"),
+        ("evaluation_forward_passes", "evaluation forward passes (no gradients)"),
     )
-    return ", ".join(f"{steps[key]} backward passes {words}" for key, words in kinds if steps.get(key))
+    return ", ".join(f"{steps[key]} {words}" for key, words in kinds if steps.get(key))
 
 
 def _format_cache(cache: dict) -> str:
@@ -417,6 +425,35 @@ def _format_ranks(ranks: dict) -> str:
     )
 
 
+def _format_children(parts: list) -> str:
+    """The child processes that trained, in one line: their steps, and each unit that changed
+    something in them, in how many."""
+    count = len(parts)
+    started_by = ", ".join(sorted({part["started_by"] for part in parts}))
+    text = f"{count} child process{'' if count == 1 else 'es'} ({started_by}): "
+    text += f"{sum(part['steps']['steps'] for part in parts)} training steps in all"
+    evaluations = sum(part["steps"].get("evaluation_forward_passes", 0) for part in parts)
+    if evaluations:
+        text += f", {evaluations} evaluation forward passes"
+    changed = {}
+    for part in parts:
+        for unit in dict.fromkeys(change["unit"] for change in part["changed"]):
+            changed[unit] = changed.get(unit, 0) + 1
+    text += "; " + (
+        ", ".join(f"{unit} applied in {'each' if n == count else f'{n} of {count}'}" for unit, n in changed.items())
+        or "nothing changed in them"
+    )
+    differ = sorted({row["unit"] for part in parts for row in part["numerics"]})
+    if differ:
+        text += f"; results may differ from plain there: {', '.join(differ)}"
+    return text
+
+
+def _format_child(part: dict) -> str:
+    changed = "; ".join(f"{change['unit']}: {change['what']}" for change in part["changed"]) or "nothing changed"
+    return f"pid {part['pid']} ({part['started_by']}): {_format_steps(part['steps'])}; {changed}"
+
+
 def _format_steps(steps: dict) -> str:
     text = f"{steps.get('optimizer_steps', 0)} optimizer steps, {steps.get('backward_passes', 0)} backward passes"
     if steps.get("steps_counted_by"):
@@ -427,4 +464,7 @@ def _format_steps(steps: dict) -> str:
         )
     if steps.get("decisions_settled_at_step") is not None:
         text += f"; every decision made by step {steps['decisions_settled_at_step']}"
+    not_steps = _not_steps(steps)
+    if not_steps:
+        text += f"; not steps: {not_steps}"
     return text

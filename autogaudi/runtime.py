@@ -13,6 +13,7 @@ import _thread
 import atexit
 import sys
 
+from autogaudi import children
 from autogaudi._after_import import call_after_import
 from autogaudi.options import Options
 
@@ -57,7 +58,7 @@ def enable_with_source(overrides: dict, source: str) -> None:
             _stop_session()
         _STATE.options = options
         if not _STATE.exit_hook_registered:
-            atexit.register(_report_at_exit)
+            atexit.register(report_at_exit)
             _STATE.exit_hook_registered = True
     call_after_import("torch", _on_torch_imported)
 
@@ -110,6 +111,7 @@ def _on_torch_imported(_torch_module) -> None:
 
             session = Session(_STATE.options, tuple(_STATE.sources))
             session.start()
+            children.start()
         except Exception as error:
             sys.stderr.write(f"autogaudi: could not start, running plain PyTorch: {error!r}\n")
             return
@@ -121,16 +123,32 @@ def _stop_session() -> None:
     if session is not None:
         session.stop()
         _STATE.last_session = session
+    children.stop()
 
 
-def _report_at_exit() -> None:
+def fork_session():
+    """In a child just forked: the session it inherited (or None), and a lock of its own (a thread of
+    the parent may have held the parent's at the fork, and that thread is not in the child)."""
+    _STATE.lock = _thread.RLock()
+    return _STATE.session
+
+
+def report_at_exit() -> None:
+    """The exit report (``atexit``; a forked ``multiprocessing`` child calls it from its exit
+    function): a child process writes its part for the parent (:mod:`autogaudi.children`), the
+    parent prints the report with its children's parts in it."""
     # Only a session still enabled reports: after disable() the user has opted out.
     with _STATE.lock:
         session = _STATE.session
-        if session is None:
-            return
         try:
-            explicit = any(source in EXPLICIT_SOURCES for source in _STATE.sources)
+            if session is None:
+                return
+            if children.is_child():
+                children.write_part(session)
+                return
+            explicit = any(source in EXPLICIT_SOURCES for source in _STATE.sources) or bool(children.gathered())
             session.finish(explicit=explicit)
         except Exception as error:  # never turn a clean exit into a crash
             sys.stderr.write(f"autogaudi: could not write the report: {error!r}\n")
+        finally:
+            children.stop()

@@ -20,6 +20,7 @@ import torch.distributed
 
 from autogaudi import backends
 from autogaudi.cache import RECIPE_CACHE, Cache, compile_cache_environment
+from autogaudi.children import gathered as gathered_children
 from autogaudi.events import Dispatcher
 from autogaudi.memory import Memory
 from autogaudi.page import render as render_page
@@ -275,6 +276,7 @@ class Session:
             units=[row.as_dict() for row in self.rows.values()],
             trials=list(self.trials.records),
             ranks=self.rank_rows,
+            children=gathered_children(),
             cache=self._cache_facts(),
             timeline={**self.steps.timeline.as_dict(), "ranks": self.rank_step_s},
         )

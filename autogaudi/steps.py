@@ -18,6 +18,18 @@ its gradients are cleared only every k passes (accumulation), k passes make one 
 steps later takes over the count. Backward passes that are not the loop's own are not counted: those
 inside an optimizer step (LBFGS's closure), inside another backward pass (reentrant checkpointing), and
 autogaudi's own (:meth:`TrainingSteps.unseen`); the report names each count.
+
+Forward passes without gradients (``no_grad``, ``inference_mode``, ``set_grad_enabled(False)``: an
+evaluation loop, a rollout, generation) are no steps either, and are counted apart when the model
+called is one being trained (it holds an optimizer's parameter, or the one a hand-written loop
+updates): a frozen backbone or a distillation teacher is not. A module hook is on only while such a
+region is open, and steps aside during each outermost call, so the training step and the modules
+inside a pass run without it. Eval mode with gradients on is not told apart: that would need hooks
+on every module call of every step.
+
+The first step is timed from the last batch fetched before the first backward pass (its forward,
+lazy initialisation included), or from the session's start where no DataLoader feeds the loop;
+``Timeline.first_step_from`` says which.
 """
 
 from __future__ import annotations
@@ -31,17 +43,25 @@ import time
 import weakref
 
 import torch
+from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.data import dataloader
 
 from autogaudi import guard
 from autogaudi.events import Event
+from autogaudi.guard import guarded
 from autogaudi.timeline import Timeline
 from autogaudi.unit import Scope
 
 # What the step watcher patches (dotted owner.attribute), besides torch's optimizer-step hooks.
 TARGETS = (
     "torch.autograd.backward",
+    "torch.autograd.grad_mode.no_grad.__enter__",
+    "torch.autograd.grad_mode.no_grad.__exit__",
+    "torch.autograd.grad_mode.inference_mode.__enter__",
+    "torch.autograd.grad_mode.inference_mode.__exit__",
+    "torch.autograd.grad_mode.set_grad_enabled.__enter__",
+    "torch.autograd.grad_mode.set_grad_enabled.__exit__",
     "torch.autograd.grad",
     "torch.utils.data.dataloader._BaseDataLoaderIter.__next__",
     "torch.utils.data.DataLoader.__init__",
@@ -50,6 +70,7 @@ TARGETS = (
 NO_OPTIMIZER_AFTER = 16  # backward passes with no optimizer step before backward passes count as steps
 REPACE_AFTER = 8  # steps of another optimizer in a row, the pacer silent, before it paces instead
 BY_OPTIMIZER, BY_BACKWARD = "optimizer steps", "backward passes"
+NO_GRAD_REGIONS = (torch.no_grad, torch.inference_mode, torch.set_grad_enabled)
 LEAF_SEARCH = 64  # autograd nodes searched from the loss for a parameter whose gradient tells accumulation apart
 _LOADER_SIGNATURE = inspect.signature(dataloader.DataLoader.__init__)
 
@@ -95,7 +116,15 @@ class TrainingSteps:
         self._passing = 0  # > 0 while a backward pass runs: one started inside it is part of it
         self.optimizers = weakref.WeakSet()  # every optimizer that has stepped
         self.timeline = Timeline()
-        self._first_clock = None  # when the first backward pass began: the first step's start
+        self._first_clock = time.perf_counter()  # the first step's start: see the module's docstring
+        self.evaluation_passes = 0  # forward passes of a trained model without gradients
+        self._in_region = False  # inside no_grad, inference_mode or set_grad_enabled(False)
+        self._calls_hook = None  # while in a region: the global hook that sees the next module call
+        self._returned_hook = None  # while that call runs: a hook on that module, for its return
+        self._guarded_call = guarded(guard, self._module_called)
+        self._guarded_return = guarded(guard, self._module_returned)
+        self._evaluated = weakref.WeakKeyDictionary()  # module -> passes not yet told trained or not
+        self._trained = weakref.WeakKeyDictionary()  # module -> whether it is a model being trained
         # Telling accumulation apart in a loop without an optimizer: one parameter's gradient, as the
         # last pass left it (a weak reference and its version counter, bumped by zero_() and by
         # accumulating), and how many passes ran between clearings.
@@ -119,6 +148,10 @@ class TrainingSteps:
         self._scope.add(self._routes.clear)
         self._scope.wrap(torch.autograd, "backward", self._backward)
         self._scope.wrap(torch.autograd, "grad", self._grad)
+        for region in NO_GRAD_REGIONS:
+            self._scope.wrap(region, "__enter__", self._region_entered)
+            self._scope.wrap(region, "__exit__", self._region_left)
+        self._scope.add(self._stop_watching_module_calls)
         self._scope.hook(register_optimizer_step_pre_hook, self._before_optimizer_step)
         self._scope.hook(register_optimizer_step_post_hook, self._after_optimizer_step)
         self._scope.wrap(dataloader._BaseDataLoaderIter, "__next__", self._next_batch)
@@ -148,6 +181,9 @@ class TrainingSteps:
         source = self._routes.get(instance)
         if source is not None:  # the original __next__, run on the source: not seen twice here
             wrapped, args, kwargs = wrapped.instead(functools.partial(wrapped.wrapped.__func__, source)), (), {}
+        if not self.backwards:
+            self._first_clock = time.perf_counter()
+            self.timeline.first_step_from = "batch"
         if not self.events.listening(Event.BEFORE_BATCH, Event.BATCH_FETCHED):
             return wrapped(*args, **kwargs)
         self.events.emit(Event.BEFORE_BATCH, instance)
@@ -192,8 +228,6 @@ class TrainingSteps:
         return result
 
     def _pass(self, wrapped, args, kwargs):
-        if self._first_clock is None:
-            self._first_clock = time.perf_counter()
         self._passing += 1
         try:
             return wrapped(*args, **kwargs)
@@ -292,14 +326,84 @@ class TrainingSteps:
         each given an equal share of the time since the last boundary); listeners hear one."""
         now = time.perf_counter()
         start = self.last_step_clock if self.last_step_clock is not None else self._first_clock
-        if start is not None:
-            for _ in range(steps):
-                self.timeline.step((now - start) / steps)
+        for _ in range(steps):
+            self.timeline.step((now - start) / steps)
         self.steps += steps
         self.last_step_clock = now
         if self._timed_from is None and self.warmed_up:
             self._timed_from = (self.steps, now)
+        if self._evaluated:
+            self._tell_evaluation_passes()
         self.events.emit(Event.TRAINING_STEP, optimizer)
+
+    def _region_entered(self, wrapped, instance, args, kwargs):
+        result = wrapped(*args, **kwargs)
+        if not self._in_region and not torch.is_grad_enabled():
+            self._in_region = True
+            self._watch_module_calls()
+        return result
+
+    def _region_left(self, wrapped, instance, args, kwargs):
+        result = wrapped(*args, **kwargs)
+        if self._in_region and torch.is_grad_enabled():
+            self._in_region = False
+            self._stop_watching_module_calls()
+            if not self.backwards:  # an evaluation before training: the first step starts after it
+                self._first_clock = time.perf_counter()
+            self._tell_evaluation_passes()
+        return result
+
+    # Inside a region without gradients one global pre-hook sees the next module call; it steps aside
+    # for that call (a hook on that module alone tells when it returns), so the modules inside a pass
+    # run on torch's fast path and only its outermost call costs anything.
+    def _watch_module_calls(self) -> None:
+        if self._calls_hook is None and self._returned_hook is None:
+            self._calls_hook = register_module_forward_pre_hook(self._guarded_call)
+
+    def _stop_watching_module_calls(self) -> None:
+        for handle in (self._calls_hook, self._returned_hook):
+            if handle is not None:
+                handle.remove()
+        self._calls_hook = self._returned_hook = None
+
+    def _module_called(self, module, args):
+        if _compiling() or _inside_a_module_call():  # a region opened inside a forward: no pass of its own
+            return
+        self._calls_hook.remove()
+        self._calls_hook = None
+        self._returned_hook = module.register_forward_hook(self._guarded_return, always_call=True)
+        if not self._unseen and not torch.is_grad_enabled():
+            self._evaluated[module] = self._evaluated.get(module, 0) + 1
+
+    def _module_returned(self, module, args, output):
+        self._returned_hook.remove()
+        self._returned_hook = None
+        if self._in_region:
+            self._watch_module_calls()
+
+    def _tell_evaluation_passes(self) -> None:
+        """Count the forward passes without gradients of the models being trained, once it is known
+        which those are (an optimizer stepped, or the loop is counted by its backward passes); a
+        model that was not (a teacher, a frozen part) is forgotten. Each model is told apart once
+        (a rollout under no_grad in every step must not walk the parameters every step). The
+        timeline marks them."""
+        if not self.optimizers and self.counted_by != BY_BACKWARD:
+            return
+        unknown = [module for module in list(self._evaluated.keys()) if module not in self._trained]
+        if unknown:
+            trained = {
+                id(p) for optimizer in self.optimizers for group in optimizer.param_groups for p in group["params"]
+            }
+            sentinel = self._sentinel() if self._sentinel is not None else None
+            if sentinel is not None:
+                trained.add(id(sentinel))
+            for module in unknown:
+                self._trained[module] = any(id(param) in trained for param in module.parameters())
+        passes = sum(count for module, count in list(self._evaluated.items()) if self._trained.get(module))
+        self._evaluated.clear()
+        if passes:
+            self.evaluation_passes += passes
+            self.timeline.add_to_mark(self.steps, "steps", "evaluated", passes=passes)
 
     @property
     def timed(self):
@@ -319,6 +423,7 @@ class TrainingSteps:
             "backward_passes_in_optimizer_steps": self.backwards_in_optimizer_steps,
             "own_backward_passes": self.own_backwards,
             "optimizer_steps": self.optimizer_steps,
+            "evaluation_forward_passes": self.evaluation_passes,
         }
         if self.timed:
             steps, seconds = self.timed
@@ -326,6 +431,29 @@ class TrainingSteps:
             figures["timed_steps"] = steps
         figures["warmup_steps"] = self.options.warmup_steps
         return figures
+
+
+_CALL_IMPL = torch.nn.Module._call_impl.__code__
+
+
+def _inside_a_module_call() -> bool:
+    """Whether another module's call is under way further up the stack (the module whose hook asks
+    is called inside another's forward): its own call is one ``_call_impl`` frame, another's would be
+    a second. Read once per outermost call in a region without gradients, never per step."""
+    frame, calls = sys._getframe(2), 0
+    while frame is not None:
+        if frame.f_code is _CALL_IMPL:
+            calls += 1
+            if calls > 1:
+                return True
+        frame = frame.f_back
+    return False
+
+
+def _compiling() -> bool:
+    """Inside a torch.compile trace: hooks are not added or removed there."""
+    compiler = getattr(torch, "compiler", None)
+    return compiler is not None and compiler.is_compiling()
 
 
 def _a_parameter(tensors):

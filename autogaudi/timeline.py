@@ -19,6 +19,10 @@ class Timeline:
         self._points: list = []  # [seconds, steps] per point
         self.events: list = []  # {"step", "unit", "event", ...params}, in the order they happened
         self.events_left_out = 0
+        # where the first step's time starts: "batch" (the last batch fetched before the first
+        # backward pass: its forward and lazy initialisation included) or "start" (autogaudi's start,
+        # where no DataLoader feeds the loop; an evaluation before training is left out either way)
+        self.first_step_from = "start"
 
     def step(self, seconds: float) -> None:
         """One more training step, ``seconds`` long (boundary to boundary)."""
@@ -40,6 +44,16 @@ class Timeline:
             return
         self.events.append({"step": step, "unit": unit, "event": event, **params})
 
+    def add_to_mark(self, step: int, unit: str, event: str, **counts) -> None:
+        """:meth:`mark`, or where the last mark is the same event at the same step, its ``counts``
+        added to that one's (an evaluation loop that enters ``no_grad`` per batch makes one mark)."""
+        last = self.events[-1] if self.events else None
+        if last is not None and (last["step"], last["unit"], last["event"]) == (step, unit, event):
+            for name, count in counts.items():
+                last[name] = last.get(name, 0) + count
+            return
+        self.mark(step, unit, event, **counts)
+
     @property
     def seconds(self) -> float:
         """The steps' seconds in all: the run's training time, one-offs included."""
@@ -49,6 +63,7 @@ class Timeline:
         return {
             "every": self.every,
             "step_s": [round(total / count, 6) for total, count in self._points],
+            "first_step_from": self.first_step_from,
             "events": list(self.events),
             "events_left_out": self.events_left_out,
         }

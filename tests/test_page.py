@@ -91,3 +91,20 @@ def test_a_run_that_ends_during_a_trial_changed_nothing(trial_clock):
     report = autogaudi.report().as_dict()
     assert unit._on and report["changed"] == [] and report["summary"]["unfinished"] == ["channels_last"]
     assert [event["event"] for event in report["timeline"]["events"]] == ["profiled", "trial_started"]
+
+
+def test_the_first_step_and_evaluations_are_on_the_chart():
+    """The first step is shaded as such (it holds the first forward and lazy initialisation), and an
+    evaluation after a step is marked there with its count of passes."""
+    from autogaudi import page
+
+    timeline = Timeline()
+    for _ in range(4):
+        timeline.step(0.01)
+    timeline.add_to_mark(2, "steps", "evaluated", passes=3)
+    timeline.add_to_mark(2, "steps", "evaluated", passes=2)  # no_grad entered per batch: one mark
+    data = {"steps": {"warmup_steps": 1}, "trials": [], "timeline": timeline.as_dict()}
+    assert data["timeline"]["events"] == [{"step": 2, "unit": "steps", "event": "evaluated", "passes": 5}]
+    assert (0, 1, page.ARM_COLOURS["first"]) in [span[:3] for span in page._spans(data, 4)]
+    assert [step for step, _ in page._marks(data)] == [2]
+    assert f'fill="{page.ARM_COLOURS["first"]}"' in page.chart(data)

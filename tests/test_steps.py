@@ -2,6 +2,8 @@
 (no torch.optim), with two optimizers per iteration (a GAN), with per-layer optimizers that train
 one after another (forward-forward), or with LBFGS's closure (many backward passes per step)."""
 
+import time
+
 import torch
 from torch import nn
 
@@ -162,3 +164,139 @@ def test_a_pass_inside_a_pass_is_not_the_loops_own():
         optimizer.zero_grad()
     figures = steps_figures()
     assert (figures["steps"], figures["backward_passes"], figures["own_backward_passes"]) == (5, 5, 5)
+
+
+class SlowFirstCall(nn.Module):
+    """A model whose first forward sleeps (lazy initialisation): that time is the first step's."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(4, 1)
+        self.initialised = False
+
+    def forward(self, inputs):
+        if not self.initialised:
+            time.sleep(FIRST_CALL_S)
+            self.initialised = True
+        return self.layer(inputs)
+
+
+FIRST_CALL_S = 0.05
+
+
+def train_and_evaluate(model, epochs: int, steps: int, evaluations: int) -> None:
+    """pytorch/examples' mnist shape: train, then an evaluation loop under no_grad, each epoch; the
+    loss is measured against a teacher called under no_grad in every step (not a model trained)."""
+    teacher = nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    batches = data()
+    for _ in range(epochs):
+        model.train()
+        for _, (inputs, _targets) in zip(range(steps), batches):
+            with torch.no_grad():
+                targets = teacher(inputs)
+            optimizer.zero_grad()
+            nn.functional.mse_loss(model(inputs), targets).backward()
+            optimizer.step()
+        model.eval()
+        with torch.no_grad():
+            for _, (inputs, _targets) in zip(range(evaluations), batches):
+                model(inputs)
+
+
+def test_evaluation_passes_are_counted_apart_from_steps():
+    autogaudi.enable(device="cpu", only="throughput_meter")
+    train_and_evaluate(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)), epochs=3, steps=20, evaluations=5)
+    report = autogaudi.report().as_dict()
+    figures = report["steps"]
+    assert (figures["steps"], figures["optimizer_steps"], figures["evaluation_forward_passes"]) == (60, 60, 15)
+    evaluated = [(event["step"], event["passes"]) for event in report["timeline"]["events"]]
+    assert evaluated == [(20, 5), (40, 5), (60, 5)]
+    assert len(report["timeline"]["step_s"]) == 60
+
+
+def test_evaluation_per_batch_and_before_training_counts_once_the_model_is_known():
+    """``@torch.no_grad()`` per batch, and an evaluation before the first step (the model's training
+    is not known yet then): each pass counted once, none as a step; torch.inference_mode too."""
+    autogaudi.enable(device="cpu", only="throughput_meter")
+    model = nn.Linear(4, 1)
+    evaluate = torch.no_grad()(model)
+    for _, (inputs, _targets) in zip(range(3), data()):
+        evaluate(inputs)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    for _, (inputs, targets) in zip(range(5), data()):
+        nn.functional.mse_loss(model(inputs), targets).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    with torch.inference_mode():
+        model(torch.randn(2, 4))
+    figures = steps_figures()
+    assert (figures["steps"], figures["evaluation_forward_passes"]) == (5, 4)
+
+
+def test_evaluation_passes_of_a_loop_that_updates_by_hand():
+    """No optimizer: the model the hand-written loop updates is the one trained."""
+    autogaudi.enable(device="cpu", only="throughput_meter")
+    model = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1))
+    train_by_hand(model, NO_OPTIMIZER_AFTER + 4)
+    with torch.no_grad():
+        for _, (inputs, _targets) in zip(range(7), data()):
+            model(inputs)
+    train_by_hand(model, 1)
+    figures = steps_figures()
+    assert figures["steps"] == NO_OPTIMIZER_AFTER + 5 and figures["evaluation_forward_passes"] == 7
+
+
+def test_the_first_step_is_timed_from_its_batch():
+    """The first step's point on the timeline covers its forward (lazy initialisation), not only its
+    backward pass; a sleep in the first forward is a lower bound, whatever the machine's load."""
+    autogaudi.enable(device="cpu", only="throughput_meter")
+    model = SlowFirstCall()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(12, 4), torch.randn(12, 1)), 4)
+    for inputs, targets in loader:
+        nn.functional.mse_loss(model(inputs), targets).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    timeline = autogaudi.report().as_dict()["timeline"]
+    assert timeline["first_step_from"] == "batch" and len(timeline["step_s"]) == 3
+    assert timeline["step_s"][0] >= FIRST_CALL_S
+
+
+def test_without_a_loader_the_first_step_is_timed_from_the_start():
+    autogaudi.enable(device="cpu", only="throughput_meter")
+    model = SlowFirstCall()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    for _, (inputs, targets) in zip(range(3), data()):
+        nn.functional.mse_loss(model(inputs), targets).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    timeline = autogaudi.report().as_dict()["timeline"]
+    assert timeline["first_step_from"] == "start" and timeline["step_s"][0] >= FIRST_CALL_S
+
+
+class NoGradInside(nn.Module):
+    """A forward that runs a part of itself without gradients (a running statistic, a target)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.target = nn.Linear(4, 1), nn.Linear(4, 1)
+
+    def forward(self, inputs):
+        with torch.no_grad():
+            target = self.target(inputs)
+        return self.body(inputs) - target
+
+
+def test_a_no_grad_block_inside_a_forward_is_no_evaluation():
+    autogaudi.enable(device="cpu", only="throughput_meter")
+    model = NoGradInside()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    for _, (inputs, targets) in zip(range(6), data()):
+        nn.functional.mse_loss(model(inputs), targets).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    with torch.no_grad():
+        model(torch.randn(2, 4))
+    figures = steps_figures()
+    assert (figures["steps"], figures["evaluation_forward_passes"]) == (6, 1)
