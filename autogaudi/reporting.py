@@ -375,7 +375,13 @@ def _not_steps(steps: dict) -> str:
         ("own_backward_passes", "backward passes autogaudi's own or inside another pass"),
         ("evaluation_forward_passes", "evaluation forward passes (no gradients)"),
     )
-    return ", ".join(f"{steps[key]} {words}" for key, words in kinds if steps.get(key))
+    named = [f"{steps[key]} {words}" for key, words in kinds if steps.get(key)]
+    if steps.get("evaluation_counted_until_step") is not None:
+        named.append(
+            f"forward passes without gradients counted until step {steps['evaluation_counted_until_step']} "
+            "(the loop makes them every step)"
+        )
+    return ", ".join(named)
 
 
 def _format_cache(cache: dict) -> str:

@@ -71,6 +71,11 @@ NO_OPTIMIZER_AFTER = 16  # backward passes with no optimizer step before backwar
 REPACE_AFTER = 8  # steps of another optimizer in a row, the pacer silent, before it paces instead
 BY_OPTIMIZER, BY_BACKWARD = "optimizer steps", "backward passes"
 NO_GRAD_REGIONS = (torch.no_grad, torch.inference_mode, torch.set_grad_enabled)
+# Counting forward passes without gradients costs each one a hook's registration (tens of
+# microseconds); a loop that makes them in every step (an RL rollout: the policy called per
+# environment step) would pay it per call. After this many steps, a loop that made more such passes
+# than steps stops being counted, and the report says from which step.
+EVALUATION_CHECKED_AT_STEP = 10
 LEAF_SEARCH = 64  # autograd nodes searched from the loss for a parameter whose gradient tells accumulation apart
 _LOADER_SIGNATURE = inspect.signature(dataloader.DataLoader.__init__)
 
@@ -118,6 +123,9 @@ class TrainingSteps:
         self.timeline = Timeline()
         self._first_clock = time.perf_counter()  # the first step's start: see the module's docstring
         self.evaluation_passes = 0  # forward passes of a trained model without gradients
+        self.evaluation_counted_until = None  # the step counting them stopped at (see EVALUATION_CHECKED_AT_STEP)
+        self._outermost_calls = 0  # forward passes without gradients seen, of any model
+        self._regions = Scope(guard)  # the region watch, closed on its own where it costs too much
         self._in_region = False  # inside no_grad, inference_mode or set_grad_enabled(False)
         self._calls_hook = None  # while in a region: the global hook that sees the next module call
         self._returned_hook = None  # while that call runs: a hook on that module, for its return
@@ -148,10 +156,10 @@ class TrainingSteps:
         self._scope.add(self._routes.clear)
         self._scope.wrap(torch.autograd, "backward", self._backward)
         self._scope.wrap(torch.autograd, "grad", self._grad)
+        self._scope.add(self._stop_counting_evaluation)
         for region in NO_GRAD_REGIONS:
-            self._scope.wrap(region, "__enter__", self._region_entered)
-            self._scope.wrap(region, "__exit__", self._region_left)
-        self._scope.add(self._stop_watching_module_calls)
+            self._regions.wrap(region, "__enter__", self._region_entered)
+            self._regions.wrap(region, "__exit__", self._region_left)
         self._scope.hook(register_optimizer_step_pre_hook, self._before_optimizer_step)
         self._scope.hook(register_optimizer_step_post_hook, self._after_optimizer_step)
         self._scope.wrap(dataloader._BaseDataLoaderIter, "__next__", self._next_batch)
@@ -334,6 +342,9 @@ class TrainingSteps:
             self._timed_from = (self.steps, now)
         if self._evaluated:
             self._tell_evaluation_passes()
+        if self.steps >= EVALUATION_CHECKED_AT_STEP > self.steps - steps and self._outermost_calls > self.steps:
+            self._stop_counting_evaluation()
+            self.evaluation_counted_until = self.steps
         self.events.emit(Event.TRAINING_STEP, optimizer)
 
     def _region_entered(self, wrapped, instance, args, kwargs):
@@ -360,6 +371,11 @@ class TrainingSteps:
         if self._calls_hook is None and self._returned_hook is None:
             self._calls_hook = register_module_forward_pre_hook(self._guarded_call)
 
+    def _stop_counting_evaluation(self) -> None:
+        self._regions.close()
+        self._in_region = False
+        self._stop_watching_module_calls()
+
     def _stop_watching_module_calls(self) -> None:
         for handle in (self._calls_hook, self._returned_hook):
             if handle is not None:
@@ -371,6 +387,7 @@ class TrainingSteps:
             return
         self._calls_hook.remove()
         self._calls_hook = None
+        self._outermost_calls += 1
         self._returned_hook = module.register_forward_hook(self._guarded_return, always_call=True)
         if not self._unseen and not torch.is_grad_enabled():
             self._evaluated[module] = self._evaluated.get(module, 0) + 1
@@ -424,6 +441,7 @@ class TrainingSteps:
             "own_backward_passes": self.own_backwards,
             "optimizer_steps": self.optimizer_steps,
             "evaluation_forward_passes": self.evaluation_passes,
+            "evaluation_counted_until_step": self.evaluation_counted_until,
         }
         if self.timed:
             steps, seconds = self.timed

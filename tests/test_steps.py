@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 import autogaudi
+from autogaudi import steps
 from autogaudi.steps import NO_OPTIMIZER_AFTER, REPACE_AFTER
 
 
@@ -232,6 +233,26 @@ def test_evaluation_per_batch_and_before_training_counts_once_the_model_is_known
         model(torch.randn(2, 4))
     figures = steps_figures()
     assert (figures["steps"], figures["evaluation_forward_passes"]) == (5, 4)
+
+
+def test_a_loop_that_evaluates_in_every_step_stops_being_counted_and_says_so():
+    """An RL rollout: the policy called without gradients several times per step. Counting each call
+    would cost it a hook's registration; from the check step on the regions are torch's own again."""
+    entered = torch.no_grad.__enter__
+    autogaudi.enable(device="cpu", only="throughput_meter")
+    policy = nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(policy.parameters(), lr=0.01)
+    for step in range(1, steps.EVALUATION_CHECKED_AT_STEP + 6):
+        for _ in range(3):
+            with torch.no_grad():
+                policy(torch.randn(1, 4))
+        policy(torch.randn(2, 4)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        assert (torch.no_grad.__enter__ is entered) == (step >= steps.EVALUATION_CHECKED_AT_STEP)
+    figures = steps_figures()
+    assert figures["evaluation_counted_until_step"] == steps.EVALUATION_CHECKED_AT_STEP
+    assert figures["evaluation_forward_passes"] == 3 * steps.EVALUATION_CHECKED_AT_STEP
 
 
 def test_evaluation_passes_of_a_loop_that_updates_by_hand():
