@@ -18,6 +18,7 @@ import enum
 
 from autogaudi.events import Event
 from autogaudi.memory import origin
+from autogaudi.reasons import CORE
 from autogaudi.trials import WARMUP, Check, Trial
 from autogaudi.unit import ActsOnProfile
 
@@ -127,13 +128,13 @@ class Candidate:
         if forced or unit.options.no_trials or not self.needs_trial:
             unit.figures.update(self.set_up_figures)
             self._keep()
-            unit.because(self.codes["forced" if forced else "no_trials"], **self.params())
+            self._because("forced" if forced else "no_trials")
             return
         set_up_s = self.set_up_figures.get("set_up_s", 0.0)
         self._unkeep()  # a remembered keep tried again: both arms start from the set-up alone
         self.state = State.TRIAL
         unit.session.trials.submit(Trial(unit, unit.name, self.switch, self._trial_decided, set_up_s=set_up_s, **trial))
-        unit.because(self.codes["trial"], **self.params())
+        self._because("trial")
 
     def follow(self, record: dict, profile=None) -> None:
         """Take a remembered trial's decision without the trial (set up and on where it was kept),
@@ -141,6 +142,7 @@ class Candidate:
         where they differ, :attr:`try_again`."""
         keep = record["decision"] == "kept"
         unit = self.unit
+        self.profile = profile or self.profile
         if keep:
             self.set_up(profile or self.profile)
             unit.figures.update(self.set_up_figures)
@@ -168,6 +170,12 @@ class Candidate:
         self._close()
         self.state = State.RELEASED
 
+    def _because(self, moment: str) -> None:
+        """The unit's code for ``moment``, filled in with the parameters its text names."""
+        code = self.codes[moment]
+        template = self.unit.reasons.get(code) or CORE[code]
+        self.unit.because(code, **{name: value for name, value in self.params().items() if "{" + name in template})
+
     def switch(self, on: bool) -> None:
         if on != self.on:
             self.on = on
@@ -189,7 +197,7 @@ class Candidate:
         unit.figures["speedup"] = record["speedup"]
         if self._decided is not None:
             self._decided(keep, record)
-        unit.because(self.codes["kept" if keep else "rejected"], **self.params())
+        self._because("kept" if keep else "rejected")
         if keep:
             self._keep()
         else:
