@@ -27,10 +27,12 @@ class _UserCall:
     what it raised, so the guard can tell the user's exception from autogaudi's and never runs the
     user's call twice."""
 
-    __slots__ = ("wrapped", "ran", "result", "raised")
+    __slots__ = ("wrapped", "ran", "result", "raised", "args", "kwargs")
 
-    def __init__(self, wrapped):
+    def __init__(self, wrapped, args: tuple, kwargs: dict):
         self.wrapped = wrapped
+        self.args = args  # what the call is made with should the wrapper fail before running it
+        self.kwargs = kwargs
         self.ran = False
         self.result = None
         self.raised = None
@@ -51,6 +53,12 @@ class _UserCall:
         self.wrapped = fn
         return self
 
+    def read_as(self, *args, **kwargs) -> None:
+        """The user's arguments as the wrapper had to read them (a generator of parameters, read
+        into a list): should the wrapper fail, the user's call is made with these, not with what
+        reading used up."""
+        self.args, self.kwargs = args, kwargs
+
 
 def guarded_call(owner, wrapper, wrapped, args: tuple, kwargs: dict):
     """``wrapper(call, args, kwargs)`` around the user's ``wrapped``, where ``call`` runs the user's
@@ -59,7 +67,7 @@ def guarded_call(owner, wrapper, wrapped, args: tuple, kwargs: dict):
     wrapper had not run it yet, its result returned if it had (a user's call never runs twice)."""
     if not owner.in_force:
         return wrapped(*args, **kwargs)
-    call = _UserCall(wrapped)
+    call = _UserCall(wrapped, args, kwargs)
     try:
         return wrapper(call, args, kwargs)
     except PASSING_THROUGH:
@@ -73,7 +81,7 @@ def guarded_call(owner, wrapper, wrapped, args: tuple, kwargs: dict):
         owner.failed_at_run_time(error)
         if call.ran:
             return call.result
-        return wrapped(*args, **kwargs)
+        return wrapped(*call.args, **call.kwargs)
 
 
 def run_guarded(owner, fn, *args, fallback=None):

@@ -41,12 +41,23 @@ class Route:
     def __init__(self, model):
         self._model = weakref.ref(model)
         self.layers: dict = {}  # Layer -> (owner, around)
+        self._innermost_first: tuple = ()  # the layers' (owner, around), sorted once per change
+
+    def set(self, layer: Layer, entry) -> None:
+        self.layers[layer] = entry
+        self._sort()
+
+    def drop(self, layer: Layer, entry) -> None:
+        if self.layers.get(layer) is entry:
+            del self.layers[layer]
+            self._sort()
+
+    def _sort(self) -> None:
+        self._innermost_first = tuple(self.layers[key] for key in sorted(self.layers, reverse=True))
 
     def __call__(self, *args, **kwargs):
-        model = self._model()
-        call = model._call_impl
-        for layer in sorted(self.layers, reverse=True):
-            owner, around = self.layers[layer]
+        call = self._model()._call_impl
+        for owner, around in self._innermost_first:
             call = _layered(owner, around, call)
         return call(*args, **kwargs)
 
@@ -87,11 +98,10 @@ def hold(owner, model, layer: Layer, around):
     if layer in route.layers:
         raise RuntimeError(f"{layer.name} of {type(model).__name__} is held already")
     entry = (owner, around)
-    route.layers[layer] = entry
+    route.set(layer, entry)
 
     def undo():
-        if route.layers.get(layer) is entry:
-            del route.layers[layer]
+        route.drop(layer, entry)
         if vars(model).get("_compiled_call_impl") is not route:
             return Reason("call_slot_replaced", model=type(model).__name__)
         if not route.layers:

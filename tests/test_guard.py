@@ -63,6 +63,22 @@ def test_autogaudi_raising_after_the_call_returns_its_result_without_running_it_
     assert users.calls == 1 and not owner.in_force
 
 
+def test_a_wrapper_that_read_a_generator_fails_open_with_what_it_read():
+    owner, seen = GuardOwner(), []
+
+    def users(parameters):
+        seen.append(list(parameters))
+        return "plain"
+
+    def reads_then_breaks(call, args, kwargs):
+        parameters = list(args[0])
+        call.read_as(parameters)
+        raise RuntimeError("autogaudi's")
+
+    assert guard.guarded_call(owner, reads_then_breaks, users, (iter([1, 2, 3]),), {}) == "plain"
+    assert seen == [[1, 2, 3]] and not owner.in_force
+
+
 def test_a_wrapper_that_replaces_the_users_exception_gives_the_users_back():
     owner, error = GuardOwner(), KeyError("the user's")
 

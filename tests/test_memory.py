@@ -1,6 +1,7 @@
 """Remembered decisions: a second run with the same script, model and inputs follows the first's
 profile and trials without measuring them again, checks its steps against them, and ignores an entry
-it cannot trust."""
+it cannot trust. The runs' trials time every step alike (tests/scripts/steady_trial_steps.py): a
+trial rejects, a check matches the time its trial measured, on a loaded machine as on an idle one."""
 
 import json
 
@@ -10,13 +11,13 @@ from tests.helpers import SCRIPTS, clean_env, run_python
 from tests.optimizations.ddp_helpers import TORCHRUN, torchrun
 
 CONV = SCRIPTS / "train_conv.py"
+STEADY = SCRIPTS / "steady_trial_steps.py"
 
 
 def run(tmp_path, name, *options, steps=60):
     report = tmp_path / f"{name}.json"
     result = run_python(
-        "-m",
-        "autogaudi",
+        STEADY,
         "--cache-dir",
         tmp_path / "cache",
         "--report",
@@ -48,21 +49,17 @@ def test_a_second_run_follows_the_first_runs_profile_and_trial_without_measuring
     first, first_output = run(tmp_path, "first", "--trial", "channels_last")
     second, second_output = run(tmp_path, "second", "--trial", "channels_last")
     assert [record.get("check") for record in first["trials"]] == [None]  # the A/B trial
-    decision = first["trials"][0]["decision"]
+    assert first["trials"][0]["decision"] == "rejected"  # no arm faster
     assert unit(second, "step_profiler")["reason_code"] == "remembered_profile"
     assert unit(second, "step_profiler")["figures"]["bound"] == unit(first, "step_profiler")["figures"]["bound"]
     assert "ops_per_step" in unit(second, "step_profiler")["figures"]
     # No census step ran: the profile was published at the first step after warm-up and identification.
     assert unit(second, "step_profiler")["figures"]["profiled_at_step"] == 4
-    check = second["trials"][0]
-    assert check["check"] == "remembered" and check["arm"] == ("with" if decision == "kept" else "without")
-    # A check that differs (a loaded machine) hands the decision to a trial after all; one that
-    # matches is all there is, and the unit says whose decision it follows.
-    assert (check["decision"] == "matches") == (len(second["trials"]) == 1)
-    if check["decision"] == "matches":
-        row = unit(second, "channels_last")
-        assert row["reason_code"] == "remembered"
-        assert row["reason_params"]["decision"] == decision and row["reason_params"]["run"] == 1
+    (check,) = second["trials"]  # a check that matches is all there is: no trial of its own
+    assert check["check"] == "remembered" and check["arm"] == "without" and check["decision"] == "matches"
+    row = unit(second, "channels_last")  # the unit says whose decision it follows
+    assert row["reason_code"] == "remembered"
+    assert row["reason_params"]["decision"] == "rejected" and row["reason_params"]["run"] == 1
     assert second["cache"]["decisions"].startswith("taken from the 1 earlier run")
     assert first_output == second_output  # the script's own output is unchanged (same final loss)
     (path,) = entry_paths(tmp_path)
@@ -74,10 +71,10 @@ def test_a_remembered_kept_decision_is_applied_without_a_trial(tmp_path):
     rewrite_entry(tmp_path, lambda entry: entry["trials"]["channels_last"].update(decision="kept"))
     second, _ = run(tmp_path, "second", "--trial", "channels_last")
     row = unit(second, "channels_last")
-    assert second["trials"][0]["check"] == "remembered" and second["trials"][0]["arm"] == "with"
-    if second["trials"][0]["decision"] == "matches":  # a loaded machine may differ: a trial then decides
-        assert row["reason_code"] == "remembered" and row["reason_params"]["decision"] == "kept"
-        assert row["status"] == "applied" and "run 1's trial" in row["changes"][0]
+    (check,) = second["trials"]
+    assert check["check"] == "remembered" and check["arm"] == "with" and check["decision"] == "matches"
+    assert row["reason_code"] == "remembered" and row["reason_params"]["decision"] == "kept"
+    assert row["status"] == "applied" and "run 1's trial" in row["changes"][0]
 
 
 def test_a_step_time_that_differs_from_the_remembered_one_starts_a_trial(tmp_path):
@@ -86,8 +83,8 @@ def test_a_step_time_that_differs_from_the_remembered_one_starts_a_trial(tmp_pat
     second, _ = run(tmp_path, "second", "--trial", "channels_last")
     check, trial = second["trials"]
     assert check["decision"] == "differs" and check["ratio"] > 100
-    assert "check" not in trial and trial["decision"] in ("kept", "rejected")
-    assert unit(second, "channels_last")["reason_code"] in ("measured_faster", "rejected")
+    assert "check" not in trial and trial["decision"] == "rejected"
+    assert unit(second, "channels_last")["reason_code"] == "rejected"
     (path,) = entry_paths(tmp_path)
     assert json.loads(path.read_text())["trials"]["channels_last"]["run"] == 2  # decided again, in run 2
 
@@ -147,13 +144,16 @@ def test_precision_auto_remembers_its_speed_trial_and_still_guards_every_run(tmp
     focus = ("--precision", "auto", "--disable", "channels_last,graph_capture")
     first, _ = run(tmp_path, "first", *focus, steps=90)
     (trial,) = [record for record in first["trials"] if record["candidate"] == "mixed_precision"]
+    assert trial["decision"] == "rejected"
     second, _ = run(tmp_path, "second", *focus, steps=90)
-    row = unit(second, "mixed_precision")
-    check = second["trials"][0]
+    (check,) = second["trials"]
     assert check["candidate"] == "mixed_precision" and check["check"] == "remembered"
-    assert row["reason_params"].get("run") == 1 or check["decision"] == "differs"
-    # Kept: this run's numerics were checked again before bf16 was used; rejected: nothing was set up.
-    assert ("guard_s" in row["figures"]) == (trial["decision"] == "kept" or check["decision"] == "differs")
+    assert check["decision"] == "matches" and unit(second, "mixed_precision")["reason_params"]["run"] == 1
+    assert "guard_s" not in unit(second, "mixed_precision")["figures"]  # rejected: nothing was set up
+    rewrite_entry(tmp_path, lambda entry: entry["trials"]["mixed_precision"].update(decision="kept"))
+    third, _ = run(tmp_path, "third", *focus, steps=90)
+    assert third["trials"][0]["decision"] == "matches"
+    assert "guard_s" in unit(third, "mixed_precision")["figures"]  # kept: numerics checked again first
 
 
 def test_a_remembered_kept_capture_is_set_up_at_once_and_compiles_from_the_cache(tmp_path):
@@ -163,11 +163,9 @@ def test_a_remembered_kept_capture_is_set_up_at_once_and_compiles_from_the_cache
     rewrite_entry(tmp_path, lambda entry: entry["trials"]["graph_capture"].update(decision="kept"))
     second, second_output = run(tmp_path, "second", *focus)
     row = unit(second, "graph_capture")
-    check = second["trials"][0]
-    assert check["check"] == "remembered" and check["arm"] == "with"
+    (check,) = second["trials"]  # kept without a trial of its own
+    assert check["check"] == "remembered" and check["arm"] == "with" and check["decision"] == "matches"
     assert row["figures"]["compile_cache"] == "hit"  # the first run's trial compiled it into the cache
-    if check["decision"] == "matches":  # kept without a trial of its own
-        assert row["reason_code"] == "remembered" and row["status"] == "applied"
-        assert "run 1's trial" in row["changes"][0] and "compiled from the cache" in row["changes"][0]
-        assert len(second["trials"]) == 1
+    assert row["reason_code"] == "remembered" and row["status"] == "applied"
+    assert "run 1's trial" in row["changes"][0] and "compiled from the cache" in row["changes"][0]
     assert second_output.startswith("loss ")

@@ -67,10 +67,7 @@ class DdpTuning(Unit):
         self.because("bucket_view_and_size" if self.backend.name == "hpu" else "bucket_view")
 
     def _init(self, wrapped, instance, args, kwargs):
-        changes = {}
-        if type(instance) is DistributedDataParallel:
-            with self.fail_open():
-                changes = self._choose(args, kwargs)
+        changes = self._choose(args, kwargs) if type(instance) is DistributedDataParallel else {}
         return wrapped(*args, **{**kwargs, **changes})
 
     def _choose(self, args, kwargs) -> dict:

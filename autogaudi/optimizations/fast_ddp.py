@@ -149,9 +149,7 @@ class FastDdp(Unit):
         return None if state is None or state.handed_back else state
 
     def _forward(self, wrapped, instance, args, kwargs):
-        state = None
-        with self.fail_open():
-            state = self._flat_all_reduce(instance)
+        state = self._flat_all_reduce(instance)
         if state is None or instance._join_config.enable:  # uneven inputs: Join needs DDP's reducer
             return wrapped(*args, **kwargs)
         wanted = instance.require_backward_grad_sync

@@ -52,16 +52,14 @@ class FusedClipNormUnit(Unit):
         parameters = call["parameters"]
         parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         call["parameters"] = parameters  # a generator can only be read once
+        wrapped.read_as(**call)
         exact = float(call["norm_type"]) == 2.0 and not call["error_if_nonfinite"] and call.get("foreach") is None
         if not exact or holds_dtensors(parameters):
             self.figures["torch_calls"] += 1
             return wrapped(**call)
-        total = None
-        with self.fail_open():
-            clip = self._clipper(parameters, float(call["max_norm"]))
-            total = clip(parameters)
-            self.figures["fused_calls"] += 1
-        return total if total is not None else wrapped(**call)
+        total = self._clipper(parameters, float(call["max_norm"]))(parameters)
+        self.figures["fused_calls"] += 1
+        return total
 
     def _clipper(self, parameters, max_norm: float):
         key = (tuple(id(p) for p in parameters), max_norm)

@@ -57,25 +57,23 @@ class FusedSdpa(Unit):
         self.because("hpex", recompute=self.options.sdpa_recompute)
 
     def _attention(self, wrapped, instance, args, kwargs):
-        output = None
-        with self.fail_open():
-            call = {**dict(zip(_PARAMETERS, args)), **kwargs}
-            reason = fallback_reason(call)
-            if reason is None:
-                output = self._fused.apply(
-                    call["query"],
-                    call["key"],
-                    call["value"],
-                    call.get("attn_mask"),
-                    call.get("dropout_p", 0.0),
-                    call.get("is_causal", False),
-                    call.get("scale"),
-                    "None",
-                    self._recompute,
-                )
-                self.figures["fused_calls"] += 1
-            else:
-                self.figures["torch_calls"] += 1
-                by_reason = self.figures["torch_calls_by_reason"]
-                by_reason[reason] = by_reason.get(reason, 0) + 1
-        return output if output is not None else wrapped(*args, **kwargs)
+        call = {**dict(zip(_PARAMETERS, args)), **kwargs}
+        reason = fallback_reason(call)
+        if reason is not None:
+            self.figures["torch_calls"] += 1
+            by_reason = self.figures["torch_calls_by_reason"]
+            by_reason[reason] = by_reason.get(reason, 0) + 1
+            return wrapped(*args, **kwargs)
+        output = self._fused.apply(
+            call["query"],
+            call["key"],
+            call["value"],
+            call.get("attn_mask"),
+            call.get("dropout_p", 0.0),
+            call.get("is_causal", False),
+            call.get("scale"),
+            "None",
+            self._recompute,
+        )
+        self.figures["fused_calls"] += 1
+        return output

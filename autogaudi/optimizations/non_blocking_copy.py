@@ -52,24 +52,13 @@ class NonBlockingCopy(Unit):
         self.because("pinned_to_device", device=self._accelerator)
 
     def _to(self, wrapped, instance, args, kwargs):
-        asynchronous = False
-        with self.fail_open():
-            asynchronous = wants_non_blocking(instance, args, kwargs, self._accelerator)
-        if asynchronous:
+        if wants_non_blocking(instance, args, kwargs, self._accelerator):
             self.figures["non_blocking_copies"] += 1
             kwargs = {**kwargs, "non_blocking": True}
         return wrapped(*args, **kwargs)
 
     def _cuda(self, wrapped, instance, args, kwargs):
-        asynchronous = False
-        with self.fail_open():
-            asynchronous = (
-                "non_blocking" not in kwargs
-                and len(args) < 2
-                and instance.device.type == "cpu"
-                and instance.is_pinned()
-            )
-        if asynchronous:
+        if "non_blocking" not in kwargs and len(args) < 2 and instance.device.type == "cpu" and instance.is_pinned():
             self.figures["non_blocking_copies"] += 1
             kwargs = {**kwargs, "non_blocking": True}
         return wrapped(*args, **kwargs)
