@@ -126,7 +126,7 @@ class Candidate:
         unit = self.unit
         forced = unit.name in unit.options.force
         if forced or unit.options.no_trials or not self.needs_trial:
-            unit.figures.update(self.set_up_figures)
+            self._set_up_figures_reported()
             self._keep()
             self._because("forced" if forced else "no_trials")
             return
@@ -145,7 +145,7 @@ class Candidate:
         self.profile = profile or self.profile
         if keep:
             self.set_up(profile or self.profile)
-            unit.figures.update(self.set_up_figures)
+            self._set_up_figures_reported()
             self._keep()
         else:
             self._close()
@@ -169,6 +169,10 @@ class Candidate:
             self.unit.because(code, **params)
         self._close()
         self.state = State.RELEASED
+
+    def _set_up_figures_reported(self) -> None:
+        """On without a trial: the set-up's figures go to the report (a trial's record brings them)."""
+        self.unit.figures.update({name: round(value, 3) for name, value in self.set_up_figures.items()})
 
     def _because(self, moment: str) -> None:
         """The unit's code for ``moment``, filled in with the parameters its text names."""
