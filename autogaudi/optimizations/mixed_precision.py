@@ -506,7 +506,7 @@ class MixedPrecision(DecidesCandidate):
     def _refusal(self, profile):
         if profile.model is None:
             return self.reason_for("no_training_model")
-        share = self.session.unit("step_profiler").figures.get("fp32_matrix_fraction")
+        share = profile.measured.fp32_matrix_fraction
         if share is None:
             return self.reason_for("no_matrix_products")
         if share < FP32_MATRIX_SHARE:  # the script already runs its matrix products below float32
