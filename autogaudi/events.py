@@ -5,11 +5,16 @@ Why one: the session's step watcher (``steps.py``) sees each moment once — a w
 and ``__next__`` — and every unit, the profiler and the trial runner listen through :meth:`on`,
 which returns a handle that removes exactly that listener (torch's ``RemovableHandle`` is the
 model). A listener that raises fails only its owner: the owner is reverted and the run goes on.
+Listeners run in their owners' start order (:meth:`Dispatcher.rank`), whenever each was added: a
+unit that listens only once the step is profiled (fp16's unscaling after a backward) still runs
+before a unit that started later (fast_ddp's all-reduce of the same gradients).
 """
 
 from __future__ import annotations
 
+import bisect
 import enum
+import math
 
 from autogaudi.guard import run_guarded
 
@@ -30,11 +35,12 @@ class Event(enum.Enum):
 
 
 class _Listener:
-    __slots__ = ("owner", "fn")
+    __slots__ = ("owner", "fn", "rank")
 
-    def __init__(self, owner, fn):
+    def __init__(self, owner, fn, rank):
         self.owner = owner
         self.fn = fn
+        self.rank = rank
 
 
 class Handle:
@@ -51,13 +57,21 @@ class Handle:
 class Dispatcher:
     def __init__(self):
         self._listeners = {event: [] for event in Event}
+        self._ranks: dict = {}  # id(owner) -> its place in the start order
+
+    def rank(self, owner, place: int) -> None:
+        """``owner`` starts ``place``-th: its listeners run after those of owners ranked before it,
+        and before those ranked after it, whenever either was added. Owners never ranked come last."""
+        self._ranks[id(owner)] = place
 
     def on(self, event: Event, owner, fn) -> Handle:
         """Call ``fn`` at every ``event`` through the core's guard (:mod:`autogaudi.guard`: a listener
-        that raises switches ``owner`` off); listeners run in the order they were added."""
-        listener = _Listener(owner, fn)
-        self._listeners[event].append(listener)
-        return Handle(self._listeners[event], listener)
+        that raises switches ``owner`` off); listeners run by their owners' rank, and those of one
+        rank in the order they were added."""
+        listener = _Listener(owner, fn, self._ranks.get(id(owner), math.inf))
+        listeners = self._listeners[event]
+        listeners.insert(bisect.bisect_right([other.rank for other in listeners], listener.rank), listener)
+        return Handle(listeners, listener)
 
     def listening(self, *events: Event) -> bool:
         return any(self._listeners[event] for event in events)

@@ -96,8 +96,9 @@ class Session:
             self._scope.wrap(torch.distributed, "destroy_process_group", self._before_destroy)
         self.active = True
         units = {info.name: self._load(info) for info in UNITS}
-        for name in start_order(units):
+        for place, name in enumerate(start_order(units)):
             if units[name] is not None:
+                self.events.rank(units[name], place)  # its listeners, however late added, run in this order
                 self._start_unit(units[name])
         self.check_settled()
 

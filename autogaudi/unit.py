@@ -22,10 +22,8 @@ import wrapt
 from autogaudi import model_call
 from autogaudi.events import Event
 from autogaudi.guard import guarded, guarded_call
-from autogaudi.memory import origin
 from autogaudi.options import OPTIONS_BY_NAME
 from autogaudi.reasons import Reason
-from autogaudi.trials import WARMUP, Check, Trial
 
 ALL_BACKENDS = ("hpu", "cuda", "cpu")
 # How a unit can make a run's numbers differ from plain PyTorch's on the same machine (losses,
@@ -313,7 +311,7 @@ class Unit:
 
 class ActsOnProfile(Unit):
     """Base of the units that act once the step is profiled (on the training model it finds) and
-    switch on at once or through a trial."""
+    switch on at once or through a trial (:mod:`autogaudi.candidate`)."""
 
     requires = ("step_profiler",)
     states = ("watching", "in_use", "trial", "kept", "rejected", "failed", "disabled")
@@ -321,16 +319,6 @@ class ActsOnProfile(Unit):
     def watching(self) -> bool:
         profiled = self.session.unit("step_profiler").profile is not None
         return not profiled or self.session.trials.pending(self) or self.deciding()
-
-    def switch_on_or_try(self, switch, decided, **trial) -> bool:
-        """Switch on at once when ``--force``d or with ``--no-trials`` (returns True); otherwise hand
-        ``switch`` to a trial, whose outcome goes to ``decided(keep, record)`` (returns False).
-        ``trial``: :class:`Trial`'s ``set_up_s`` and ``not_before_step``."""
-        if self.name in self.options.force or self.options.no_trials:
-            switch(True)
-            return True
-        self.session.trials.submit(Trial(self, self.name, switch, decided, **trial))
-        return False
 
     def trial_named(self) -> str:
         """Which trial the ``speedup`` figure comes from, for the report's headline."""
@@ -345,26 +333,6 @@ class ActsOnProfile(Unit):
         if memory is None or memory.recalled is None or self.options.no_trials or self.name in self.options.force:
             return None
         return memory.recalled.get("trials", {}).get(self.name)
-
-    def follow(self, record: dict, switch, release, try_again) -> None:
-        """Take a remembered trial's decision without the trial: ``switch(True)`` where it was kept,
-        ``release()`` where not; then check this run's steps against the time that trial measured
-        for the arm followed, and ``try_again()`` (a trial) where they differ."""
-        keep = record["decision"] == "kept"
-        if keep:
-            switch(True)
-        else:
-            release()
-        self.figures.update(speedup=record["speedup"], remembered_from_run=record["run"])
-        self.because("remembered", decision=record["decision"], speedup=record["speedup"], **origin(record))
-
-        def checked(matches: bool, check: dict) -> None:
-            self.figures["remembered_check"] = check["decision"]
-            if not matches:
-                try_again()
-
-        expected_s = record["ms_per_step_with" if keep else "ms_per_step_without"] / 1000
-        self.session.trials.submit(Check(self, self.name, keep, expected_s, checked, warmup=WARMUP))
 
 
 def warn(message: str) -> None:

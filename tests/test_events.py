@@ -49,3 +49,15 @@ def test_forget_removes_every_listener_of_an_owner():
     events.forget(gone)
     assert not events.listening(Event.BEFORE_BACKWARD, Event.OPTIMIZER_STEP)
     assert events.listening(Event.AFTER_BACKWARD)
+
+
+def test_a_listener_added_late_runs_before_those_of_owners_that_started_later():
+    events, early, later, unranked, heard = Dispatcher(), GuardOwner(), GuardOwner(), GuardOwner(), []
+    events.rank(early, 0)
+    events.rank(later, 1)
+    events.on(Event.AFTER_BACKWARD, unranked, lambda: heard.append("unranked"))
+    events.on(Event.AFTER_BACKWARD, later, lambda: heard.append("all-reduce"))  # added when it started
+    events.on(Event.AFTER_BACKWARD, early, lambda: heard.append("unscale"))  # added once the step is profiled
+    events.on(Event.AFTER_BACKWARD, early, lambda: heard.append("watch"))
+    events.emit(Event.AFTER_BACKWARD)
+    assert heard == ["unscale", "watch", "all-reduce", "unranked"]

@@ -45,3 +45,27 @@ def test_a_unit_whose_requirement_is_off_is_skipped_naming_it(unit):
         "needs_unit",
         {"units": "step_profiler"},
     )
+
+
+def test_a_units_listener_added_once_profiled_runs_before_a_later_started_units():
+    """fp16's loss scaling listens after each backward only once the step is profiled; fast_ddp (opt-in),
+    started after it, listens from the start: the gradients are unscaled before they are averaged."""
+    import torch
+    from torch import nn
+
+    from autogaudi import runtime
+    from autogaudi.events import Event
+    from tests.optimizations.test_step_profiler import STEPS
+
+    autogaudi.enable(device="cpu", only="step_profiler,mixed_precision,fast_ddp", precision="fp16", force="fast_ddp")
+    net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.01)
+    for _ in range(STEPS):
+        nn.functional.cross_entropy(net(torch.randn(8, 16)), torch.randint(0, 4, (8,))).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    live = runtime._STATE.session
+    assert live.unit("mixed_precision").candidate.scope is not None  # its loss scaling is set up
+    owners = [listener.owner.name for listener in live.events._listeners[Event.AFTER_BACKWARD]]
+    assert "mixed_precision" in owners and "fast_ddp" in owners
+    assert owners.index("mixed_precision") < owners.index("fast_ddp")

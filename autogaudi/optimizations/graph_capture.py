@@ -19,6 +19,7 @@ rules, their measurements and what each figure means: docs/units/graph_capture.m
 from __future__ import annotations
 
 import atexit
+import functools
 import math
 import time
 import warnings
@@ -26,6 +27,7 @@ import warnings
 import torch
 import torch.utils.checkpoint
 
+from autogaudi.candidate import Candidate, DecidesCandidate
 from autogaudi.engines import fsdp2_managed
 from autogaudi.events import Event
 from autogaudi.guard import PASSING_THROUGH
@@ -33,7 +35,7 @@ from autogaudi.model_call import Layer, compiled_by_the_script, holder
 from autogaudi.optimizations.step_profiler import input_shapes
 from autogaudi.ranks import rank_zero_choice
 from autogaudi.run_length import remaining_steps
-from autogaudi.unit import RANDOM, ROUNDING, ActsOnProfile
+from autogaudi.unit import RANDOM, ROUNDING
 
 MAX_SHAPES = 8
 # What capture costs once, each measured where it happens: setting it up (importing the compiler
@@ -62,7 +64,7 @@ def uses_gradient_checkpointing(module) -> bool:
     return any(getattr(sub, "gradient_checkpointing", False) is True for sub in module.modules())
 
 
-class GraphCapture(ActsOnProfile):
+class GraphCapture(DecidesCandidate):
     # Compiled kernels fuse and reorder; compiled dropout draws other masks (--exact-random: the same
     # masks, still not the same rounding). A rejected trial ran its steps captured.
     numerics = (ROUNDING, RANDOM)
@@ -117,25 +119,29 @@ class GraphCapture(ActsOnProfile):
     )
 
     def apply(self) -> None:
-        self._module = None
-        self._optimizer = None
+        codes = {"forced": "captured_forced", "no_trials": "captured_no_trials"}
+        self.candidate = Candidate(self, self._set_up, self._switch, self._params, codes, decided=self._decided)
         self._graphed = None
-        self._candidate = None  # the scope of what capturing set up; closed if it is not kept
-        self._on = False
         self._shapes: list = []
         self._compiled_for = 0  # how many input shapes have been through the graphed call
         self._checkpoint_calls = 0
-        self._waiting = None  # the scope of the listener waiting for the step a trial is due at
         if self.backend.graphs_hold_gradients:
             self.wrap(torch.utils.checkpoint, "checkpoint", self._count_checkpoint)
-        self.on_revert(self._release)  # the first undo registered: it runs last
         self.because("waiting_for_profile")
         self.on(Event.STEP_PROFILED, self._profiled)
 
+    @property
+    def _candidate(self):
+        """The scope of what capturing set up (the candidate's), closed if it is not kept."""
+        return self.candidate.scope
+
+    def _params(self) -> dict:
+        return {"model": type(self.candidate.model).__name__}
+
     def changes(self) -> list:
-        if not (self._on and self._module is not None):
+        if not self.in_use():
             return []
-        text = f"{type(self._module).__name__} captured ({self.backend.graph_kind()})"
+        text = f"{type(self.candidate.model).__name__} captured ({self.backend.graph_kind()})"
         if "speedup" in self.figures:
             text += f", {self.figures['speedup']}x per step in {self.trial_named()}"
         parts = {name: self.figures[name] for name in ONE_OFF_PARTS if name in self.figures}
@@ -149,9 +155,6 @@ class GraphCapture(ActsOnProfile):
         if self.figures.get("compile_cache") == "hit":
             text += ", compiled from the cache"
         return [text]
-
-    def deciding(self) -> bool:
-        return self._waiting is not None
 
     def _count_checkpoint(self, wrapped, instance, args, kwargs):
         self._checkpoint_calls += 1
@@ -194,46 +197,34 @@ class GraphCapture(ActsOnProfile):
         too_short, start_at_step = rank_zero_choice(self._when_to_try(profile)) if trial else (None, 0)
         refusal = self.reason_for("too_short", **too_short) if too_short else self._refusal(profile, forced or asked)
         if refusal:
-            self.reason = refusal
+            self.candidate.refuse(refusal)
             return
         remembered = self.recalled_trial()
         if remembered is not None:  # no waiting: the decision is known, the compile likely cached
-            if remembered["decision"] == "kept":
-                self.figures["set_up_s"] = round(self._set_up_capture(profile), 3)
-            self.follow(remembered, self._switch, self._release, lambda: self._try_again(profile))
+            self.candidate.follow(remembered, profile)
             return
         if start_at_step > self.session.steps.steps:
             # Nothing is set up before the trial is due (importing the compiler alone took 1.2 s on
             # the 2-core CPU, more than a short script's whole run): a run that ends first pays nothing.
-            self._waiting = self.scope.child()
-            self.on(Event.TRAINING_STEP, lambda _optimizer: self._when_due(profile, start_at_step), self._waiting)
+            self.candidate.defer(start_at_step, functools.partial(self._when_due, profile, start_at_step))
             self.figures["trial_waits_for_step"] = start_at_step
             least = self.backend.least_capture_one_off_s
             model = type(profile.model).__name__
             self.because("trial_waits", model=model, step=start_at_step, least=least, backend=self.backend.name)
             return
-        self._capture_and_decide(profile, forced, start_at_step)
+        self.candidate.try_(profile, not_before_step=start_at_step)
 
     def _when_due(self, profile, start_at_step: int) -> None:
-        if self.session.steps.steps < start_at_step:
-            return
-        self.close_scope(self._waiting)
-        self._waiting = None
         refusal = self._refusal(profile, any_bound=False)  # the script may have compiled it meanwhile
         if refusal:
-            self.reason = refusal
+            self.candidate.refuse(refusal)
         else:
-            self._capture_and_decide(profile, forced=False, start_at_step=start_at_step)
-        self.session.check_settled()
+            self.candidate.try_(profile, not_before_step=start_at_step)
 
-    def _capture_and_decide(self, profile, forced: bool, start_at_step: int) -> None:
-        set_up_s = self._set_up_capture(profile)
-        model = type(self._module).__name__
-        if self.switch_on_or_try(self._switch, self._decided, set_up_s=set_up_s, not_before_step=start_at_step):
-            self.figures["set_up_s"] = round(set_up_s, 3)  # with a trial, its record brings it
-            self.because("captured_forced" if forced else "captured_no_trials", model=model)
-        else:
-            self.because("trial_running", model=model)
+    def _set_up(self, _scope) -> dict:
+        """The candidate's set-up: capture, timed (a trial's record, or the figures, bring it)."""
+        self._shapes, self._compiled_for = [], 0
+        return {"set_up_s": self._set_up_capture(self.candidate.profile)}
 
     def _set_up_capture(self, profile) -> float:
         """Capture the profiled model; the seconds it took."""
@@ -241,33 +232,24 @@ class GraphCapture(ActsOnProfile):
         self._capture(profile)
         return time.perf_counter() - started
 
-    def _try_again(self, profile) -> None:
-        """A remembered decision did not hold on this run: decide by a trial after all."""
-        if self._candidate is None:
-            self._capture_and_decide(profile, forced=False, start_at_step=self.session.steps.steps)
-        else:
-            self.switch_on_or_try(self._switch, self._decided, set_up_s=self.figures.get("set_up_s", 0.0))
-            self.because("trial_running", model=type(self._module).__name__)
-
     def _capture(self, profile) -> None:
-        """Capture the profiled model, into a candidate scope that :meth:`_release` closes."""
-        self._candidate = self.scope.child()
-        self._training_mode = profile.model.training
+        """Capture the profiled model, into the candidate's scope."""
+        module = profile.model
+        self._training_mode = module.training
         if self.backend.graphs_hold_gradients:
-            self._keep_gradient_tensors(profile.optimizer, profile.model)
-        self._module = profile.model
-        name = type(self._module).__name__
+            self._keep_gradient_tensors(profile.optimizer, module)
+        name = type(module).__name__
         exact = self.options.exact_random and self.backend.graphs_can_draw_eager_random
         if self.options.exact_random and not exact:
             self.note("exact_random_no_effect", backend=self.backend.name)
         several = profile.calls_per_step > 1
         if several:
             self.note("captured_called_several_times", model=name, calls=profile.calls_per_step)
-        self._graphed = self.backend.graph_forward(self._module, exact_random=exact, static_outputs=not several)
+        self._graphed = self.backend.graph_forward(module, exact_random=exact, static_outputs=not several)
         self._candidate.add(self._forget_graphs)
-        self.hold(self._module, Layer.CAPTURE, self._around, self._candidate)
+        self.hold(module, Layer.CAPTURE, self._around, self._candidate)
         self.figures["model"] = name
-        if any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in self._module.modules()):
+        if any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in module.modules()):
             self.note("dropout_exact" if exact else "dropout_differs")
 
     def _when_to_try(self, profile) -> tuple:
@@ -305,19 +287,18 @@ class GraphCapture(ActsOnProfile):
     def _keep_gradient_tensors(self, optimizer, model) -> None:
         """Make ``zero_grad`` keep gradient tensors while graphs are on."""
         # On the classes, checked by identity: nothing lands in the user's objects' __dict__.
-        self._optimizer = optimizer
         self._candidate.wrap(type(optimizer), "zero_grad", self._zero_grad)
         self._candidate.wrap(type(model), "zero_grad", self._zero_grad)
         self.note("gradients_reused")
 
     def _zero_grad(self, wrapped, instance, args, kwargs):
-        ours = instance is not None and (instance is self._module or instance is self._optimizer)
-        return wrapped(set_to_none=False) if self._on and ours else wrapped(*args, **kwargs)
+        candidate = self.candidate
+        ours = instance is not None and (instance is candidate.model or instance is candidate.optimizer)
+        return wrapped(set_to_none=False) if candidate.on and ours else wrapped(*args, **kwargs)
 
     def _switch(self, on: bool) -> None:
-        if self.backend.graphs_hold_gradients and self._optimizer is not None and on != self._on:
-            own_gradient_tensors(self._optimizer, on)
-        self._on = on
+        if self.backend.graphs_hold_gradients and self.candidate.optimizer is not None:
+            own_gradient_tensors(self.candidate.optimizer, on)
 
     def _decided(self, keep: bool, record: dict) -> None:
         self.figures.update(
@@ -327,16 +308,6 @@ class GraphCapture(ActsOnProfile):
         )
         if "pays_back_after_steps" in record:
             self.figures["pays_back_after_steps"] = record["pays_back_after_steps"]
-        self.because("measured_faster" if keep else "rejected", model=type(self._module).__name__)
-        if not keep:
-            self._release()
-
-    def _release(self) -> None:
-        """Undo the capture: the call route, wrappers, compiled code and graphs, and the references."""
-        self._switch(False)
-        self.close_scope(self._candidate)
-        self._candidate = None
-        self._module = self._optimizer = None
 
     def _forget_graphs(self) -> None:
         graphed, self._graphed = self._graphed, None
@@ -345,8 +316,8 @@ class GraphCapture(ActsOnProfile):
 
     def _around(self, call, args, kwargs):
         """The capture layer: ``call`` is the model's own eager call."""
-        module = self._module
-        if not self._on:
+        module = self.candidate.model
+        if not self.candidate.on:
             return call(*args, **kwargs)
         if module.training != self._training_mode or not torch.is_grad_enabled():
             # Evaluation: not what the trial measured, and each mode would be one more compilation.
@@ -357,8 +328,7 @@ class GraphCapture(ActsOnProfile):
             self._shapes.append(shapes)
             if len(self._shapes) > MAX_SHAPES:
                 self.session.trials.cancel(self)
-                self.because("dynamic_shapes", count=len(self._shapes), shapes=self._shapes[:4])
-                self._release()
+                self.candidate.release("dynamic_shapes", count=len(self._shapes), shapes=self._shapes[:4])
                 return call(*args, **kwargs)
         try:
             if len(self._shapes) == self._compiled_for:

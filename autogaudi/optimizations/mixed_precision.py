@@ -38,12 +38,13 @@ import time
 
 import torch
 
+from autogaudi.candidate import Candidate, DecidesCandidate
 from autogaudi.engines import fsdp2_managed
 from autogaudi.events import Event
 from autogaudi.model_call import Layer, compiled_by_the_script
 from autogaudi.optimizations.step_profiler import FP32_MATRIX_SHARE
 from autogaudi.options import PRECISIONS
-from autogaudi.unit import PRECISION, ActsOnProfile
+from autogaudi.unit import PRECISION
 
 GUARD_CHECKS = 3  # forward/backward pairs compared before a precision is used
 GUARD_PATIENCE = 30  # backward passes the guard waits for them; after that the precision is not used
@@ -111,6 +112,59 @@ def _closure_step(args, kwargs) -> bool:
     return len(args) > 1 and args[1] is not None or kwargs.get("closure") is not None
 
 
+def scale_gradients(grouped: dict, scale: torch.Tensor) -> None:
+    """Multiply gradients (grouped by device, :func:`_grads_by_device`) by ``scale`` in place: those
+    that earlier backward passes left, before a scaled one accumulates into them."""
+    for device, grads in grouped.items():
+        torch._foreach_mul_(grads, scale.to(device))
+
+
+def unscale_gradients(grouped: dict, scale: torch.Tensor) -> None:
+    """Divide gradients (grouped by device) by ``scale`` in place, with GradScaler's kernel; exact
+    where the scale is a power of two."""
+    inverse = scale.double().reciprocal().float()
+    for device, grads in grouped.items():
+        found = torch.zeros((), device=device)
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inverse.to(device))
+
+
+def non_finite(grouped: dict, device) -> torch.Tensor:
+    """1.0 where any of the gradients (grouped by device) holds an inf or NaN, else 0.0: a tensor on
+    ``device``, so that checking costs no host read of its own."""
+    found = torch.zeros((), device=device)
+    one = torch.ones((), device=device)
+    for grads_device, grads in grouped.items():
+        found_here = torch.zeros((), device=grads_device)
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_here, one.to(grads_device))
+        found += found_here.to(device)
+    return found
+
+
+def update_scale(scale: torch.Tensor, growth_tracker: torch.Tensor, found: torch.Tensor, interval: int) -> None:
+    """GradScaler's rule, in place on the device: the scale halves where ``found`` (an overflow),
+    and doubles after ``interval`` clean steps in a row (``growth_tracker`` counts them)."""
+    torch._amp_update_scale_(scale, growth_tracker, found, 2.0, 0.5, interval)
+
+
+def guard_copy(model):
+    """A copy of ``model`` for the guard's shadow runs: the script's hooks (a logger, a list it
+    fills) stay on its own model, and run only in its own steps."""
+    shadow = copy.deepcopy(model)
+    for module in shadow.modules():
+        for hooks in (module._forward_pre_hooks, module._forward_hooks, module._backward_hooks):
+            hooks.clear()
+        module._backward_pre_hooks.clear()
+    return shadow
+
+
+def sync_copy(shadow, model) -> None:
+    """``shadow`` (a :func:`guard_copy`) with ``model``'s weights and buffers as they are now, and
+    each submodule's training flag (a submodule the script froze in eval)."""
+    shadow.load_state_dict(model.state_dict())
+    for module, real in zip(shadow.modules(), model.modules()):
+        module.training = real.training
+
+
 def chosen_precision(asked: str, has_bf16: bool) -> str:
     """The precision a run asking for ``asked`` gets: as asked, and for ``auto`` bf16 where the
     device has it (CPU, Gaudi, CUDA from compute capability 8.0), else fp16 with loss scaling."""
@@ -155,8 +209,7 @@ class LossScale:
             return
         tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors or ())
         self._scaled = _grads_by_device(self._parameters())
-        for device, grads in self._scaled.items():
-            torch._foreach_mul_(grads, self.scale.to(device))
+        scale_gradients(self._scaled, self.scale)
         roots = {id(t): t for t in tensors if isinstance(t, torch.Tensor) and t.requires_grad}  # each once
         self._hooks = [self._hook(root.register_hook, self._scale_gradient) for root in roots.values()]
 
@@ -172,22 +225,14 @@ class LossScale:
         for hook in self._hooks:
             hook.remove()
         self._hooks, self._scaled = [], {}
-        inverse = self.scale.double().reciprocal().float()
-        for device, grads in grouped.items():
-            found = torch.zeros((), device=device)
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inverse.to(device))
+        unscale_gradients(grouped, self.scale)
 
     def before_step(self, optimizer, args, kwargs) -> None:
         if not self._active() or _closure_step(args, kwargs):
             return
         parameters = [p for group in optimizer.param_groups for p in group["params"]]
-        found = torch.zeros((), device=self.scale.device)
-        one = torch.ones((), device=self.scale.device)
-        for device, grads in _grads_by_device(parameters).items():
-            found_here = torch.zeros((), device=device)
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_here, one.to(device))
-            found += found_here.to(found.device)
-        torch._amp_update_scale_(self.scale, self._growth_tracker, found, 2.0, 0.5, GROWTH_INTERVAL)
+        found = non_finite(_grads_by_device(parameters), self.scale.device)
+        update_scale(self.scale, self._growth_tracker, found, GROWTH_INTERVAL)
         if not found.item():
             self._skipped_in_a_row = 0
             return
@@ -283,11 +328,7 @@ class _Guard:
     ``unseen``: the session's context for backward passes that are not the user's."""
 
     def __init__(self, model, precision_context, reference_context, device_type, scales, unseen):
-        self.copy = copy.deepcopy(model)
-        for module in self.copy.modules():  # the script's hooks (a logger, a list it fills) stay on its model
-            for hooks in (module._forward_pre_hooks, module._forward_hooks, module._backward_hooks):
-                hooks.clear()
-            module._backward_pre_hooks.clear()
+        self.copy = guard_copy(model)
         self.model = model
         self.precision_context = precision_context
         self.reference_context = reference_context
@@ -337,9 +378,7 @@ class _Guard:
             if not outputs or all(g is None for g in grads):
                 continue
             grads = [torch.zeros_like(o) if g is None else g for g, o in zip(grads, outputs)]
-            self.copy.load_state_dict(self.model.state_dict())
-            for shadow, real in zip(self.copy.modules(), self.model.modules()):  # a submodule frozen in eval
-                shadow.training = real.training
+            sync_copy(self.copy, self.model)
             with self.unseen():
                 reference = self._shadow(inputs, state, grads, self.reference_context)
                 for scale in self.scales:
@@ -364,7 +403,7 @@ class _Guard:
         return outputs, torch.cat(params).float() if params else torch.zeros(1)
 
 
-class MixedPrecision(ActsOnProfile):
+class MixedPrecision(DecidesCandidate):
     numerics = (PRECISION,)
     reasons = {
         "off": "off by default (it changes numerics): --precision {choices}",
@@ -424,50 +463,50 @@ class MixedPrecision(ActsOnProfile):
 
     def apply(self) -> None:
         self._precision = self._chosen()
-        self._model = None
-        self._candidate = None  # the scope of what the precision set up; closed if it is not kept
-        self._guard = None
+        self.candidate = Candidate(
+            self, self._set_up, self._switch, self._params, codes={"forced": "on", "no_trials": "on"},
+            try_again=self._try_again,
+        )  # fmt: skip
+        self.candidate.needs_trial = self.options.precision == "auto"  # asked for by name: on once checked
+        self._guard = None  # checking on a copy of the model, before the precision may switch on
         self._guarding = None  # the guard's hooks and listeners, closed once it decided
+        self._loss_scale = None  # fp16, while it is a candidate
+        self._scaled_key, self._scaled = None, []  # what _scaled_parameters found, and for which optimizers
         self._tf32_before = None  # TF32 switches as they were, while tf32 is on
-        self._on = False
         self._losses: list = []  # watched loss tensors since the last read
         self._history: list = []  # losses read so far (the guard's float32 ones first)
         self._remembered = None  # auto: the speed trial of an earlier run with this set-up, model and inputs
-        self._loss_scale = None  # fp16, while it is a candidate
-        self._scaled_key, self._scaled = None, []  # what _scaled_parameters found, and for which optimizers
         self._script_scales = False
         self.wrap(torch.amp.GradScaler, "scale", self._seen_scaling)
-        self.on_revert(self._release)
         self.because("waiting_for_profile")
         self.on(Event.STEP_PROFILED, self._profiled)
+
+    def _params(self) -> dict:
+        return {"precision": self._precision, "model": type(self.candidate.model).__name__}
 
     def _seen_scaling(self, wrapped, instance, args, kwargs):
         if instance.is_enabled() and not self._script_scales:
             self._script_scales = True
-            if self._loss_scale is not None and self._on:  # scaled twice: the script's scaler stays, ours goes
+            if self._loss_scale is not None and self.candidate.on:  # scaled twice: the script's scaler stays
                 self._fall_back("the script began scaling its loss itself (GradScaler)")
             elif self._loss_scale is not None:  # still being checked or tried
                 self.session.trials.cancel(self)
-                self.because("script_scaler")
-                self._release()
+                self.candidate.release("script_scaler")
                 self.session.check_settled()
         return wrapped(*args, **kwargs)
 
-    def deciding(self) -> bool:
-        return self._guard is not None
-
     def changes(self) -> list:
-        if not (self._on and self._model is not None):
+        if not self.in_use():
             return []
         measured = f", {self.figures['speedup']}x per step in {self.trial_named()}" if "speedup" in self.figures else ""
         checked = f"checked against float32 (one-off {self.figures['guard_s']} s)"
         scaled = " with loss scaling" if self._loss_scale is not None else ""
-        return [f"{type(self._model).__name__} in {self._precision}{scaled}, {checked}{measured}"]
+        return [f"{type(self.candidate.model).__name__} in {self._precision}{scaled}, {checked}{measured}"]
 
     def _refusal(self, profile):
         if profile.model is None:
             return self.reason_for("no_training_model")
-        share = self.session.unit("step_profiler").figures.get("fp32_matrix_fraction")
+        share = profile.measured.fp32_matrix_fraction
         if share is None:
             return self.reason_for("no_matrix_products")
         if share < FP32_MATRIX_SHARE:  # the script already runs its matrix products below float32
@@ -485,15 +524,14 @@ class MixedPrecision(ActsOnProfile):
     def _profiled(self, profile, recall: bool = True) -> None:
         refusal = self._refusal(profile)
         if refusal:
-            self.reason = refusal
+            self.candidate.refuse(refusal)
             return
         self._remembered = self.recalled_trial() if recall and self.options.precision == "auto" else None
         if self._remembered is not None and self._remembered["decision"] != "kept":
             # Not faster in an earlier run with this set-up, model and inputs: no guard, nothing set up;
             # where this run's steps differ from that trial's, it is checked and tried after all.
-            self.follow(self._remembered, self._switch, lambda: None, lambda: self._profiled(profile, recall=False))
+            self.candidate.follow(self._remembered, profile)
             return
-        model = profile.model
         device_type = self.backend.device_type
         if self._precision == "tf32":
             reference, candidate = (lambda: tf32(False)), (lambda: tf32(True))
@@ -503,25 +541,43 @@ class MixedPrecision(ActsOnProfile):
         scales = GUARD_SCALES if self._precision == "fp16" else (1.0,)
         started = time.perf_counter()
         try:
-            self._guard = _Guard(model, candidate, reference, device_type, scales, self.session.steps.unseen)
+            guard = _Guard(profile.model, candidate, reference, device_type, scales, self.session.steps.unseen)
         except Exception as error:  # a model deepcopy refuses (an open file, a lock)
-            self.because("no_copy", error=repr(error))
+            self.candidate.refuse(self.reason_for("no_copy", error=repr(error)))
             return
-        self._model = model
-        self._candidate = self.scope.child()
-        self.hold(model, Layer.PRECISION, self._in_precision, self._candidate)
-        if self._precision == "fp16":
-            device = next((p.device for p in model.parameters()), torch.device(device_type))
-            self._loss_scale = LossScale(self._scaled_parameters, device, lambda: self._on, self._overflowing)
-            self._loss_scale.install(self, self._candidate)
-        self._candidate.add(lambda: self._switch(False))
-        guarding = self._candidate.child()
-        self.hold(model, Layer.OBSERVE, self._guard_forward, guarding)
-        self.on(Event.BEFORE_BACKWARD, self._guard_loss, guarding)
-        self.on(Event.AFTER_BACKWARD, self._guard_check, guarding)
-        self._guarding = guarding
-        self._guard.seconds += time.perf_counter() - started
+        self._guard = guard
+        self.candidate.set_up(profile)
+        self.candidate.checking()
+        guard.seconds += time.perf_counter() - started
         self.because("checking", precision=self._precision, checks=GUARD_CHECKS)
+
+    def _set_up(self, scope) -> None:
+        """The precision layer, fp16's loss scaling, and the guard's observe layer and listeners (a
+        scope of their own, closed once it decided)."""
+        model = self.candidate.model
+        scope.add(self._forget)
+        self.hold(model, Layer.PRECISION, self._in_precision, scope)
+        if self._precision == "fp16":
+            device = next((p.device for p in model.parameters()), torch.device(self.backend.device_type))
+            self._loss_scale = LossScale(self._scaled_parameters, device, lambda: self.candidate.on, self._overflowing)
+            self._loss_scale.install(self, scope)
+        self._guarding = scope.child()
+        self.hold(model, Layer.OBSERVE, self._guard_forward, self._guarding)
+        self.on(Event.BEFORE_BACKWARD, self._guard_loss, self._guarding)
+        self.on(Event.AFTER_BACKWARD, self._guard_check, self._guarding)
+
+    def _forget(self) -> None:
+        """The candidate undone: nothing of it kept (its guard, loss scaling, the parameters it scaled)."""
+        self._guard = self._guarding = self._loss_scale = None
+        self._scaled_key, self._scaled = None, []
+
+    def _try_again(self) -> None:
+        """A remembered decision's check differed: checked by the guard first where nothing was set
+        up (a remembered rejection), else tried at once."""
+        if self.candidate.scope is None:
+            self._profiled(self.candidate.profile, recall=False)
+        else:
+            self.candidate.try_()
 
     def _scaled_parameters(self) -> list:
         """The parameters whose gradients a scaled backward may write: the training model's and every
@@ -531,7 +587,7 @@ class MixedPrecision(ActsOnProfile):
         key = tuple((id(o), len(o.param_groups), sum(len(g["params"]) for g in o.param_groups)) for o in optimizers)
         if self._scaled_key != key:
             groups = [group["params"] for optimizer in optimizers for group in optimizer.param_groups]
-            everything = [*self._model.parameters(), *(p for params in groups for p in params)]
+            everything = [*self.candidate.model.parameters(), *(p for params in groups for p in params)]
             self._scaled = list({id(p): p for p in everything if p.requires_grad}.values())
             self._scaled_key = key
         return self._scaled
@@ -542,14 +598,14 @@ class MixedPrecision(ActsOnProfile):
 
     def _in_precision(self, call, args, kwargs):
         """The precision layer: autocast while on (TF32 is a process-wide switch: nothing per call)."""
-        if self._on and self._precision in DTYPES:
+        if self.candidate.on and self._precision in DTYPES:
             return autocast_call(call, args, kwargs, self.backend.device_type, DTYPES[self._precision])
         return call(*args, **kwargs)
 
     def _guard_forward(self, call, args, kwargs):
         """The observe layer while the guard checks: the training forwards' inputs, and the gradients
         their outputs get."""
-        training = self._model.training and torch.is_grad_enabled()
+        training = self.candidate.model.training and torch.is_grad_enabled()
         if training:
             self._guard.before_forward(args, kwargs)
         output = call(*args, **kwargs)
@@ -568,13 +624,12 @@ class MixedPrecision(ActsOnProfile):
         if len(self._guard.figures) >= GUARD_CHECKS:
             self._guarded()
         elif self._guard.backward_passes >= GUARD_PATIENCE:
-            self.because("not_checked", passes=GUARD_PATIENCE)
-            self._release()
+            self.candidate.release("not_checked", passes=GUARD_PATIENCE)
             self.session.check_settled()
 
     def _guarded(self) -> None:
-        guard, self._guard = self._guard, None
-        self.close_scope(self._guarding)
+        guard, guarding, self._guard, self._guarding = self._guard, self._guarding, None, None
+        self.close_scope(guarding)
         checks = guard.figures
         self.figures.update(
             guard_checks=len(checks),
@@ -586,8 +641,7 @@ class MixedPrecision(ActsOnProfile):
         )
         outside = sorted({name for figures in checks for name in within_bounds(figures)})
         if outside:
-            self.because("guard_failed", precision=self._precision, outside=", ".join(outside))
-            self._release()
+            self.candidate.release("guard_failed", precision=self._precision, outside=", ".join(outside))
         else:
             self._use()
         self.session.check_settled()
@@ -596,32 +650,14 @@ class MixedPrecision(ActsOnProfile):
         """Checked: on now (``bf16``, ``tf32``), or through a speed trial (``auto``: the trial of an
         earlier run with the same set-up, model and inputs where there is one; the guard above runs in
         every run, since numerics depend on this run's weights); watched from here."""
-        self.on(Event.BEFORE_BACKWARD, self._watch, self._candidate)
+        self.on(Event.BEFORE_BACKWARD, self._watch, self.candidate.scope)
         if self._remembered is not None:
-            self.follow(self._remembered, self._switch, self._release, self._try)
+            self.candidate.follow(self._remembered)
         else:
-            self._try()
-
-    def _try(self) -> None:
-        model = type(self._model).__name__
-        if self.options.precision != "auto" or self.switch_on_or_try(self._switch, self._decided):
-            self._switch(True)
-            self.because("on", precision=self._precision, model=model)
-        else:
-            self.because("trial_running", precision=self._precision, model=model)
-
-    def _decided(self, keep: bool, record: dict) -> None:
-        self.figures["speedup"] = record["speedup"]
-        if keep:
-            self.because("measured_faster", precision=self._precision, model=type(self._model).__name__)
-        else:
-            self.because("rejected", precision=self._precision)
-            self._release()
+            self.candidate.try_()
 
     def _switch(self, on: bool) -> None:
-        if on == self._on:
-            return
-        self._on = on
+        """TF32 is a process-wide switch; autocast is the precision layer's, per call."""
         if self._precision == "tf32" and on:
             self._tf32_before = set_tf32(True)
         elif self._precision == "tf32":
@@ -630,7 +666,7 @@ class MixedPrecision(ActsOnProfile):
     def _watch(self, tensors) -> None:
         """Keep each loss on the device; every WATCH_EVERY, read them at once and fall back to
         float32 on a NaN/Inf or a spike."""
-        if not self._on or not isinstance(tensors, torch.Tensor) or tensors.numel() != 1:
+        if not self.candidate.on or not isinstance(tensors, torch.Tensor) or tensors.numel() != 1:
             return
         self._losses.append(tensors.detach().reshape(()).float())
         if len(self._losses) < WATCH_EVERY:
@@ -654,14 +690,5 @@ class MixedPrecision(ActsOnProfile):
         self.session.trials.cancel(self)
         self.figures["fell_back_at_step"] = step
         self.moment("fell_back")
-        self.because("fell_back", step=step, what=what)
         self.note("losses_read_every", every=WATCH_EVERY, precision=self._precision)
-        self._release()
-
-    def _release(self) -> None:
-        """Back to float32: hooks removed, TF32 switches as they were, no reference to the model kept."""
-        self._guard = None
-        self.close_scope(self._candidate)
-        self._candidate = None
-        self._model = None
-        self._loss_scale, self._scaled_key, self._scaled = None, None, []
+        self.candidate.release("fell_back", step=step, what=what)

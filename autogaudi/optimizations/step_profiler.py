@@ -33,6 +33,7 @@ different collectives.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import statistics
 import sys
@@ -100,6 +101,30 @@ def classify(waiting: float, busy: float, collective: float = 0.0) -> tuple:
     return "device", f"{compute}{held} of each step"
 
 
+@dataclasses.dataclass
+class StepFigures:
+    """What the profiler measured of a step, typed; :meth:`as_dict` gives them under the keys the
+    report and a remembered record use (a figure not measured is left out)."""
+
+    ms_per_step: float
+    input_wait_fraction: float  # of each clean step, waiting for the DataLoader
+    ops_per_step: int
+    compute_fraction: float  # of each step, the ops computing (the median census pair)
+    compute_fraction_range: list  # [least, most] over the census pairs
+    collective_wait_fraction: float | None = None  # where collectives ran
+    collectives_without_future_per_step: float | None = None  # where some had no future to wait on
+    fp32_matrix_fraction: float | None = None  # where the step ran matrix products
+
+    def as_dict(self) -> dict:
+        return {name: value for name, value in dataclasses.asdict(self).items() if value is not None}
+
+    @classmethod
+    def from_dict(cls, figures: dict) -> StepFigures:
+        """From a remembered record's figures (keys it does not know are left out)."""
+        names = {field.name for field in dataclasses.fields(cls)}
+        return cls(**{name: value for name, value in figures.items() if name in names})
+
+
 def census_figures(clean: list, censuses: list) -> tuple:
     """The step's figures, and the (input wait, ops computing, collective wait) shares of a step that
     :func:`classify` reads, from the clean steps' (seconds, seconds waiting for data) and the census
@@ -114,18 +139,18 @@ def census_figures(clean: list, censuses: list) -> tuple:
     )
     _, busy_share, collective_share = pairs[len(pairs) // 2]
     busy = sorted(share for _, share, _ in pairs)
-    figures = {
-        "ms_per_step": round(1000 * step_s, 3),
-        "input_wait_fraction": round(waiting, 3),
-        "ops_per_step": int(statistics.median(ops for ops, *_ in censuses)),
-        "compute_fraction": round(min(busy_share, 1.0), 3),
-        "compute_fraction_range": [round(min(busy[0], 1.0), 3), round(min(busy[-1], 1.0), 3)],
-    }
+    figures = StepFigures(
+        ms_per_step=round(1000 * step_s, 3),
+        input_wait_fraction=round(waiting, 3),
+        ops_per_step=int(statistics.median(ops for ops, *_ in censuses)),
+        compute_fraction=round(min(busy_share, 1.0), 3),
+        compute_fraction_range=[round(min(busy[0], 1.0), 3), round(min(busy[-1], 1.0), 3)],
+    )
     if any(collective_s is not None for _ops, _busy, collective_s, _unfutured in censuses):
-        figures["collective_wait_fraction"] = round(min(collective_share, 1.0), 3)
+        figures.collective_wait_fraction = round(min(collective_share, 1.0), 3)
     unfutured = statistics.median(unfutured for *_, unfutured in censuses)
     if unfutured:  # their waits are measured up to the next op only (_Census._completion)
-        figures["collectives_without_future_per_step"] = unfutured
+        figures.collectives_without_future_per_step = unfutured
     return figures, (waiting, busy_share, collective_share)
 
 
@@ -408,16 +433,25 @@ def _weak(value):
 
 
 class StepProfile:
-    """The result: the bound, why, the figures, the module that produced the step's loss (inside
-    DDP: graphs go inside it, its hooks stay outside) and how often it was called per step. The
-    model and optimizer are held weakly: the profile must not keep the user's objects alive."""
+    """The result: the bound, why, the figures (``measured``, a :class:`StepFigures`), the module
+    that produced the step's loss (inside DDP: graphs go inside it, its hooks stay outside) and how
+    often it was called per step. The model and optimizer are held weakly: the profile must not keep
+    the user's objects alive."""
 
     def __init__(
-        self, bound: str, why: str, figures: dict, root, optimizer, calls_per_step: int = 1, inputs=(), remembered=None
+        self,
+        bound: str,
+        why: str,
+        measured: StepFigures,
+        root,
+        optimizer,
+        calls_per_step: int = 1,
+        inputs=(),
+        remembered=None,
     ):
         self.bound = bound
         self.why = why
-        self.figures = figures
+        self.measured = measured
         if isinstance(root, torch.nn.parallel.DistributedDataParallel):
             root = root.module
         self._model = _weak(root)
@@ -429,6 +463,11 @@ class StepProfile:
     def as_record(self) -> dict:
         """What a later run with the same set-up, model and inputs takes as its profile."""
         return {"bound": self.bound, "why": self.why, "figures": self.figures, "calls_per_step": self.calls_per_step}
+
+    @property
+    def figures(self) -> dict:
+        """The figures under the report's and the record's keys (read :attr:`measured` instead)."""
+        return self.measured.as_dict()
 
     @property
     def model(self):
@@ -532,7 +571,7 @@ class StepProfiler(Unit):
         calls = max((step_calls.get(id(root), 0) for step_calls in self._calls), default=0) if root else 0
         inputs = self._inputs.get(id(root), ())
         self.profile = StepProfile(bound, why, figures, root, optimizer, calls_per_step=calls, inputs=inputs)
-        self.figures.update(bound=bound, profiled_at_step=self.session.steps.steps, **figures)
+        self.figures.update(bound=bound, profiled_at_step=self.session.steps.steps, **figures.as_dict())
         self.because(f"{bound}_bound", why=why)
         if root is not None:
             self.figures["model"] = type(self.profile.model).__name__
@@ -578,7 +617,14 @@ class StepProfiler(Unit):
         record = entry["profile"]
         calls = identify.calls.get(id(root), 0)
         self.profile = StepProfile(
-            record["bound"], record["why"], record["figures"], root, optimizer, calls, inputs, remembered=record
+            record["bound"],
+            record["why"],
+            StepFigures.from_dict(record["figures"]),
+            root,
+            optimizer,
+            calls,
+            inputs,
+            remembered=record,
         )
         self.figures.update(
             bound=record["bound"],
@@ -618,7 +664,7 @@ class StepProfiler(Unit):
             return
         fp32 = self._matrix_ops[torch.float32] / matrix
         # Also in the profile: what mixed_precision reads, remembered with it for a later run.
-        self.figures["fp32_matrix_fraction"] = self.profile.figures["fp32_matrix_fraction"] = round(fp32, 3)
+        self.figures["fp32_matrix_fraction"] = self.profile.measured.fp32_matrix_fraction = round(fp32, 3)
         if fp32 >= FP32_MATRIX_SHARE and self.profile.bound == "device" and self.backend.fast_bf16():
             self.recommend(
                 "fp32_products",
@@ -626,5 +672,5 @@ class StepProfiler(Unit):
                 device=self.backend.device_type,
                 do=f"--precision auto ({fp32:.0%} of the matrix products run in float32)",
                 # bf16 matrix units run about twice the float32 rate: half the float32 matrix share
-                saves=round(self.profile.figures["compute_fraction"] * fp32 / 2, 3),
+                saves=round(self.profile.measured.compute_fraction * fp32 / 2, 3),
             )

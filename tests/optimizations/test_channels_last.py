@@ -116,3 +116,31 @@ def test_the_conversion_is_a_function_that_round_trips_model_and_optimizer_state
     after = [weight, optimizer.state[weight]["exp_avg"], optimizer.state[weight]["exp_avg_sq"]]
     assert all(tensor.is_contiguous() for tensor in after)
     assert all(torch.equal(a, b) for a, b in zip(after, before))
+
+
+def test_the_script_sees_its_parameters_strides_unchanged_until_the_trial_keeps_channels_last(trial_clock):
+    """While the trial runs only the inputs go in channels_last: a script reading its weight's
+    strides (or its gradient's) between steps reads its own layout until the decision is kept."""
+    from autogaudi import runtime
+
+    autogaudi.enable(device="cpu", only="step_profiler,channels_last")
+    model = cnn()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    nhwc = []
+    model[0].register_forward_pre_hook(
+        lambda _m, args: nhwc.append(args[0].is_contiguous(memory_format=torch.channels_last))
+    )
+    trials = runtime._STATE.session.trials
+    weight, own, seen = model[0].weight, model[0].weight.stride(), []
+    for _ in range(STEPS + 60):
+        images, labels = torch.randn(8, 3, 16, 16), torch.randint(0, 4, (8,))
+        nn.functional.cross_entropy(model(images), labels).backward()
+        trial_clock.advance(0.001 if nhwc[-1] else 0.002)  # the NHWC arm is the faster
+        seen.append((weight.stride(), weight.grad.stride(), bool(trials.records)))
+        optimizer.step()
+        optimizer.zero_grad()
+    (record,) = trials.records
+    assert record["decision"] == "kept" and any(nhwc)
+    assert all(strides == own and grad == own for strides, grad, decided in seen if not decided)
+    assert seen[-1][0] == (own[0], 1, own[1], own[2])  # kept: now the parameters too
+    assert autogaudi.report().unit("channels_last")["reason_code"] == "measured_faster"

@@ -2,6 +2,7 @@
 DDP through ModuleCacher with the same numerics; a recompile storm switches it off; on the CPU a
 host-bound run gets a torch.compile trial whose steps train like plain ones."""
 
+import dataclasses
 import gc
 import math
 
@@ -301,7 +302,7 @@ def test_host_bound_plain_loop_gets_a_compile_trial_once_it_could_pay_and_trains
 
     def given(clean, censuses):
         figures, shares = measured(clean, censuses)
-        return {**figures, "ms_per_step": 2.0, "compute_fraction": 0.5}, shares
+        return dataclasses.replace(figures, ms_per_step=2.0, compute_fraction=0.5), shares
 
     monkeypatch.setattr(step_profiler, "census_figures", given)
     monkeypatch.setattr(step_profiler, "classify", lambda *a, **k: ("host", "read as host-bound by the test"))

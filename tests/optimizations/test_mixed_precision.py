@@ -366,3 +366,39 @@ def test_fp16_on_hpu_is_declined_for_bf16(hpu_double):
     hpu_double(lazy=True)
     autogaudi.enable(device="hpu", precision="fp16")
     assert (row()["status"], row()["reason_code"]) == ("skipped", "no_fp16")
+
+
+def test_loss_scaling_functions_scale_unscale_exactly_and_follow_gradscalers_rule():
+    grads = [torch.randn(3, 4), torch.randn(5)]
+    before = [g.clone() for g in grads]
+    grouped = {torch.device("cpu"): grads}
+    scale = torch.tensor(2.0**16)
+    mixed_precision.scale_gradients(grouped, scale)
+    assert torch.equal(grads[0], before[0] * 2.0**16)
+    mixed_precision.unscale_gradients(grouped, scale)
+    assert all(torch.equal(g, b) for g, b in zip(grads, before))  # a power of two: exact both ways
+    assert mixed_precision.non_finite(grouped, "cpu").item() == 0.0
+    grads[1][2] = float("inf")
+    assert mixed_precision.non_finite(grouped, "cpu").item() == 1.0
+    tracker = torch.zeros((), dtype=torch.int32)
+    mixed_precision.update_scale(scale, tracker, torch.ones(()), interval=2)
+    assert scale.item() == 2.0**15  # an overflow halves it
+    for _ in range(2):
+        mixed_precision.update_scale(scale, tracker, torch.zeros(()), interval=2)
+    assert scale.item() == 2.0**16  # two clean steps in a row double it
+
+
+def test_the_guards_copy_leaves_the_scripts_hooks_and_follows_the_models_weights():
+    net = model()
+    calls = []
+    net[0].register_forward_hook(lambda *_: calls.append("hook"))
+    shadow = mixed_precision.guard_copy(net)
+    shadow(torch.randn(2, 32))
+    assert calls == [] and len(net[0]._forward_hooks) == 1  # the script's hook stays on its model only
+    with torch.no_grad():
+        net[0].weight.add_(1.0)
+    net[2].eval()
+    assert not torch.equal(shadow[0].weight, net[0].weight)
+    mixed_precision.sync_copy(shadow, net)
+    assert torch.equal(shadow[0].weight, net[0].weight) and shadow[0].weight is not net[0].weight
+    assert shadow.training and not shadow[2].training  # each submodule's mode, as the script set it
