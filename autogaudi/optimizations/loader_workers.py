@@ -679,7 +679,7 @@ class LoaderWorkers(Unit):
         if profile.bound != "input":
             return
         workers, _threads = worker_budget()
-        share = profile.figures["input_wait_fraction"]
+        share = profile.measured.input_wait_fraction
         if self._iterable_loaders:
             self.recommend(
                 "shard_iterable",

@@ -38,6 +38,7 @@ import time
 
 import torch
 
+from autogaudi import numerics
 from autogaudi.candidate import Candidate, DecidesCandidate
 from autogaudi.engines import fsdp2_managed
 from autogaudi.events import Event
@@ -638,6 +639,12 @@ class MixedPrecision(DecidesCandidate):
             guard_grad_norm_ratio=round(max((f["grad_norm_ratio"] for f in checks), key=lambda r: abs(r - 1)), 5),
             guard_grad_cosine=round(min(f["grad_cosine"] for f in checks), 5),
             guard_s=round(guard.seconds, 3),
+            numerics_measured=numerics.measured(
+                max(f["output_error"] for f in checks),
+                of="outputs",
+                steps=len(checks),
+                against="float32 on a copy of the model",
+            ),
         )
         outside = sorted({name for figures in checks for name in within_bounds(figures)})
         if outside:

@@ -64,6 +64,9 @@ def test_bf16_is_checked_against_float32_then_used_and_trains_alike():
     assert figures["guard_checks"] == mixed_precision.GUARD_CHECKS
     assert figures["guard_output_error"] < mixed_precision.BOUNDS["output_error"]
     assert figures["guard_grad_cosine"] > mixed_precision.BOUNDS["grad_cosine"]
+    measured = row()["numerics_measured"]  # the report says by how much the outputs moved
+    assert measured["max_rel_diff"] == pytest.approx(figures["guard_output_error"], rel=1e-2)
+    assert measured["steps"] == mixed_precision.GUARD_CHECKS
     steps = autogaudi.report().steps  # the guard's shadow backward passes are not the script's
     assert steps["backward_passes"] == steps["optimizer_steps"] == STEPS + 20
     # float32 through the profile and the guard's steps, bf16 after; the script sees float32 outputs
