@@ -46,6 +46,10 @@ class Backend:
     # The smallest one-off cost (compile, capture) a capture trial was measured to add on this backend,
     # in seconds: a run that cannot save this much cannot pay back a real one (docs/units/graph_capture.md).
     least_capture_one_off_s = 2.0
+    # The prior of this model's one-off (autogaudi.one_offs): seconds per sqrt(ops per step), before
+    # any one-off is measured on this machine; on the high side of the 2-core CPU's (0.6, spread 1.35x),
+    # since expecting too little is what makes a short run pay.
+    capture_one_off_rate_s = 0.8
     # Whether graph_forward(static_outputs=False) can capture a module whose outputs outlive the next
     # call (called several times per step): False where every replay writes into the same tensors.
     graphs_can_keep_outputs = True

@@ -58,6 +58,7 @@ class HpuBackend(Backend):
     pin_memory_device = "hpu"
     graphs_can_draw_eager_random = False  # an inductor setting; the Gaudi graph compilers have none
     least_capture_one_off_s = 1.0  # never measured (no Gaudi): the earlier, conservative floor
+    capture_one_off_rate_s = 0.8  # never measured: the other backends' prior
     host_runs_ahead = True
 
     def __init__(self, reason: str, core, hpu, lazy: bool):

@@ -10,7 +10,7 @@ How: calls of the model that owns most of the optimizer's parameters (a DDP mode
 run through the capture layer of the model's call route (:mod:`autogaudi.model_call`), which
 ``torch.save``, ``pickle`` and ``copy.deepcopy`` drop: a saved model is a plain one. The gates (:meth:`_refusal`:
 not host-bound, compiled by the script, outputs a replay would overwrite, HPU graphs' gradient
-rules; :meth:`_when_to_try`: a run too short to pay back the least one-off) each give a reason code;
+rules; :meth:`_when_to_try`: a run too short to pay back this model's estimated one-off) each give a reason code;
 a capture not kept is released with every reference; an exception from the captured call re-runs
 the call eagerly and switches capture off; past ``MAX_SHAPES`` input shapes it switches off. The
 rules, their measurements and what each figure means: docs/units/graph_capture.md.
@@ -26,12 +26,13 @@ import warnings
 import torch
 import torch.utils.checkpoint
 
+from autogaudi import one_offs
 from autogaudi.engines import fsdp2_managed
 from autogaudi.events import Event
 from autogaudi.guard import PASSING_THROUGH
 from autogaudi.model_call import Layer, compiled_by_the_script, holder
 from autogaudi.optimizations.step_profiler import input_shapes
-from autogaudi.ranks import rank_zero_choice
+from autogaudi.ranks import is_rank_zero, rank_zero_choice
 from autogaudi.run_length import remaining_steps
 from autogaudi.unit import RANDOM, ROUNDING, ActsOnProfile
 
@@ -69,7 +70,8 @@ class GraphCapture(ActsOnProfile):
     after = ("mixed_precision",)  # decides first on a profile: a model it holds is not captured
     reasons = {
         "too_short": "not tried: {steps} steps left ({source}) could save at most {most:.2f} s, less than the "
-        "{least:g} s, the least one-off a capture was measured to cost on {backend}",
+        "{estimate:.1f} s (likely {low:.1f}-{high:.1f} s) a capture of {model} is estimated to cost on {backend} "
+        "({basis})",
         "not_host_bound": "not captured: the run is {bound}-bound ({why})",
         "compiled_by_script": "stepped aside: the script (or its framework) already compiles the model with "
         "torch.compile",
@@ -91,8 +93,9 @@ class GraphCapture(ActsOnProfile):
         "captured_forced": "captured {model} (forced)",
         "captured_no_trials": "captured {model} (trials off)",
         "trial_waits": "host-bound; a trial on {model} waits for training step {step}: the run's length is "
-        "unknown, and only from there would its steps so far have lost more than the {least:g} s a capture "
-        "costs at least on {backend} (so a shorter run pays nothing for one)",
+        "unknown, and only from there would its steps so far have lost more than the {estimate:.1f} s (likely "
+        "{low:.1f}-{high:.1f} s) its capture is estimated to cost on {backend} ({basis}), so a shorter run pays "
+        "nothing for one",
         "trial_running": "host-bound; trial running on {model}",
         "measured_faster": "captured {model}: measured faster",
         "rejected": "rejected: {model} captured was not faster in the trial; released",
@@ -126,6 +129,8 @@ class GraphCapture(ActsOnProfile):
         self._compiled_for = 0  # how many input shapes have been through the graphed call
         self._checkpoint_calls = 0
         self._waiting = None  # the scope of the listener waiting for the step a trial is due at
+        self._estimate = None  # this model's one-off, predicted (autogaudi.one_offs)
+        self._set_up_seconds = 0.0
         if self.backend.graphs_hold_gradients:
             self.wrap(torch.utils.checkpoint, "checkpoint", self._count_checkpoint)
         self.on_revert(self._release)  # the first undo registered: it runs last
@@ -208,9 +213,7 @@ class GraphCapture(ActsOnProfile):
             self._waiting = self.scope.child()
             self.on(Event.TRAINING_STEP, lambda _optimizer: self._when_due(profile, start_at_step), self._waiting)
             self.figures["trial_waits_for_step"] = start_at_step
-            least = self.backend.least_capture_one_off_s
-            model = type(profile.model).__name__
-            self.because("trial_waits", model=model, step=start_at_step, least=least, backend=self.backend.name)
+            self.because("trial_waits", step=start_at_step, **self._estimate_params(profile))
             return
         self._capture_and_decide(profile, forced, start_at_step)
 
@@ -236,10 +239,18 @@ class GraphCapture(ActsOnProfile):
             self.because("trial_running", model=model)
 
     def _set_up_capture(self, profile) -> float:
-        """Capture the profiled model; the seconds it took."""
+        """Capture the profiled model; the seconds it took. The one-off's estimate goes in the figures
+        first, to be set against what the first compile measures."""
+        estimate = self._estimate_one_off(profile)
+        self.figures.update(
+            one_off_predicted_s=estimate["seconds"],
+            one_off_predicted_range_s=[estimate["low_s"], estimate["high_s"]],
+            one_off_predicted_basis=estimate["basis"],
+        )
         started = time.perf_counter()
         self._capture(profile)
-        return time.perf_counter() - started
+        self._set_up_seconds = time.perf_counter() - started
+        return self._set_up_seconds
 
     def _try_again(self, profile) -> None:
         """A remembered decision did not hold on this run: decide by a trial after all."""
@@ -274,21 +285,42 @@ class GraphCapture(ActsOnProfile):
         """(None, or the figures of why no trial could pay for itself; the training step from which one may start).
 
         Where a framework says how many steps are left, a trial starts only if they could win back
-        the least one-off a capture costs on this backend. Where nothing says (a plain loop), the
-        trial waits until the steps run so far could have saved that much (rent until renting has
-        cost what buying does): a run that ends before then pays nothing for capture, and a longer
-        one forgoes at most that one-off's worth of savings, so either way the run loses at most
-        about one one-off against the best choice in hindsight."""
+        the one-off this model's capture is estimated to cost (:mod:`autogaudi.one_offs`). Where
+        nothing says (a plain loop), the trial waits until the steps run so far could have saved
+        that much (rent until renting has cost what buying does): a run that ends before then pays
+        nothing for capture, and a longer one forgoes at most that one-off's worth of savings, so
+        either way the run loses at most about one one-off against the best choice in hindsight."""
+        if profile.model is None:  # refused: no training model
+            return None, 0
         saved_per_step_s = max(1e-9, profile.figures["ms_per_step"] / 1000 * (1 - profile.figures["compute_fraction"]))
-        least = self.backend.least_capture_one_off_s
+        params = self._estimate_params(profile)
         remaining = remaining_steps()
         if remaining is None:
-            return None, math.ceil(least / saved_per_step_s)
+            return None, math.ceil(params["estimate"] / saved_per_step_s)
         steps, source = remaining
-        if steps * saved_per_step_s >= least:
+        if steps * saved_per_step_s >= params["estimate"]:
             return None, 0
-        most = steps * saved_per_step_s
-        return dict(steps=steps, source=source, most=most, least=least, backend=self.backend.name), 0
+        return dict(steps=steps, source=source, most=steps * saved_per_step_s, **params), 0
+
+    def _estimate_one_off(self, profile) -> dict:
+        """This model's capture one-off, predicted once per run (:func:`autogaudi.one_offs.estimate`)."""
+        if self._estimate is None:
+            traits = one_offs.traits(profile.model, profile.figures)
+            records = one_offs.remembered(self.session.cache, self.backend)
+            self._estimate = one_offs.estimate(traits, records, self.backend)
+        return self._estimate
+
+    def _estimate_params(self, profile) -> dict:
+        """The estimate as the pay-back reasons name it."""
+        estimate = self._estimate_one_off(profile)
+        return dict(
+            model=type(profile.model).__name__,
+            estimate=estimate["seconds"],
+            low=estimate["low_s"],
+            high=estimate["high_s"],
+            basis=estimate["basis"],
+            backend=self.backend.name,
+        )
 
     def _gradient_refusal(self, profile):
         """Why graphs that hold gradients cannot be used for this model and loop (a Reason), or None."""
@@ -382,6 +414,7 @@ class GraphCapture(ActsOnProfile):
         if self._compiled_for == 1:
             # Without a trial (forced) this first compile is the warm-up; a trial's record replaces it.
             self.figures.setdefault("warm_up_s", round(seconds, 3))
+            self._learn_one_off(self._set_up_seconds + seconds)
             cached = self.backend.compile_cache_counts()
             if cached is not None:
                 hits, misses = (cached[kind] - cached_before[kind] for kind in ("hits", "misses"))
@@ -392,6 +425,13 @@ class GraphCapture(ActsOnProfile):
         else:  # the first shape's compile is in the warm-up; these come on top
             self.figures["later_compiles_s"] = round(self.figures.get("later_compiles_s", 0.0) + seconds, 3)
         return result
+
+    def _learn_one_off(self, actual_s: float) -> None:
+        """Set what the capture cost (set-up and first compile) against its estimate, in the figures
+        and, on rank 0, in this machine's records that later estimates learn from."""
+        self.figures["one_off_actual_s"] = round(actual_s, 3)
+        if self._estimate is not None and is_rank_zero():
+            one_offs.remember(self.session.cache, self.backend, one_offs.record_of(self._estimate, actual_s))
 
     def _stop_compile_workers(self) -> None:
         """At exit, with capture still on: shut down the compile workers it started, timed."""

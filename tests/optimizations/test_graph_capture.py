@@ -217,7 +217,9 @@ def test_hpu_capture_leaves_no_cacher_attribute_and_the_model_saves_as_a_plain_o
     assert set(vars(model)) == keys and not list(graphs.LIVE_CACHERS)  # the cacher and its graphs let go
 
 
-def test_a_rejected_hpu_capture_lets_go_of_the_cacher_and_its_graphs(hpu_double, monkeypatch, trial_clock):
+def test_a_rejected_hpu_capture_lets_go_of_the_cacher_and_its_graphs(
+    hpu_double, monkeypatch, trial_clock, capture_one_off
+):
     hpu_double(lazy=True)
     from habana_frameworks.torch.hpu import graphs
 
@@ -226,7 +228,7 @@ def test_a_rejected_hpu_capture_lets_go_of_the_cacher_and_its_graphs(hpu_double,
     from autogaudi.optimizations import step_profiler
 
     monkeypatch.setattr(step_profiler, "classify", lambda *a, **k: ("host", "read as host-bound by the test"))
-    monkeypatch.setattr(HpuBackend, "least_capture_one_off_s", 0.0)
+    capture_one_off(HpuBackend, 0.0)
     monkeypatch.setattr(trials, "MARGIN", 0.0)
     replay = graphs.ModuleCacher._replay
     monkeypatch.setattr(graphs.ModuleCacher, "_replay", lambda *a: trial_clock.advance(0.004) or replay(*a))
@@ -282,7 +284,9 @@ def test_a_recompile_storm_switches_capture_off_and_names_the_shapes(hpu_double)
 
 
 @pytest.mark.slow
-def test_host_bound_plain_loop_gets_a_compile_trial_once_it_could_pay_and_trains_like_plain(monkeypatch):
+def test_host_bound_plain_loop_gets_a_compile_trial_once_it_could_pay_and_trains_like_plain(
+    monkeypatch, capture_one_off
+):
     def tiny():  # Python-heavy tiny layers: a 20-layer plain MLP sat on the 50% line and flipped
         torch.manual_seed(0)
         return nn.Sequential(*[Bookkeeping() for _ in range(20)], nn.Linear(8, 3))
@@ -293,7 +297,7 @@ def test_host_bound_plain_loop_gets_a_compile_trial_once_it_could_pay_and_trains
             yield torch.randn(4, 8, generator=generator), torch.randint(0, 3, (4,), generator=generator)
 
     # A cheap capture, so that the loop reaches the step from which a trial could pay (tens of steps).
-    monkeypatch.setattr(CpuBackend, "least_capture_one_off_s", 0.15)
+    capture_one_off(CpuBackend, 0.15)
     # The profile as given (a busy machine reads a Python-heavy step's ops as slow kernels, and its
     # step times move the wait): measuring is the profiler's tests' business; here, what the unit does
     # with a host-bound profile of 2 ms steps, half of each saved by a capture: it waits for step 150.

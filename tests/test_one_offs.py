@@ -1,0 +1,144 @@
+"""The capture one-off's estimate: sized by the model, scaled by what this machine measured, pulled
+towards the backend's prior, kept per machine in the cache; graph_capture's pay-back rule reads it."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from autogaudi import one_offs
+from autogaudi.backends.cpu import CpuBackend
+from autogaudi.cache import Cache
+from autogaudi.optimizations import graph_capture
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mix = nn.Linear(8, 8)
+
+    def forward(self, inputs):
+        return torch.relu(self.mix(inputs))
+
+
+class Tower(nn.Module):
+    """An embedding, four repeats of one block, a head: a GPT's shape in miniature."""
+
+    def __init__(self, blocks=4):
+        super().__init__()
+        self.embed = nn.Linear(8, 8)
+        self.blocks = nn.ModuleList(Block() for _ in range(blocks))
+        self.head = nn.Linear(8, 2)
+
+
+def cpu():
+    return CpuBackend("test")
+
+
+def test_repeated_blocks_finds_the_blocks_and_their_share_of_the_parameters():
+    name, cls, blocks, share = one_offs.repeated_blocks(Tower())
+    assert (name, cls, len(blocks)) == ("blocks", Block, 4)
+    assert share == pytest.approx(4 * 72 / (72 + 4 * 72 + 18))
+    assert one_offs.repeated_blocks(nn.Sequential(nn.Linear(2, 2), nn.ReLU())) is None  # mixed classes
+
+
+def test_a_bigger_graph_is_estimated_dearer_and_regional_cheaper_than_whole():
+    small = one_offs.traits(nn.Linear(2, 2), {"ops_per_step": 30})
+    large = one_offs.traits(Tower(), {"ops_per_step": 900})
+    assert one_offs.estimate(large, [], cpu())["seconds"] > one_offs.estimate(small, [], cpu())["seconds"]
+    whole = one_offs.estimate(large, [], cpu())
+    regional = one_offs.estimate(large, [], cpu(), regional=True)
+    assert regional["seconds"] < whole["seconds"] and regional["regional"]
+    assert whole["seconds"] == pytest.approx(CpuBackend.capture_one_off_rate_s * 30)  # sqrt(900)
+    assert whole["measured"] == 0 and whole["low_s"] < whole["seconds"] < whole["high_s"]
+
+
+def test_the_estimate_never_goes_below_the_backends_least_one_off():
+    tiny = one_offs.traits(nn.Linear(2, 2), {"ops_per_step": 1})
+    assert one_offs.estimate(tiny, [], cpu())["seconds"] == CpuBackend.least_capture_one_off_s
+
+
+def test_measured_one_offs_move_the_rate_towards_this_machine_and_narrow_the_range():
+    traits = one_offs.traits(nn.Linear(2, 2), {"ops_per_step": 400})  # size 20
+    prior = one_offs.estimate(traits, [], cpu())
+    slow = [{"size": 20.0, "actual_s": 60.0, "warm": False}] * 8  # this machine: 3 s per unit
+    learned = one_offs.estimate(traits, slow, cpu())
+    assert prior["seconds"] < learned["seconds"] < 60.0  # pulled towards, not all the way (the prior's weight)
+    assert learned["measured"] == 8
+    assert learned["high_s"] / learned["seconds"] < prior["high_s"] / prior["seconds"]  # agreeing measurements
+    expected = math.exp((2 * math.log(0.8) + 8 * math.log(3.0)) / 10) * 20
+    assert learned["seconds"] == pytest.approx(expected, rel=1e-3)
+
+
+def test_a_warm_compile_cache_has_a_rate_of_its_own():
+    traits = one_offs.traits(nn.Linear(2, 2), {"ops_per_step": 400})
+    cold_only = [{"size": 20.0, "actual_s": 60.0, "warm": False}] * 4
+    warm = one_offs.estimate(traits, cold_only, cpu(), warm=True)
+    assert warm["measured"] == 0 and warm["warm"]  # cold measurements say nothing of a warm compile
+    assert warm["seconds"] < one_offs.estimate(traits, [], cpu())["seconds"]
+
+
+def test_records_are_kept_per_machine_newest_last_and_bounded(tmp_path):
+    cache = Cache(str(tmp_path), 1 << 30)
+    predicted = one_offs.estimate(one_offs.traits(nn.Linear(2, 2), {"ops_per_step": 100}), [], cpu())
+    for actual in range(one_offs.KEPT + 3):
+        assert one_offs.remember(cache, cpu(), one_offs.record_of(predicted, float(actual + 1)))
+    records = one_offs.remembered(cache, cpu())
+    assert len(records) == one_offs.KEPT and records[-1]["actual_s"] == one_offs.KEPT + 3
+    assert records[-1]["predicted_s"] == predicted["seconds"] and records[-1]["size"] == predicted["size"]
+    assert one_offs.remembered(None, cpu()) == [] and not one_offs.remember(None, cpu(), {})
+
+
+def test_an_unwritable_cache_loses_the_record_not_the_run(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    cache = Cache(str(blocker), 1 << 30)  # its folders cannot be made under a file
+    assert not one_offs.remember(cache, cpu(), {"size": 1.0, "actual_s": 1.0})
+
+
+class Profile:
+    def __init__(self, model, ops, ms_per_step=10.0, compute_fraction=0.5):
+        self.model = model
+        self.figures = {"ops_per_step": ops, "ms_per_step": ms_per_step, "compute_fraction": compute_fraction}
+
+
+class Unit:
+    """What graph_capture's pay-back rule reads of its unit: the backend, the session's cache."""
+
+    _when_to_try = graph_capture.GraphCapture._when_to_try
+    _estimate_one_off = graph_capture.GraphCapture._estimate_one_off
+    _estimate_params = graph_capture.GraphCapture._estimate_params
+
+    def __init__(self, cache=None):
+        self.backend = cpu()
+        self.session = type("Session", (), {"cache": cache})()
+        self._estimate = None
+
+
+def test_a_plain_loop_waits_until_its_steps_could_have_paid_this_models_estimate(monkeypatch):
+    monkeypatch.setattr(graph_capture, "remaining_steps", lambda: None)
+    saved_per_step_s = 0.010 * 0.5
+    for ops in (100, 2500):
+        too_short, start_at = Unit()._when_to_try(Profile(nn.Linear(2, 2), ops))
+        estimate = CpuBackend.capture_one_off_rate_s * math.sqrt(ops)
+        assert too_short is None and start_at == math.ceil(estimate / saved_per_step_s)
+
+
+def test_known_remaining_steps_that_cannot_pay_the_estimate_start_no_trial(monkeypatch):
+    monkeypatch.setattr(graph_capture, "remaining_steps", lambda: (1000, "a framework"))
+    # 1000 steps saving 5 ms each: 5 s. A 100-op model is estimated at 8 s, a 16-op one at the 2 s floor.
+    too_short, _ = Unit()._when_to_try(Profile(nn.Linear(2, 2), 100))
+    assert too_short["estimate"] == pytest.approx(8.0) and too_short["most"] == pytest.approx(5.0)
+    assert {"low", "high", "basis", "model", "backend"} <= set(too_short)
+    assert Unit()._when_to_try(Profile(nn.Linear(2, 2), 16)) == (None, 0)
+
+
+def test_the_rule_learns_from_the_machines_records(monkeypatch, tmp_path):
+    monkeypatch.setattr(graph_capture, "remaining_steps", lambda: (1000, "a framework"))
+    cache = Cache(str(tmp_path), 1 << 30)
+    fast = {"size": 10.0, "actual_s": 1.0, "warm": False, "regional": False}  # 0.1 s per unit, measured here
+    for _ in range(20):
+        one_offs.remember(cache, cpu(), fast)
+    # The prior's 8 s would refuse; this machine's measurements bring it to the 2 s floor, within the 5 s saved.
+    assert Unit(cache)._when_to_try(Profile(nn.Linear(2, 2), 100)) == (None, 0)
