@@ -28,9 +28,10 @@ import os
 import torch
 
 from autogaudi.cache import now, read_json
-from autogaudi.memory import digest
+from autogaudi.memory import digest, model_structure, script_identity
 
 ONE_OFFS = "one_offs"
+ARTIFACTS = ("compile", "artifacts")
 KEPT = 40  # records kept per machine: the newest
 PRIOR_WEIGHT = 2.0  # the prior counts as this many measurements
 PRIOR_SPREAD = 2.0  # the prior's factor of uncertainty either way
@@ -125,7 +126,7 @@ def estimate(traits: dict, records: list, backend, warm: bool = False, regional:
     "size"}, never below the least one-off ever measured on the backend."""
     graph = size(traits, regional)
     rate, spread, measured = learned_rate(records, backend.capture_one_off_rate_s, warm)
-    floor = backend.least_capture_one_off_s * (WARM_FACTOR if warm else 1.0)
+    floor = backend.least_capture_one_off_s  # warm or not: importing the compiler alone is 1-2 s
     seconds = max(floor, rate * graph)
     if measured:
         basis = f"{measured} one-off(s) measured on this machine, {traits['ops_per_step']} ops per step"
@@ -154,3 +155,79 @@ def record_of(predicted: dict, actual_s: float) -> dict:
         "predicted_s": predicted["seconds"],
         "actual_s": round(actual_s, 3),
     }
+
+
+def artifacts_key(backend, model, inputs, exact_random: bool):
+    """What compiled code depends on: the script (path and content), the model's structure, its
+    inputs' shapes, torch, the backend and device, and the compile options; None without a script
+    file (``-c``, a REPL), where nothing names the run again."""
+    script = script_identity()
+    if script is None:
+        return None
+    return {
+        "script": script["path"],
+        "script_content": script["sha256"],
+        "model": digest(model_structure(model)),
+        "inputs": digest(inputs),
+        "torch": torch.__version__,
+        "device": f"{backend.name}: {backend.device_name()}",
+        "exact_random": exact_random,
+    }
+
+
+def _artifacts_paths(cache, key: dict) -> tuple:
+    """(the script's index, naming the key its blob was saved for; the blob for ``key``)."""
+    folder = os.path.join(cache.root, *ARTIFACTS)
+    return os.path.join(folder, digest(key["script"]) + ".json"), os.path.join(folder, digest(key) + ".bin")
+
+
+def artifacts_lookup(cache, key) -> tuple:
+    """(the blob's path or None; why: ``saved``, or ``no_cache``, ``no_script``, ``first`` (this script
+    saved none), ``changed`` (it saved one for another key), ``evicted``; the key's parts that changed)."""
+    if cache is None:
+        return None, "no_cache", []
+    if key is None:
+        return None, "no_script", []
+    index, blob = _artifacts_paths(cache, key)
+    saved = read_json(index)
+    if saved is None:
+        return None, "first", []
+    changed = [part for part in key if saved.get("key", {}).get(part) != key[part]]
+    if changed:
+        return None, "changed", changed
+    if not os.path.isfile(blob):
+        return None, "evicted", []
+    return blob, "saved", []
+
+
+def load_artifacts(cache, key, backend) -> dict:
+    """Load the blob saved for ``key`` into torch.compile's caches, before compiling: the figures
+    {"status": "hit" or "miss", "reason", "changed"}: ``loaded``, or a miss's code of
+    :func:`artifacts_lookup`, ``empty`` (nothing in it for this backend) or ``unreadable``."""
+    blob, reason, changed = artifacts_lookup(cache, key)
+    if blob is not None:
+        try:
+            with open(blob, "rb") as handle:
+                reason = "loaded" if backend.load_compile_artifacts(handle.read()) else "empty"
+        except Exception:  # a blob torch cannot read (truncated, another build): compiled afresh
+            reason = "unreadable"
+    return {"status": "hit" if reason == "loaded" else "miss", "reason": reason, "changed": changed}
+
+
+def save_artifacts(cache, key, backend) -> bool:
+    """Save what torch.compile compiled in this process for ``key``, replacing what this script saved
+    before; whether anything was saved."""
+    if cache is None or key is None:
+        return False
+    data = backend.save_compile_artifacts()
+    if not data:
+        return False
+    index, blob = _artifacts_paths(cache, key)
+    before = (read_json(index) or {}).get("blob")
+    with contextlib.suppress(OSError):
+        if before and before != os.path.basename(blob):  # the script's blob for its last key: superseded
+            os.unlink(os.path.join(os.path.dirname(index), os.path.basename(before)))
+        cache.write_bytes(blob, data)
+        cache.write_json(index, {"key": key, "blob": os.path.basename(blob), "date": now()})
+        return True
+    return False

@@ -100,6 +100,7 @@ def test_an_unwritable_cache_loses_the_record_not_the_run(tmp_path):
 class Profile:
     def __init__(self, model, ops, ms_per_step=10.0, compute_fraction=0.5):
         self.model = model
+        self.inputs = ((4, 2),)
         self.figures = {"ops_per_step": ops, "ms_per_step": ms_per_step, "compute_fraction": compute_fraction}
 
 
@@ -113,6 +114,7 @@ class Unit:
     def __init__(self, cache=None):
         self.backend = cpu()
         self.session = type("Session", (), {"cache": cache})()
+        self.options = type("Options", (), {"exact_random": False})()
         self._estimate = None
 
 
@@ -142,3 +144,91 @@ def test_the_rule_learns_from_the_machines_records(monkeypatch, tmp_path):
         one_offs.remember(cache, cpu(), fast)
     # The prior's 8 s would refuse; this machine's measurements bring it to the 2 s floor, within the 5 s saved.
     assert Unit(cache)._when_to_try(Profile(nn.Linear(2, 2), 100)) == (None, 0)
+
+
+class Blobs(CpuBackend):
+    """torch.compile's caches as a blob the test sees: ``compiled`` is what this process compiled."""
+
+    def __init__(self, compiled=b"kernels"):
+        super().__init__("test")
+        self.compiled = compiled
+        self.loaded = []
+
+    def save_compile_artifacts(self):
+        return self.compiled
+
+    def load_compile_artifacts(self, data):
+        self.loaded.append(data)
+        return bool(data)
+
+
+def key(**changes):
+    return {
+        "script": "/work/train.py",
+        "script_content": "abc",
+        "model": "m1",
+        "inputs": "i1",
+        "torch": "2.13.0",
+        "device": "cpu: x86_64 CPU, 2 cores",
+        "exact_random": False,
+        **changes,
+    }
+
+
+def test_compiled_caches_saved_by_one_run_are_loaded_by_the_next_with_the_same_key(tmp_path):
+    cache = Cache(str(tmp_path), 1 << 30)
+    assert one_offs.load_artifacts(cache, key(), Blobs()) == {"status": "miss", "reason": "first", "changed": []}
+    assert one_offs.save_artifacts(cache, key(), Blobs(b"kernels of run 1"))
+    later = Blobs()
+    assert one_offs.load_artifacts(cache, key(), later) == {"status": "hit", "reason": "loaded", "changed": []}
+    assert later.loaded == [b"kernels of run 1"]
+
+
+@pytest.mark.parametrize("part", ["script_content", "model", "inputs", "torch", "device", "exact_random"])
+def test_a_changed_script_model_torch_or_device_misses_and_says_what_changed(tmp_path, part):
+    cache = Cache(str(tmp_path), 1 << 30)
+    one_offs.save_artifacts(cache, key(), Blobs())
+    later = Blobs()
+    figures = one_offs.load_artifacts(cache, key(**{part: "another"}), later)
+    assert figures == {"status": "miss", "reason": "changed", "changed": [part]} and later.loaded == []
+
+
+def test_a_new_key_replaces_the_scripts_blob_and_an_evicted_or_broken_one_misses(tmp_path):
+    cache = Cache(str(tmp_path), 1 << 30)
+    one_offs.save_artifacts(cache, key(), Blobs())
+    one_offs.save_artifacts(cache, key(model="m2"), Blobs())
+    blobs = list((tmp_path / "compile" / "artifacts").glob("*.bin"))
+    assert len(blobs) == 1  # the superseded blob went
+    assert one_offs.load_artifacts(cache, key(model="m2"), Blobs())["status"] == "hit"
+    blobs[0].unlink()
+    assert one_offs.load_artifacts(cache, key(model="m2"), Blobs())["reason"] == "evicted"
+    one_offs.save_artifacts(cache, key(model="m2"), Blobs())
+
+    class Broken(Blobs):
+        def load_compile_artifacts(self, data):
+            raise RuntimeError("another torch build")
+
+    assert one_offs.load_artifacts(cache, key(model="m2"), Broken())["reason"] == "unreadable"
+
+
+def test_no_cache_no_script_or_nothing_compiled_saves_nothing(tmp_path):
+    cache = Cache(str(tmp_path), 1 << 30)
+    assert one_offs.load_artifacts(None, key(), Blobs())["reason"] == "no_cache"
+    assert one_offs.load_artifacts(cache, None, Blobs())["reason"] == "no_script"
+    assert not one_offs.save_artifacts(cache, None, Blobs())
+    assert not one_offs.save_artifacts(cache, key(), Blobs(compiled=None))
+    assert not (tmp_path / "compile").exists()
+
+
+def test_saved_artifacts_make_the_estimate_a_warm_compiles(tmp_path, monkeypatch):
+    monkeypatch.setattr(graph_capture, "remaining_steps", lambda: None)
+    monkeypatch.setattr(one_offs, "artifacts_key", lambda *args: key())
+    cache = Cache(str(tmp_path), 1 << 30)
+    profile = Profile(nn.Linear(2, 2), 2500)
+    cold = Unit(cache)
+    cold._when_to_try(profile)
+    one_offs.save_artifacts(cache, key(), Blobs())
+    warm = Unit(cache)
+    warm._when_to_try(profile)
+    assert warm._estimate["warm"] and not cold._estimate["warm"]
+    assert warm._estimate["seconds"] < cold._estimate["seconds"]

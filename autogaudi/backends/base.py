@@ -116,6 +116,17 @@ class Backend:
         misses = counters["inductor"]["fxgraph_cache_miss"] + counters["aot_autograd"]["autograd_cache_miss"]
         return {"hits": hits, "misses": misses}
 
+    def save_compile_artifacts(self):
+        """What torch.compile has compiled in this process, as one blob to load in a later one
+        (``torch.compiler.save_cache_artifacts``: its FX-graph, AOTAutograd and kernel caches' entries),
+        or None where there is nothing."""
+        saved = torch.compiler.save_cache_artifacts()
+        return saved[0] if saved else None
+
+    def load_compile_artifacts(self, data: bytes) -> bool:
+        """Put a blob of :meth:`save_compile_artifacts` into torch.compile's caches; whether it held any."""
+        return torch.compiler.load_cache_artifacts(data) is not None
+
     def stop_compile_workers(self):
         """Shut down the compiler's worker processes if autogaudi's ``graph_forward`` started them
         (never the script's own): seconds it took, or None where there was nothing of ours to stop."""

@@ -138,6 +138,12 @@ class HpuBackend(Backend):
         # no count a process can read without PT_HPU_ENABLE_CACHE_METRICS: not claimed either way.
         return None
 
+    def save_compile_artifacts(self):
+        return None  # the bridge's recipe cache keeps what its graphs compile to
+
+    def load_compile_artifacts(self, data: bytes) -> bool:
+        return False
+
     def fused_optimizer_refusal(self, optimizer_class, hyperparameters: dict):
         name = optimizer_class.__name__
         fused_name = _fused_name(name, hyperparameters)

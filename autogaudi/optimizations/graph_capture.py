@@ -130,6 +130,7 @@ class GraphCapture(ActsOnProfile):
         self._checkpoint_calls = 0
         self._waiting = None  # the scope of the listener waiting for the step a trial is due at
         self._estimate = None  # this model's one-off, predicted (autogaudi.one_offs)
+        self._artifacts_key = None  # what its compiled code depends on, naming the saved compile caches
         self._set_up_seconds = 0.0
         if self.backend.graphs_hold_gradients:
             self.wrap(torch.utils.checkpoint, "checkpoint", self._count_checkpoint)
@@ -274,6 +275,10 @@ class GraphCapture(ActsOnProfile):
         several = profile.calls_per_step > 1
         if several:
             self.note("captured_called_several_times", model=name, calls=profile.calls_per_step)
+        # What an earlier run compiled for this script, model and inputs, into the compiler's caches first.
+        self.figures["compile_artifacts"] = one_offs.load_artifacts(
+            self.session.cache, self._artifacts_key, self.backend
+        )
         self._graphed = self.backend.graph_forward(self._module, exact_random=exact, static_outputs=not several)
         self._candidate.add(self._forget_graphs)
         self.hold(self._module, Layer.CAPTURE, self._around, self._candidate)
@@ -305,9 +310,12 @@ class GraphCapture(ActsOnProfile):
     def _estimate_one_off(self, profile) -> dict:
         """This model's capture one-off, predicted once per run (:func:`autogaudi.one_offs.estimate`)."""
         if self._estimate is None:
+            exact = self.options.exact_random and self.backend.graphs_can_draw_eager_random
+            self._artifacts_key = one_offs.artifacts_key(self.backend, profile.model, profile.inputs, exact)
+            blob, _why, _changed = one_offs.artifacts_lookup(self.session.cache, self._artifacts_key)
             traits = one_offs.traits(profile.model, profile.figures)
             records = one_offs.remembered(self.session.cache, self.backend)
-            self._estimate = one_offs.estimate(traits, records, self.backend)
+            self._estimate = one_offs.estimate(traits, records, self.backend, warm=blob is not None)
         return self._estimate
 
     def _estimate_params(self, profile) -> dict:
@@ -411,6 +419,8 @@ class GraphCapture(ActsOnProfile):
             result = self._graphed(*args, **kwargs)
         self._compiled_for = len(self._shapes)
         seconds = time.perf_counter() - started
+        if is_rank_zero():  # for the next run: compiled once, loaded after
+            one_offs.save_artifacts(self.session.cache, self._artifacts_key, self.backend)
         if self._compiled_for == 1:
             # Without a trial (forced) this first compile is the warm-up; a trial's record replaces it.
             self.figures.setdefault("warm_up_s", round(seconds, 3))
