@@ -36,6 +36,8 @@ KEPT = 40  # records kept per machine: the newest
 PRIOR_WEIGHT = 2.0  # the prior counts as this many measurements
 PRIOR_SPREAD = 2.0  # the prior's factor of uncertainty either way
 WARM_FACTOR = 0.2  # a warm compile cache's one-off against a cold one's, before any is measured
+REGIONAL_KEEPS = 0.5  # the share of a whole capture's saving per step a regional one keeps: a guess
+REGIONAL_SHARE = 0.5  # the least share of the parameters repeated blocks hold to be compiled by region
 
 
 def repeated_blocks(model):
@@ -231,3 +233,16 @@ def save_artifacts(cache, key, backend) -> bool:
         cache.write_json(index, {"key": key, "blob": os.path.basename(blob), "date": now()})
         return True
     return False
+
+
+def choose(whole: dict, regional, saved_per_step_s: float, remaining) -> dict:
+    """Whole-model or regional capture, whichever pays for itself better: with ``remaining`` steps
+    known, the larger saving net of the one-off; with them unknown, the sooner pay-back. Regional
+    keeps only part of the whole capture's saving per step (the ops outside the blocks stay eager,
+    each block is a graph of its own): ``REGIONAL_KEEPS`` until measured."""
+    if regional is None:
+        return whole
+    if remaining is None:
+        return regional if regional["seconds"] / REGIONAL_KEEPS < whole["seconds"] else whole
+    saving = remaining * saved_per_step_s
+    return regional if saving * REGIONAL_KEEPS - regional["seconds"] > saving - whole["seconds"] else whole

@@ -232,3 +232,14 @@ def test_saved_artifacts_make_the_estimate_a_warm_compiles(tmp_path, monkeypatch
     warm._when_to_try(profile)
     assert warm._estimate["warm"] and not cold._estimate["warm"]
     assert warm._estimate["seconds"] < cold._estimate["seconds"]
+
+
+def test_regional_is_chosen_where_it_pays_back_better():
+    whole = {"seconds": 20.0, "regional": False}
+    regional = {"seconds": 8.0, "regional": True}  # 8 s for half the saving: pays back after 16 s of savings
+    assert one_offs.choose(whole, regional, 0.01, None) is regional
+    assert one_offs.choose(whole, {"seconds": 12.0, "regional": True}, 0.01, None) is whole  # 24 s: later
+    # Known steps: 3000 saving 10 ms each, 30 s: whole nets 10 s, regional 15 - 8 = 7 s.
+    assert one_offs.choose(whole, regional, 0.01, 3000) is whole
+    assert one_offs.choose(whole, regional, 0.01, 2000) is regional  # 0 s against 2 s
+    assert one_offs.choose(whole, None, 0.01, 2000) is whole

@@ -58,6 +58,8 @@ class Backend:
     host_runs_ahead = False
     # torch.optim classes with a fused kernel on this backend (torch >= 2.4 for CPU).
     FUSED_TORCH_OPTIMIZERS = ("Adam", "AdamW", "SGD")
+    # Whether graph_blocks can compile one block class for all its instances (regional compilation).
+    graphs_by_region = True
     # Whether compile workers were up before graph_forward compiled (then none of them are ours).
     _workers_were_running = True
 
@@ -89,6 +91,15 @@ class Backend:
         at a cost in speed. ``static_outputs=False``: outputs must survive the next call."""
         self._workers_were_running = compile_workers_running()
         return compile_calls(module, options={"fallback_random": True} if exact_random else None)
+
+    def graph_blocks(self, exact_random: bool = False):
+        """Regional compilation: a callable ``(block, *args, **kwargs)`` that runs ``block`` (hooks and
+        ``forward``) compiled, one compiled code for every instance of a block class: Dynamo guards
+        on the class and treats the parameters as inputs (``inline_inbuilt_nn_modules``), so the
+        repeats of a GPT's layers compile once. No CUDA graphs: the blocks' replays would write into
+        each other's inputs."""
+        self._workers_were_running = compile_workers_running()
+        return torch.compile(_call_block, options={"fallback_random": True} if exact_random else None)
 
     def graph_refusal(self, module):
         """Why ``graph_forward`` cannot capture ``module`` faithfully here, or None: (a reason code of
@@ -182,7 +193,12 @@ def compile_workers_running() -> bool:
     return bool(getattr(async_compile, "_pool_set", None))
 
 
+def _call_block(block, *args, **kwargs):
+    return block._call_impl(*args, **kwargs)
+
+
 def release_compiled_calls() -> None:
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")
     if eval_frame is not None:
         eval_frame.reset_code(_caller(None).__code__)
+        eval_frame.reset_code(_call_block.__code__)

@@ -43,6 +43,11 @@ class CudaBackend(Backend):
             return compile_calls(module, mode="reduce-overhead")
         return compile_calls(module, options=options)
 
+    def graph_blocks(self, exact_random: bool = False):
+        self._trees_were_started = "torch._inductor.cudagraph_trees" in sys.modules
+        self._graph_kind = "torch.compile by region, without CUDA graphs"
+        return super().graph_blocks(exact_random)
+
     def graph_kind(self) -> str:
         return self._graph_kind
 

@@ -58,6 +58,7 @@ class HpuBackend(Backend):
     pin_memory_device = "hpu"
     graphs_can_draw_eager_random = False  # an inductor setting; the Gaudi graph compilers have none
     least_capture_one_off_s = 1.0  # never measured (no Gaudi): the earlier, conservative floor
+    graphs_by_region = False  # ModuleCacher caches a module's graphs per instance
     capture_one_off_rate_s = 0.8  # never measured: the other backends' prior
     host_runs_ahead = True
 

@@ -63,6 +63,11 @@ def uses_gradient_checkpointing(module) -> bool:
     return any(getattr(sub, "gradient_checkpointing", False) is True for sub in module.modules())
 
 
+def _saved_per_step_s(profile) -> float:
+    """The most a capture could save per step: every part of it that is not the ops computing."""
+    return max(1e-9, profile.figures["ms_per_step"] / 1000 * (1 - profile.figures["compute_fraction"]))
+
+
 class GraphCapture(ActsOnProfile):
     # Compiled kernels fuse and reorder; compiled dropout draws other masks (--exact-random: the same
     # masks, still not the same rounding). A rejected trial ran its steps captured.
@@ -279,12 +284,42 @@ class GraphCapture(ActsOnProfile):
         self.figures["compile_artifacts"] = one_offs.load_artifacts(
             self.session.cache, self._artifacts_key, self.backend
         )
-        self._graphed = self.backend.graph_forward(self._module, exact_random=exact, static_outputs=not several)
+        if self._estimate["regional"]:
+            self._graphed = self._capture_regions(exact)
+        else:
+            self._graphed = self.backend.graph_forward(self._module, exact_random=exact, static_outputs=not several)
         self._candidate.add(self._forget_graphs)
         self.hold(self._module, Layer.CAPTURE, self._around, self._candidate)
         self.figures["model"] = name
         if any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in self._module.modules()):
             self.note("dropout_exact" if exact else "dropout_differs")
+
+    def _capture_regions(self, exact: bool):
+        """Regional compilation through the call route: each repeated block holds a capture layer of its
+        own that runs it compiled (one compiled code for the class) during the model's captured call,
+        and eagerly otherwise; the model's call itself stays eager around them."""
+        name, block_class, blocks, _share = one_offs.repeated_blocks(self._module)
+        compiled = self.backend.graph_blocks(exact_random=exact)
+        self.figures["regions"] = {"container": name, "block": block_class.__name__, "count": len(blocks)}
+        in_call = []  # non-empty while the model's captured call runs
+
+        def layer_of(block):
+            def block_layer(call, args, kwargs):
+                return compiled(block, *args, **kwargs) if in_call else call(*args, **kwargs)
+
+            return block_layer
+
+        for block in blocks:
+            self.hold(block, Layer.CAPTURE, layer_of(block), self._candidate)
+
+        def graphed(*args, **kwargs):
+            in_call.append(True)
+            try:
+                return self._module._call_impl(*args, **kwargs)
+            finally:
+                in_call.pop()
+
+        return graphed
 
     def _when_to_try(self, profile) -> tuple:
         """(None, or the figures of why no trial could pay for itself; the training step from which one may start).
@@ -297,7 +332,7 @@ class GraphCapture(ActsOnProfile):
         either way the run loses at most about one one-off against the best choice in hindsight."""
         if profile.model is None:  # refused: no training model
             return None, 0
-        saved_per_step_s = max(1e-9, profile.figures["ms_per_step"] / 1000 * (1 - profile.figures["compute_fraction"]))
+        saved_per_step_s = _saved_per_step_s(profile)
         params = self._estimate_params(profile)
         remaining = remaining_steps()
         if remaining is None:
@@ -315,7 +350,18 @@ class GraphCapture(ActsOnProfile):
             blob, _why, _changed = one_offs.artifacts_lookup(self.session.cache, self._artifacts_key)
             traits = one_offs.traits(profile.model, profile.figures)
             records = one_offs.remembered(self.session.cache, self.backend)
-            self._estimate = one_offs.estimate(traits, records, self.backend, warm=blob is not None)
+            warm = blob is not None
+            whole = one_offs.estimate(traits, records, self.backend, warm=warm)
+            regional = None
+            if self.backend.graphs_by_region and traits["blocks_share"] >= one_offs.REGIONAL_SHARE:
+                regional = one_offs.estimate(traits, records, self.backend, warm=warm, regional=True)
+                self.figures.update(
+                    one_off_predicted_whole_s=whole["seconds"], one_off_predicted_regional_s=regional["seconds"]
+                )
+            remaining = remaining_steps()
+            self._estimate = one_offs.choose(
+                whole, regional, _saved_per_step_s(profile), None if remaining is None else remaining[0]
+            )
         return self._estimate
 
     def _estimate_params(self, profile) -> dict:

@@ -385,3 +385,42 @@ def test_hpu_graphs_and_eager_steps_never_share_a_gradient_tensor(hpu_double):
     mine = [p.grad for p in model.parameters()]
     assert all(a is not b and a.data_ptr() != b.data_ptr() for a, b in zip(mine, held))
     torch.testing.assert_close(mine, held)
+
+
+class Tower(nn.Module):
+    """An embedding, four repeats of one block and a head: a GPT's shape in miniature."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(16, 16)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(4))
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, inputs):
+        hidden = self.embed(inputs)
+        for block in self.blocks:
+            hidden = hidden + block(hidden)
+        return self.head(hidden)
+
+
+def test_regional_capture_compiles_the_block_class_once_and_is_undone_exactly(monkeypatch):
+    from autogaudi import one_offs
+
+    monkeypatch.setattr(one_offs, "REGIONAL_KEEPS", 1.0)  # regional pays back sooner whatever its estimate
+    plain = losses_of(Tower(), batches())
+    autogaudi.enable(device="cpu", only="step_profiler,graph_capture", force="graph_capture")
+    model = Tower()
+    keys = [set(vars(module)) for module in model.modules()]
+    from torch._dynamo.utils import counters
+
+    graphs_before = counters["stats"]["unique_graphs"]
+    losses = losses_of(model, batches())
+    figures = row()["figures"]
+    assert figures["regions"] == {"container": "blocks", "block": "Sequential", "count": 4}
+    assert figures["one_off_predicted_s"] == figures["one_off_predicted_regional_s"]
+    assert figures["one_off_predicted_regional_s"] < figures["one_off_predicted_whole_s"]
+    assert counters["stats"]["unique_graphs"] - graphs_before == 1  # one graph for the four blocks
+    torch.testing.assert_close(losses, plain, rtol=1e-4, atol=1e-5)
+    autogaudi.disable()
+    assert [set(vars(module)) for module in model.modules()] == keys
