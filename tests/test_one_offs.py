@@ -243,3 +243,41 @@ def test_regional_is_chosen_where_it_pays_back_better():
     assert one_offs.choose(whole, regional, 0.01, 3000) is whole
     assert one_offs.choose(whole, regional, 0.01, 2000) is regional  # 0 s against 2 s
     assert one_offs.choose(whole, None, 0.01, 2000) is whole
+
+
+def test_the_benchmark_table_shows_predicted_against_actual_and_whole_against_regional():
+    import importlib.util
+    import sys
+
+    from tests.helpers import REPO
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("one_offs_benchmark", REPO / "benchmarks" / "one_offs.py")
+    benchmark = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(benchmark)
+    run = {
+        "seconds": 30.0,
+        "steps_per_s": 2.5,
+        "load_before": 1.0,
+        "load_after": 1.5,
+        "one_off_predicted_s": 20.4,
+        "one_off_predicted_range_s": [10.2, 40.8],
+        "one_off_actual_s": 18.7,
+        "one_off_s": 19.9,
+        "compile_artifacts": "miss",
+        "artifacts_reason": "first",
+    }
+    region = {"one_off_predicted_s": 9.5, "one_off_actual_s": 11.0, "load_before": 1.0, "load_after": 1.0}
+    results = {
+        "machine": "test-machine",
+        "runs": {"chargpt": {"quick": False, "first": run, "second": {**run, "compile_artifacts": "hit"}}},
+        "regions": {
+            "gpt4": {
+                "eager": {"steady_ms_per_step": 30.0, "load_before": 1.0, "load_after": 1.0},
+                "regional": {**region, "steady_ms_per_step": 20.0},
+            }
+        },
+    }
+    table = benchmark.markdown(results)
+    assert "| chargpt | first | 20.4 | 10.2-40.8 | 18.7 | 19.9 | miss (first) | 30.0 | 2.5 | 1.0/1.5 |" in table
+    assert "| gpt4 | regional | 9.5 | 11.0 | 20.0 | 1.50x | 1.0/1.0 |" in table
