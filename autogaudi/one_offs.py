@@ -16,6 +16,9 @@ of the model's graph times a rate of this machine:
 
 The uncertainty is the geometric spread of the measured ratios (the prior's ``PRIOR_SPREAD`` until
 measurements say otherwise): the estimate is a central figure and ``low``-``high`` its range.
+:func:`choose` picks whole-model or regional capture by the two estimates. The compile itself is
+kept for the next run too: ``torch.compiler.save_cache_artifacts`` per script, keyed so that a
+changed script, model, inputs, torch or device misses and says which (:func:`load_artifacts`).
 Measurements and their stories: docs/units/graph_capture.md.
 """
 
