@@ -7,6 +7,9 @@ users rerun the same script dozens of times. The folder (``~/.cache/autogaudi``,
 
 - ``decisions/<setup>/<entry>.json``: what a run decided (:mod:`autogaudi.memory`);
 - ``compile/inductor``: torch.compile's caches (``TORCHINDUCTOR_CACHE_DIR``);
+- ``compile/artifacts``: what ``torch.compiler.save_cache_artifacts`` gave after a capture compiled,
+  keyed by script, model, inputs, torch and device (:mod:`autogaudi.one_offs`);
+- ``one_offs``: the capture one-offs measured on each machine, with what was predicted for them;
 - ``compile/hpu_recipes``: the Gaudi bridge's recipe cache (``PT_HPU_RECIPE_CACHE_CONFIG``).
 
 Several processes write at once (the ranks of a job, the runs of a sweep): each write goes to a
@@ -77,12 +80,16 @@ class Cache:
 
     def write_json(self, path: str, value) -> None:
         """Write ``value`` to ``path`` (inside the cache) atomically, then evict what is over the limit."""
+        self.write_bytes(path, json.dumps(value, indent=1, sort_keys=True).encode("utf-8"))
+
+    def write_bytes(self, path: str, data: bytes) -> None:
+        """Write ``data`` to ``path`` (inside the cache) atomically, then evict what is over the limit."""
         folder = os.path.dirname(path)
         os.makedirs(folder, exist_ok=True)
-        descriptor, temporary = tempfile.mkstemp(dir=folder, prefix=".writing-", suffix=".json")
+        descriptor, temporary = tempfile.mkstemp(dir=folder, prefix=".writing-")
         try:
-            with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
-                json.dump(value, handle, indent=1, sort_keys=True)
+            with os.fdopen(descriptor, "wb") as handle:
+                handle.write(data)
             os.replace(temporary, path)
         except BaseException:
             with contextlib.suppress(OSError):

@@ -46,6 +46,10 @@ class Backend:
     # The smallest one-off cost (compile, capture) a capture trial was measured to add on this backend,
     # in seconds: a run that cannot save this much cannot pay back a real one (docs/units/graph_capture.md).
     least_capture_one_off_s = 2.0
+    # The prior of this model's one-off (autogaudi.one_offs): seconds per sqrt(ops per step), before
+    # any one-off is measured on this machine; on the high side of the 2-core CPU's (0.6, spread 1.35x),
+    # since expecting too little is what makes a short run pay.
+    capture_one_off_rate_s = 0.8
     # Whether graph_forward(static_outputs=False) can capture a module whose outputs outlive the next
     # call (called several times per step): False where every replay writes into the same tensors.
     graphs_can_keep_outputs = True
@@ -54,6 +58,8 @@ class Backend:
     host_runs_ahead = False
     # torch.optim classes with a fused kernel on this backend (torch >= 2.4 for CPU).
     FUSED_TORCH_OPTIMIZERS = ("Adam", "AdamW", "SGD")
+    # Whether graph_blocks can compile one block class for all its instances (regional compilation).
+    graphs_by_region = True
     # Whether compile workers were up before graph_forward compiled (then none of them are ours).
     _workers_were_running = True
 
@@ -86,6 +92,15 @@ class Backend:
         self._workers_were_running = compile_workers_running()
         return compile_calls(module, options={"fallback_random": True} if exact_random else None)
 
+    def graph_blocks(self, exact_random: bool = False):
+        """Regional compilation: a callable ``(block, *args, **kwargs)`` that runs ``block`` (hooks and
+        ``forward``) compiled, one compiled code for every instance of a block class: Dynamo guards
+        on the class and treats the parameters as inputs (``inline_inbuilt_nn_modules``), so the
+        repeats of a GPT's layers compile once. No CUDA graphs: the blocks' replays would write into
+        each other's inputs."""
+        self._workers_were_running = compile_workers_running()
+        return torch.compile(_call_block, options={"fallback_random": True} if exact_random else None)
+
     def graph_refusal(self, module):
         """Why ``graph_forward`` cannot capture ``module`` faithfully here, or None: (a reason code of
         graph_capture's table, the values its text is filled in with)."""
@@ -111,6 +126,17 @@ class Backend:
         hits = counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"]
         misses = counters["inductor"]["fxgraph_cache_miss"] + counters["aot_autograd"]["autograd_cache_miss"]
         return {"hits": hits, "misses": misses}
+
+    def save_compile_artifacts(self):
+        """What torch.compile has compiled in this process, as one blob to load in a later one
+        (``torch.compiler.save_cache_artifacts``: its FX-graph, AOTAutograd and kernel caches' entries),
+        or None where there is nothing."""
+        saved = torch.compiler.save_cache_artifacts()
+        return saved[0] if saved else None
+
+    def load_compile_artifacts(self, data: bytes) -> bool:
+        """Put a blob of :meth:`save_compile_artifacts` into torch.compile's caches; whether it held any."""
+        return torch.compiler.load_cache_artifacts(data) is not None
 
     def stop_compile_workers(self):
         """Shut down the compiler's worker processes if autogaudi's ``graph_forward`` started them
@@ -167,7 +193,12 @@ def compile_workers_running() -> bool:
     return bool(getattr(async_compile, "_pool_set", None))
 
 
+def _call_block(block, *args, **kwargs):
+    return block._call_impl(*args, **kwargs)
+
+
 def release_compiled_calls() -> None:
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")
     if eval_frame is not None:
         eval_frame.reset_code(_caller(None).__code__)
+        eval_frame.reset_code(_call_block.__code__)

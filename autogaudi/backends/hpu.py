@@ -58,6 +58,8 @@ class HpuBackend(Backend):
     pin_memory_device = "hpu"
     graphs_can_draw_eager_random = False  # an inductor setting; the Gaudi graph compilers have none
     least_capture_one_off_s = 1.0  # never measured (no Gaudi): the earlier, conservative floor
+    graphs_by_region = False  # ModuleCacher caches a module's graphs per instance
+    capture_one_off_rate_s = 0.8  # never measured: the other backends' prior
     host_runs_ahead = True
 
     def __init__(self, reason: str, core, hpu, lazy: bool):
@@ -136,6 +138,12 @@ class HpuBackend(Backend):
         # Graphs compile to recipes in the bridge, whose disk cache (PT_HPU_RECIPE_CACHE_CONFIG) keeps
         # no count a process can read without PT_HPU_ENABLE_CACHE_METRICS: not claimed either way.
         return None
+
+    def save_compile_artifacts(self):
+        return None  # the bridge's recipe cache keeps what its graphs compile to
+
+    def load_compile_artifacts(self, data: bytes) -> bool:
+        return False
 
     def fused_optimizer_refusal(self, optimizer_class, hyperparameters: dict):
         name = optimizer_class.__name__

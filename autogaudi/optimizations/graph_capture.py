@@ -10,7 +10,7 @@ How: calls of the model that owns most of the optimizer's parameters (a DDP mode
 run through the capture layer of the model's call route (:mod:`autogaudi.model_call`), which
 ``torch.save``, ``pickle`` and ``copy.deepcopy`` drop: a saved model is a plain one. The gates (:meth:`_refusal`:
 not host-bound, compiled by the script, outputs a replay would overwrite, HPU graphs' gradient
-rules; :meth:`_when_to_try`: a run too short to pay back the least one-off) each give a reason code;
+rules; :meth:`_when_to_try`: a run too short to pay back this model's estimated one-off) each give a reason code;
 a capture not kept is released with every reference; an exception from the captured call re-runs
 the call eagerly and switches capture off; past ``MAX_SHAPES`` input shapes it switches off. The
 rules, their measurements and what each figure means: docs/units/graph_capture.md.
@@ -27,13 +27,14 @@ import warnings
 import torch
 import torch.utils.checkpoint
 
+from autogaudi import one_offs
 from autogaudi.candidate import Candidate, DecidesCandidate
 from autogaudi.engines import fsdp2_managed
 from autogaudi.events import Event
 from autogaudi.guard import PASSING_THROUGH
 from autogaudi.model_call import Layer, compiled_by_the_script, holder
 from autogaudi.optimizations.step_profiler import input_shapes
-from autogaudi.ranks import rank_zero_choice
+from autogaudi.ranks import is_rank_zero, rank_zero_choice
 from autogaudi.run_length import remaining_steps
 from autogaudi.unit import RANDOM, ROUNDING
 
@@ -64,6 +65,11 @@ def uses_gradient_checkpointing(module) -> bool:
     return any(getattr(sub, "gradient_checkpointing", False) is True for sub in module.modules())
 
 
+def _saved_per_step_s(profile) -> float:
+    """The most a capture could save per step: every part of it that is not the ops computing."""
+    return max(1e-9, profile.measured.ms_per_step / 1000 * (1 - profile.measured.compute_fraction))
+
+
 class GraphCapture(DecidesCandidate):
     # Compiled kernels fuse and reorder; compiled dropout draws other masks (--exact-random: the same
     # masks, still not the same rounding). A rejected trial ran its steps captured.
@@ -71,7 +77,8 @@ class GraphCapture(DecidesCandidate):
     after = ("mixed_precision",)  # decides first on a profile: a model it holds is not captured
     reasons = {
         "too_short": "not tried: {steps} steps left ({source}) could save at most {most:.2f} s, less than the "
-        "{least:g} s, the least one-off a capture was measured to cost on {backend}",
+        "{estimate:.1f} s (likely {low:.1f}-{high:.1f} s) a capture of {model} is estimated to cost on {backend} "
+        "({basis})",
         "not_host_bound": "not captured: the run is {bound}-bound ({why})",
         "compiled_by_script": "stepped aside: the script (or its framework) already compiles the model with "
         "torch.compile",
@@ -93,8 +100,9 @@ class GraphCapture(DecidesCandidate):
         "captured_forced": "captured {model} (forced)",
         "captured_no_trials": "captured {model} (trials off)",
         "trial_waits": "host-bound; a trial on {model} waits for training step {step}: the run's length is "
-        "unknown, and only from there would its steps so far have lost more than the {least:g} s a capture "
-        "costs at least on {backend} (so a shorter run pays nothing for one)",
+        "unknown, and only from there would its steps so far have lost more than the {estimate:.1f} s (likely "
+        "{low:.1f}-{high:.1f} s) its capture is estimated to cost on {backend} ({basis}), so a shorter run pays "
+        "nothing for one",
         "trial_running": "host-bound; trial running on {model}",
         "measured_faster": "captured {model}: measured faster",
         "rejected": "rejected: {model} captured was not faster in the trial; released",
@@ -125,15 +133,13 @@ class GraphCapture(DecidesCandidate):
         self._shapes: list = []
         self._compiled_for = 0  # how many input shapes have been through the graphed call
         self._checkpoint_calls = 0
+        self._estimate = None  # this model's one-off, predicted (autogaudi.one_offs)
+        self._artifacts_key = None  # what its compiled code depends on, naming the saved compile caches
+        self._set_up_seconds = 0.0
         if self.backend.graphs_hold_gradients:
             self.wrap(torch.utils.checkpoint, "checkpoint", self._count_checkpoint)
         self.because("waiting_for_profile")
         self.on(Event.STEP_PROFILED, self._profiled)
-
-    @property
-    def _candidate(self):
-        """The scope of what capturing set up (the candidate's), closed if it is not kept."""
-        return self.candidate.scope
 
     def _params(self) -> dict:
         return {"model": type(self.candidate.model).__name__}
@@ -208,9 +214,7 @@ class GraphCapture(DecidesCandidate):
             # the 2-core CPU, more than a short script's whole run): a run that ends first pays nothing.
             self.candidate.defer(start_at_step, functools.partial(self._when_due, profile, start_at_step))
             self.figures["trial_waits_for_step"] = start_at_step
-            least = self.backend.least_capture_one_off_s
-            model = type(profile.model).__name__
-            self.because("trial_waits", model=model, step=start_at_step, least=least, backend=self.backend.name)
+            self.because("trial_waits", step=start_at_step, **self._estimate_params(profile))
             return
         self.candidate.try_(profile, not_before_step=start_at_step)
 
@@ -227,10 +231,18 @@ class GraphCapture(DecidesCandidate):
         return {"set_up_s": self._set_up_capture(self.candidate.profile)}
 
     def _set_up_capture(self, profile) -> float:
-        """Capture the profiled model; the seconds it took."""
+        """Capture the profiled model; the seconds it took. The one-off's estimate goes in the figures
+        first, to be set against what the first compile measures."""
+        estimate = self._estimate_one_off(profile)
+        self.figures.update(
+            one_off_predicted_s=estimate["seconds"],
+            one_off_predicted_range_s=[estimate["low_s"], estimate["high_s"]],
+            one_off_predicted_basis=estimate["basis"],
+        )
         started = time.perf_counter()
         self._capture(profile)
-        return time.perf_counter() - started
+        self._set_up_seconds = time.perf_counter() - started
+        return self._set_up_seconds
 
     def _capture(self, profile) -> None:
         """Capture the profiled model, into the candidate's scope."""
@@ -245,32 +257,101 @@ class GraphCapture(DecidesCandidate):
         several = profile.calls_per_step > 1
         if several:
             self.note("captured_called_several_times", model=name, calls=profile.calls_per_step)
-        self._graphed = self.backend.graph_forward(module, exact_random=exact, static_outputs=not several)
-        self._candidate.add(self._forget_graphs)
-        self.hold(module, Layer.CAPTURE, self._around, self._candidate)
+        # What an earlier run compiled for this script, model and inputs, into the compiler's caches first.
+        self.figures["compile_artifacts"] = one_offs.load_artifacts(
+            self.session.cache, self._artifacts_key, self.backend
+        )
+        if self._estimate["regional"]:
+            self._graphed = self._capture_regions(module, exact)
+        else:
+            self._graphed = self.backend.graph_forward(module, exact_random=exact, static_outputs=not several)
+        self.candidate.scope.add(self._forget_graphs)
+        self.hold(module, Layer.CAPTURE, self._around, self.candidate.scope)
         self.figures["model"] = name
         if any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in module.modules()):
             self.note("dropout_exact" if exact else "dropout_differs")
+
+    def _capture_regions(self, module, exact: bool):
+        """Regional compilation through the call route: each repeated block holds a capture layer of its
+        own that runs it compiled (one compiled code for the class) during the model's captured call,
+        and eagerly otherwise; the model's call itself stays eager around them."""
+        name, block_class, blocks, _share = one_offs.repeated_blocks(module)
+        compiled = self.backend.graph_blocks(exact_random=exact)
+        self.figures["regions"] = {"container": name, "block": block_class.__name__, "count": len(blocks)}
+        in_call = []  # non-empty while the model's captured call runs
+
+        def layer_of(block):
+            def block_layer(call, args, kwargs):
+                return compiled(block, *args, **kwargs) if in_call else call(*args, **kwargs)
+
+            return block_layer
+
+        for block in blocks:
+            self.hold(block, Layer.CAPTURE, layer_of(block), self.candidate.scope)
+
+        def graphed(*args, **kwargs):
+            in_call.append(True)
+            try:
+                return module._call_impl(*args, **kwargs)
+            finally:
+                in_call.pop()
+
+        return graphed
 
     def _when_to_try(self, profile) -> tuple:
         """(None, or the figures of why no trial could pay for itself; the training step from which one may start).
 
         Where a framework says how many steps are left, a trial starts only if they could win back
-        the least one-off a capture costs on this backend. Where nothing says (a plain loop), the
-        trial waits until the steps run so far could have saved that much (rent until renting has
-        cost what buying does): a run that ends before then pays nothing for capture, and a longer
-        one forgoes at most that one-off's worth of savings, so either way the run loses at most
-        about one one-off against the best choice in hindsight."""
-        saved_per_step_s = max(1e-9, profile.figures["ms_per_step"] / 1000 * (1 - profile.figures["compute_fraction"]))
-        least = self.backend.least_capture_one_off_s
+        the one-off this model's capture is estimated to cost (:mod:`autogaudi.one_offs`). Where
+        nothing says (a plain loop), the trial waits until the steps run so far could have saved
+        that much (rent until renting has cost what buying does): a run that ends before then pays
+        nothing for capture, and a longer one forgoes at most that one-off's worth of savings, so
+        either way the run loses at most about one one-off against the best choice in hindsight."""
+        if profile.model is None:  # refused: no training model
+            return None, 0
+        saved_per_step_s = _saved_per_step_s(profile)
+        params = self._estimate_params(profile)
         remaining = remaining_steps()
         if remaining is None:
-            return None, math.ceil(least / saved_per_step_s)
+            return None, math.ceil(params["estimate"] / saved_per_step_s)
         steps, source = remaining
-        if steps * saved_per_step_s >= least:
+        if steps * saved_per_step_s >= params["estimate"]:
             return None, 0
-        most = steps * saved_per_step_s
-        return dict(steps=steps, source=source, most=most, least=least, backend=self.backend.name), 0
+        return dict(steps=steps, source=source, most=steps * saved_per_step_s, **params), 0
+
+    def _estimate_one_off(self, profile) -> dict:
+        """This model's capture one-off, predicted once per run (:func:`autogaudi.one_offs.estimate`)."""
+        if self._estimate is None:
+            exact = self.options.exact_random and self.backend.graphs_can_draw_eager_random
+            self._artifacts_key = one_offs.artifacts_key(self.backend, profile.model, profile.inputs, exact)
+            blob, _why, _changed = one_offs.artifacts_lookup(self.session.cache, self._artifacts_key)
+            traits = one_offs.traits(profile.model, profile.measured.ops_per_step)
+            records = one_offs.remembered(self.session.cache, self.backend)
+            warm = blob is not None
+            whole = one_offs.estimate(traits, records, self.backend, warm=warm)
+            regional = None
+            if self.backend.graphs_by_region and traits["blocks_share"] >= one_offs.REGIONAL_SHARE:
+                regional = one_offs.estimate(traits, records, self.backend, warm=warm, regional=True)
+                self.figures.update(
+                    one_off_predicted_whole_s=whole["seconds"], one_off_predicted_regional_s=regional["seconds"]
+                )
+            remaining = remaining_steps()
+            self._estimate = one_offs.choose(
+                whole, regional, _saved_per_step_s(profile), None if remaining is None else remaining[0]
+            )
+        return self._estimate
+
+    def _estimate_params(self, profile) -> dict:
+        """The estimate as the pay-back reasons name it."""
+        estimate = self._estimate_one_off(profile)
+        return dict(
+            model=type(profile.model).__name__,
+            estimate=estimate["seconds"],
+            low=estimate["low_s"],
+            high=estimate["high_s"],
+            basis=estimate["basis"],
+            backend=self.backend.name,
+        )
 
     def _gradient_refusal(self, profile):
         """Why graphs that hold gradients cannot be used for this model and loop (a Reason), or None."""
@@ -287,8 +368,8 @@ class GraphCapture(DecidesCandidate):
     def _keep_gradient_tensors(self, optimizer, model) -> None:
         """Make ``zero_grad`` keep gradient tensors while graphs are on."""
         # On the classes, checked by identity: nothing lands in the user's objects' __dict__.
-        self._candidate.wrap(type(optimizer), "zero_grad", self._zero_grad)
-        self._candidate.wrap(type(model), "zero_grad", self._zero_grad)
+        self.candidate.scope.wrap(type(optimizer), "zero_grad", self._zero_grad)
+        self.candidate.scope.wrap(type(model), "zero_grad", self._zero_grad)
         self.note("gradients_reused")
 
     def _zero_grad(self, wrapped, instance, args, kwargs):
@@ -349,19 +430,29 @@ class GraphCapture(DecidesCandidate):
             result = self._graphed(*args, **kwargs)
         self._compiled_for = len(self._shapes)
         seconds = time.perf_counter() - started
+        if is_rank_zero():  # for the next run: compiled once, loaded after
+            one_offs.save_artifacts(self.session.cache, self._artifacts_key, self.backend)
         if self._compiled_for == 1:
             # Without a trial (forced) this first compile is the warm-up; a trial's record replaces it.
             self.figures.setdefault("warm_up_s", round(seconds, 3))
+            self._learn_one_off(self._set_up_seconds + seconds)
             cached = self.backend.compile_cache_counts()
             if cached is not None:
                 hits, misses = (cached[kind] - cached_before[kind] for kind in ("hits", "misses"))
                 self.figures["compile_cache"] = "hit" if hits and not misses else "miss" if misses else "none"
             # The compiler is loaded now, its exit handlers registered; ours, registered after, runs first.
             atexit.register(self._stop_compile_workers)
-            self._candidate.add(lambda: atexit.unregister(self._stop_compile_workers))
+            self.candidate.scope.add(lambda: atexit.unregister(self._stop_compile_workers))
         else:  # the first shape's compile is in the warm-up; these come on top
             self.figures["later_compiles_s"] = round(self.figures.get("later_compiles_s", 0.0) + seconds, 3)
         return result
+
+    def _learn_one_off(self, actual_s: float) -> None:
+        """Set what the capture cost (set-up and first compile) against its estimate, in the figures
+        and, on rank 0, in this machine's records that later estimates learn from."""
+        self.figures["one_off_actual_s"] = round(actual_s, 3)
+        if self._estimate is not None and is_rank_zero():
+            one_offs.remember(self.session.cache, self.backend, one_offs.record_of(self._estimate, actual_s))
 
     def _stop_compile_workers(self) -> None:
         """At exit, with capture still on: shut down the compile workers it started, timed."""

@@ -462,12 +462,12 @@ class StepProfile:
 
     def as_record(self) -> dict:
         """What a later run with the same set-up, model and inputs takes as its profile."""
-        return {"bound": self.bound, "why": self.why, "figures": self.figures, "calls_per_step": self.calls_per_step}
-
-    @property
-    def figures(self) -> dict:
-        """The figures under the report's and the record's keys (read :attr:`measured` instead)."""
-        return self.measured.as_dict()
+        return {
+            "bound": self.bound,
+            "why": self.why,
+            "figures": self.measured.as_dict(),
+            "calls_per_step": self.calls_per_step,
+        }
 
     @property
     def model(self):

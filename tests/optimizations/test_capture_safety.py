@@ -137,7 +137,7 @@ def read_as(monkeypatch, bound):
     ids=["mlp-capture", "cnn-capture", "cnn-channels-last"],
 )
 def test_a_rejected_trial_leaves_the_process_and_the_model_as_they_were(
-    monkeypatch, trial_clock, make, shape, bound, candidate
+    monkeypatch, trial_clock, capture_one_off, make, shape, bound, candidate
 ):
     slow_graphs(monkeypatch, trial_clock)
     read_as(monkeypatch, bound)
@@ -145,7 +145,7 @@ def test_a_rejected_trial_leaves_the_process_and_the_model_as_they_were(
     from autogaudi.optimizations import channels_last
 
     monkeypatch.setattr(trials, "MARGIN", 0.0)
-    monkeypatch.setattr(CpuBackend, "least_capture_one_off_s", 0.0)  # a trial at once, not after a wait
+    capture_one_off(CpuBackend, 0.0)  # a trial at once, not after a wait
     real_convert = channels_last._convert
     monkeypatch.setattr(channels_last, "_convert", lambda value: trial_clock.advance(0.004) or real_convert(value))
     before = process_state()

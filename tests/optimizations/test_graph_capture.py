@@ -218,7 +218,9 @@ def test_hpu_capture_leaves_no_cacher_attribute_and_the_model_saves_as_a_plain_o
     assert set(vars(model)) == keys and not list(graphs.LIVE_CACHERS)  # the cacher and its graphs let go
 
 
-def test_a_rejected_hpu_capture_lets_go_of_the_cacher_and_its_graphs(hpu_double, monkeypatch, trial_clock):
+def test_a_rejected_hpu_capture_lets_go_of_the_cacher_and_its_graphs(
+    hpu_double, monkeypatch, trial_clock, capture_one_off
+):
     hpu_double(lazy=True)
     from habana_frameworks.torch.hpu import graphs
 
@@ -227,7 +229,7 @@ def test_a_rejected_hpu_capture_lets_go_of_the_cacher_and_its_graphs(hpu_double,
     from autogaudi.optimizations import step_profiler
 
     monkeypatch.setattr(step_profiler, "classify", lambda *a, **k: ("host", "read as host-bound by the test"))
-    monkeypatch.setattr(HpuBackend, "least_capture_one_off_s", 0.0)
+    capture_one_off(HpuBackend, 0.0)
     monkeypatch.setattr(trials, "MARGIN", 0.0)
     replay = graphs.ModuleCacher._replay
     monkeypatch.setattr(graphs.ModuleCacher, "_replay", lambda *a: trial_clock.advance(0.004) or replay(*a))
@@ -283,7 +285,9 @@ def test_a_recompile_storm_switches_capture_off_and_names_the_shapes(hpu_double)
 
 
 @pytest.mark.slow
-def test_host_bound_plain_loop_gets_a_compile_trial_once_it_could_pay_and_trains_like_plain(monkeypatch):
+def test_host_bound_plain_loop_gets_a_compile_trial_once_it_could_pay_and_trains_like_plain(
+    monkeypatch, capture_one_off
+):
     def tiny():  # Python-heavy tiny layers: a 20-layer plain MLP sat on the 50% line and flipped
         torch.manual_seed(0)
         return nn.Sequential(*[Bookkeeping() for _ in range(20)], nn.Linear(8, 3))
@@ -294,7 +298,7 @@ def test_host_bound_plain_loop_gets_a_compile_trial_once_it_could_pay_and_trains
             yield torch.randn(4, 8, generator=generator), torch.randint(0, 3, (4,), generator=generator)
 
     # A cheap capture, so that the loop reaches the step from which a trial could pay (tens of steps).
-    monkeypatch.setattr(CpuBackend, "least_capture_one_off_s", 0.15)
+    capture_one_off(CpuBackend, 0.15)
     # The profile as given (a busy machine reads a Python-heavy step's ops as slow kernels, and its
     # step times move the wait): measuring is the profiler's tests' business; here, what the unit does
     # with a host-bound profile of 2 ms steps, half of each saved by a capture: it waits for step 150.
@@ -382,3 +386,42 @@ def test_hpu_graphs_and_eager_steps_never_share_a_gradient_tensor(hpu_double):
     mine = [p.grad for p in model.parameters()]
     assert all(a is not b and a.data_ptr() != b.data_ptr() for a, b in zip(mine, held))
     torch.testing.assert_close(mine, held)
+
+
+class Tower(nn.Module):
+    """An embedding, four repeats of one block and a head: a GPT's shape in miniature."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(16, 16)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(4))
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, inputs):
+        hidden = self.embed(inputs)
+        for block in self.blocks:
+            hidden = hidden + block(hidden)
+        return self.head(hidden)
+
+
+def test_regional_capture_compiles_the_block_class_once_and_is_undone_exactly(monkeypatch):
+    from autogaudi import one_offs
+
+    monkeypatch.setattr(one_offs, "REGIONAL_KEEPS", 1.0)  # regional pays back sooner whatever its estimate
+    plain = losses_of(Tower(), batches())
+    autogaudi.enable(device="cpu", only="step_profiler,graph_capture", force="graph_capture")
+    model = Tower()
+    keys = [set(vars(module)) for module in model.modules()]
+    from torch._dynamo.utils import counters
+
+    graphs_before = counters["stats"]["unique_graphs"]
+    losses = losses_of(model, batches())
+    figures = row()["figures"]
+    assert figures["regions"] == {"container": "blocks", "block": "Sequential", "count": 4}
+    assert figures["one_off_predicted_s"] == figures["one_off_predicted_regional_s"]
+    assert figures["one_off_predicted_regional_s"] < figures["one_off_predicted_whole_s"]
+    assert counters["stats"]["unique_graphs"] - graphs_before == 1  # one graph for the four blocks
+    torch.testing.assert_close(losses, plain, rtol=1e-4, atol=1e-5)
+    autogaudi.disable()
+    assert [set(vars(module)) for module in model.modules()] == keys

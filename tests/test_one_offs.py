@@ -1,0 +1,284 @@
+"""The capture one-off's estimate: sized by the model, scaled by what this machine measured, pulled
+towards the backend's prior, kept per machine in the cache; graph_capture's pay-back rule reads it."""
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from autogaudi import one_offs
+from autogaudi.backends.cpu import CpuBackend
+from autogaudi.cache import Cache
+from autogaudi.optimizations import graph_capture
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mix = nn.Linear(8, 8)
+
+    def forward(self, inputs):
+        return torch.relu(self.mix(inputs))
+
+
+class Tower(nn.Module):
+    """An embedding, four repeats of one block, a head: a GPT's shape in miniature."""
+
+    def __init__(self, blocks=4):
+        super().__init__()
+        self.embed = nn.Linear(8, 8)
+        self.blocks = nn.ModuleList(Block() for _ in range(blocks))
+        self.head = nn.Linear(8, 2)
+
+
+def cpu():
+    return CpuBackend("test")
+
+
+def test_repeated_blocks_finds_the_blocks_and_their_share_of_the_parameters():
+    name, cls, blocks, share = one_offs.repeated_blocks(Tower())
+    assert (name, cls, len(blocks)) == ("blocks", Block, 4)
+    assert share == pytest.approx(4 * 72 / (72 + 4 * 72 + 18))
+    assert one_offs.repeated_blocks(nn.Sequential(nn.Linear(2, 2), nn.ReLU())) is None  # mixed classes
+
+
+def test_a_bigger_graph_is_estimated_dearer_and_regional_cheaper_than_whole():
+    small = one_offs.traits(nn.Linear(2, 2), 30)
+    large = one_offs.traits(Tower(), 900)
+    assert one_offs.estimate(large, [], cpu())["seconds"] > one_offs.estimate(small, [], cpu())["seconds"]
+    whole = one_offs.estimate(large, [], cpu())
+    regional = one_offs.estimate(large, [], cpu(), regional=True)
+    assert regional["seconds"] < whole["seconds"] and regional["regional"]
+    assert whole["seconds"] == pytest.approx(CpuBackend.capture_one_off_rate_s * 30)  # sqrt(900)
+    assert whole["measured"] == 0 and whole["low_s"] < whole["seconds"] < whole["high_s"]
+
+
+def test_the_estimate_never_goes_below_the_backends_least_one_off():
+    tiny = one_offs.traits(nn.Linear(2, 2), 1)
+    assert one_offs.estimate(tiny, [], cpu())["seconds"] == CpuBackend.least_capture_one_off_s
+
+
+def test_measured_one_offs_move_the_rate_towards_this_machine_and_narrow_the_range():
+    traits = one_offs.traits(nn.Linear(2, 2), 400)  # size 20
+    prior = one_offs.estimate(traits, [], cpu())
+    slow = [{"size": 20.0, "actual_s": 60.0, "warm": False}] * 8  # this machine: 3 s per unit
+    learned = one_offs.estimate(traits, slow, cpu())
+    assert prior["seconds"] < learned["seconds"] < 60.0  # pulled towards, not all the way (the prior's weight)
+    assert learned["measured"] == 8
+    assert learned["high_s"] / learned["seconds"] < prior["high_s"] / prior["seconds"]  # agreeing measurements
+    expected = math.exp((2 * math.log(0.8) + 8 * math.log(3.0)) / 10) * 20
+    assert learned["seconds"] == pytest.approx(expected, rel=1e-3)
+
+
+def test_a_warm_compile_cache_has_a_rate_of_its_own():
+    traits = one_offs.traits(nn.Linear(2, 2), 400)
+    cold_only = [{"size": 20.0, "actual_s": 60.0, "warm": False}] * 4
+    warm = one_offs.estimate(traits, cold_only, cpu(), warm=True)
+    assert warm["measured"] == 0 and warm["warm"]  # cold measurements say nothing of a warm compile
+    assert warm["seconds"] < one_offs.estimate(traits, [], cpu())["seconds"]
+
+
+def test_records_are_kept_per_machine_newest_last_and_bounded(tmp_path):
+    cache = Cache(str(tmp_path), 1 << 30)
+    predicted = one_offs.estimate(one_offs.traits(nn.Linear(2, 2), 100), [], cpu())
+    for actual in range(one_offs.KEPT + 3):
+        assert one_offs.remember(cache, cpu(), one_offs.record_of(predicted, float(actual + 1)))
+    records = one_offs.remembered(cache, cpu())
+    assert len(records) == one_offs.KEPT and records[-1]["actual_s"] == one_offs.KEPT + 3
+    assert records[-1]["predicted_s"] == predicted["seconds"] and records[-1]["size"] == predicted["size"]
+    assert one_offs.remembered(None, cpu()) == [] and not one_offs.remember(None, cpu(), {})
+
+
+def test_an_unwritable_cache_loses_the_record_not_the_run(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    cache = Cache(str(blocker), 1 << 30)  # its folders cannot be made under a file
+    assert not one_offs.remember(cache, cpu(), {"size": 1.0, "actual_s": 1.0})
+
+
+class Profile:
+    def __init__(self, model, ops, ms_per_step=10.0, compute_fraction=0.5):
+        self.model = model
+        self.inputs = ((4, 2),)
+        self.measured = SimpleNamespace(ops_per_step=ops, ms_per_step=ms_per_step, compute_fraction=compute_fraction)
+
+
+class Unit:
+    """What graph_capture's pay-back rule reads of its unit: the backend, the session's cache."""
+
+    _when_to_try = graph_capture.GraphCapture._when_to_try
+    _estimate_one_off = graph_capture.GraphCapture._estimate_one_off
+    _estimate_params = graph_capture.GraphCapture._estimate_params
+
+    def __init__(self, cache=None):
+        self.backend = cpu()
+        self.session = type("Session", (), {"cache": cache})()
+        self.options = type("Options", (), {"exact_random": False})()
+        self._estimate = None
+
+
+def test_a_plain_loop_waits_until_its_steps_could_have_paid_this_models_estimate(monkeypatch):
+    monkeypatch.setattr(graph_capture, "remaining_steps", lambda: None)
+    saved_per_step_s = 0.010 * 0.5
+    for ops in (100, 2500):
+        too_short, start_at = Unit()._when_to_try(Profile(nn.Linear(2, 2), ops))
+        estimate = CpuBackend.capture_one_off_rate_s * math.sqrt(ops)
+        assert too_short is None and start_at == math.ceil(estimate / saved_per_step_s)
+
+
+def test_known_remaining_steps_that_cannot_pay_the_estimate_start_no_trial(monkeypatch):
+    monkeypatch.setattr(graph_capture, "remaining_steps", lambda: (1000, "a framework"))
+    # 1000 steps saving 5 ms each: 5 s. A 100-op model is estimated at 8 s, a 16-op one at the 2 s floor.
+    too_short, _ = Unit()._when_to_try(Profile(nn.Linear(2, 2), 100))
+    assert too_short["estimate"] == pytest.approx(8.0) and too_short["most"] == pytest.approx(5.0)
+    assert {"low", "high", "basis", "model", "backend"} <= set(too_short)
+    assert Unit()._when_to_try(Profile(nn.Linear(2, 2), 16)) == (None, 0)
+
+
+def test_the_rule_learns_from_the_machines_records(monkeypatch, tmp_path):
+    monkeypatch.setattr(graph_capture, "remaining_steps", lambda: (1000, "a framework"))
+    cache = Cache(str(tmp_path), 1 << 30)
+    fast = {"size": 10.0, "actual_s": 1.0, "warm": False, "regional": False}  # 0.1 s per unit, measured here
+    for _ in range(20):
+        one_offs.remember(cache, cpu(), fast)
+    # The prior's 8 s would refuse; this machine's measurements bring it to the 2 s floor, within the 5 s saved.
+    assert Unit(cache)._when_to_try(Profile(nn.Linear(2, 2), 100)) == (None, 0)
+
+
+class Blobs(CpuBackend):
+    """torch.compile's caches as a blob the test sees: ``compiled`` is what this process compiled."""
+
+    def __init__(self, compiled=b"kernels"):
+        super().__init__("test")
+        self.compiled = compiled
+        self.loaded = []
+
+    def save_compile_artifacts(self):
+        return self.compiled
+
+    def load_compile_artifacts(self, data):
+        self.loaded.append(data)
+        return bool(data)
+
+
+def key(**changes):
+    return {
+        "script": "/work/train.py",
+        "script_content": "abc",
+        "model": "m1",
+        "inputs": "i1",
+        "torch": "2.13.0",
+        "device": "cpu: x86_64 CPU, 2 cores",
+        "exact_random": False,
+        **changes,
+    }
+
+
+def test_compiled_caches_saved_by_one_run_are_loaded_by_the_next_with_the_same_key(tmp_path):
+    cache = Cache(str(tmp_path), 1 << 30)
+    assert one_offs.load_artifacts(cache, key(), Blobs()) == {"status": "miss", "reason": "first", "changed": []}
+    assert one_offs.save_artifacts(cache, key(), Blobs(b"kernels of run 1"))
+    later = Blobs()
+    assert one_offs.load_artifacts(cache, key(), later) == {"status": "hit", "reason": "loaded", "changed": []}
+    assert later.loaded == [b"kernels of run 1"]
+
+
+@pytest.mark.parametrize("part", ["script_content", "model", "inputs", "torch", "device", "exact_random"])
+def test_a_changed_script_model_torch_or_device_misses_and_says_what_changed(tmp_path, part):
+    cache = Cache(str(tmp_path), 1 << 30)
+    one_offs.save_artifacts(cache, key(), Blobs())
+    later = Blobs()
+    figures = one_offs.load_artifacts(cache, key(**{part: "another"}), later)
+    assert figures == {"status": "miss", "reason": "changed", "changed": [part]} and later.loaded == []
+
+
+def test_a_new_key_replaces_the_scripts_blob_and_an_evicted_or_broken_one_misses(tmp_path):
+    cache = Cache(str(tmp_path), 1 << 30)
+    one_offs.save_artifacts(cache, key(), Blobs())
+    one_offs.save_artifacts(cache, key(model="m2"), Blobs())
+    blobs = list((tmp_path / "compile" / "artifacts").glob("*.bin"))
+    assert len(blobs) == 1  # the superseded blob went
+    assert one_offs.load_artifacts(cache, key(model="m2"), Blobs())["status"] == "hit"
+    blobs[0].unlink()
+    assert one_offs.load_artifacts(cache, key(model="m2"), Blobs())["reason"] == "evicted"
+    one_offs.save_artifacts(cache, key(model="m2"), Blobs())
+
+    class Broken(Blobs):
+        def load_compile_artifacts(self, data):
+            raise RuntimeError("another torch build")
+
+    assert one_offs.load_artifacts(cache, key(model="m2"), Broken())["reason"] == "unreadable"
+
+
+def test_no_cache_no_script_or_nothing_compiled_saves_nothing(tmp_path):
+    cache = Cache(str(tmp_path), 1 << 30)
+    assert one_offs.load_artifacts(None, key(), Blobs())["reason"] == "no_cache"
+    assert one_offs.load_artifacts(cache, None, Blobs())["reason"] == "no_script"
+    assert not one_offs.save_artifacts(cache, None, Blobs())
+    assert not one_offs.save_artifacts(cache, key(), Blobs(compiled=None))
+    assert not (tmp_path / "compile").exists()
+
+
+def test_saved_artifacts_make_the_estimate_a_warm_compiles(tmp_path, monkeypatch):
+    monkeypatch.setattr(graph_capture, "remaining_steps", lambda: None)
+    monkeypatch.setattr(one_offs, "artifacts_key", lambda *args: key())
+    cache = Cache(str(tmp_path), 1 << 30)
+    profile = Profile(nn.Linear(2, 2), 2500)
+    cold = Unit(cache)
+    cold._when_to_try(profile)
+    one_offs.save_artifacts(cache, key(), Blobs())
+    warm = Unit(cache)
+    warm._when_to_try(profile)
+    assert warm._estimate["warm"] and not cold._estimate["warm"]
+    assert warm._estimate["seconds"] < cold._estimate["seconds"]
+
+
+def test_regional_is_chosen_where_it_pays_back_better():
+    whole = {"seconds": 20.0, "regional": False}
+    regional = {"seconds": 8.0, "regional": True}  # 8 s for half the saving: pays back after 16 s of savings
+    assert one_offs.choose(whole, regional, 0.01, None) is regional
+    assert one_offs.choose(whole, {"seconds": 12.0, "regional": True}, 0.01, None) is whole  # 24 s: later
+    # Known steps: 3000 saving 10 ms each, 30 s: whole nets 10 s, regional 15 - 8 = 7 s.
+    assert one_offs.choose(whole, regional, 0.01, 3000) is whole
+    assert one_offs.choose(whole, regional, 0.01, 2000) is regional  # 0 s against 2 s
+    assert one_offs.choose(whole, None, 0.01, 2000) is whole
+
+
+def test_the_benchmark_table_shows_predicted_against_actual_and_whole_against_regional():
+    import importlib.util
+    import sys
+
+    from tests.helpers import REPO
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("one_offs_benchmark", REPO / "benchmarks" / "one_offs.py")
+    benchmark = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(benchmark)
+    run = {
+        "seconds": 30.0,
+        "steps_per_s": 2.5,
+        "load_before": 1.0,
+        "load_after": 1.5,
+        "one_off_predicted_s": 20.4,
+        "one_off_predicted_range_s": [10.2, 40.8],
+        "one_off_actual_s": 18.7,
+        "one_off_s": 19.9,
+        "compile_artifacts": "miss",
+        "artifacts_reason": "first",
+    }
+    region = {"one_off_predicted_s": 9.5, "one_off_actual_s": 11.0, "load_before": 1.0, "load_after": 1.0}
+    results = {
+        "machine": "test-machine",
+        "runs": {"chargpt": {"quick": False, "first": run, "second": {**run, "compile_artifacts": "hit"}}},
+        "regions": {
+            "gpt4": {
+                "eager": {"steady_ms_per_step": 30.0, "load_before": 1.0, "load_after": 1.0},
+                "regional": {**region, "steady_ms_per_step": 20.0},
+            }
+        },
+    }
+    table = benchmark.markdown(results)
+    assert "| chargpt | first | 20.4 | 10.2-40.8 | 18.7 | 19.9 | miss (first) | 30.0 | 2.5 | 1.0/1.5 |" in table
+    assert "| gpt4 | regional | 9.5 | 11.0 | 20.0 | 1.50x | 1.0/1.0 |" in table
