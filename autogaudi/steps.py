@@ -126,7 +126,7 @@ class TrainingSteps:
         self.evaluation_counted_until = None  # the step counting them stopped at (see EVALUATION_CHECKED_AT_STEP)
         self._outermost_calls = 0  # forward passes without gradients seen, of any model
         self._regions = Scope(guard)  # the region watch, closed on its own where it costs too much
-        self._in_region = False  # inside no_grad, inference_mode or set_grad_enabled(False)
+        self._region = None  # the no_grad, inference_mode or set_grad_enabled(False) that turned gradients off
         self._calls_hook = None  # while in a region: the global hook that sees the next module call
         self._returned_hook = None  # while that call runs: a hook on that module, for its return
         self._guarded_call = guarded(guard, self._module_called)
@@ -348,16 +348,19 @@ class TrainingSteps:
         self.events.emit(Event.TRAINING_STEP, optimizer)
 
     def _region_entered(self, wrapped, instance, args, kwargs):
+        # set_grad_enabled(False) turns gradients off when made, before it is entered: its ``prev``
+        # says what it found. A region inside gradients already off (an optimizer's step) is not one.
+        enabled_before = instance.prev if isinstance(instance, torch.set_grad_enabled) else torch.is_grad_enabled()
         result = wrapped(*args, **kwargs)
-        if not self._in_region and not torch.is_grad_enabled():
-            self._in_region = True
+        if self._region is None and enabled_before and not torch.is_grad_enabled() and not _compiling():
+            self._region = instance
             self._watch_module_calls()
         return result
 
     def _region_left(self, wrapped, instance, args, kwargs):
         result = wrapped(*args, **kwargs)
-        if self._in_region and torch.is_grad_enabled():
-            self._in_region = False
+        if instance is self._region:
+            self._region = None
             self._stop_watching_module_calls()
             if not self.backwards:  # an evaluation before training: the first step starts after it
                 self._first_clock = time.perf_counter()
@@ -373,7 +376,7 @@ class TrainingSteps:
 
     def _stop_counting_evaluation(self) -> None:
         self._regions.close()
-        self._in_region = False
+        self._region = None
         self._stop_watching_module_calls()
 
     def _stop_watching_module_calls(self) -> None:
@@ -395,7 +398,7 @@ class TrainingSteps:
     def _module_returned(self, module, args, output):
         self._returned_hook.remove()
         self._returned_hook = None
-        if self._in_region:
+        if self._region is not None:
             self._watch_module_calls()
 
     def _tell_evaluation_passes(self) -> None:
@@ -469,9 +472,13 @@ def _inside_a_module_call() -> bool:
 
 
 def _compiling() -> bool:
-    """Inside a torch.compile trace: hooks are not added or removed there."""
+    """Inside torch.compile, tracing or compiling a frame: hooks are not added or removed there (the
+    compiler guards on the global module hooks it saw, and its own code enters no_grad regions)."""
     compiler = getattr(torch, "compiler", None)
-    return compiler is not None and compiler.is_compiling()
+    if compiler is not None and compiler.is_compiling():
+        return True
+    guards = sys.modules.get("torch._guards")
+    return guards is not None and guards.TracingContext.try_get() is not None
 
 
 def _a_parameter(tensors):

@@ -255,6 +255,25 @@ def test_a_loop_that_evaluates_in_every_step_stops_being_counted_and_says_so():
     assert figures["evaluation_forward_passes"] == 3 * steps.EVALUATION_CHECKED_AT_STEP
 
 
+def test_regions_inside_gradients_already_off_leave_training_calls_unwatched():
+    """An optimizer's step turns gradients off as a function and enters no_grad regions inside: no
+    region of its own, so the training forward after it has no global module hook (which would cost
+    every call, and which torch.compile would guard on)."""
+    from torch.nn.modules import module as torch_module
+
+    autogaudi.enable(device="cpu", only="throughput_meter")
+    model = nn.Linear(4, 1)
+    optimizer = torch.optim.Adam(model.parameters(), foreach=False)
+    for _, (inputs, targets) in zip(range(3), data()):
+        nn.functional.mse_loss(model(inputs), targets).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        assert not torch_module._global_forward_pre_hooks and not torch_module._global_forward_hooks
+    with torch.set_grad_enabled(False):  # the transfer-learning tutorial's evaluation phase
+        model(torch.randn(2, 4))
+    assert steps_figures()["evaluation_forward_passes"] == 1
+
+
 def test_evaluation_passes_of_a_loop_that_updates_by_hand():
     """No optimizer: the model the hand-written loop updates is the one trained."""
     autogaudi.enable(device="cpu", only="throughput_meter")
