@@ -263,7 +263,7 @@ def test_regions_inside_gradients_already_off_leave_training_calls_unwatched():
 
     autogaudi.enable(device="cpu", only="throughput_meter")
     model = nn.Linear(4, 1)
-    optimizer = torch.optim.Adam(model.parameters(), foreach=False)
+    optimizer = torch.optim.Adam(model.parameters(), foreach=True)  # groups tensors under @no_grad
     for _, (inputs, targets) in zip(range(3), data()):
         nn.functional.mse_loss(model(inputs), targets).backward()
         optimizer.step()
