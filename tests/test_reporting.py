@@ -68,7 +68,8 @@ def test_the_default_report_is_short_and_says_what_changed_and_its_effect(tmp_pa
     summary = json.loads(path.read_text())["summary"]
     assert summary["steps"] == 10 and summary["seconds"] > 0
     (change,) = [change for change in summary["changed"] if change["unit"] == "fused_optimizer"]
-    assert change["effect"] is None  # in force from the first step: never timed without it
+    # in force from the first step: its effect is its update timed against torch's unfused one
+    assert change["effect"]["timed"].startswith("the update alone") and change["effect"]["one_off_s"] == 0
 
 
 def test_the_report_leads_with_what_autogaudi_changed(tmp_path):

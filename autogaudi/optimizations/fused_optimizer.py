@@ -44,6 +44,7 @@ import collections
 import contextlib
 import functools
 import inspect
+import statistics
 import sys
 import weakref
 
@@ -51,7 +52,7 @@ import torch
 from torch.optim.optimizer import _foreach_supported_types
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
-from autogaudi import numerics
+from autogaudi import numerics, steps
 from autogaudi.unit import ROUNDING, Unit
 
 FUSABLE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
@@ -184,6 +185,7 @@ class FusedOptimizer(Unit):
         self._extra_settings = {}  # optimizer class -> hpex-only group settings (bias_correction, ...)
         self._hooked_step = torch.optim.Optimizer.profile_hook_step(self._checked_step)
         self._rounding_steps, self._largest_rounding = 0, 0.0  # fused steps measured against torch's own
+        self._unfused_s, self._fused_s = [], []  # those steps' updates, timed
         for optimizer_class in FUSABLE:
             self.wrap(optimizer_class, "__init__", functools.partial(self._init, optimizer_class))
         self.on_revert(self._hand_state_back_to_torch)
@@ -285,6 +287,7 @@ class FusedOptimizer(Unit):
                 self._unfuse(optimizer, unfusable)
             else:
                 reference = self._unfused_reference(optimizer)
+        started = self._timed_start() if reference is not None else None
         if optimizer in self._fused:
             self._torch_fused_step(optimizer)
         elif optimizer in self._delegates:
@@ -293,8 +296,23 @@ class FusedOptimizer(Unit):
             self._raw_steps[type(optimizer)](optimizer)
         if reference is not None:
             with self.fail_open():
+                self._timed_end(started, self._fused_s)
                 self._rounding_measured(optimizer, reference)
         return loss
+
+    # The updates are timed only where the host waits for each op (CPU): where it queues ahead of the
+    # device, timing them would take a synchronisation (on HPU lazy, a graph break) the run would not have.
+    def _timed_start(self):
+        return None if self.backend.host_runs_ahead else steps.clock()
+
+    def _timed_end(self, started, into: list) -> None:
+        if started is not None:
+            into.append(steps.clock() - started)
+
+    def _timed_unfused_step(self, optimizer) -> None:
+        started = self._timed_start()
+        self._raw_steps[type(optimizer)](optimizer)
+        self._timed_end(started, self._unfused_s)
 
     # How far the fused update is from torch's own -------------------------------------------------
 
@@ -317,7 +335,7 @@ class FusedOptimizer(Unit):
             gb = sum(tensor.numel() * tensor.element_size() for tensor in tensors) / 1024**3
             self.note("rounding_not_measured_memory", optimizer=name, gb=gb, share=numerics.FREE_SHARE)
             return None
-        return numerics.unfused_update(optimizer, self._raw_steps[type(optimizer)], self._group_steps(optimizer))
+        return numerics.unfused_update(optimizer, self._timed_unfused_step, self._group_steps(optimizer))
 
     def _rounding_measured(self, optimizer, reference) -> None:
         """The fused step just taken against ``reference``, while the optimizer is still fused (a
@@ -330,6 +348,14 @@ class FusedOptimizer(Unit):
         self.figures["numerics_measured"] = numerics.measured(
             self._largest_rounding, of="parameters", steps=self._rounding_steps, against="torch's unfused step"
         )
+        if not self._fused_s or not self._unfused_s:
+            return
+        # The same steps timed: the update alone, fused against torch's unfused one on the copies.
+        self.figures["update_ms"] = {
+            "unfused": round(1000 * statistics.median(self._unfused_s), 3),
+            "fused": round(1000 * statistics.median(self._fused_s), 3),
+            "steps": len(self._fused_s),
+        }
 
     # CUDA / CPU: torch's own fused kernels -------------------------------------------------------
 
