@@ -1,4 +1,5 @@
-"""Shared fixtures: subprocess runner, the HPU test double, and a guaranteed disable() after each test."""
+"""Shared fixtures: subprocess runner, the HPU test double, one intra-op thread, and a guaranteed
+disable() after each test."""
 
 import importlib
 import sys
@@ -11,12 +12,33 @@ from autogaudi import steps, trials
 from autogaudi.optimizations import step_profiler
 from tests.helpers import HPU_DOUBLE, SimulatedClock
 
+# Test files that read torch's own thread count: loader_workers cuts it while its workers run, which
+# it cannot where the count is already one. They run with the machine's count.
+MACHINE_THREADS = {"test_loader_workers.py"}
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "machine_threads: runs with torch's own intra-op thread count, not one")
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.path.name in MACHINE_THREADS:
+            item.add_marker(pytest.mark.machine_threads)
+
 
 @pytest.fixture(autouse=True)
-def autogaudi_disabled_after_test(monkeypatch):
+def autogaudi_disabled_after_test(monkeypatch, request):
+    """Also one intra-op thread for the test's own torch calls: the tests' tensors are tiny, and two
+    OpenMP threads on a 2-core machine that runs anything else wait on each other at every op (a
+    slice of the contract matrix: 93 s with two, 6.6 s with one, side by side on a loaded machine)."""
     monkeypatch.setenv("AUTOGAUDI_NO_CACHE", "1")  # no decision carried from one test to the next
+    threads = torch.get_num_threads()
+    if request.node.get_closest_marker("machine_threads") is None:
+        torch.set_num_threads(1)
     yield
     autogaudi.disable()
+    torch.set_num_threads(threads)
 
 
 def _forget_hpu_double():

@@ -73,9 +73,13 @@ def said(row, kind="note") -> list:
 
 
 def clean_env(**extra):
-    """The environment of a plain run: no autogaudi settings inherited from whoever runs pytest, and
-    no cache folder (each run decides afresh; the cache's tests pass ``AUTOGAUDI_NO_CACHE=0``)."""
+    """The environment of a plain run: no autogaudi settings inherited from whoever runs pytest, no
+    cache folder (each run decides afresh; the cache's tests pass ``AUTOGAUDI_NO_CACHE=0``), and one
+    intra-op thread, as torchrun gives each rank: the scripts' tensors are tiny, and two OpenMP
+    threads per process on a loaded 2-core machine wait on each other at every op (minGPT's short
+    run: 112 s with two, 10 s with one, on the same loaded machine). ``OMP_NUM_THREADS=...`` overrides."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("AUTOGAUDI") and k != "PT_HPU_LAZY_MODE"}
+    env["OMP_NUM_THREADS"] = "1"
     env.pop("PYTHONPATH", None)
     # inductor writes its cache folder into the environment of a process that compiles
     # (torch/_inductor/runtime/cache_dir_utils.py): an in-process compile test would hand pytest's to every run.
