@@ -113,8 +113,9 @@ class GraphCapture(DecidesCandidate):
         "captured_called_several_times": "{model} is called {calls} times per step: captured without graphs that "
         "replay into static outputs (CUDA graphs), which a later call would overwrite",
         "dropout_exact": "dropout draws eager's random masks (--exact-random)",
-        "dropout_differs": "compiled dropout draws different random masks than eager (same distribution); "
-        "--exact-random makes them the same, at a cost in speed",
+        "dropout_differs": "compiled dropout draws different random masks than eager (same distribution) and "
+        "leaves the script's generator elsewhere, so later draws differ too, kept or rejected; --exact-random "
+        "makes them the same, at a cost in speed",
         "gradients_reused": "zero_grad(set_to_none=False) while graphs are on: gradient tensors are reused, not freed",
         "eager_outside_training": "calls outside training (eval mode or no_grad) run eagerly: only training steps "
         "were measured",
@@ -156,6 +157,8 @@ class GraphCapture(DecidesCandidate):
                 f"{name.removesuffix('_s').replace('_', ' ')} {value} s" for name, value in parts.items()
             )
             text += f", one-off {round(sum(parts.values()), 3)} s ({listed})"
+        if "one_off_actual_s" in self.figures and "one_off_predicted_s" in self.figures:
+            text += f" (estimated {self.figures['one_off_predicted_s']} s before paying)"
         if "pays_back_after_steps" in self.figures:
             text += f", pays back after {self.figures['pays_back_after_steps']} steps"
         if self.figures.get("compile_cache") == "hit":
