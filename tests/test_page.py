@@ -86,10 +86,10 @@ def test_a_run_that_ends_during_a_trial_changed_nothing(trial_clock):
         optimizer.step()
         optimizer.zero_grad()
         trial_clock.advance(0.01)
-        if unit._on:  # the candidate's arm is running
+        if unit.candidate.on:  # the candidate's arm is running
             break
     report = autogaudi.report().as_dict()
-    assert unit._on and report["changed"] == [] and report["summary"]["unfinished"] == ["channels_last"]
+    assert unit.candidate.on and report["changed"] == [] and report["summary"]["unfinished"] == ["channels_last"]
     assert [event["event"] for event in report["timeline"]["events"]] == ["profiled", "trial_started"]
 
 

@@ -1,6 +1,7 @@
 """The unit contract: exact undo through wrapt, fail-open in apply() and at run time, user errors untouched."""
 
 import importlib
+import re
 import types
 
 import pytest
@@ -130,10 +131,8 @@ def test_unit_that_breaks_at_run_time_is_reverted_and_the_run_goes_on(hpu_double
     assert train() == expected
     row = autogaudi.report().unit("step_marks")
     assert (row["status"], row["reason_code"]) == ("failed", "failed_at_run_time")
-    assert row["reason_params"] == {
-        "error": "RuntimeError('injected run-time failure')",
-        "where": "autogaudi/backends/hpu.py:81 in mark_step",
-    }
+    assert row["reason_params"]["error"] == "RuntimeError('injected run-time failure')"
+    assert re.fullmatch(r"autogaudi/backends/hpu\.py:\d+ in mark_step", row["reason_params"]["where"])
     assert "step_marks raised RuntimeError('injected run-time failure')" in capsys.readouterr().err
     assert calls.names() == []  # nothing was marked after the failure
 
