@@ -16,7 +16,10 @@ of the model's graph times a rate of this machine:
 
 The uncertainty is the geometric spread of the measured ratios (the prior's ``PRIOR_SPREAD`` until
 measurements say otherwise): the estimate is a central figure and ``low``-``high`` its range.
-:func:`choose` picks whole-model or regional capture by the two estimates. The compile itself is
+Three tiers: the whole model compiled, its repeated blocks compiled (``regional``), or, where the
+backend has it, the model's calls replayed as device graphs without a compiler's code generation
+(``replay``: CUDA graphs, a trace's one-off instead of inductor's, with a rate of its own).
+:func:`choose` picks the tier by the estimates. The compile itself is
 kept for the next run too: ``torch.compiler.save_cache_artifacts`` per script, keyed so that a
 changed script, model, inputs, torch or device misses and says which (:func:`load_artifacts`).
 Measurements and their stories: docs/units/graph_capture.md.
@@ -41,6 +44,9 @@ PRIOR_SPREAD = 2.0  # the prior's factor of uncertainty either way
 WARM_FACTOR = 0.2  # a warm compile cache's one-off against a cold one's, before any is measured
 REGIONAL_KEEPS = 0.5  # the share of a whole capture's saving per step a regional one keeps: a guess
 REGIONAL_SHARE = 0.5  # the least share of the parameters repeated blocks hold to be compiled by region
+# The share of a whole capture's saving per step that graphs replayed without a compiler keep (launches
+# cut, no kernels fused): a guess until measured on a GPU.
+REPLAY_KEEPS = 0.7
 
 
 def repeated_blocks(model):
@@ -76,10 +82,10 @@ def traits(model, ops_per_step) -> dict:
     }
 
 
-def size(traits: dict, regional: bool = False) -> float:
+def size(traits: dict, tier: str = "whole") -> float:
     """The graph's size in the estimate's unit: sqrt(ops), the blocks counted once when regional."""
     ops = max(1, traits["ops_per_step"])
-    if regional and traits["blocks"] > 1:
+    if tier == "regional" and traits["blocks"] > 1:
         share = traits["blocks_share"]
         ops *= 1 - share + share / traits["blocks"]
     return math.sqrt(ops)
@@ -111,13 +117,17 @@ def remember(cache, backend, record: dict) -> bool:
     return False
 
 
-def learned_rate(records: list, prior: float, warm: bool) -> tuple:
-    """(seconds per unit of size, factor of uncertainty, measurements used) for a cold or warm compile."""
+def learned_rate(records: list, prior: float, warm: bool, replay: bool = False) -> tuple:
+    """(seconds per unit of size, factor of uncertainty, measurements used) for a cold or warm compile,
+    or for a replay tier's capture (``replay``: measured apart, it generates no code)."""
     prior = prior * (WARM_FACTOR if warm else 1.0)
     logs = [
         math.log(r["actual_s"] / r["size"])
         for r in records
-        if bool(r.get("warm")) == warm and r.get("actual_s", 0) > 0 and r.get("size", 0) > 0
+        if bool(r.get("warm")) == warm
+        and (r.get("tier") == "replay") == replay
+        and r.get("actual_s", 0) > 0
+        and r.get("size", 0) > 0
     ]
     centre = (PRIOR_WEIGHT * math.log(prior) + sum(logs)) / (PRIOR_WEIGHT + len(logs))
     spread_sq = (PRIOR_WEIGHT * math.log(PRIOR_SPREAD) ** 2 + sum((v - centre) ** 2 for v in logs)) / (
@@ -126,12 +136,16 @@ def learned_rate(records: list, prior: float, warm: bool) -> tuple:
     return math.exp(centre), math.exp(math.sqrt(spread_sq)), len(logs)
 
 
-def estimate(traits: dict, records: list, backend, warm: bool = False, regional: bool = False) -> dict:
-    """The predicted one-off: {"seconds", "low_s", "high_s", "basis", "measured", "warm", "regional",
-    "size"}, never below the least one-off ever measured on the backend."""
-    graph = size(traits, regional)
-    rate, spread, measured = learned_rate(records, backend.capture_one_off_rate_s, warm)
-    floor = backend.least_capture_one_off_s  # warm or not: importing the compiler alone is 1-2 s
+def estimate(traits: dict, records: list, backend, warm: bool = False, tier: str = "whole") -> dict:
+    """The predicted one-off of capturing by ``tier`` (whole, regional, replay): {"seconds", "low_s",
+    "high_s", "basis", "measured", "warm", "tier", "size"}, never below the least one-off
+    measured on the backend for that kind of capture."""
+    graph = size(traits, tier)
+    replay = tier == "replay"
+    prior = backend.replay_one_off_rate_s if replay else backend.capture_one_off_rate_s
+    rate, spread, measured = learned_rate(records, prior, warm, replay)
+    # warm or not: importing the compiler alone is 1-2 s
+    floor = backend.least_replay_one_off_s if replay else backend.least_capture_one_off_s
     seconds = max(floor, rate * graph)
     if measured:
         basis = f"{measured} one-off(s) measured on this machine, {traits['ops_per_step']} ops per step"
@@ -146,7 +160,7 @@ def estimate(traits: dict, records: list, backend, warm: bool = False, regional:
         "basis": basis,
         "measured": measured,
         "warm": warm,
-        "regional": regional,
+        "tier": tier,
         "size": round(graph, 3),
     }
 
@@ -156,7 +170,7 @@ def record_of(predicted: dict, actual_s: float) -> dict:
     return {
         "size": predicted["size"],
         "warm": predicted["warm"],
-        "regional": predicted["regional"],
+        "tier": predicted["tier"],
         "predicted_s": predicted["seconds"],
         "actual_s": round(actual_s, 3),
     }
@@ -238,14 +252,19 @@ def save_artifacts(cache, key, backend) -> bool:
     return False
 
 
-def choose(whole: dict, regional, saved_per_step_s: float, remaining) -> dict:
-    """Whole-model or regional capture, whichever pays for itself better: with ``remaining`` steps
-    known, the larger saving net of the one-off; with them unknown, the sooner pay-back. Regional
-    keeps only part of the whole capture's saving per step (the ops outside the blocks stay eager,
-    each block is a graph of its own): ``REGIONAL_KEEPS`` until measured."""
-    if regional is None:
-        return whole
+def keeps(tier: str) -> float:
+    """The share of a whole capture's saving per step ``tier`` keeps (guesses until measured: the
+    module's ``REGIONAL_KEEPS``, ``REPLAY_KEEPS``)."""
+    return {"whole": 1.0, "regional": REGIONAL_KEEPS, "replay": REPLAY_KEEPS}[tier]
+
+
+def choose(estimates, saved_per_step_s: float, remaining) -> dict:
+    """The tier that pays for itself best, of ``estimates`` (None: a tier not offered; the first of
+    equals wins, so list whole first): with ``remaining`` steps known, the largest saving net of the
+    one-off; with them unknown, the soonest pay-back. Regional and replay keep only part of the whole
+    capture's saving per step (:func:`keeps`)."""
+    offered = [estimate for estimate in estimates if estimate is not None]
     if remaining is None:
-        return regional if regional["seconds"] / REGIONAL_KEEPS < whole["seconds"] else whole
+        return min(offered, key=lambda e: e["seconds"] / keeps(e["tier"]))
     saving = remaining * saved_per_step_s
-    return regional if saving * REGIONAL_KEEPS - regional["seconds"] > saving - whole["seconds"] else whole
+    return max(offered, key=lambda e: saving * keeps(e["tier"]) - e["seconds"])

@@ -49,8 +49,8 @@ def test_a_bigger_graph_is_estimated_dearer_and_regional_cheaper_than_whole():
     large = one_offs.traits(Tower(), 900)
     assert one_offs.estimate(large, [], cpu())["seconds"] > one_offs.estimate(small, [], cpu())["seconds"]
     whole = one_offs.estimate(large, [], cpu())
-    regional = one_offs.estimate(large, [], cpu(), regional=True)
-    assert regional["seconds"] < whole["seconds"] and regional["regional"]
+    regional = one_offs.estimate(large, [], cpu(), tier="regional")
+    assert regional["seconds"] < whole["seconds"] and regional["tier"] == "regional"
     assert whole["seconds"] == pytest.approx(CpuBackend.capture_one_off_rate_s * 30)  # sqrt(900)
     assert whole["measured"] == 0 and whole["low_s"] < whole["seconds"] < whole["high_s"]
 
@@ -103,6 +103,7 @@ class Profile:
         self.model = model
         self.inputs = ((4, 2),)
         self.measured = SimpleNamespace(ops_per_step=ops, ms_per_step=ms_per_step, compute_fraction=compute_fraction)
+        self.calls_per_step = 1
 
 
 class Unit:
@@ -111,9 +112,11 @@ class Unit:
     _when_to_try = graph_capture.GraphCapture._when_to_try
     _estimate_one_off = graph_capture.GraphCapture._estimate_one_off
     _estimate_params = graph_capture.GraphCapture._estimate_params
+    _replay_offered = graph_capture.GraphCapture._replay_offered
 
-    def __init__(self, cache=None):
-        self.backend = cpu()
+    def __init__(self, cache=None, backend=None):
+        self.backend = backend or cpu()
+        self.figures = {}
         self.session = type("Session", (), {"cache": cache})()
         self.options = type("Options", (), {"exact_random": False})()
         self._estimate = None
@@ -140,7 +143,7 @@ def test_known_remaining_steps_that_cannot_pay_the_estimate_start_no_trial(monke
 def test_the_rule_learns_from_the_machines_records(monkeypatch, tmp_path):
     monkeypatch.setattr(graph_capture, "remaining_steps", lambda: (1000, "a framework"))
     cache = Cache(str(tmp_path), 1 << 30)
-    fast = {"size": 10.0, "actual_s": 1.0, "warm": False, "regional": False}  # 0.1 s per unit, measured here
+    fast = {"size": 10.0, "actual_s": 1.0, "warm": False, "tier": "whole"}  # 0.1 s per unit, measured here
     for _ in range(20):
         one_offs.remember(cache, cpu(), fast)
     # The prior's 8 s would refuse; this machine's measurements bring it to the 2 s floor, within the 5 s saved.
@@ -236,14 +239,66 @@ def test_saved_artifacts_make_the_estimate_a_warm_compiles(tmp_path, monkeypatch
 
 
 def test_regional_is_chosen_where_it_pays_back_better():
-    whole = {"seconds": 20.0, "regional": False}
-    regional = {"seconds": 8.0, "regional": True}  # 8 s for half the saving: pays back after 16 s of savings
-    assert one_offs.choose(whole, regional, 0.01, None) is regional
-    assert one_offs.choose(whole, {"seconds": 12.0, "regional": True}, 0.01, None) is whole  # 24 s: later
+    whole = {"seconds": 20.0, "tier": "whole"}
+    regional = {"seconds": 8.0, "tier": "regional"}  # 8 s for half the saving: pays back after 16 s of savings
+    assert one_offs.choose([whole, regional], 0.01, None) is regional
+    assert one_offs.choose([whole, {"seconds": 12.0, "tier": "regional"}], 0.01, None) is whole  # 24 s: later
     # Known steps: 3000 saving 10 ms each, 30 s: whole nets 10 s, regional 15 - 8 = 7 s.
-    assert one_offs.choose(whole, regional, 0.01, 3000) is whole
-    assert one_offs.choose(whole, regional, 0.01, 2000) is regional  # 0 s against 2 s
-    assert one_offs.choose(whole, None, 0.01, 2000) is whole
+    assert one_offs.choose([whole, regional], 0.01, 3000) is whole
+    assert one_offs.choose([whole, regional], 0.01, 2000) is regional  # 0 s against 2 s
+    assert one_offs.choose([whole, None], 0.01, 2000) is whole
+    assert one_offs.choose([whole, {"seconds": 10.0, "tier": "regional"}], 0.01, None) is whole  # equal: whole
+
+
+class Replaying(CpuBackend):
+    """A backend with a replay tier (CUDA's): a trace's one-off at a rate of its own."""
+
+    replay_one_off_rate_s = 0.05
+    least_replay_one_off_s = 0.5
+
+
+def test_the_replay_tier_has_a_rate_and_floor_of_its_own_and_learns_apart_from_compiles():
+    traits = one_offs.traits(nn.Linear(2, 2), 2500)  # size 50
+    backend = Replaying("test")
+    replay = one_offs.estimate(traits, [], backend, tier="replay")
+    assert replay["tier"] == "replay" and replay["seconds"] == pytest.approx(0.05 * 50)
+    assert one_offs.estimate(one_offs.traits(nn.Linear(2, 2), 1), [], backend, tier="replay")["seconds"] == 0.5
+    slow_compiles = [{"size": 50.0, "actual_s": 100.0, "warm": False, "tier": "whole"}] * 10
+    assert one_offs.estimate(traits, slow_compiles, backend, tier="replay") == replay  # compiles do not move it
+    slow_replays = [{"size": 50.0, "actual_s": 10.0, "warm": False, "tier": "replay"}] * 10
+    learned = one_offs.estimate(traits, slow_replays, backend, tier="replay")
+    assert learned["seconds"] > replay["seconds"] and learned["measured"] == 10
+    assert one_offs.estimate(traits, slow_replays, backend) == one_offs.estimate(traits, [], backend)
+
+
+def test_replay_is_chosen_for_a_short_or_open_run_and_a_compile_where_its_fusion_pays_more():
+    whole = {"seconds": 20.0, "tier": "whole"}
+    replay = {"seconds": 2.0, "tier": "replay"}  # 70% of the saving for a tenth of the one-off
+    assert one_offs.choose([whole, None, replay], 0.01, None) is replay
+    assert one_offs.choose([whole, None, replay], 0.01, 1000) is replay  # 10 s saved: 5 s net against -10 s
+    assert one_offs.choose([whole, None, replay], 0.01, 100_000) is whole  # 980 s net against 698 s
+
+
+@pytest.mark.parametrize(
+    ("backend", "calls", "exact_random", "offered"),
+    [
+        (Replaying, 1, False, True),
+        (CpuBackend, 1, False, False),
+        (Replaying, 2, False, False),
+        (Replaying, 1, True, False),
+    ],
+)
+def test_the_unit_offers_the_replay_tier_only_where_the_backend_has_it_and_it_can_replay(
+    monkeypatch, backend, calls, exact_random, offered
+):
+    monkeypatch.setattr(graph_capture, "remaining_steps", lambda: None)
+    unit = Unit(backend=backend("test"))
+    unit.options.exact_random = exact_random
+    profile = Profile(nn.Linear(2, 2), 2500)
+    profile.calls_per_step = calls
+    unit._when_to_try(profile)
+    assert ("one_off_predicted_replay_s" in unit.figures) is offered
+    assert unit.figures["capture_tier"] == ("replay" if offered else "whole")
 
 
 def test_the_benchmark_table_shows_predicted_against_actual_and_whole_against_regional():

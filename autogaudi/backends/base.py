@@ -60,6 +60,10 @@ class Backend:
     FUSED_TORCH_OPTIMIZERS = ("Adam", "AdamW", "SGD")
     # Whether graph_blocks can compile one block class for all its instances (regional compilation).
     graphs_by_region = True
+    # The replay tier (autogaudi.one_offs): graph_replay's one-off prior, seconds per sqrt(ops per step),
+    # and the least it can cost; None where the backend has no such tier.
+    replay_one_off_rate_s = None
+    least_replay_one_off_s = None
     # Whether compile workers were up before graph_forward compiled (then none of them are ours).
     _workers_were_running = True
 
@@ -100,6 +104,12 @@ class Backend:
         each other's inputs."""
         self._workers_were_running = compile_workers_running()
         return torch.compile(_call_block, options={"fallback_random": True} if exact_random else None)
+
+    def graph_replay(self, module):
+        """The replay tier, where ``replay_one_off_rate_s`` is set: like :meth:`graph_forward`, but the
+        forward and backward are recorded as device graphs and replayed without a compiler generating
+        kernels, so its one-off is a trace's, not a compile's (and no kernels are fused)."""
+        raise NotImplementedError(f"{self.name} has no replay tier")
 
     def graph_refusal(self, module):
         """Why ``graph_forward`` cannot capture ``module`` faithfully here, or None: (a reason code of

@@ -16,6 +16,10 @@ class CudaBackend(Backend):
     least_capture_one_off_s = 3.0
     capture_one_off_rate_s = 0.8  # minGPT's GPT on an H200: 22-24 s for about 1000 ops per step (0.7-0.75)
     host_runs_ahead = True
+    # Guesses, until a GPU measures them: Dynamo's and AOTAutograd's trace is a few seconds of inductor's
+    # 10-25 s for a small GPT, the rest being Triton's code generation, which the replay tier skips.
+    replay_one_off_rate_s = 0.15
+    least_replay_one_off_s = 1.0
 
     def device_name(self) -> str:
         return torch.cuda.get_device_name()
@@ -47,6 +51,14 @@ class CudaBackend(Backend):
         self._trees_were_started = "torch._inductor.cudagraph_trees" in sys.modules
         self._graph_kind = "torch.compile by region, without CUDA graphs"
         return super().graph_blocks(exact_random)
+
+    def graph_replay(self, module):
+        # torch.compile's "cudagraphs" backend: AOTAutograd's forward and backward recorded by cudagraph
+        # trees (the liveness checks "reduce-overhead" has), torch's own kernels replayed, none generated.
+        self._trees_were_started = "torch._inductor.cudagraph_trees" in sys.modules
+        self._workers_were_running = compile_workers_running()
+        self._graph_kind = "CUDA graphs of torch's own kernels (torch.compile's cudagraphs backend, no inductor)"
+        return compile_calls(module, backend="cudagraphs")
 
     def graph_kind(self) -> str:
         return self._graph_kind

@@ -264,8 +264,10 @@ class GraphCapture(DecidesCandidate):
         self.figures["compile_artifacts"] = one_offs.load_artifacts(
             self.session.cache, self._artifacts_key, self.backend
         )
-        if self._estimate["regional"]:
+        if self._estimate["tier"] == "regional":
             self._graphed = self._capture_regions(module, exact)
+        elif self._estimate["tier"] == "replay":
+            self._graphed = self.backend.graph_replay(module)
         else:
             self._graphed = self.backend.graph_forward(module, exact_random=exact, static_outputs=not several)
         self.candidate.scope.add(self._forget_graphs)
@@ -331,18 +333,25 @@ class GraphCapture(DecidesCandidate):
             traits = one_offs.traits(profile.model, profile.measured.ops_per_step)
             records = one_offs.remembered(self.session.cache, self.backend)
             warm = blob is not None
-            whole = one_offs.estimate(traits, records, self.backend, warm=warm)
-            regional = None
+            estimates = {"whole": one_offs.estimate(traits, records, self.backend, warm=warm)}
             if self.backend.graphs_by_region and traits["blocks_share"] >= one_offs.REGIONAL_SHARE:
-                regional = one_offs.estimate(traits, records, self.backend, warm=warm, regional=True)
-                self.figures.update(
-                    one_off_predicted_whole_s=whole["seconds"], one_off_predicted_regional_s=regional["seconds"]
-                )
+                estimates["regional"] = one_offs.estimate(traits, records, self.backend, warm=warm, tier="regional")
+            if self._replay_offered(profile, exact):
+                estimates["replay"] = one_offs.estimate(traits, records, self.backend, warm=warm, tier="replay")
+            if len(estimates) > 1:
+                self.figures.update({f"one_off_predicted_{tier}_s": e["seconds"] for tier, e in estimates.items()})
             remaining = remaining_steps()
             self._estimate = one_offs.choose(
-                whole, regional, _saved_per_step_s(profile), None if remaining is None else remaining[0]
+                estimates.values(), _saved_per_step_s(profile), None if remaining is None else remaining[0]
             )
+            self.figures["capture_tier"] = self._estimate["tier"]
         return self._estimate
+
+    def _replay_offered(self, profile, exact: bool) -> bool:
+        """Whether the backend's replay tier (device graphs without a compiler) can capture this model:
+        one call per step (each replay writes its outputs over the last ones) and random ops left as
+        the backend draws them (--exact-random is the compiler's option)."""
+        return self.backend.replay_one_off_rate_s is not None and profile.calls_per_step == 1 and not exact
 
     def _estimate_params(self, profile) -> dict:
         """The estimate as the pay-back reasons name it."""

@@ -160,3 +160,16 @@ def test_hpu_fused_clip_norm_and_sdpa_match_torch(hpu_double):
     assert calls.names() == ["FusedClipNorm", "mark_step", "FusedClipNorm.clip_norm", "mark_step", "FusedSDPA.apply"]
     with pytest.raises(RuntimeError, match="float32 and bfloat16 only"):
         backend.fused_sdpa().apply(q.half(), k.half(), v.half())
+
+
+def test_cudas_replay_tier_is_torch_compiles_cudagraphs_backend(monkeypatch):
+    """The replay tier records torch's own kernels (no inductor): built without a GPU, the call is checked here."""
+    from autogaudi.backends import cuda
+
+    calls = []
+    monkeypatch.setattr(cuda, "compile_calls", lambda module, **options: calls.append((module, options)) or "graphed")
+    backend = cuda.CudaBackend("test")
+    module = torch.nn.Linear(2, 2)
+    assert backend.graph_replay(module) == "graphed"
+    assert calls == [(module, {"backend": "cudagraphs"})]
+    assert "cudagraphs" in backend.graph_kind() and backend.replay_one_off_rate_s < backend.capture_one_off_rate_s

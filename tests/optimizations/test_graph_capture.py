@@ -425,3 +425,50 @@ def test_regional_capture_compiles_the_block_class_once_and_is_undone_exactly(mo
     torch.testing.assert_close(losses, plain, rtol=1e-4, atol=1e-5)
     autogaudi.disable()
     assert [set(vars(module)) for module in model.modules()] == keys
+
+
+def test_the_replay_tier_captures_through_the_backends_graph_replay_and_is_undone_exactly(monkeypatch):
+    """A backend offering the replay tier (CUDA's, played here by Dynamo's eager backend on the CPU):
+    where its estimate pays back soonest, the model is captured through ``graph_replay``."""
+    from autogaudi.backends import base
+
+    replayed = []
+
+    def graph_replay(backend, module):
+        replayed.append(module)
+        return base.compile_calls(module, backend="eager")
+
+    monkeypatch.setattr(CpuBackend, "replay_one_off_rate_s", 1e-12)
+    monkeypatch.setattr(CpuBackend, "least_replay_one_off_s", 1e-3)
+    monkeypatch.setattr(CpuBackend, "graph_replay", graph_replay)
+    plain = losses_of(mlp(), batches())
+    autogaudi.enable(device="cpu", only="step_profiler,graph_capture", force="graph_capture")
+    model = mlp()
+    keys = [set(vars(module)) for module in model.modules()]
+    losses = losses_of(model, batches())
+    figures = row()["figures"]
+    assert replayed == [model] and figures["capture_tier"] == "replay"
+    assert figures["one_off_predicted_s"] == figures["one_off_predicted_replay_s"]
+    torch.testing.assert_close(losses, plain, rtol=1e-5, atol=1e-6)
+    autogaudi.disable()
+    assert [set(vars(module)) for module in model.modules()] == keys
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on a lent GPU)")
+def test_the_replay_tier_on_a_real_gpu_gives_the_eager_losses(monkeypatch):
+    """CUDA graphs of torch's own kernels: the same kernels replayed, so the losses match eager's."""
+    from autogaudi import one_offs
+
+    monkeypatch.setattr(one_offs, "REPLAY_KEEPS", 1.0)  # replay pays back soonest whatever the estimates
+
+    def cuda_batches():
+        for inputs, labels in batches():
+            yield inputs.cuda(), labels.cuda()
+
+    plain = losses_of(mlp().cuda(), cuda_batches())
+    autogaudi.enable(device="cuda", only="step_profiler,graph_capture", force="graph_capture")
+    losses = losses_of(mlp().cuda(), cuda_batches())
+    report = row()
+    assert report["figures"]["capture_tier"] == "replay" and report["status"] == "applied"
+    torch.testing.assert_close(losses, plain, rtol=1e-4, atol=1e-5)
