@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from autogaudi import numerics
 from autogaudi.candidate import Candidate, DecidesCandidate
 from autogaudi.engines import fsdp2_managed
 from autogaudi.events import Event
@@ -73,11 +74,15 @@ class ChannelsLast(DecidesCandidate):
         "trial_running": "trial running on {model}",
         "measured_faster": "{model} in channels_last: measured faster",
         "rejected": "rejected: {model} kept as is, not faster",
+        # notes
+        "numerics_not_measured_memory": "rounding not measured: two copies of {model}'s forward would take more "
+        "than {share:.0%} of the memory free",
     }
     acts_on = ("<training model> parameters (memory format)", "<training model> call route, inputs layer (4-D inputs)")
 
     def apply(self) -> None:
         self.candidate = Candidate(self, self._set_up, lambda _on: None, self._params, kept=self._kept)
+        self._numerics_pending = False
         self.because("waiting_for_profile")
         self.on(Event.STEP_PROFILED, self._profiled)
 
@@ -120,6 +125,7 @@ class ChannelsLast(DecidesCandidate):
         """The inputs layer of the model's call: while on, 4-D inputs go in channels_last and the
         kernels run NHWC; the parameters stay as the script laid them out until the decision is kept."""
         self.hold(self.candidate.model, Layer.INPUTS, self._inputs, scope)
+        self._numerics_pending = True  # measured on the first call in channels_last
 
     def _kept(self, scope) -> None:
         """Kept: the parameters and the optimizer's buffers too, so that no kernel converts the
@@ -137,5 +143,35 @@ class ChannelsLast(DecidesCandidate):
 
     def _inputs(self, call, args, kwargs):
         if self.candidate.on:
+            if self._numerics_pending:
+                self._measure_numerics(args, kwargs)
             args, kwargs = tuple(map(_convert, args)), {key: _convert(value) for key, value in kwargs.items()}
         return call(*args, **kwargs)
+
+    def _measure_numerics(self, args, kwargs) -> None:
+        """Once: the model's output as kept (its parameters and 4-D inputs in channels_last) against
+        contiguous, both computed on a copy of the model (the same generator state for each: the
+        same dropout masks, so the figure is the kernels' rounding alone)."""
+        self._numerics_pending = False
+        model = self.candidate.model
+        as_kept, plain = _in_format(torch.channels_last), _in_format(torch.contiguous_format)
+        difference = numerics.forward_difference(model, args, kwargs, self.backend, around=as_kept, reference=plain)
+        if difference is None:
+            self.note("numerics_not_measured_memory", model=type(model).__name__, share=numerics.FREE_SHARE)
+            return
+        self.figures["numerics_measured"] = numerics.measured(
+            difference, of="outputs", steps=1, against="contiguous parameters and inputs, on a copy of the model"
+        )
+
+
+def _in_format(layout):
+    """A copy's forward with its parameters and 4-D inputs in ``layout``."""
+
+    def convert(value):
+        return value.contiguous(memory_format=layout) if isinstance(value, torch.Tensor) and value.dim() == 4 else value
+
+    def forward(shadow, args, kwargs):
+        shadow.to(memory_format=layout)
+        return shadow(*map(convert, args), **{key: convert(value) for key, value in kwargs.items()})
+
+    return forward
