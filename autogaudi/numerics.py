@@ -231,7 +231,16 @@ def active_dropout(model) -> bool:
     )
 
 
-def forward_difference(model, args, kwargs, backend, output=None, around=None, reference=_plain, state=None):
+class NotMeasured(Exception):
+    """Why :func:`forward_difference` measured nothing: ``code`` ``memory`` (a copy would not fit) or
+    ``failed`` (the copy could not be made or run its forward), ``params`` for the note's text."""
+
+    def __init__(self, code: str, **params):
+        super().__init__(code)
+        self.code, self.params = code, params
+
+
+def forward_difference(model, args, kwargs, backend, output=None, around=_plain, reference=_plain, state=None):
     """How far a unit's forward moves ``model``'s output on ``args``/``kwargs``: the largest relative
     difference (:func:`largest_relative_difference`, over every floating tensor of the output) of
     ``output`` (the real call's, where given) or else ``around(copy, args, kwargs)`` (the unit's
@@ -240,23 +249,28 @@ def forward_difference(model, args, kwargs, backend, output=None, around=None, r
     Without gradients, in the model's training mode, torch's generators at ``state`` (a
     :func:`random_state`, taken before the real call) or as they are, for each forward of the copy
     alike; every random stream of the script's comes out as it went in, and the model is not
-    touched. None where a copy would not fit (:func:`copy_fits`)."""
+    touched. Raises :class:`NotMeasured` where a copy would not fit (:func:`copy_fits`) or could not
+    run: a measurement is worth less than the unit it measures, and a copy's failure is no failure
+    of the user's call."""
     if not copy_fits([*model.parameters(), *model.buffers()], backend):
-        return None
+        raise NotMeasured("memory", share=FREE_SHARE)
     devices = random_devices(model, backend)
-    shadow = plain_copy(model)
 
     def forward(call_around):
         with forked_random(devices, backend.device_type, state), plain_module_calls():
             return float_leaves(call_around(shadow, args, kwargs))
 
-    expected = forward(reference)
-    if output is None:
-        sync_copy(shadow, model)  # the buffers the first forward moved (BatchNorm's running statistics)
-        actual = forward(around)
-    else:
-        actual = float_leaves(output)
-    return largest_relative_difference(actual, expected)
+    try:
+        shadow = plain_copy(model)
+        expected = forward(reference)
+        if output is None:
+            sync_copy(shadow, model)  # the buffers the first forward moved (BatchNorm's running statistics)
+            actual = forward(around)
+        else:
+            actual = float_leaves(output)
+        return largest_relative_difference(actual, expected)
+    except Exception as error:
+        raise NotMeasured("failed", error=f"{type(error).__name__}: {error}") from None
 
 
 def measured(max_rel_diff: float, of: str, steps: int, against: str) -> dict:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import torch
 
-from autogaudi import numerics
 from autogaudi.candidate import Candidate, DecidesCandidate
 from autogaudi.engines import fsdp2_managed
 from autogaudi.events import Event
@@ -74,9 +73,6 @@ class ChannelsLast(DecidesCandidate):
         "trial_running": "trial running on {model}",
         "measured_faster": "{model} in channels_last: measured faster",
         "rejected": "rejected: {model} kept as is, not faster",
-        # notes
-        "numerics_not_measured_memory": "rounding not measured: two copies of {model}'s forward would take more "
-        "than {share:.0%} of the memory free",
     }
     acts_on = ("<training model> parameters (memory format)", "<training model> call route, inputs layer (4-D inputs)")
 
@@ -153,14 +149,15 @@ class ChannelsLast(DecidesCandidate):
         contiguous, both computed on a copy of the model (the same generator state for each: the
         same dropout masks, so the figure is the kernels' rounding alone)."""
         self._numerics_pending = False
-        model = self.candidate.model
         as_kept, plain = _in_format(torch.channels_last), _in_format(torch.contiguous_format)
-        difference = numerics.forward_difference(model, args, kwargs, self.backend, around=as_kept, reference=plain)
-        if difference is None:
-            self.note("numerics_not_measured_memory", model=type(model).__name__, share=numerics.FREE_SHARE)
-            return
-        self.figures["numerics_measured"] = numerics.measured(
-            difference, of="outputs", steps=1, against="contiguous parameters and inputs, on a copy of the model"
+        self.measure_numerics(
+            self.candidate.model,
+            args,
+            kwargs,
+            of="outputs",
+            against="contiguous parameters and inputs, on a copy of the model",
+            around=as_kept,
+            reference=plain,
         )
 
 

@@ -117,8 +117,6 @@ class GraphCapture(DecidesCandidate):
         "leaves the script's generator elsewhere, so later draws differ too, kept or rejected; --exact-random "
         "makes them the same, at a cost in speed",
         "gradients_reused": "zero_grad(set_to_none=False) while graphs are on: gradient tensors are reused, not freed",
-        "numerics_not_measured_memory": "rounding not measured: a copy of {model} for an eager forward would take "
-        "more than {share:.0%} of the memory free",
         "eager_outside_training": "calls outside training (eval mode or no_grad) run eagerly: only training steps "
         "were measured",
     }
@@ -451,15 +449,14 @@ class GraphCapture(DecidesCandidate):
         --exact-random the copy draws the same masks, and the figure is rounding."""
         self._numerics_pending = False
         with self.fail_open():  # the step has its output already: a failure here must not call again
-            difference = numerics.forward_difference(module, args, kwargs, self.backend, output=output, state=state)
-            if difference is None:
-                self.note("numerics_not_measured_memory", model=type(module).__name__, share=numerics.FREE_SHARE)
-                return
-            self.figures["numerics_measured"] = numerics.measured(
-                difference,
+            self.measure_numerics(
+                module,
+                args,
+                kwargs,
                 of="outputs, dropout masks drawn otherwise" if self._masks_differ else "outputs",
-                steps=1,
                 against="an eager forward of a copy of the model on the same inputs",
+                output=output,
+                state=state,
             )
 
     def _compile_for_new_shape(self, args, kwargs):

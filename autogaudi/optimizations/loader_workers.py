@@ -56,7 +56,7 @@ import torch
 import wrapt
 from torch.utils.data import Dataset, IterableDataset, _utils, dataloader
 
-from autogaudi import numerics, steps
+from autogaudi import steps
 from autogaudi.events import Event
 from autogaudi.model_call import Layer, compiled_by_the_script
 from autogaudi.steps import loader_arguments
@@ -595,8 +595,6 @@ class LoaderWorkers(Unit):
         "finds it) when the cut began",
         "threads_cut_script_compiles": "the thread cut's rounding not measured: the script compiles the training "
         "model, whose call it owns",
-        "threads_cut_not_measured_memory": "the thread cut's rounding not measured: a copy of {model} would take "
-        "more than {share:.0%} of the memory free",
         "workers_failed": "workers failed ({error}); the loader went back in-process, its batches built there",
         "script_chose_workers": "a loader whose script chose num_workers is kept as is",
         "iterable_dataset": "iterable datasets are kept in-process: each worker would replay the whole stream",
@@ -629,7 +627,7 @@ class LoaderWorkers(Unit):
         self._iterable_loaders = 0  # in-process loaders over an IterableDataset (never tuned)
         self.on(Event.STEP_PROFILED, self._advise)  # advice, where a step profiler runs
         self._measuring = None  # the scope of the layer that measures the cut, once
-        self._cut_waiting = None  # the loader whose cut's measurement waits its measurement waits for the step profiler
+        self._cut_waiting = None  # the loader whose cut's measurement waits for the step profiler
         self._model = None  # the training model, weakly, once the step profiler found it
         self.on(Event.STEP_PROFILED, self._found_model)
         self.because("measuring")
@@ -861,15 +859,15 @@ class LoaderWorkers(Unit):
             return call(*args, **kwargs)
         self.close_scope(self._measuring)
         cut, script = torch._C.get_num_threads(), self._threads.script_threads()
-        difference = numerics.forward_difference(
-            model, args, kwargs, self.backend, around=_with_threads(cut), reference=_with_threads(script)
+        self.measure_numerics(
+            model,
+            args,
+            kwargs,
+            of="outputs",
+            against=f"the script's {script} intra-op threads, on a copy",
+            around=_with_threads(cut),
+            reference=_with_threads(script),
         )
-        if difference is None:
-            self.note("threads_cut_not_measured_memory", model=type(model).__name__, share=numerics.FREE_SHARE)
-        else:
-            self.figures["numerics_measured"] = numerics.measured(
-                difference, of="outputs", steps=1, against=f"the script's {script} intra-op threads, on a copy"
-            )
         return call(*args, **kwargs)
 
     def _start_workers(self, state, iterator, loader) -> bool:

@@ -1,6 +1,7 @@
 """channels_last: conv models (and their optimizer buffers) switch format with the same numerics,
 the trial's steps train like plain ones, models without convolutions and disable() are left as is."""
 
+import pytest
 import torch
 from torch import nn
 
@@ -175,10 +176,17 @@ def test_kept_channels_last_is_measured_on_copies_and_the_run_is_unchanged(monke
     assert torch.equal(measured[2], unmeasured[2]) and measured[3] == unmeasured[3]
 
 
-def test_a_copy_that_would_not_fit_leaves_channels_last_not_measured(monkeypatch):
-    monkeypatch.setattr(numerics, "copy_fits", lambda tensors, backend: False)
+def _copy_fails(model):
+    raise RuntimeError("a module that cannot be copied")
+
+
+@pytest.mark.parametrize(
+    ("patch", "code"), [("copy_fits", "numerics_not_measured_memory"), ("plain_copy", "numerics_not_measured_failed")]
+)
+def test_a_copy_that_would_not_fit_or_run_leaves_channels_last_on_and_not_measured(monkeypatch, patch, code):
+    monkeypatch.setattr(numerics, patch, (lambda tensors, backend: False) if patch == "copy_fits" else _copy_fails)
     autogaudi.enable(device="cpu", only="step_profiler,channels_last", force="channels_last")
     train(cnn(), STEPS + 3)
     row = autogaudi.report().unit("channels_last")
     assert "numerics_measured" not in row["figures"]
-    assert "numerics_not_measured_memory" in row["note_codes"]
+    assert code in row["note_codes"] and row["status"] == "applied"
