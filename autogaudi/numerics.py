@@ -9,9 +9,16 @@ fit in the memory left is not made; the unit then says its effect was not measur
 from __future__ import annotations
 
 import collections
+import contextlib
+import copy
+import dataclasses
+import random
+import sys
 
 import psutil
 import torch
+import torch.nn.modules.module
+import torch.utils._pytree as pytree
 
 # A copy is made only where it takes at most this share of the memory still free on its device.
 FREE_SHARE = 0.25
@@ -114,6 +121,156 @@ def unfused_update(optimizer, step, steps=None) -> list:
 
 def parameters(optimizer) -> list:
     return [param for group in optimizer.param_groups for param in group["params"]]
+
+
+def plain_copy(model):
+    """A copy of ``model`` that runs the plain way: autogaudi's call route is not copied (torch's
+    ``Module.__getstate__`` drops the compiled-call slot it sits in), and the hooks on its modules
+    (the script's logger, a list it fills) stay on the script's own model."""
+    shadow = copy.deepcopy(model)
+    for module in shadow.modules():
+        for hooks in (module._forward_pre_hooks, module._forward_hooks, module._backward_hooks):
+            hooks.clear()
+        module._backward_pre_hooks.clear()
+    return shadow
+
+
+def sync_copy(shadow, model) -> None:
+    """``shadow`` (a :func:`plain_copy`) with ``model``'s weights and buffers as they are now, and
+    each submodule's training flag (a submodule the script froze in eval)."""
+    shadow.load_state_dict(model.state_dict())
+    for module, real in zip(shadow.modules(), model.modules()):
+        module.training = real.training
+
+
+def float_leaves(output) -> list:
+    """The floating-point tensors in a model's output, in a fixed order: tensors, tuples, lists,
+    dicts, and dataclasses (a Hugging Face ``ModelOutput``) field by field."""
+    found = []
+    for leaf in pytree.tree_leaves(output):
+        if dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+            found += float_leaves([getattr(leaf, field.name) for field in dataclasses.fields(leaf)])
+        elif isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
+            found.append(leaf)
+    return found
+
+
+def random_devices(model, backend) -> list:
+    """The indices of the accelerators ``model``'s parameters are on, whose generators a forward may draw from."""
+    if backend.device_type in ("", "cpu"):
+        return []
+    return sorted({p.device.index or 0 for p in model.parameters() if p.device.type == backend.device_type})
+
+
+def random_state(devices: list, device_type: str) -> tuple:
+    """torch's generators that a forward on ``devices`` draws from: the CPU's, and each device's."""
+    module = getattr(torch, device_type, None) if devices else None
+    return torch.get_rng_state(), [module.get_rng_state(device) for device in devices]
+
+
+@contextlib.contextmanager
+def forked_random(devices: list, device_type: str, state=None):
+    """Every random stream of the script's (torch's CPU and device generators, ``random``, numpy's)
+    as it was when the block began, whatever the block draws; inside it, torch's at ``state`` (a
+    :func:`random_state`) where given."""
+    numpy = sys.modules.get("numpy")
+    python_state = random.getstate()
+    numpy_state = numpy.random.get_state() if numpy is not None else None
+    try:
+        with torch.random.fork_rng(devices=devices, device_type=device_type if devices else "cuda"):
+            if state is not None:
+                torch.set_rng_state(state[0])
+                for device, device_state in zip(devices, state[1]):
+                    getattr(torch, device_type).set_rng_state(device_state, device)
+            yield
+    finally:
+        random.setstate(python_state)
+        if numpy_state is not None:
+            numpy.random.set_state(numpy_state)
+
+
+_GLOBAL_MODULE_HOOKS = (
+    "_global_forward_pre_hooks",
+    "_global_forward_hooks",
+    "_global_forward_hooks_always_called",
+    "_global_forward_hooks_with_kwargs",
+    "_global_backward_pre_hooks",
+    "_global_backward_hooks",
+)
+
+
+@contextlib.contextmanager
+def plain_module_calls():
+    """Module calls inside the block run without torch's global module hooks (the step watcher's and
+    the step profiler's, which would count a copy's forward as the script's), and without gradients
+    set through ``torch._C`` (entering ``torch.no_grad`` is what the step watcher hears as the
+    script's evaluation pass)."""
+    module = torch.nn.modules.module
+    saved = {name: getattr(module, name) for name in _GLOBAL_MODULE_HOOKS}
+    grad_before = torch.is_grad_enabled()
+    for name, hooks in saved.items():
+        setattr(module, name, type(hooks)())
+    torch._C._set_grad_enabled(False)
+    try:
+        yield
+    finally:
+        torch._C._set_grad_enabled(grad_before)
+        for name, hooks in saved.items():
+            setattr(module, name, hooks)
+
+
+def _plain(call, args, kwargs):
+    return call(*args, **kwargs)
+
+
+def active_dropout(model) -> bool:
+    """Whether a forward of ``model`` draws dropout masks: a dropout module with p > 0 in training mode."""
+    return any(
+        isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p > 0 and module.training
+        for module in model.modules()
+    )
+
+
+class NotMeasured(Exception):
+    """Why :func:`forward_difference` measured nothing: ``code`` ``memory`` (a copy would not fit) or
+    ``failed`` (the copy could not be made or run its forward), ``params`` for the note's text."""
+
+    def __init__(self, code: str, **params):
+        super().__init__(code)
+        self.code, self.params = code, params
+
+
+def forward_difference(model, args, kwargs, backend, output=None, around=_plain, reference=_plain, state=None):
+    """How far a unit's forward moves ``model``'s output on ``args``/``kwargs``: the largest relative
+    difference (:func:`largest_relative_difference`, over every floating tensor of the output) of
+    ``output`` (the real call's, where given) or else ``around(copy, args, kwargs)`` (the unit's
+    variant of the call, run on the copy) against ``reference(copy, args, kwargs)`` (by default the
+    plain forward) on a :func:`plain_copy` of it.
+    Without gradients, in the model's training mode, torch's generators at ``state`` (a
+    :func:`random_state`, taken before the real call) or as they are, for each forward of the copy
+    alike; every random stream of the script's comes out as it went in, and the model is not
+    touched. Raises :class:`NotMeasured` where a copy would not fit (:func:`copy_fits`) or could not
+    run: a measurement is worth less than the unit it measures, and a copy's failure is no failure
+    of the user's call."""
+    if not copy_fits([*model.parameters(), *model.buffers()], backend):
+        raise NotMeasured("memory", share=FREE_SHARE)
+    devices = random_devices(model, backend)
+
+    def forward(call_around):
+        with forked_random(devices, backend.device_type, state), plain_module_calls():
+            return float_leaves(call_around(shadow, args, kwargs))
+
+    try:
+        shadow = plain_copy(model)
+        expected = forward(reference)
+        if output is None:
+            sync_copy(shadow, model)  # the buffers the first forward moved (BatchNorm's running statistics)
+            actual = forward(around)
+        else:
+            actual = float_leaves(output)
+        return largest_relative_difference(actual, expected)
+    except Exception as error:
+        raise NotMeasured("failed", error=f"{type(error).__name__}: {error}") from None
 
 
 def measured(max_rel_diff: float, of: str, steps: int, against: str) -> dict:

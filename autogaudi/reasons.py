@@ -27,6 +27,11 @@ CORE = {
     "no_training_model": "no module owning the optimizer's parameters was called in the profiled step",
     "remembered": "{decision}, as its trial decided in run {run} on {date} ({speedup}x) with the same script, model "
     "and inputs; this run's step time is checked against that trial's",
+    # notes of a unit whose effect on the numbers was to be measured on a copy (Unit.measure_numerics)
+    "numerics_not_measured_memory": "its effect on the numbers not measured: a copy of {model} would take more "
+    "than {share:.0%} of the memory free",
+    "numerics_not_measured_failed": "its effect on the numbers not measured: a copy of {model} could not run its "
+    "forward ({error})",
     # notes of an undo that left something as it found it
     "patch_replaced": "{target} was replaced after autogaudi patched it; left as is",
     "call_slot_replaced": "{model}'s compiled-call slot was replaced after autogaudi set it; left as is",

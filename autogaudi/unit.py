@@ -19,7 +19,7 @@ import sys
 import torch
 import wrapt
 
-from autogaudi import model_call
+from autogaudi import model_call, numerics
 from autogaudi.events import Event
 from autogaudi.guard import guarded, guarded_call
 from autogaudi.options import OPTIONS_BY_NAME
@@ -274,6 +274,17 @@ class Unit:
         note = self.reason_for(code, **params)
         if note not in self.notes:
             self.notes.append(note)
+
+    def measure_numerics(self, model, args, kwargs, *, of: str, against: str, **how) -> None:
+        """This unit's effect on ``model``'s output for one call, measured on a copy
+        (:func:`autogaudi.numerics.forward_difference`, ``how`` its variant and reference) into the
+        ``numerics_measured`` figure; or a note saying why it was not measured."""
+        try:
+            difference = numerics.forward_difference(model, args, kwargs, self.backend, **how)
+        except numerics.NotMeasured as why:
+            self.note(f"numerics_not_measured_{why.code}", model=type(model).__name__, **why.params)
+            return
+        self.figures["numerics_measured"] = numerics.measured(difference, of=of, steps=1, against=against)
 
     def recommend(self, code: str, do=None, saves=None, saves_basis: str = "estimated", **params) -> None:
         """Something autogaudi measured but will not change for the user, with what to do (a code from

@@ -3,6 +3,7 @@ the script's tensors as they were), and common script shapes under the default o
 which gives the plain run's numbers or has the report name the unit that changed them."""
 
 import copy
+import dataclasses
 import json
 
 import pytest
@@ -97,7 +98,7 @@ def test_a_common_shape_gives_plain_numbers_or_the_report_names_what_changed_the
 def test_a_host_bound_mlp_with_dropout_under_the_defaults_names_its_capture_trial(monkeypatch):
     """Whatever the capture trial decides, its steps ran compiled dropout, which draws other masks
     from the script's generator: the losses after it differ, and the report says graph_capture
-    changed random draws and rounding (not measured)."""
+    changed random draws and rounding, measured with the masks in it."""
     from autogaudi.optimizations import step_profiler
 
     monkeypatch.setattr(step_profiler, "classify", lambda *a, **k: ("host", "read as host-bound by the test"))
@@ -122,7 +123,12 @@ def test_a_host_bound_mlp_with_dropout_under_the_defaults_names_its_capture_tria
     losses, stream = run()
     report = autogaudi.report()
     assert [trial["candidate"] for trial in report.trials] == ["graph_capture"]
-    assert report.numerics() == [{"unit": "graph_capture", "how": ["rounding", "random"], "measured": None}]
+    [numbers] = report.numerics()
+    assert (numbers["unit"], numbers["how"]) == ("graph_capture", ["rounding", "random"])
+    assert (
+        numbers["measured"]["of"] == "outputs, dropout masks drawn otherwise"
+        and numbers["measured"]["max_rel_diff"] > 0
+    )
     assert "dropout_differs" in report.unit("graph_capture")["note_codes"]
     assert losses != plain and not torch.equal(stream, plain_stream)
 
@@ -131,3 +137,72 @@ def step_profiler_steps() -> int:
     from tests.optimizations.test_step_profiler import STEPS
 
     return STEPS
+
+
+@dataclasses.dataclass
+class Output:
+    logits: torch.Tensor
+    hidden: tuple
+    steps: int
+
+
+def test_every_floating_tensor_of_an_output_is_compared_dataclasses_and_containers_included():
+    a, b, c = torch.ones(2), torch.zeros(3), torch.full((1,), 2.0)
+    output = (Output(a, (b, torch.arange(3)), 7), {"extra": c, "count": 1})
+    assert [id(t) for t in numerics.float_leaves(output)] == [id(a), id(b), id(c)]
+
+
+class Noisy(torch.nn.Module):
+    """Dropout, BatchNorm buffers, a user's hook: what a measurement must leave as it found it."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = torch.nn.Linear(6, 6)
+        self.norm = torch.nn.BatchNorm1d(6)
+        self.drop = torch.nn.Dropout(0.5)
+        self.heard = []
+        self.register_forward_hook(lambda *_: self.heard.append("hook"))
+
+    def forward(self, inputs):
+        return self.drop(self.norm(self.linear(inputs)))
+
+
+def test_a_forward_difference_leaves_the_model_its_hooks_and_every_random_stream_as_they_were():
+    import random
+
+    import numpy
+
+    model, inputs = Noisy(), torch.randn(4, 6)
+    heard_globally = []
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda *_: heard_globally.append(1))
+    state = copy.deepcopy(model.state_dict())
+    streams = (torch.get_rng_state(), random.getstate(), numpy.random.get_state()[1].copy())
+    try:
+        same = numerics.forward_difference(model, (inputs,), {}, CpuBackend("test"))
+        assert same == 0.0  # the same generator state for both forwards: the same masks
+        doubled = numerics.forward_difference(
+            model, (inputs,), {}, CpuBackend("test"), around=lambda copy, args, kwargs: copy(*args) * 2
+        )
+        assert doubled > 0.5
+    finally:
+        handle.remove()
+    assert model.heard == [] and heard_globally == [] and torch.is_grad_enabled()
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    assert torch.equal(streams[0], torch.get_rng_state()) and streams[1] == random.getstate()
+    assert (streams[2] == numpy.random.get_state()[1]).all()
+
+
+def test_a_copy_that_does_not_fit_or_cannot_run_is_not_measured_and_says_which(monkeypatch):
+    model, inputs = Noisy(), torch.randn(4, 6)
+
+    def raises(copy, args, kwargs):
+        raise RuntimeError("the copy's own failure")
+
+    with pytest.raises(numerics.NotMeasured) as failed:
+        numerics.forward_difference(model, (inputs,), {}, CpuBackend("test"), around=raises)
+    assert failed.value.code == "failed" and "RuntimeError" in failed.value.params["error"]
+    monkeypatch.setattr(numerics, "FREE_SHARE", 0.0)
+    with pytest.raises(numerics.NotMeasured) as memory:
+        numerics.forward_difference(model, (inputs,), {}, CpuBackend("test"))
+    assert memory.value.code == "memory"

@@ -78,6 +78,7 @@ class ChannelsLast(DecidesCandidate):
 
     def apply(self) -> None:
         self.candidate = Candidate(self, self._set_up, lambda _on: None, self._params, kept=self._kept)
+        self._numerics_pending = False
         self.because("waiting_for_profile")
         self.on(Event.STEP_PROFILED, self._profiled)
 
@@ -120,6 +121,7 @@ class ChannelsLast(DecidesCandidate):
         """The inputs layer of the model's call: while on, 4-D inputs go in channels_last and the
         kernels run NHWC; the parameters stay as the script laid them out until the decision is kept."""
         self.hold(self.candidate.model, Layer.INPUTS, self._inputs, scope)
+        self._numerics_pending = True  # measured on the first call in channels_last
 
     def _kept(self, scope) -> None:
         """Kept: the parameters and the optimizer's buffers too, so that no kernel converts the
@@ -137,5 +139,36 @@ class ChannelsLast(DecidesCandidate):
 
     def _inputs(self, call, args, kwargs):
         if self.candidate.on:
+            if self._numerics_pending:
+                self._measure_numerics(args, kwargs)
             args, kwargs = tuple(map(_convert, args)), {key: _convert(value) for key, value in kwargs.items()}
         return call(*args, **kwargs)
+
+    def _measure_numerics(self, args, kwargs) -> None:
+        """Once: the model's output as kept (its parameters and 4-D inputs in channels_last) against
+        contiguous, both computed on a copy of the model (the same generator state for each: the
+        same dropout masks, so the figure is the kernels' rounding alone)."""
+        self._numerics_pending = False
+        as_kept, plain = _in_format(torch.channels_last), _in_format(torch.contiguous_format)
+        self.measure_numerics(
+            self.candidate.model,
+            args,
+            kwargs,
+            of="outputs",
+            against="contiguous parameters and inputs, on a copy of the model",
+            around=as_kept,
+            reference=plain,
+        )
+
+
+def _in_format(layout):
+    """A copy's forward with its parameters and 4-D inputs in ``layout``."""
+
+    def convert(value):
+        return value.contiguous(memory_format=layout) if isinstance(value, torch.Tensor) and value.dim() == 4 else value
+
+    def forward(shadow, args, kwargs):
+        shadow.to(memory_format=layout)
+        return shadow(*map(convert, args), **{key: convert(value) for key, value in kwargs.items()})
+
+    return forward

@@ -27,7 +27,7 @@ import warnings
 import torch
 import torch.utils.checkpoint
 
-from autogaudi import one_offs
+from autogaudi import numerics, one_offs
 from autogaudi.candidate import Candidate, DecidesCandidate
 from autogaudi.engines import fsdp2_managed
 from autogaudi.events import Event
@@ -131,6 +131,7 @@ class GraphCapture(DecidesCandidate):
         codes = {"forced": "captured_forced", "no_trials": "captured_no_trials"}
         self.candidate = Candidate(self, self._set_up, self._switch, self._params, codes, decided=self._decided)
         self._graphed = None
+        self._numerics_pending = self._masks_differ = False
         self._shapes: list = []
         self._compiled_for = 0  # how many input shapes have been through the graphed call
         self._checkpoint_calls = 0
@@ -273,7 +274,9 @@ class GraphCapture(DecidesCandidate):
         self.candidate.scope.add(self._forget_graphs)
         self.hold(module, Layer.CAPTURE, self._around, self.candidate.scope)
         self.figures["model"] = name
-        if any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in module.modules()):
+        self._masks_differ = numerics.active_dropout(module) and not exact
+        self._numerics_pending = True  # measured on the first captured call
+        if numerics.active_dropout(module):
             self.note("dropout_exact" if exact else "dropout_differs")
 
     def _capture_regions(self, module, exact: bool):
@@ -423,16 +426,47 @@ class GraphCapture(DecidesCandidate):
                 self.session.trials.cancel(self)
                 self.candidate.release("dynamic_shapes", count=len(self._shapes), shapes=self._shapes[:4])
                 return call(*args, **kwargs)
+        state = self._random_state_to_measure(module)
         try:
             if len(self._shapes) == self._compiled_for:
-                return self._graphed(*args, **kwargs)
-            return self._compile_for_new_shape(args, kwargs)
+                result = self._graphed(*args, **kwargs)
+            else:
+                result = self._compile_for_new_shape(args, kwargs)
         except PASSING_THROUGH:
             raise
         except Exception as error:
             failure = error
+        else:
+            if state is not None:
+                self._measure_numerics(module, args, kwargs, result, state)
+            return result
         # Outside the handler, so that an error raised eagerly is not chained to the captured one.
         return self._eager_after(failure, call, args, kwargs)
+
+    def _random_state_to_measure(self, module):
+        """On the capture's first call, torch's generators before it: the eager copy draws from there."""
+        if not self._numerics_pending:
+            return None
+        return numerics.random_state(numerics.random_devices(module, self.backend), self.backend.device_type)
+
+    def _measure_numerics(self, module, args, kwargs, output, state) -> None:
+        """The captured call's output, which the step uses anyway, against an eager forward of a copy
+        of the model on the same inputs from the same generator state (no second captured call: in
+        another mode it would compile again). Where dropout is active and the graph draws its own
+        masks (not --exact-random), the figure includes the masks: the compiled masks cannot be
+        replayed eagerly, so rounding alone is not separable, and ``of`` says so. With
+        --exact-random the copy draws the same masks, and the figure is rounding."""
+        self._numerics_pending = False
+        with self.fail_open():  # the step has its output already: a failure here must not call again
+            self.measure_numerics(
+                module,
+                args,
+                kwargs,
+                of="outputs, dropout masks drawn otherwise" if self._masks_differ else "outputs",
+                against="an eager forward of a copy of the model on the same inputs",
+                output=output,
+                state=state,
+            )
 
     def _compile_for_new_shape(self, args, kwargs):
         started = time.perf_counter()

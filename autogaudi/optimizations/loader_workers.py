@@ -38,6 +38,7 @@ from __future__ import annotations
 import ast
 import collections
 import enum
+import functools
 import io
 import itertools
 import multiprocessing
@@ -57,6 +58,7 @@ from torch.utils.data import Dataset, IterableDataset, _utils, dataloader
 
 from autogaudi import steps
 from autogaudi.events import Event
+from autogaudi.model_call import Layer, compiled_by_the_script
 from autogaudi.steps import loader_arguments
 from autogaudi.unit import RANDOM, ROUNDING, Unit
 
@@ -588,7 +590,11 @@ class LoaderWorkers(Unit):
         "and that fails: {error}",
         "threads_cut": "while workers build the batches the main process computes with {threads} intra-op "
         "thread(s), not the script's {script}: CPU kernels that split a sum across threads add in another order "
-        "(rounding, not measured)",
+        "(rounding: measured on the training model's next forward, where one is found)",
+        "threads_cut_no_model": "the thread cut's rounding not measured: no training model found (the step profiler "
+        "finds it) when the cut began",
+        "threads_cut_script_compiles": "the thread cut's rounding not measured: the script compiles the training "
+        "model, whose call it owns",
         "workers_failed": "workers failed ({error}); the loader went back in-process, its batches built there",
         "script_chose_workers": "a loader whose script chose num_workers is kept as is",
         "iterable_dataset": "iterable datasets are kept in-process: each worker would replay the whole stream",
@@ -620,6 +626,10 @@ class LoaderWorkers(Unit):
         self._script_workers: list = []  # num_workers of the loaders whose script chose it
         self._iterable_loaders = 0  # in-process loaders over an IterableDataset (never tuned)
         self.on(Event.STEP_PROFILED, self._advise)  # advice, where a step profiler runs
+        self._measuring = None  # the scope of the layer that measures the cut, once
+        self._cut_waiting = None  # the loader whose cut's measurement waits for the step profiler
+        self._model = None  # the training model, weakly, once the step profiler found it
+        self.on(Event.STEP_PROFILED, self._found_model)
         self.because("measuring")
 
     def numerics_in_run(self) -> tuple:
@@ -801,6 +811,7 @@ class LoaderWorkers(Unit):
         self._threads.hold(state, threads, state.scope)
         if torch._C.get_num_threads() < script_threads:
             self.note("threads_cut", threads=torch._C.get_num_threads(), script=script_threads)
+            self._measure_cut(state)
         self.figures.update(
             loaders_tuned=self.figures["loaders_tuned"] + 1, workers=workers, main_threads=torch._C.get_num_threads()
         )
@@ -816,6 +827,48 @@ class LoaderWorkers(Unit):
             set_attributes(state.scope, loader, num_workers=workers, prefetch_factor=loader.prefetch_factor or 2)
             state.phase = Phase.NEXT_EPOCH
             self.because("workers_raised", workers=workers)
+
+    def _found_model(self, profile) -> None:
+        if profile.model is not None:
+            self._model = weakref.ref(profile.model)
+        waiting, self._cut_waiting = self._cut_waiting, None
+        if waiting is not None and waiting.scope is not None:  # its cut still on
+            self._measure_cut(waiting)
+
+    def _measure_cut(self, state) -> None:
+        """The thread cut's rounding, once, where it first applies: on the training model's next
+        training call, its output with the cut thread count against the script's, both on a copy
+        from the same generator state (:func:`autogaudi.numerics.forward_difference`)."""
+        if "numerics_measured" in self.figures or self._measuring is not None:
+            return
+        model = self._model() if self._model is not None else None
+        if model is None and self._model is None and self.session.unit("step_profiler") is not None:
+            self._cut_waiting = state  # the step profiler has not named the model yet
+            return
+        if model is None:
+            self.note("threads_cut_no_model")
+            return
+        if compiled_by_the_script(model):
+            self.note("threads_cut_script_compiles")
+            return
+        self._measuring = state.scope.child()
+        self.hold(model, Layer.MEASURE, functools.partial(self._measured_call, model), self._measuring)
+
+    def _measured_call(self, model, call, args, kwargs):
+        if not (model.training and torch.is_grad_enabled()):
+            return call(*args, **kwargs)
+        self.close_scope(self._measuring)
+        cut, script = torch._C.get_num_threads(), self._threads.script_threads()
+        self.measure_numerics(
+            model,
+            args,
+            kwargs,
+            of="outputs",
+            against=f"the script's {script} intra-op threads, on a copy",
+            around=_with_threads(cut),
+            reference=_with_threads(script),
+        )
+        return call(*args, **kwargs)
 
     def _start_workers(self, state, iterator, loader) -> bool:
         """Route the rest of the epoch of ``iterator`` to workers; False where they did not start (the
@@ -850,6 +903,20 @@ class LoaderWorkers(Unit):
         self.moment("in_process")
         self.figures["loaders_tuned"] -= 1
         self.figures["main_threads"] = torch._C.get_num_threads()
+
+
+def _with_threads(threads: int):
+    """A copy's forward with ``threads`` intra-op threads (torch's own setter: the script's is wrapped)."""
+
+    def forward(shadow, args, kwargs):
+        before = torch._C.get_num_threads()
+        torch._C.set_num_threads(threads)
+        try:
+            return shadow(*args, **kwargs)
+        finally:
+            torch._C.set_num_threads(before)
+
+    return forward
 
 
 def _give_up(sources) -> None:

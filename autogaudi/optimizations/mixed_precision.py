@@ -30,7 +30,6 @@ from __future__ import annotations
 import collections
 import collections.abc
 import contextlib
-import copy
 import functools
 import math
 import statistics
@@ -145,25 +144,6 @@ def update_scale(scale: torch.Tensor, growth_tracker: torch.Tensor, found: torch
     """GradScaler's rule, in place on the device: the scale halves where ``found`` (an overflow),
     and doubles after ``interval`` clean steps in a row (``growth_tracker`` counts them)."""
     torch._amp_update_scale_(scale, growth_tracker, found, 2.0, 0.5, interval)
-
-
-def guard_copy(model):
-    """A copy of ``model`` for the guard's shadow runs: the script's hooks (a logger, a list it
-    fills) stay on its own model, and run only in its own steps."""
-    shadow = copy.deepcopy(model)
-    for module in shadow.modules():
-        for hooks in (module._forward_pre_hooks, module._forward_hooks, module._backward_hooks):
-            hooks.clear()
-        module._backward_pre_hooks.clear()
-    return shadow
-
-
-def sync_copy(shadow, model) -> None:
-    """``shadow`` (a :func:`guard_copy`) with ``model``'s weights and buffers as they are now, and
-    each submodule's training flag (a submodule the script froze in eval)."""
-    shadow.load_state_dict(model.state_dict())
-    for module, real in zip(shadow.modules(), model.modules()):
-        module.training = real.training
 
 
 def chosen_precision(asked: str, has_bf16: bool) -> str:
@@ -329,7 +309,7 @@ class _Guard:
     ``unseen``: the session's context for backward passes that are not the user's."""
 
     def __init__(self, model, precision_context, reference_context, device_type, scales, unseen):
-        self.copy = guard_copy(model)
+        self.copy = numerics.plain_copy(model)
         self.model = model
         self.precision_context = precision_context
         self.reference_context = reference_context
@@ -379,7 +359,7 @@ class _Guard:
             if not outputs or all(g is None for g in grads):
                 continue
             grads = [torch.zeros_like(o) if g is None else g for g, o in zip(grads, outputs)]
-            sync_copy(self.copy, self.model)
+            numerics.sync_copy(self.copy, self.model)
             with self.unseen():
                 reference = self._shadow(inputs, state, grads, self.reference_context)
                 for scale in self.scales:

@@ -1,11 +1,13 @@
 """channels_last: conv models (and their optimizer buffers) switch format with the same numerics,
 the trial's steps train like plain ones, models without convolutions and disable() are left as is."""
 
+import pytest
 import torch
 from torch import nn
 
 import autogaudi
-from autogaudi.optimizations.channels_last import to_memory_format
+from autogaudi import numerics
+from autogaudi.optimizations.channels_last import ChannelsLast, to_memory_format
 from tests.optimizations.test_step_profiler import STEPS
 
 
@@ -144,3 +146,47 @@ def test_the_script_sees_its_parameters_strides_unchanged_until_the_trial_keeps_
     assert all(strides == own and grad == own for strides, grad, decided in seen if not decided)
     assert seen[-1][0] == (own[0], 1, own[1], own[2])  # kept: now the parameters too
     assert autogaudi.report().unit("channels_last")["reason_code"] == "measured_faster"
+
+
+def _forced_run(steps=STEPS + 3):
+    """Losses, parameters, BatchNorm's running statistics and the random streams of a forced run."""
+    import random
+
+    torch.manual_seed(3)
+    random.seed(3)
+    model = cnn()
+    losses, _ = train(model, steps)
+    state = [tensor.clone() for tensor in model.state_dict().values()]
+    return losses, state, torch.get_rng_state(), random.getstate()
+
+
+def test_kept_channels_last_is_measured_on_copies_and_the_run_is_unchanged(monkeypatch):
+    autogaudi.enable(device="cpu", only="step_profiler,channels_last", force="channels_last")
+    measured = _forced_run()
+    row = autogaudi.report().unit("channels_last")
+    figure = row["figures"]["numerics_measured"]
+    assert (figure["of"], figure["steps"]) == ("outputs", 1)
+    assert figure["max_rel_diff"] < 1e-4
+    autogaudi.disable()
+    monkeypatch.setattr(ChannelsLast, "_measure_numerics", lambda *args: None)
+    autogaudi.enable(device="cpu", only="step_profiler,channels_last", force="channels_last")
+    unmeasured = _forced_run()
+    assert measured[0] == unmeasured[0]
+    assert all(torch.equal(a, b) for a, b in zip(measured[1], unmeasured[1]))  # BatchNorm's buffers too
+    assert torch.equal(measured[2], unmeasured[2]) and measured[3] == unmeasured[3]
+
+
+def _copy_fails(model):
+    raise RuntimeError("a module that cannot be copied")
+
+
+@pytest.mark.parametrize(
+    ("patch", "code"), [("copy_fits", "numerics_not_measured_memory"), ("plain_copy", "numerics_not_measured_failed")]
+)
+def test_a_copy_that_would_not_fit_or_run_leaves_channels_last_on_and_not_measured(monkeypatch, patch, code):
+    monkeypatch.setattr(numerics, patch, (lambda tensors, backend: False) if patch == "copy_fits" else _copy_fails)
+    autogaudi.enable(device="cpu", only="step_profiler,channels_last", force="channels_last")
+    train(cnn(), STEPS + 3)
+    row = autogaudi.report().unit("channels_last")
+    assert "numerics_measured" not in row["figures"]
+    assert code in row["note_codes"] and row["status"] == "applied"

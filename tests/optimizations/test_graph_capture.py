@@ -12,8 +12,10 @@ import torch.distributed as dist
 from torch import nn
 
 import autogaudi
+from autogaudi import numerics
 from autogaudi.backends.cpu import CpuBackend
 from autogaudi.optimizations import step_profiler
+from autogaudi.optimizations.graph_capture import GraphCapture
 from tests.optimizations.test_step_profiler import STEPS, Timed, endless, train
 
 
@@ -472,3 +474,54 @@ def test_the_replay_tier_on_a_real_gpu_gives_the_eager_losses(monkeypatch):
     report = row()
     assert report["figures"]["capture_tier"] == "replay" and report["status"] == "applied"
     torch.testing.assert_close(losses, plain, rtol=1e-4, atol=1e-5)
+
+
+def _seeded_run(model_class):
+    """Losses, final parameters, and the random streams after a seeded run."""
+    import random
+
+    import numpy
+
+    torch.manual_seed(2)
+    random.seed(2)
+    numpy.random.seed(2)
+    model = model_class()
+    losses = losses_of(model, batches())
+    streams = torch.get_rng_state(), random.getstate(), numpy.random.get_state()[1].tobytes()
+    return losses, [p.detach().clone() for p in model.parameters()], streams
+
+
+def _same_run(first, second):
+    assert first[0] == second[0]
+    assert all(torch.equal(a, b) for a, b in zip(first[1], second[1]))
+    assert torch.equal(first[2][0], second[2][0]) and first[2][1:] == second[2][1:]
+
+
+@pytest.mark.parametrize("model_class", [mlp, WithDropout])
+def test_the_first_captured_call_is_measured_against_an_eager_copy_and_the_run_is_unchanged(
+    hpu_double, monkeypatch, model_class
+):
+    hpu_double(lazy=True)
+    autogaudi.enable(device="hpu", only="step_profiler,graph_capture", force="graph_capture")
+    measured = _seeded_run(model_class)
+    figure = row()["figures"]["numerics_measured"]
+    dropout = model_class is WithDropout
+    assert figure["steps"] == 1
+    assert figure["of"] == ("outputs, dropout masks drawn otherwise" if dropout else "outputs")
+    assert ("dropout_differs" in row()["note_codes"]) == dropout
+    autogaudi.disable()
+    monkeypatch.setattr(GraphCapture, "_measure_numerics", lambda *args: None)
+    autogaudi.enable(device="hpu", only="step_profiler,graph_capture", force="graph_capture")
+    unmeasured = _seeded_run(model_class)
+    assert "numerics_measured" not in row()["figures"]
+    _same_run(measured, unmeasured)  # losses, parameters, torch's and Python's random streams
+
+
+def test_a_copy_that_would_not_fit_leaves_capture_not_measured(hpu_double, monkeypatch):
+    hpu_double(lazy=True)
+    monkeypatch.setattr(numerics, "copy_fits", lambda tensors, backend: False)
+    autogaudi.enable(device="hpu", only="step_profiler,graph_capture", force="graph_capture")
+    losses_of(mlp(), batches())
+    assert row()["reason_code"] == "captured_forced"
+    assert "numerics_measured" not in row()["figures"]
+    assert "numerics_not_measured_memory" in row()["note_codes"]

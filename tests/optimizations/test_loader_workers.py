@@ -458,7 +458,7 @@ def test_workers_that_die_or_stall_hand_the_epoch_back_with_the_same_batches(sta
     assert seen == plain_seen and losses == plain_losses
     assert row()["reason_code"] == "workers_failed" and row()["figures"]["loaders_tuned"] == 0
     assert ("RuntimeError" if how == "exit" else "_TooSlow") in row()["reason_params"]["error"]
-    notes = [note for note in said(row()) if note[0] != "threads_cut"]  # the cut while they ran
+    notes = [note for note in said(row()) if not note[0].startswith("threads_cut")]  # the cut while they ran
     assert notes == [("workers_failed", row()["reason_params"])]  # and no note from the undo
     assert row()["numerics"] == ["rounding", "random"]  # workers ran, with the threads cut: named
     gc.collect()
@@ -486,3 +486,37 @@ def test_the_script_reads_and_sets_its_own_thread_count_while_workers_take_cores
     autogaudi.disable()
     assert torch.get_num_threads() == 3  # the script's number, the cut undone
     torch.set_num_threads(script_threads)
+
+
+def _cut_run(delay):
+    """A starving loader's run under step_profiler and loader_workers: losses, parameters, streams."""
+    autogaudi.enable(device="cpu", only="step_profiler,loader_workers")
+    make = lambda: DataLoader(Slow(delay=delay), batch_size=8)  # noqa: E731
+    random.seed(4)
+    losses, *_ = train(make, epochs=1)
+    return losses, torch.get_rng_state(), random.getstate()
+
+
+def test_the_thread_cut_is_measured_on_a_copy_of_the_profiled_model_and_leaves_the_run_as_it_was(starving, monkeypatch):
+    from autogaudi.optimizations.loader_workers import LoaderWorkers, worker_budget
+
+    if worker_budget()[1] >= torch.get_num_threads():
+        pytest.skip("no thread cut on this machine")
+    measured = _cut_run(0.0)
+    figure = row()["figures"]["numerics_measured"]
+    assert (figure["of"], figure["steps"]) == ("outputs", 1) and "threads_cut" in row()["note_codes"]
+    autogaudi.disable()
+    monkeypatch.setattr(LoaderWorkers, "_measure_cut", lambda *args: None)
+    unmeasured = _cut_run(0.0)
+    assert measured[0] == unmeasured[0]  # dropout draws included
+    assert torch.equal(measured[1], unmeasured[1]) and measured[2] == unmeasured[2]
+
+
+def test_without_a_training_model_the_thread_cut_is_not_measured(starving):
+    from autogaudi.optimizations.loader_workers import worker_budget
+
+    if worker_budget()[1] >= torch.get_num_threads():
+        pytest.skip("no thread cut on this machine")
+    only_loader_workers()
+    train(lambda: DataLoader(Slow(delay=0.0), batch_size=8), epochs=1)
+    assert "threads_cut_no_model" in row()["note_codes"] and row()["numerics_measured"] is None

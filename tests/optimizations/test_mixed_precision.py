@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import autogaudi
-from autogaudi import session
+from autogaudi import numerics, session
 from autogaudi.model_call import Layer, holder
 from autogaudi.optimizations import mixed_precision
 from tests.optimizations.test_step_profiler import STEPS
@@ -395,13 +395,13 @@ def test_the_guards_copy_leaves_the_scripts_hooks_and_follows_the_models_weights
     net = model()
     calls = []
     net[0].register_forward_hook(lambda *_: calls.append("hook"))
-    shadow = mixed_precision.guard_copy(net)
+    shadow = numerics.plain_copy(net)
     shadow(torch.randn(2, 32))
     assert calls == [] and len(net[0]._forward_hooks) == 1  # the script's hook stays on its model only
     with torch.no_grad():
         net[0].weight.add_(1.0)
     net[2].eval()
     assert not torch.equal(shadow[0].weight, net[0].weight)
-    mixed_precision.sync_copy(shadow, net)
+    numerics.sync_copy(shadow, net)
     assert torch.equal(shadow[0].weight, net[0].weight) and shadow[0].weight is not net[0].weight
     assert shadow.training and not shadow[2].training  # each submodule's mode, as the script set it
