@@ -277,3 +277,10 @@ def measured(max_rel_diff: float, of: str, steps: int, against: str) -> dict:
     """A unit's measured effect as its ``numerics_measured`` figure (the report says it): the largest
     relative difference in ``of`` (what was compared) per step over ``steps`` steps, ``against`` what."""
     return {"max_rel_diff": float(f"{max_rel_diff:.3g}"), "of": of, "steps": steps, "against": against}
+
+
+def bytes_fit(size: int, device: torch.device, backend) -> bool:
+    """Whether ``size`` bytes of a measurement's own tensors (not copies: a reference computation's
+    results and intermediates) take at most FREE_SHARE of the memory free on ``device``."""
+    free = free_bytes(backend, device)
+    return free is not None and size <= FREE_SHARE * free

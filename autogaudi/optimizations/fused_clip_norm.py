@@ -11,6 +11,10 @@ CUDA and CPU: skipped, torch's own ``clip_grad_norm_`` already runs its foreach 
 Both public spellings are patched; a reference bound before autogaudi started
 (``from torch.nn.utils import clip_grad_norm_`` at the top of a script imported earlier) keeps
 torch's version.
+Measured (``numerics_measured``): at the first fused call, torch's own total norm of the same
+gradients (:func:`torch_total_norm`, read-only, before FusedClipNorm scales them) against the fused
+one. The clipped gradients follow from the norm (each is scaled by ``max_norm / (norm + 1e-6)``), so
+the norm's difference is the one the clipping adds; no copy of the gradients is made.
 """
 
 from __future__ import annotations
@@ -21,14 +25,27 @@ import torch
 import torch.nn.utils
 import torch.nn.utils.clip_grad
 
+from autogaudi import numerics
 from autogaudi.engines import holds_dtensors
 from autogaudi.unit import ROUNDING, Unit
 
 _MAX_CACHED_SETS = 8
 
 
+def torch_total_norm(parameters) -> torch.Tensor:
+    """The total L2 norm of ``parameters``' gradients as torch's ``clip_grad_norm_`` computes it
+    (``get_total_norm``; before torch 2.6, the norm of the per-gradient norms), read-only."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if hasattr(torch.nn.utils, "get_total_norm"):
+        return torch.nn.utils.get_total_norm(grads, 2.0)
+    if not grads:
+        return torch.tensor(0.0)
+    device = grads[0].device
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, 2.0).to(device) for g in grads]), 2.0)
+
+
 class FusedClipNormUnit(Unit):
-    numerics = (ROUNDING,)  # the norm summed in one fused op (by reading)
+    numerics = (ROUNDING,)  # the norm summed in one fused op (measured at the first call)
     reasons = {"hpex": "hpex FusedClipNorm"}
     changed_figure = ("fused_calls", "{} clip_grad_norm_ calls through FusedClipNorm")
     targets = ("torch.nn.utils.clip_grad_norm_", "torch.nn.utils.clip_grad.clip_grad_norm_")
@@ -57,8 +74,17 @@ class FusedClipNormUnit(Unit):
         if not exact or holds_dtensors(parameters):
             self.figures["torch_calls"] += 1
             return wrapped(**call)
+        # measured at the first fused call, before the fused op scales the gradients in place
+        reference = None if "numerics_measured" in self.figures else torch_total_norm(parameters)
         total = self._clipper(parameters, float(call["max_norm"]))(parameters)
         self.figures["fused_calls"] += 1
+        if reference is not None:
+            self.figures["numerics_measured"] = numerics.measured(
+                numerics.largest_relative_difference([total], [reference]),
+                of="total norm",
+                steps=1,
+                against="torch's total norm of the same gradients",
+            )
         return total
 
     def _clipper(self, parameters, max_norm: float):

@@ -40,7 +40,46 @@ def test_ranks_end_equal_to_each_other_and_to_plain_ddp(tmp_path, knobs):
         assert worker["checksum"] == fast[0]["checksum"]  # bit-identical across ranks
         torch.testing.assert_close(worker["checksum"], plain[0]["checksum"], rtol=1e-5, atol=1e-5)
         row = worker["units"]["fast_ddp"]
-        assert row["status"] == "applied" and row["figures"] == {"models": 1, "flat_all_reduces": 10}, row
+        assert row["status"] == "applied" and counted(row) == {"models": 1, "flat_all_reduces": 10}, row
+        # two ranks: a sum of two values is the same in any order, and x / 2 == x * 0.5
+        assert set(row["numerics_measured"]) == MEASURED_KEYS and row["numerics_measured"]["max_rel_diff"] == 0.0
+
+
+MEASURED_KEYS = {"max_rel_diff", "of", "steps", "against"}
+
+
+def counted(row) -> dict:
+    return {key: row["figures"][key] for key in ("models", "flat_all_reduces")}
+
+
+NOT_MEASURING = """import runpy, sys
+import autogaudi.numerics
+autogaudi.numerics.FREE_SHARE = 0.0  # no copy fits: the rounding is not measured
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+def test_three_ranks_measure_against_ddps_buckets_and_measuring_changes_nothing(tmp_path):
+    """With three ranks the figure is whatever the sums' order gives; the parameters are bitwise
+    those of a run that did not measure (the copies are all-reduced apart from the flat buffer)."""
+    script, wrapper = str(SCRIPTS / "ddp_train.py"), tmp_path / "not_measuring.py"
+    wrapper.write_text(NOT_MEASURING)
+    three = (*TORCHRUN[:-1], "3")
+    env = {"AUTOGAUDI": "1", **ONLY_DDP_UNITS}
+    result, measured = torchrun(tmp_path, *three, script, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    result, unmeasured = torchrun(tmp_path, *three, str(wrapper), script, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert len(measured) == len(unmeasured) == 3
+    for one, other in zip(measured, unmeasured):
+        assert one["digest"] == other["digest"] == measured[0]["digest"]
+        figure = one["units"]["fast_ddp"]["numerics_measured"]
+        assert set(figure) == MEASURED_KEYS and figure["steps"] == 1
+        assert figure == measured[0]["units"]["fast_ddp"]["numerics_measured"]  # the same result on every rank
+        row = other["units"]["fast_ddp"]
+        assert row["numerics_measured"] is None and [code for code, _ in said(row)] == ["rounding_not_measured_memory"]
 
 
 @pytest.mark.slow
@@ -83,6 +122,8 @@ def test_one_rank_trains_exactly_like_ddp_and_disable_restores_forward(process_g
     autogaudi.enable(device="cpu", only="fast_ddp", force="fast_ddp")
     assert DistributedDataParallel.forward is not original
     torch.testing.assert_close(train(DistributedDataParallel(mlp())), plain, rtol=0, atol=0)
-    assert autogaudi.report().unit("fast_ddp")["figures"] == {"models": 1, "flat_all_reduces": 10}
+    row = autogaudi.report().unit("fast_ddp")
+    assert counted(row) == {"models": 1, "flat_all_reduces": 10}
+    assert set(row["numerics_measured"]) == MEASURED_KEYS and row["numerics_measured"]["max_rel_diff"] == 0.0
     autogaudi.disable()
     assert DistributedDataParallel.forward is original

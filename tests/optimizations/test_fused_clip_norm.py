@@ -44,7 +44,39 @@ def test_built_once_per_parameter_set_and_max_norm(calls):
         torch.nn.utils.clip_grad.clip_grad_norm_(model.parameters(), 1.0)
     torch.nn.utils.clip_grad_norm_(model.parameters(), 2.0)
     assert calls.names() == ["FusedClipNorm", *CLIP * 3, "FusedClipNorm", *CLIP]
-    assert autogaudi.report().unit("fused_clip_norm")["figures"] == {"fused_calls": 4, "torch_calls": 0}
+    figures = autogaudi.report().unit("fused_clip_norm")["figures"]
+    assert (figures["fused_calls"], figures["torch_calls"]) == (4, 0)
+
+
+MEASURED_KEYS = {"max_rel_diff", "of", "steps", "against"}
+
+
+def test_first_fused_call_measures_the_norm_against_torchs_and_changes_nothing(calls):
+    """Measured at the first call only (no extra bridge calls); a measured call's gradients are an
+    unmeasured one's, bit for bit."""
+    measured, unmeasured, reference = grads(), grads(), grads()
+    autogaudi.disable()
+    expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.1)
+    autogaudi.enable(device="hpu", only="fused_clip_norm")
+    calls.reset()
+    torch.testing.assert_close(torch.nn.utils.clip_grad_norm_(measured.parameters(), 0.1), expected)
+    figure = autogaudi.report().unit("fused_clip_norm")["numerics_measured"]
+    assert set(figure) == MEASURED_KEYS and (figure["max_rel_diff"], figure["steps"]) == (0.0, 1)
+    torch.nn.utils.clip_grad_norm_(unmeasured.parameters(), 0.1)
+    assert autogaudi.report().unit("fused_clip_norm")["numerics_measured"] == figure  # not measured again
+    assert calls.names() == ["FusedClipNorm", *CLIP, "FusedClipNorm", *CLIP]
+    for one, other in zip(measured.parameters(), unmeasured.parameters()):
+        assert torch.equal(one.grad, other.grad)
+
+
+def test_the_figure_is_the_fused_norms_distance_from_torchs(calls, monkeypatch):
+    from habana_frameworks.torch.hpex import normalization
+
+    clip_norm = normalization.FusedClipNorm.clip_norm
+    monkeypatch.setattr(normalization.FusedClipNorm, "clip_norm", lambda self, p: clip_norm(self, p) * (1 + 2**-10))
+    torch.nn.utils.clip_grad_norm_(grads().parameters(), 0.1)
+    figure = autogaudi.report().unit("fused_clip_norm")["numerics_measured"]
+    assert figure["max_rel_diff"] == pytest.approx(2**-10, rel=1e-2)
 
 
 @pytest.mark.parametrize(
@@ -91,3 +123,4 @@ def test_fsdp2_shards_keep_torchs_norm_over_every_rank(calls, process_group):
     torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
     assert calls.names() == []
     assert autogaudi.report().unit("fused_clip_norm")["figures"] == {"fused_calls": 0, "torch_calls": 1}
+    assert autogaudi.report().unit("fused_clip_norm")["numerics_measured"] is None  # torch's own ran

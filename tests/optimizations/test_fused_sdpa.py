@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import autogaudi
+from tests.helpers import said
 
 
 @pytest.fixture
@@ -85,3 +86,56 @@ def test_user_errors_are_torchs_own(calls):
     with pytest.raises(RuntimeError) as patched:
         F.scaled_dot_product_attention(q, k[:, :, :, :3], v)
     assert str(patched.value) == str(plain.value)
+
+
+MEASURED_KEYS = {"max_rel_diff", "of", "steps", "against"}
+
+
+def test_first_call_without_dropout_is_measured_against_torchs_op(calls):
+    q, k, v = qkv(2, 4, 8, 16)
+    first = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    row = autogaudi.report().unit("fused_sdpa")
+    assert set(row["numerics_measured"]) == MEASURED_KEYS and row["numerics_measured"]["max_rel_diff"] == 0.0
+    second = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # not measured again
+    assert autogaudi.report().unit("fused_sdpa")["numerics_measured"] == row["numerics_measured"]
+    assert torch.equal(first, second)  # a measured call's output is an unmeasured one's
+    assert calls.names() == ["FusedSDPA.apply"] * 2
+
+
+def test_calls_with_dropout_are_not_compared_and_draw_nothing_more(calls):
+    """torch's op with dropout would move the script's generator: the first call without dropout is
+    measured instead."""
+    q, k, v = qkv(2, 4, 8, 16)
+    torch.manual_seed(3)
+    F.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+    drawn = torch.get_rng_state()
+    torch.manual_seed(3)
+    autogaudi.disable()
+    F.scaled_dot_product_attention(q, k, v, dropout_p=0.5)  # the double draws as torch's op does
+    assert torch.equal(torch.get_rng_state(), drawn)
+    autogaudi.enable(device="hpu", only="fused_sdpa", sdpa_recompute="on")
+    F.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+    row = autogaudi.report().unit("fused_sdpa")
+    assert row["numerics_measured"] is None and [code for code, _ in said(row)] == ["dropout_not_compared"]
+    F.scaled_dot_product_attention(q, k, v)
+    assert autogaudi.report().unit("fused_sdpa")["numerics_measured"]["steps"] == 1
+
+
+def test_the_figure_is_the_fused_outputs_distance_from_torchs(calls, monkeypatch):
+    from habana_frameworks.torch.hpex import kernels
+
+    apply = kernels.FusedSDPA.apply
+    monkeypatch.setattr(kernels.FusedSDPA, "apply", staticmethod(lambda *args: apply(*args) * (1 + 2**-10)))
+    F.scaled_dot_product_attention(*qkv(2, 4, 8, 16))
+    figure = autogaudi.report().unit("fused_sdpa")["numerics_measured"]
+    assert figure["max_rel_diff"] == pytest.approx(2**-10, rel=1e-2)
+
+
+def test_not_measured_where_torchs_attention_would_not_fit(calls, monkeypatch):
+    from autogaudi import numerics
+
+    monkeypatch.setattr(numerics, "FREE_SHARE", 0.0)
+    F.scaled_dot_product_attention(*qkv(2, 4, 8, 16))
+    row = autogaudi.report().unit("fused_sdpa")
+    assert row["numerics_measured"] is None
+    assert [code for code, _ in said(row)] == ["rounding_not_measured_memory"]

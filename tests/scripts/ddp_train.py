@@ -1,4 +1,5 @@
-"""Ten DDP steps on gloo with rank-specific data; each rank writes its parameters' checksum, whether
+"""Ten DDP steps on gloo with rank-specific data; each rank writes its parameters' checksum (and a
+digest of their bytes, for bitwise comparisons), whether
 autogaudi is on in it and, if so, its units' report rows, as JSON, to $RESULTS/rank<N>.json (a file
 each: ranks share stdout and their lines can interleave).
 
@@ -12,6 +13,7 @@ N spend 20 ms of Python before each forward, so that it measures itself host-bou
 ranks wait for it in the all-reduce.
 """
 
+import hashlib
 import json
 import os
 import sys
@@ -84,6 +86,7 @@ def main():
         {
             "rank": rank,
             "checksum": [round(float(p.detach().double().sum()), 6) for p in model.parameters()],
+            "digest": hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest(),
             "autogaudi": runtime.is_enabled() if runtime else False,
             "sources": runtime._STATE.sources if runtime else [],
             "bucket_view": model.gradient_as_bucket_view,
