@@ -62,6 +62,7 @@ from torch.optim.optimizer import _foreach_supported_types, _get_scalar_dtype
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from autogaudi import numerics, trials
+from autogaudi.events import Event
 from autogaudi.unit import ROUNDING, Unit
 
 FUSABLE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
@@ -221,6 +222,9 @@ class FusedOptimizer(Unit):
         self._hooked_step = torch.optim.Optimizer.profile_hook_step(self._checked_step)
         self._rounding_steps, self._largest_rounding = 0, 0.0  # fused steps measured against torch's own
         self._times = weakref.WeakKeyDictionary()  # optimizer -> its UpdateTimes, from its first fused step
+        self._decided_in_step = False  # a timing decided (or given up) in the step now running
+        if not self.backend.host_runs_ahead:
+            self.on(Event.TRAINING_STEP, self._step_ended)
         for optimizer_class in FUSABLE:
             self.wrap(optimizer_class, "__init__", functools.partial(self._init, optimizer_class))
         self.on_revert(self._hand_state_back_to_torch)
@@ -295,6 +299,7 @@ class FusedOptimizer(Unit):
             return False
         _unfused_format_steps(optimizer)
         self.figures["optimizers_fused"] -= 1
+        self._decided_in_step = True  # it was perhaps still timed
         return True
 
     def numerics_in_run(self) -> tuple:
@@ -304,6 +309,10 @@ class FusedOptimizer(Unit):
     def watching(self) -> bool:
         # With none fused: waiting for an optimizer, unless one was timed and put back (decided).
         return not self.figures.get("optimizers_put_back")
+
+    def deciding(self) -> bool:
+        # A fused optimizer still timed may yet be put back; its timed steps also make copies.
+        return any(not times.decided for optimizer, times in self._times.items() if self._still_fused(optimizer))
 
     # Each step of an optimizer it fused --------------------------------------------------------
 
@@ -386,18 +395,30 @@ class FusedOptimizer(Unit):
             return
         times.decided = True
         fused, unfused = statistics.median(times.fused), statistics.median(times.unfused)
-        if trials.faster(fused, unfused) or not self._stop_fusing(optimizer):
+        if not trials.faster(fused, unfused):
+            self._put_back(optimizer, fused, unfused, len(times.fused))
+        self._decided_in_step = True
+
+    def _put_back(self, optimizer, fused: float, unfused: float, steps: int) -> None:
+        """``optimizer`` back to the script's own kernels from its next step on, as measured slower."""
+        if not self._stop_fusing(optimizer):
             return
         self.figures["optimizers_put_back"] = self.figures.get("optimizers_put_back", 0) + 1
         said = dict(
             optimizer=type(optimizer).__name__,
             fused=round(1000 * fused, 3),
             unfused=round(1000 * unfused, 3),
-            steps=len(times.fused),
+            steps=steps,
         )
         self.note("fused_slower", **said)
         if not self.figures["optimizers_fused"]:
             self.because("fused_slower", **said)
+
+    def _step_ended(self, _optimizer) -> None:
+        """A decision made in a step counts once the step is over: the run's steady state starts after it."""
+        if self._decided_in_step:
+            self._decided_in_step = False
+            self.session.check_settled()
 
     def _update_figure(self) -> None:
         """``update_ms``: the updates timed of the optimizers still fused, fused against torch's
@@ -444,6 +465,7 @@ class FusedOptimizer(Unit):
         self._rounding_steps = MEASURED_STEPS
         self._times.setdefault(of, UpdateTimes()).decided = True
         self.note(code, **params)
+        self._decided_in_step = True
 
     def _rounding_measured(self, optimizer, reference) -> None:
         """The fused step just taken against ``reference``, while the optimizer is still fused (a

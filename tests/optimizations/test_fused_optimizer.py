@@ -644,6 +644,26 @@ def test_the_fused_update_is_kept_only_where_the_trials_rule_finds_it_faster(
     assert row["reason_code"] == ("fused_slower" if put_back else "torch_fused")
 
 
+def test_the_runs_steady_state_starts_once_the_update_is_decided(monkeypatch, trial_clock):
+    """A decision that changes the run's steps (and whose timed steps make copies): the run settles
+    once it is made, the step profiled steps before."""
+    from autogaudi.optimizations import fused_optimizer
+
+    timed_updates(monkeypatch, trial_clock, fused_ms=[0.0], unfused_ms=2.0)
+    autogaudi.enable(device="cpu", only="step_profiler,fused_optimizer", warmup_steps=1)
+    net = model()
+    optimizer = OPTIMIZERS["adamw"](net)
+    settled = []
+    for _ in range(1 + fused_optimizer.TIMED_STEPS + 2):
+        net(torch.randn(8, 10)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        settled.append(autogaudi.settled())
+    assert autogaudi.report().unit("step_profiler")["figures"]
+    assert settled.index(True) == fused_optimizer.TIMED_STEPS, settled  # the 13th step decided
+    assert autogaudi.report().steps["decisions_settled_at_step"] == 1 + fused_optimizer.TIMED_STEPS
+
+
 @pytest.mark.parametrize("default_dtype", [torch.float32, torch.float64])
 def test_an_optimizer_put_back_continues_as_the_script_built_it_bitwise(monkeypatch, trial_clock, default_dtype):
     """Put back after its timed steps: its defaults and groups are the script's, its step counters
