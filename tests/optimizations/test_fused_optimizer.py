@@ -527,8 +527,10 @@ def test_the_first_fused_steps_are_measured_against_torchs_unfused_step_on_copie
     from autogaudi.optimizations import fused_optimizer
 
     monkeypatch.setattr(fused_optimizer, "MEASURED_STEPS", 0)
+    monkeypatch.setattr(fused_optimizer.FusedOptimizer, "_times_this_step", lambda unit, optimizer: None)  # untimed
     enable("cpu")
     _, unmeasured, _ = train(OPTIMIZERS["adamw"], steps=6)
+    assert "numerics_measured" not in autogaudi.report().unit("fused_optimizer")["figures"]
     autogaudi.disable()
     monkeypatch.undo()
     enable("cpu")
@@ -562,11 +564,11 @@ def test_on_the_hpu_double_the_hpex_step_is_measured_against_torchs(hpu_double):
     assert figure["steps"] == 3 and 0 < figure["max_rel_diff"] < 1e-3
 
 
-def timed_updates(monkeypatch, clock, fused_ms, unfused_ms):
-    """AdamW's update (torch's, inside its hook layer) taking ``fused_ms`` (the i-th fused update
+def timed_updates(monkeypatch, clock, fused_ms, unfused_ms, cls=torch.optim.AdamW):
+    """``cls``'s update (torch's, inside its hook layer) taking ``fused_ms`` (the i-th fused update
     takes the i-th value, cycled) or ``unfused_ms`` on the test's clock. Patched before enable()."""
-    torch.optim.AdamW([torch.zeros(1)])  # torch puts its hook layer on the class's step in the first __init__
-    raw_step = torch.optim.AdamW.step.__wrapped__
+    cls([torch.zeros(1)], lr=0.1)  # torch puts its hook layer on the class's step in the first __init__
+    raw_step = cls.step.__wrapped__
     fused_calls = []
 
     def update(optimizer, *args, **kwargs):
@@ -578,7 +580,7 @@ def timed_updates(monkeypatch, clock, fused_ms, unfused_ms):
             clock.advance(unfused_ms / 1000)
         return result
 
-    monkeypatch.setattr(torch.optim.AdamW.step, "__wrapped__", update)
+    monkeypatch.setattr(cls.step, "__wrapped__", update)
 
 
 def counted_copies(monkeypatch):
@@ -664,10 +666,13 @@ def test_the_runs_steady_state_starts_once_the_update_is_decided(monkeypatch, tr
     assert autogaudi.report().steps["decisions_settled_at_step"] == 1 + fused_optimizer.TIMED_STEPS
 
 
-@pytest.mark.parametrize("default_dtype", [torch.float32, torch.float64])
-def test_an_optimizer_put_back_continues_as_the_script_built_it_bitwise(monkeypatch, trial_clock, default_dtype):
+@pytest.mark.parametrize(
+    "name, default_dtype",
+    [("adamw", torch.float32), ("adamw", torch.float64), ("adam", torch.float64), ("sgd_momentum", torch.float32)],
+)
+def test_an_optimizer_put_back_continues_as_the_script_built_it_bitwise(monkeypatch, trial_clock, name, default_dtype):
     """Put back after its timed steps: its defaults and groups are the script's, its step counters
-    where torch's unfused AdamW keeps them (the CPU, the default float dtype; the fused kernel's are
+    where torch's unfused Adam/AdamW keeps them (the CPU, the default float dtype; the fused kernel's are
     float32), and from then on its steps are those of a plain optimizer loaded from the same state,
     bit for bit. The report keeps the measured figures, the rounding of the steps it was fused."""
     from autogaudi.optimizations import fused_optimizer
@@ -693,21 +698,24 @@ def test_an_optimizer_put_back_continues_as_the_script_built_it_bitwise(monkeypa
             return losses
 
         plain_net = model()
-        plain = torch.optim.AdamW(plain_net.parameters(), lr=3e-3)
+        plain = OPTIMIZERS[name](plain_net)
         run(plain_net, plain, batches[:decided])
 
-        timed_updates(monkeypatch, trial_clock, fused_ms=[2.0], unfused_ms=1.0)
+        timed_updates(monkeypatch, trial_clock, fused_ms=[2.0], unfused_ms=1.0, cls=type(plain))
         enable("cpu")
         net = model()
-        optimizer = torch.optim.AdamW(net.parameters(), lr=3e-3)
+        optimizer = OPTIMIZERS[name](net)
         run(net, optimizer, batches[:decided])
         assert optimizer.defaults == plain.defaults
         assert [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups] == [
             {k: v for k, v in group.items() if k != "params"} for group in plain.param_groups
         ]
         for param, plain_param in zip(net.parameters(), plain_net.parameters()):
-            step, plain_step = optimizer.state[param]["step"], plain.state[plain_param]["step"]
-            assert (step.dtype, step.device, float(step)) == (plain_step.dtype, plain_step.device, float(plain_step))
+            state, plain_state = optimizer.state[param], plain.state[plain_param]
+            assert {key: (value.dtype, value.device) for key, value in state.items()} == {
+                key: (value.dtype, value.device) for key, value in plain_state.items()
+            }
+            assert float(state.get("step", 0)) == float(plain_state.get("step", 0))
         state = copy.deepcopy((net.state_dict(), optimizer.state_dict())), torch.get_rng_state()  # dropout's
         losses = run(net, optimizer, batches[decided:])
         row = autogaudi.report().unit("fused_optimizer")
@@ -720,7 +728,7 @@ def test_an_optimizer_put_back_continues_as_the_script_built_it_bitwise(monkeypa
 
         resumed_net = model()
         resumed_net.load_state_dict(state[0][0])
-        resumed = torch.optim.AdamW(resumed_net.parameters(), lr=3e-3)
+        resumed = OPTIMIZERS[name](resumed_net)
         resumed.load_state_dict(state[0][1])
         torch.set_rng_state(state[1])
         assert run(resumed_net, resumed, batches[decided:]) == losses
