@@ -500,6 +500,7 @@ class FusedOptimizer(Unit):
                         step(optimizer)
                 except Exception as error:
                     _rewind(optimizer, group, counters)
+                    optimizer.param_groups = groups  # every group's counters to the unfused format
                     self._unfuse(optimizer, self.reason_for("fused_step_raised", error=error))
                     optimizer.param_groups = groups[index:]
                     step(optimizer)  # plain PyTorch's step for the rest: its errors are its own
