@@ -29,6 +29,14 @@ Numerics: one fused update rounds otherwise than torch's per-op one. In the run'
 gradients and state (where they fit in a quarter of the memory free), and the largest relative
 parameter difference goes to the report: the script's tensors are not touched.
 
+Speed: where the host waits for each op (CPU), the two updates are timed on those copies, in the
+fused steps after the first (which allocates the state in both) until each has ``TIMED_STEPS``
+samples. The fused update stays only where it is faster by the trials' rule (:func:`autogaudi.trials.faster`,
+on the medians, a tie put back); else the optimizer goes back to the script's own kernels from its
+next step on, its ``step`` counters in the unfused format. Then no more copies are made. Where the
+host runs ahead of the device, timing would take a synchronisation the run would not have: the
+fused update stays untimed.
+
 Checkpoints and copies stay plain PyTorch both ways: ``state_dict()``, ``deepcopy`` and pickles carry
 the user's own ``fused`` value and torch's per-parameter tensor ``step`` (on HPU taken from the group
 counter); ``load_state_dict()`` accepts a plain checkpoint and the counters continue from its steps.
@@ -42,6 +50,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import functools
 import inspect
 import statistics
@@ -49,10 +58,11 @@ import sys
 import weakref
 
 import torch
-from torch.optim.optimizer import _foreach_supported_types
+from torch.optim.optimizer import _foreach_supported_types, _get_scalar_dtype
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
-from autogaudi import numerics, steps
+from autogaudi import numerics, trials
+from autogaudi.events import Event
 from autogaudi.unit import ROUNDING, Unit
 
 FUSABLE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
@@ -62,6 +72,8 @@ TAKES_DTENSOR = (torch.optim.Adam, torch.optim.AdamW)
 # The run's first fused steps, each set beside torch's unfused step from the same state (on copies):
 # how far one fused update rounds from torch's own, for the report (numerics_measured).
 MEASURED_STEPS = 3
+# The updates timed per optimizer, fused against unfused, before deciding: as many as a trial's arm.
+TIMED_STEPS = 2 * trials.BLOCK * trials.ROUNDS
 
 
 def user_hyperparameters(optimizer_class, args, kwargs) -> dict:
@@ -139,6 +151,27 @@ def _fused_format_steps(optimizer) -> None:
             state["step"] = step.to(dtype=torch.float32, device=param.device)
 
 
+def _unfused_format_steps(optimizer) -> None:
+    """Adam's per-parameter ``step`` where torch's unfused step keeps it (its ``_init_group``): on the
+    CPU unless the group is capturable, in the default float dtype, as a run never fused has it."""
+    for group in optimizer.param_groups:
+        dtype = _get_scalar_dtype(is_fused=group.get("fused"))
+        for param in group["params"]:
+            state = optimizer.state.get(param, {})
+            step = state.get("step")
+            if torch.is_tensor(step):
+                state["step"] = step.to(dtype=dtype, device=param.device if group.get("capturable") else "cpu")
+
+
+@dataclasses.dataclass
+class UpdateTimes:
+    """One optimizer's updates timed (seconds): torch's unfused one on the copies, the fused one."""
+
+    unfused: list = dataclasses.field(default_factory=list)
+    fused: list = dataclasses.field(default_factory=list)
+    decided: bool = False
+
+
 def _raw_step(optimizer):
     """The optimizer class's ``step`` without torch's hook layer (``profile_hook_step``)."""
     step = type(optimizer).step
@@ -160,6 +193,9 @@ class FusedOptimizer(Unit):
         # notes: an optimizer left unfused, why (the code above in refusal, where the kernel refused)
         "optimizer_kept": "{optimizer} kept as is: {why}",
         "optimizer_unfused": "{optimizer} runs unfused from its next step on: {why}",
+        # the fused update timed slower than torch's unfused one (note; the unit's reason once none is fused)
+        "fused_slower": "fused update measured slower: put back ({optimizer}: {fused} ms against {unfused} ms "
+        "unfused, medians of {steps} updates)",
         # notes: the rounding the fused update adds was not measured (the report says "not measured")
         "rounding_not_measured_memory": "rounding not measured: a copy of {optimizer}'s parameters, gradients "
         "and state ({gb:.2f} GB) would take more than {share:.0%} of the memory free",
@@ -185,7 +221,10 @@ class FusedOptimizer(Unit):
         self._extra_settings = {}  # optimizer class -> hpex-only group settings (bias_correction, ...)
         self._hooked_step = torch.optim.Optimizer.profile_hook_step(self._checked_step)
         self._rounding_steps, self._largest_rounding = 0, 0.0  # fused steps measured against torch's own
-        self._unfused_s, self._fused_s = [], []  # those steps' updates, timed
+        self._times = weakref.WeakKeyDictionary()  # optimizer -> its UpdateTimes, from its first fused step
+        self._decided_in_step = False  # a timing decided (or given up) in the step now running
+        if not self.backend.host_runs_ahead:
+            self.on(Event.TRAINING_STEP, self._step_ended)
         for optimizer_class in FUSABLE:
             self.wrap(optimizer_class, "__init__", functools.partial(self._init, optimizer_class))
         self.on_revert(self._hand_state_back_to_torch)
@@ -208,6 +247,7 @@ class FusedOptimizer(Unit):
             self._fused[instance] = None
             self._route_steps(owner)
             self.figures["optimizers_fused"] += 1
+            self.because("torch_fused")
         else:
             self._attach_hpu_delegate(owner, instance, hyperparameters)
         return result
@@ -246,13 +286,33 @@ class FusedOptimizer(Unit):
 
     def _unfuse(self, optimizer, reason) -> None:
         """From this step on, ``optimizer`` runs as the script built it: torch's own unfused step."""
+        if self._stop_fusing(optimizer):
+            self._kept(type(optimizer), reason.text, "optimizer_unfused", refusal=reason.code)
+            self._count_refusal(reason)
+
+    def _stop_fusing(self, optimizer) -> bool:
+        """Give ``optimizer`` back to torch's own step, its state in the unfused format; False where
+        it was not fused."""
         if optimizer in self._fused:
             del self._fused[optimizer]
         elif not self._hand_back(optimizer):
-            return
+            return False
+        _unfused_format_steps(optimizer)
         self.figures["optimizers_fused"] -= 1
-        self._kept(type(optimizer), reason.text, "optimizer_unfused", refusal=reason.code)
-        self._count_refusal(reason)
+        self._decided_in_step = True  # it was perhaps still timed
+        return True
+
+    def numerics_in_run(self) -> tuple:
+        # An optimizer put back ran fused in its timed steps: their rounding is in the run.
+        return self.numerics_on(self.backend) if self.changes() or self.figures.get("optimizers_put_back") else ()
+
+    def watching(self) -> bool:
+        # With none fused: waiting for an optimizer, unless one was timed and put back (decided).
+        return not self.figures.get("optimizers_put_back")
+
+    def deciding(self) -> bool:
+        # A fused optimizer still timed may yet be put back; its timed steps also make copies.
+        return any(not times.decided for optimizer, times in self._times.items() if self._still_fused(optimizer))
 
     # Each step of an optimizer it fused --------------------------------------------------------
 
@@ -280,14 +340,15 @@ class FusedOptimizer(Unit):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()  # the user's code: its exceptions propagate untouched
-        reference = None
+        reference, times = None, None
         with self.fail_open():
             unfusable = self._unfusable(optimizer)
             if unfusable:
                 self._unfuse(optimizer, unfusable)
             else:
-                reference = self._unfused_reference(optimizer)
-        started = self._timed_start() if reference is not None else None
+                times = self._times_this_step(optimizer)
+                reference = self._unfused_reference(optimizer, times)
+        started = trials.clock() if times is not None and reference is not None else None
         if optimizer in self._fused:
             self._torch_fused_step(optimizer)
         elif optimizer in self._delegates:
@@ -295,52 +356,121 @@ class FusedOptimizer(Unit):
         else:
             self._raw_steps[type(optimizer)](optimizer)
         if reference is not None:
+            ended = trials.clock() if started is not None else None
             with self.fail_open():
-                self._timed_end(started, self._fused_s)
                 self._rounding_measured(optimizer, reference)
+                if started is not None and self._still_fused(optimizer):
+                    times.fused.append(ended - started)
+                    self._decide(optimizer, times)
         return loss
 
-    # The updates are timed only where the host waits for each op (CPU): where it queues ahead of the
-    # device, timing them would take a synchronisation (on HPU lazy, a graph break) the run would not have.
-    def _timed_start(self):
-        return None if self.backend.host_runs_ahead else steps.clock()
+    def _still_fused(self, optimizer) -> bool:
+        return optimizer in self._fused or optimizer in self._delegates
 
-    def _timed_end(self, started, into: list) -> None:
-        if started is not None:
-            into.append(steps.clock() - started)
+    # Is the fused update faster? -------------------------------------------------------------------
 
-    def _timed_unfused_step(self, optimizer) -> None:
-        started = self._timed_start()
+    def _times_this_step(self, optimizer):
+        """The UpdateTimes this step's updates go to, or None: timed only where the host waits for
+        each op (CPU; where it queues ahead of the device, timing would take a synchronisation, on HPU
+        lazy a graph break, the run would not have), not in an optimizer's first fused step (both
+        updates allocate the state), and not once decided."""
+        if self.backend.host_runs_ahead:
+            return None
+        if optimizer not in self._times:
+            self._times[optimizer] = UpdateTimes()
+            return None
+        times = self._times[optimizer]
+        return None if times.decided else times
+
+    def _timed_unfused_step(self, optimizer, times) -> None:
+        started = trials.clock()
         self._raw_steps[type(optimizer)](optimizer)
-        self._timed_end(started, self._unfused_s)
+        times.unfused.append(trials.clock() - started)
+
+    def _decide(self, optimizer, times) -> None:
+        """With TIMED_STEPS updates timed each way: keep the fused one where the trials' rule finds it
+        faster, else put the optimizer back to the script's own kernels."""
+        self._update_figure()
+        if len(times.fused) < TIMED_STEPS:
+            return
+        times.decided = True
+        fused, unfused = statistics.median(times.fused), statistics.median(times.unfused)
+        if not trials.faster(fused, unfused):
+            self._put_back(optimizer, fused, unfused, len(times.fused))
+        self._decided_in_step = True
+
+    def _put_back(self, optimizer, fused: float, unfused: float, steps: int) -> None:
+        """``optimizer`` back to the script's own kernels from its next step on, as measured slower."""
+        if not self._stop_fusing(optimizer):
+            return
+        self.figures["optimizers_put_back"] = self.figures.get("optimizers_put_back", 0) + 1
+        said = dict(
+            optimizer=type(optimizer).__name__,
+            fused=round(1000 * fused, 3),
+            unfused=round(1000 * unfused, 3),
+            steps=steps,
+        )
+        self.note("fused_slower", **said)
+        if not self.figures["optimizers_fused"]:
+            self.because("fused_slower", **said)
+
+    def _step_ended(self, _optimizer) -> None:
+        """A decision made in a step counts once the step is over: the run's steady state starts after it."""
+        if self._decided_in_step:
+            self._decided_in_step = False
+            self.session.check_settled()
+
+    def _update_figure(self) -> None:
+        """``update_ms``: the updates timed of the optimizers still fused, fused against torch's
+        unfused one on the same steps (the report's effect of the unit); where every optimizer timed
+        was put back, what they measured stays."""
+        timed = [times for optimizer, times in self._times.items() if self._still_fused(optimizer) and times.fused]
+        if not timed:
+            return
+        fused = [seconds for times in timed for seconds in times.fused]
+        unfused = [seconds for times in timed for seconds in times.unfused]
+        self.figures["update_ms"] = {
+            "unfused": round(1000 * statistics.median(unfused), 3),
+            "fused": round(1000 * statistics.median(fused), 3),
+            "steps": len(fused),
+        }
 
     # How far the fused update is from torch's own -------------------------------------------------
 
-    def _unfused_reference(self, optimizer):
-        """In the run's first MEASURED_STEPS fused steps: the parameters torch's unfused step would
-        give from this state, computed on copies (:func:`autogaudi.numerics.unfused_update`); else
-        None. Where a copy would not fit, or the parameters are DTensors, it is not measured."""
-        if self._rounding_steps >= MEASURED_STEPS or (
-            optimizer not in self._fused and optimizer not in self._delegates
-        ):
+    def _unfused_reference(self, optimizer, times):
+        """In the run's first MEASURED_STEPS fused steps, and in the steps ``times`` (UpdateTimes or
+        None) is timed in: the parameters torch's unfused step would give from this state, computed
+        on copies (:func:`autogaudi.numerics.unfused_update`); else None. Where a copy would not fit,
+        or the parameters are DTensors, it is neither measured nor timed."""
+        if (self._rounding_steps >= MEASURED_STEPS and times is None) or not self._still_fused(optimizer):
             return None
         name = type(optimizer).__name__
         if not numerics.plain_tensors(optimizer):
-            self._rounding_steps = MEASURED_STEPS
-            self.note("rounding_not_measured_dtensor", optimizer=name)
+            self._not_measured(optimizer, "rounding_not_measured_dtensor", optimizer=name)
             return None
         tensors = numerics.optimizer_tensors(optimizer)
         if not numerics.copy_fits(tensors, self.backend):
-            self._rounding_steps = MEASURED_STEPS
             gb = sum(tensor.numel() * tensor.element_size() for tensor in tensors) / 1024**3
-            self.note("rounding_not_measured_memory", optimizer=name, gb=gb, share=numerics.FREE_SHARE)
+            self._not_measured(
+                optimizer, "rounding_not_measured_memory", optimizer=name, gb=gb, share=numerics.FREE_SHARE
+            )
             return None
-        return numerics.unfused_update(optimizer, self._timed_unfused_step, self._group_steps(optimizer))
+        step = self._raw_steps[type(optimizer)]
+        if times is not None:
+            step = functools.partial(self._timed_unfused_step, times=times)
+        return numerics.unfused_update(optimizer, step, self._group_steps(optimizer))
+
+    def _not_measured(self, of, code: str, **params) -> None:
+        """No copies: the rounding is not measured, and the fused update of ``of`` (an optimizer) stays untimed."""
+        self._rounding_steps = MEASURED_STEPS
+        self._times.setdefault(of, UpdateTimes()).decided = True
+        self.note(code, **params)
+        self._decided_in_step = True
 
     def _rounding_measured(self, optimizer, reference) -> None:
         """The fused step just taken against ``reference``, while the optimizer is still fused (a
         fused step that raised finished unfused: nothing to compare)."""
-        if optimizer not in self._fused and optimizer not in self._delegates:
+        if self._rounding_steps >= MEASURED_STEPS or not self._still_fused(optimizer):
             return
         difference = numerics.largest_relative_difference(numerics.parameters(optimizer), reference)
         self._rounding_steps += 1
@@ -348,14 +478,6 @@ class FusedOptimizer(Unit):
         self.figures["numerics_measured"] = numerics.measured(
             self._largest_rounding, of="parameters", steps=self._rounding_steps, against="torch's unfused step"
         )
-        if not self._fused_s or not self._unfused_s:
-            return
-        # The same steps timed: the update alone, fused against torch's unfused one on the copies.
-        self.figures["update_ms"] = {
-            "unfused": round(1000 * statistics.median(self._unfused_s), 3),
-            "fused": round(1000 * statistics.median(self._fused_s), 3),
-            "steps": len(self._fused_s),
-        }
 
     # CUDA / CPU: torch's own fused kernels -------------------------------------------------------
 
@@ -378,6 +500,7 @@ class FusedOptimizer(Unit):
                         step(optimizer)
                 except Exception as error:
                     _rewind(optimizer, group, counters)
+                    optimizer.param_groups = groups  # every group's counters to the unfused format
                     self._unfuse(optimizer, self.reason_for("fused_step_raised", error=error))
                     optimizer.param_groups = groups[index:]
                     step(optimizer)  # plain PyTorch's step for the rest: its errors are its own
