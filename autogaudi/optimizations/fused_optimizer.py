@@ -63,6 +63,7 @@ from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from autogaudi import numerics, trials
 from autogaudi.events import Event
+from autogaudi.ranks import several_ranks
 from autogaudi.unit import ROUNDING, Unit
 
 FUSABLE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
@@ -196,11 +197,15 @@ class FusedOptimizer(Unit):
         # the fused update timed slower than torch's unfused one (note; the unit's reason once none is fused)
         "fused_slower": "fused update measured slower: put back ({optimizer}: {fused} ms against {unfused} ms "
         "unfused, medians of {steps} updates)",
+        "not_timed_several_ranks": "the fused update kept untimed: with several ranks each would decide on its own "
+        "timings, and replicas updated by different kernels would drift apart",
         # notes: the rounding the fused update adds was not measured (the report says "not measured")
         "rounding_not_measured_memory": "rounding not measured: a copy of {optimizer}'s parameters, gradients "
         "and state ({gb:.2f} GB) would take more than {share:.0%} of the memory free",
         "rounding_not_measured_dtensor": "rounding not measured: {optimizer}'s parameters are DTensors, whose "
         "comparison would be a collective",
+        "rounding_not_measured_shared": "rounding not measured: {optimizer}'s parameters are in shared memory, "
+        "where other processes may update them during the step (Hogwild)",
     }
     changed_figure = ("optimizers_fused", "{} optimizer(s) run as one fused kernel per step")
     targets = tuple(f"torch.optim.{cls.__name__}.__init__" for cls in FUSABLE)
@@ -372,9 +377,13 @@ class FusedOptimizer(Unit):
     def _times_this_step(self, optimizer):
         """The UpdateTimes this step's updates go to, or None: timed only where the host waits for
         each op (CPU; where it queues ahead of the device, timing would take a synchronisation, on HPU
-        lazy a graph break, the run would not have), not in an optimizer's first fused step (both
-        updates allocate the state), and not once decided."""
+        lazy a graph break, the run would not have), not with several ranks (each would decide on its
+        own timings, and replicas on different kernels drift apart), not in an optimizer's first
+        fused step (both updates allocate the state), and not once decided."""
         if self.backend.host_runs_ahead:
+            return None
+        if several_ranks():
+            self.note("not_timed_several_ranks")
             return None
         if optimizer not in self._times:
             self._times[optimizer] = UpdateTimes()
@@ -441,12 +450,16 @@ class FusedOptimizer(Unit):
         """In the run's first MEASURED_STEPS fused steps, and in the steps ``times`` (UpdateTimes or
         None) is timed in: the parameters torch's unfused step would give from this state, computed
         on copies (:func:`autogaudi.numerics.unfused_update`); else None. Where a copy would not fit,
-        or the parameters are DTensors, it is neither measured nor timed."""
+        or the parameters are DTensors or shared with other processes (whose writes a comparison
+        would count), it is neither measured nor timed."""
         if (self._rounding_steps >= MEASURED_STEPS and times is None) or not self._still_fused(optimizer):
             return None
         name = type(optimizer).__name__
         if not numerics.plain_tensors(optimizer):
             self._not_measured(optimizer, "rounding_not_measured_dtensor", optimizer=name)
+            return None
+        if any(param.is_shared() for param in numerics.parameters(optimizer)):
+            self._not_measured(optimizer, "rounding_not_measured_shared", optimizer=name)
             return None
         tensors = numerics.optimizer_tensors(optimizer)
         if not numerics.copy_fits(tensors, self.backend):

@@ -544,6 +544,36 @@ def test_the_first_fused_steps_are_measured_against_torchs_unfused_step_on_copie
     assert autogaudi.report().numerics() == [{"unit": "fused_optimizer", "how": ["rounding"], "measured": figure}]
 
 
+def test_parameters_other_processes_update_are_neither_compared_nor_timed_and_stay_fused():
+    """Hogwild: the parameters are in shared memory and other processes write them during the step,
+    so a comparison against a copy would count their writes as rounding."""
+
+    def shared_adam(net):
+        net.share_memory()
+        return torch.optim.Adam(net.parameters(), lr=3e-3)
+
+    enable("cpu")
+    train(shared_adam, steps=20)  # past the steps a timing would take
+    row = autogaudi.report().unit("fused_optimizer")
+    assert row["numerics"] == ["rounding"] and row["numerics_measured"] is None
+    assert [code for code, _ in said(row)] == ["rounding_not_measured_shared"]
+    assert row["status"] == "applied" and "update_ms" not in row["figures"]
+
+
+def test_with_several_ranks_the_update_is_not_timed_so_no_rank_decides_alone(monkeypatch):
+    """Each rank timing its own update could put one back and keep another fused: DDP's replicas
+    would then be updated by different kernels and drift apart."""
+    from autogaudi.optimizations import fused_optimizer
+
+    monkeypatch.setattr(fused_optimizer, "several_ranks", lambda: True)
+    enable("cpu")
+    train(OPTIMIZERS["adamw"], steps=20)  # past the steps a timing would take
+    row = autogaudi.report().unit("fused_optimizer")
+    assert row["status"] == "applied" and "update_ms" not in row["figures"]
+    assert "not_timed_several_ranks" in [code for code, _ in said(row)]
+    assert row["numerics_measured"]["steps"] == fused_optimizer.MEASURED_STEPS  # the rounding still measured
+
+
 def test_rounding_is_not_measured_where_a_copy_would_not_fit(monkeypatch):
     from autogaudi import numerics
 
