@@ -94,8 +94,9 @@ def loader_arguments(loader, args: tuple, kwargs: dict, defaults: bool = False):
 
 
 def clock() -> float:
-    """The clock batch waits are timed by (seconds), and the step profiler's and loader_workers'
-    measurements with them; tests replace it to decide on given times (the ``step_clock`` fixture)."""
+    """The clock step boundaries and batch waits are timed by (seconds), and the step profiler's,
+    loader_workers' and the doctor's measurements with them; tests replace it to decide on given
+    times (the ``step_clock`` fixture)."""
     return time.perf_counter()
 
 
@@ -121,7 +122,7 @@ class TrainingSteps:
         self._passing = 0  # > 0 while a backward pass runs: one started inside it is part of it
         self.optimizers = weakref.WeakSet()  # every optimizer that has stepped
         self.timeline = Timeline()
-        self._first_clock = time.perf_counter()  # the first step's start: see the module's docstring
+        self._start_first_step()
         self.evaluation_passes = 0  # forward passes of a trained model without gradients
         self.evaluation_counted_until = None  # the step counting them stopped at (see EVALUATION_CHECKED_AT_STEP)
         self._outermost_calls = 0  # forward passes without gradients seen, of any model
@@ -190,7 +191,7 @@ class TrainingSteps:
         if source is not None:  # the original __next__, run on the source: not seen twice here
             wrapped, args, kwargs = wrapped.instead(functools.partial(wrapped.wrapped.__func__, source)), (), {}
         if not self.backwards:
-            self._first_clock = time.perf_counter()
+            self._start_first_step()
             self.timeline.first_step_from = "batch"
         if not self.events.listening(Event.BEFORE_BATCH, Event.BATCH_FETCHED):
             return wrapped(*args, **kwargs)
@@ -329,10 +330,15 @@ class TrainingSteps:
             return True
         return False
 
+    def _start_first_step(self) -> None:
+        """The first step starts now (see the module's docstring): read on :func:`clock`, as every
+        later boundary is, so that a test's clock times the first step too."""
+        self._first_clock = clock()
+
     def _end_step(self, optimizer, steps: int = 1) -> None:
         """``steps`` training steps ended (more than one only when they are counted after the fact,
         each given an equal share of the time since the last boundary); listeners hear one."""
-        now = time.perf_counter()
+        now = clock()
         start = self.last_step_clock if self.last_step_clock is not None else self._first_clock
         for _ in range(steps):
             self.timeline.step((now - start) / steps)
@@ -363,7 +369,7 @@ class TrainingSteps:
             self._region = None
             self._stop_watching_module_calls()
             if not self.backwards:  # an evaluation before training: the first step starts after it
-                self._first_clock = time.perf_counter()
+                self._start_first_step()
             self._tell_evaluation_passes()
         return result
 
@@ -427,11 +433,13 @@ class TrainingSteps:
 
     @property
     def timed(self):
-        """(steps, seconds) since the end of warm-up, or None before two timed step boundaries."""
+        """(steps, seconds) since the end of warm-up, or None before two timed step boundaries or
+        while the clock has not moved between them (a coarse clock, or a test's held still)."""
         if self._timed_from is None or self.steps <= self._timed_from[0]:
             return None
         first_step, first_clock = self._timed_from
-        return self.steps - first_step, self.last_step_clock - first_clock
+        seconds = self.last_step_clock - first_clock
+        return (self.steps - first_step, seconds) if seconds > 0 else None
 
     def figures(self) -> dict:
         """Counts and the steady-state rate (steps after warm-up, between step boundaries)."""

@@ -52,12 +52,15 @@ class GuardOwner:
 class SimulatedClock:
     """A clock that moves only when told: decisions taken on the times a test gives, with no sleeps
     and whatever else the machine runs (``autogaudi.trials.clock`` and ``autogaudi.steps.clock``, see
-    the fixtures)."""
+    the fixtures). With ``tick``, each reading moves it on by that much: every stretch timed from one
+    reading to the next lasts one tick."""
 
-    def __init__(self):
+    def __init__(self, tick: float = 0.0):
         self.now = 0.0
+        self.tick = tick
 
     def __call__(self) -> float:
+        self.now += self.tick
         return self.now
 
     def advance(self, seconds: float) -> None:

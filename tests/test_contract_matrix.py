@@ -10,9 +10,10 @@ taken in that state resumes in plain PyTorch on the loss curve an uninterrupted 
 
 A new unit is covered without a row written for it: it declares its states (a base class's by
 default) and the recipes below drive any unit into each. Trials are decided by the test (kept or
-rejected as the state says) on a clock the test moves; captures are identity graphs (the real
-compiler's copies and saves are tested in tests/optimizations/test_capture_safety.py), so the
-matrix stays cheap enough to run in full in CI.
+rejected as the state says) on a clock the test moves, and every measurement of the steps (the
+profile, loader_workers' waits) on another, so each cell takes the same decisions whatever the
+machine's load; captures are identity graphs (the real compiler's copies and saves are tested in
+tests/optimizations/test_capture_safety.py), so the matrix stays cheap enough to run in full in CI.
 """
 
 import copy
@@ -311,7 +312,7 @@ def test_the_matrix_size_is_every_unit_times_its_states():
 
 @pytest.mark.parametrize("info, state", CELLS, ids=[f"{info.name}-{state}" for info, state in CELLS])
 def test_a_unit_in_this_state_breaks_nothing_a_script_does(
-    info, state, hpu_double, decided_trials, cheap_capture, trial_clock, world
+    info, state, hpu_double, decided_trials, cheap_capture, trial_clock, step_clock, world
 ):
     if on_hpu(info):
         hpu_double(lazy=True)
@@ -327,6 +328,7 @@ def test_a_unit_in_this_state_breaks_nothing_a_script_does(
         assert training.steps < MAX_STEPS, f"{info.name} never reached {state}: {autogaudi.report().unit(info.name)}"
         training.step()
         trial_clock.advance(0.001)
+        step_clock.advance(0.001)  # computing, never waiting for a batch: no loader is starved
     if state == "failed":
         unit.failed_at_run_time(RuntimeError("injected by the contract test"))
         assert autogaudi.report().unit(info.name)["status"] == "failed"

@@ -15,7 +15,7 @@ def test_rank_zero_gathers_what_the_others_posted_and_names_the_silent_ones():
     start = time.perf_counter()
     gathered = gather_through_store(store, 0, 3, "from zero", timeout_s=0.3)  # rank 2 never answers
     assert gathered == {0: "from zero", 1: "from one", 2: None}
-    assert time.perf_counter() - start < 3  # bounded by the timeout, never a hang
+    assert time.perf_counter() - start < 30  # bounded by the timeout, never a hang (100x it: a loaded machine too)
 
 
 def rows(**statuses):

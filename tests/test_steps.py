@@ -2,8 +2,7 @@
 (no torch.optim), with two optimizers per iteration (a GAN), with per-layer optimizers that train
 one after another (forward-forward), or with LBFGS's closure (many backward passes per step)."""
 
-import time
-
+import pytest
 import torch
 from torch import nn
 
@@ -168,21 +167,23 @@ def test_a_pass_inside_a_pass_is_not_the_loops_own():
 
 
 class SlowFirstCall(nn.Module):
-    """A model whose first forward sleeps (lazy initialisation): that time is the first step's."""
+    """A model whose first forward takes ``FIRST_CALL_S`` of the step clock (lazy initialisation):
+    that time is the first step's."""
 
-    def __init__(self):
+    def __init__(self, clock):
         super().__init__()
         self.layer = nn.Linear(4, 1)
+        self.clock = clock
         self.initialised = False
 
     def forward(self, inputs):
         if not self.initialised:
-            time.sleep(FIRST_CALL_S)
+            self.clock.advance(FIRST_CALL_S)
             self.initialised = True
         return self.layer(inputs)
 
 
-FIRST_CALL_S = 0.05
+FIRST_CALL_S, SET_UP_S = 0.05, 0.5
 
 
 def train_and_evaluate(model, epochs: int, steps: int, evaluations: int) -> None:
@@ -287,32 +288,54 @@ def test_evaluation_passes_of_a_loop_that_updates_by_hand():
     assert figures["steps"] == NO_OPTIMIZER_AFTER + 5 and figures["evaluation_forward_passes"] == 7
 
 
-def test_the_first_step_is_timed_from_its_batch():
+def test_the_first_step_is_timed_from_its_batch(step_clock):
     """The first step's point on the timeline covers its forward (lazy initialisation), not only its
-    backward pass; a sleep in the first forward is a lower bound, whatever the machine's load."""
-    autogaudi.enable(device="cpu", only="throughput_meter")
-    model = SlowFirstCall()
+    backward pass, and not the set-up before its batch."""
+    autogaudi.enable(device="cpu", only="throughput_meter", warmup_steps=1)
+    model = SlowFirstCall(step_clock)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(12, 4), torch.randn(12, 1)), 4)
+    step_clock.advance(SET_UP_S)
     for inputs, targets in loader:
         nn.functional.mse_loss(model(inputs), targets).backward()
         optimizer.step()
         optimizer.zero_grad()
     timeline = autogaudi.report().as_dict()["timeline"]
-    assert timeline["first_step_from"] == "batch" and len(timeline["step_s"]) == 3
-    assert timeline["step_s"][0] >= FIRST_CALL_S
+    assert timeline["first_step_from"] == "batch"
+    assert timeline["step_s"] == [pytest.approx(FIRST_CALL_S), 0, 0]
+    assert "steps_per_s" not in steps_figures()  # no rate from steps the clock gave no time
+    assert autogaudi.report().unit("throughput_meter")["status"] != "failed"
 
 
-def test_without_a_loader_the_first_step_is_timed_from_the_start():
+def test_without_a_loader_the_first_step_is_timed_from_the_start(step_clock):
     autogaudi.enable(device="cpu", only="throughput_meter")
-    model = SlowFirstCall()
+    model = SlowFirstCall(step_clock)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    step_clock.advance(SET_UP_S)
     for _, (inputs, targets) in zip(range(3), data()):
         nn.functional.mse_loss(model(inputs), targets).backward()
         optimizer.step()
         optimizer.zero_grad()
     timeline = autogaudi.report().as_dict()["timeline"]
-    assert timeline["first_step_from"] == "start" and timeline["step_s"][0] >= FIRST_CALL_S
+    assert timeline["first_step_from"] == "start"
+    assert timeline["step_s"] == [pytest.approx(SET_UP_S + FIRST_CALL_S), 0, 0]
+
+
+def test_an_evaluation_before_training_is_not_the_first_steps_time(step_clock):
+    autogaudi.enable(device="cpu", only="throughput_meter")
+    model = SlowFirstCall(step_clock)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with torch.no_grad():
+        model(torch.randn(2, 4))  # lazy initialisation, and the evaluation's time
+        step_clock.advance(SET_UP_S)
+    for _, (inputs, targets) in zip(range(3), data()):
+        nn.functional.mse_loss(model(inputs), targets).backward()
+        optimizer.step()
+        step_clock.advance(0.01)
+        optimizer.zero_grad()
+    timeline = autogaudi.report().as_dict()["timeline"]
+    assert timeline["first_step_from"] == "start"
+    assert timeline["step_s"] == [0, pytest.approx(0.01), pytest.approx(0.01)]
 
 
 class NoGradInside(nn.Module):

@@ -89,7 +89,7 @@ def test_the_one_off_includes_what_setting_the_candidate_up_took(trial_clock):
 def test_an_off_arm_slowed_by_the_candidate_is_read_from_the_steps_before_the_trial(trial_clock):
     # Plain steps take 4 ms; the candidate takes 4.4 ms and leaves "off" steps at 8 ms after it has
     # been on: against the interleaved arm it would read 1.8x, against the plain steps it is slower.
-    # (10% apart: sleep jitter on a loaded machine stays well inside that.)
+    # (10% apart, on the test's clock.)
     _, decisions, _, _ = run_trial(trial_clock, on_seconds=0.0044, off_seconds=0.004, off_after_on=0.008)
     ((keep, record),) = decisions
     assert record["ms_per_step_without_interleaved"] > 1.5 * record["ms_per_step_before_trial"]

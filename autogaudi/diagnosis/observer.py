@@ -18,14 +18,14 @@ One :class:`Observer` per diagnosis. It sees:
 
 Every event is filed under the step it happened in (0 = up to the end of the first optimizer step,
 which includes the script's set-up) and under the first stack frame outside torch, wrapt,
-autogaudi and the standard library: the user's file:line.
+autogaudi and the standard library: the user's file:line. Times are read on the step clock
+(:func:`autogaudi.steps.clock`), which tests replace to judge given times.
 """
 
 from __future__ import annotations
 
 import linecache
 import sys
-import time
 from collections import Counter, defaultdict
 
 import torch
@@ -35,6 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import dataloader
 from torch.utils.weak import WeakIdKeyDictionary
 
+from autogaudi import steps
 from autogaudi._paths import user_location
 from autogaudi.diagnosis import gaudi_facts
 from autogaudi.optimizations.step_profiler import input_shapes
@@ -79,9 +80,9 @@ class _OpWatcher(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        start = time.perf_counter()
+        start = steps.clock()
         result = func(*args, **kwargs)
-        self.observer.saw_op(func, args, kwargs, result, time.perf_counter() - start)
+        self.observer.saw_op(func, args, kwargs, result, steps.clock() - start)
         return result
 
 
@@ -89,7 +90,7 @@ class Observer:
     def __init__(self, steps: int):
         self.max_steps = steps
         self.steps = 0
-        self.step_clocks: list = []  # perf_counter at each optimizer step's end
+        self.step_clocks: list = []  # the step clock at each optimizer step's end
         self.waited = Counter()  # step -> seconds waiting for DataLoader batches
         self.reads = Counter()  # (step, kind, location, inside_forward) -> count
         self.dynamic_ops = Counter()  # (step, op, location) -> count
@@ -129,7 +130,7 @@ class Observer:
 
     # -- events -------------------------------------------------------------------------------
     def _after_step(self, optimizer, args, kwargs) -> None:
-        self.step_clocks.append(time.perf_counter())
+        self.step_clocks.append(steps.clock())
         self.steps += 1
         if self.steps >= self.max_steps:
             raise StopDiagnosis
@@ -207,11 +208,11 @@ class Observer:
         self.loaders.append((user_location(sys._getframe(1)), instance.batch_size, length, instance.drop_last))
 
     def _next_batch(self, wrapped, instance, args, kwargs):
-        start = time.perf_counter()
+        start = steps.clock()
         try:
             return wrapped(*args, **kwargs)
         finally:
-            self.waited[self.steps] += time.perf_counter() - start
+            self.waited[self.steps] += steps.clock() - start
 
     # -- figures ------------------------------------------------------------------------------
     @property

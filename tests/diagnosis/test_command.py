@@ -5,9 +5,11 @@ after N steps and computes exactly what it computes without the doctor."""
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+from torch.nn.modules.module import register_module_forward_hook
 
 import autogaudi
 from autogaudi.diagnosis.findings import KINDS, SCHEMA
@@ -92,21 +94,46 @@ def test_float64_tensors_are_a_cpu_fallback_risk():
     assert "docs.habana.ai" in finding.evidence["facts"]
 
 
-def test_a_slow_dataset_makes_the_run_input_bound():
+@pytest.fixture
+def forwards_take(monkeypatch, step_clock):
+    """The script's dataset sleeps on the step clock instead of the machine's, and each of its
+    forwards takes ``seconds`` of it: the doctor judges the times the test gives, whatever the load."""
+    monkeypatch.setattr(time, "sleep", step_clock.advance)
+    handles = []
+
+    def take(seconds: float) -> None:
+        forward = lambda module, args, output: step_clock.advance(seconds)  # noqa: E731
+        handles.append(register_module_forward_hook(forward))
+
+    yield take
+    for handle in handles:
+        handle.remove()
+
+
+def test_a_slow_dataset_makes_the_run_input_bound(forwards_take):
+    forwards_take(0.008)  # 16 items of 2 ms each wait 32 ms a step; the step is 40 ms
     (finding,) = only(diagnose("input_bound.py"), "input_bound")
     assert at_line(finding, "input_bound.py", "input_bound")
-    assert finding.evidence["input_wait_fraction"] >= 0.5 and finding.severity == "high"
-    assert finding.fixed_by == "loader_workers, pin_memory"
+    assert finding.evidence == {"input_wait_fraction": 0.8, "step_ms": 40.0, "wait_ms_per_step": 32.0}
+    assert finding.severity == "high" and finding.fixed_by == "loader_workers, pin_memory"
 
 
-def test_tile_sizes_and_bf16_readiness():
+def test_a_step_that_computes_more_than_it_waits_is_not_input_bound(forwards_take):
+    forwards_take(0.32)  # waiting is 32 ms of a 352 ms step: under the rule's 10%
+    assert not only(diagnose("input_bound.py"), "input_bound")
+
+
+def test_tile_sizes_and_bf16_readiness(step_clock):
+    """Every op lasts one tick of the step clock: the bf16 share is that of the forward's ops, two
+    products of its six (t, addmm, relu, detach), not of a loaded machine's timings."""
+    step_clock.tick = 1e-6
     diagnosis = diagnose("tile_size.py")
     titles = [finding.title for finding in only(diagnosis, "tile_size")]
     assert "batch size 12 is not a multiple of 8" in titles
     layers = next(f.evidence["layers"] for f in only(diagnosis, "tile_size") if "layers" in f.evidence)
     assert layers == ["0 Linear(256, 1000)", "2 Linear(1000, 256)"]
     (precision,) = only(diagnosis, "mixed_precision")
-    assert precision.evidence["bf16_share"] >= 0.3 and "addmm" in precision.evidence["bf16_ops"]
+    assert precision.evidence["bf16_share"] == 0.333 and precision.evidence["bf16_ops"] == ["addmm"]
 
 
 @pytest.mark.slow

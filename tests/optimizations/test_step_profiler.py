@@ -391,10 +391,14 @@ def gloo_pair(tmp_path) -> list:
 def test_a_collective_whose_work_has_no_future_is_counted_and_its_wait_measured(tmp_path):
     """gloo's reduce-scatter (FSDP2's gradient reduction) hands back a Work without a future: asking
     for one raised inside the user's backward. Its caller waits at once; the time off the CPU until
-    the next op is the wait for the other rank, here 0.1 s late."""
+    the next op is the wait for the other rank, here 0.1 s late: late from the moment this rank is
+    about to issue its own, so that however long a loaded machine takes to get here, the wait is
+    real time no shorter than about 0.1 s (asserted: half of it)."""
     groups = gloo_pair(tmp_path)
+    issuing = threading.Event()
 
     def late_rank():
+        issuing.wait(60)
         time.sleep(0.1)
         groups[1]._reduce_scatter_base(torch.empty(2), torch.ones(4)).wait()
 
@@ -402,6 +406,7 @@ def test_a_collective_whose_work_has_no_future_is_counted_and_its_wait_measured(
     peer.start()
     census = new_census()
     with census:
+        issuing.set()
         groups[0]._reduce_scatter_base(torch.empty(2), torch.ones(4)).wait()
         torch.add(torch.ones(1), torch.ones(1))
     peer.join(timeout=60)
