@@ -95,8 +95,9 @@ def loader_arguments(loader, args: tuple, kwargs: dict, defaults: bool = False):
 
 def clock() -> float:
     """The clock step boundaries and batch waits are timed by (seconds), and the step profiler's,
-    loader_workers' and the doctor's measurements with them; tests replace it to decide on given
-    times (the ``step_clock`` fixture)."""
+    loader_workers', fused_optimizer's update and the doctor's measurements with them; tests replace
+    it to decide on given times (the ``step_clock`` fixture). Not the trials' (``trials.clock``):
+    a test that steadies the trials' clock must see only the trials read it."""
     return time.perf_counter()
 
 

@@ -61,7 +61,7 @@ import torch
 from torch.optim.optimizer import _foreach_supported_types, _get_scalar_dtype
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
-from autogaudi import numerics, trials
+from autogaudi import numerics, steps, trials
 from autogaudi.events import Event
 from autogaudi.ranks import several_ranks
 from autogaudi.unit import ROUNDING, Unit
@@ -353,7 +353,7 @@ class FusedOptimizer(Unit):
             else:
                 times = self._times_this_step(optimizer)
                 reference = self._unfused_reference(optimizer, times)
-        started = trials.clock() if times is not None and reference is not None else None
+        started = steps.clock() if times is not None and reference is not None else None
         if optimizer in self._fused:
             self._torch_fused_step(optimizer)
         elif optimizer in self._delegates:
@@ -361,7 +361,7 @@ class FusedOptimizer(Unit):
         else:
             self._raw_steps[type(optimizer)](optimizer)
         if reference is not None:
-            ended = trials.clock() if started is not None else None
+            ended = steps.clock() if started is not None else None
             with self.fail_open():
                 self._rounding_measured(optimizer, reference)
                 if started is not None and self._still_fused(optimizer):
@@ -392,9 +392,9 @@ class FusedOptimizer(Unit):
         return None if times.decided else times
 
     def _timed_unfused_step(self, optimizer, times) -> None:
-        started = trials.clock()
+        started = steps.clock()
         self._raw_steps[type(optimizer)](optimizer)
-        times.unfused.append(trials.clock() - started)
+        times.unfused.append(steps.clock() - started)
 
     def _decide(self, optimizer, times) -> None:
         """With TIMED_STEPS updates timed each way: keep the fused one where the trials' rule finds it

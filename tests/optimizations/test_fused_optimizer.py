@@ -623,13 +623,13 @@ def counted_copies(monkeypatch):
     return calls
 
 
-def test_the_update_is_timed_against_torchs_and_the_report_gives_its_effect(monkeypatch, trial_clock):
+def test_the_update_is_timed_against_torchs_and_the_report_gives_its_effect(monkeypatch, step_clock):
     """On a backend whose host waits for each op, the fused steps after the first time the update
     alone: torch's unfused update on the copies (here 2 ms on the test's clock) against the fused
     one (no time); once decided, no more copies are made."""
     from autogaudi.optimizations import fused_optimizer
 
-    timed_updates(monkeypatch, trial_clock, fused_ms=[0.0], unfused_ms=2.0)
+    timed_updates(monkeypatch, step_clock, fused_ms=[0.0], unfused_ms=2.0)
     copies = counted_copies(monkeypatch)
     enable("cpu")
     steps = 1 + fused_optimizer.TIMED_STEPS + 4
@@ -661,11 +661,11 @@ def test_the_update_is_timed_against_torchs_and_the_report_gives_its_effect(monk
     ],
 )
 def test_the_fused_update_is_kept_only_where_the_trials_rule_finds_it_faster(
-    monkeypatch, trial_clock, fused_ms, put_back
+    monkeypatch, step_clock, fused_ms, put_back
 ):
     from autogaudi.optimizations import fused_optimizer
 
-    timed_updates(monkeypatch, trial_clock, fused_ms=fused_ms, unfused_ms=1.0)
+    timed_updates(monkeypatch, step_clock, fused_ms=fused_ms, unfused_ms=1.0)
     enable("cpu")
     calls = counting(monkeypatch, "_fused_adamw_")
     train(OPTIMIZERS["adamw"], steps=1 + fused_optimizer.TIMED_STEPS + 3)
@@ -676,12 +676,12 @@ def test_the_fused_update_is_kept_only_where_the_trials_rule_finds_it_faster(
     assert row["reason_code"] == ("fused_slower" if put_back else "torch_fused")
 
 
-def test_the_runs_steady_state_starts_once_the_update_is_decided(monkeypatch, trial_clock):
+def test_the_runs_steady_state_starts_once_the_update_is_decided(monkeypatch, step_clock):
     """A decision that changes the run's steps (and whose timed steps make copies): the run settles
     once it is made, the step profiled steps before."""
     from autogaudi.optimizations import fused_optimizer
 
-    timed_updates(monkeypatch, trial_clock, fused_ms=[0.0], unfused_ms=2.0)
+    timed_updates(monkeypatch, step_clock, fused_ms=[0.0], unfused_ms=2.0)
     autogaudi.enable(device="cpu", only="step_profiler,fused_optimizer", warmup_steps=1)
     net = model()
     optimizer = OPTIMIZERS["adamw"](net)
@@ -700,7 +700,7 @@ def test_the_runs_steady_state_starts_once_the_update_is_decided(monkeypatch, tr
     "name, default_dtype",
     [("adamw", torch.float32), ("adamw", torch.float64), ("adam", torch.float64), ("sgd_momentum", torch.float32)],
 )
-def test_an_optimizer_put_back_continues_as_the_script_built_it_bitwise(monkeypatch, trial_clock, name, default_dtype):
+def test_an_optimizer_put_back_continues_as_the_script_built_it_bitwise(monkeypatch, step_clock, name, default_dtype):
     """Put back after its timed steps: its defaults and groups are the script's, its step counters
     where torch's unfused Adam/AdamW keeps them (the CPU, the default float dtype; the fused kernel's are
     float32), and from then on its steps are those of a plain optimizer loaded from the same state,
@@ -731,7 +731,7 @@ def test_an_optimizer_put_back_continues_as_the_script_built_it_bitwise(monkeypa
         plain = OPTIMIZERS[name](plain_net)
         run(plain_net, plain, batches[:decided])
 
-        timed_updates(monkeypatch, trial_clock, fused_ms=[2.0], unfused_ms=1.0, cls=type(plain))
+        timed_updates(monkeypatch, step_clock, fused_ms=[2.0], unfused_ms=1.0, cls=type(plain))
         enable("cpu")
         net = model()
         optimizer = OPTIMIZERS[name](net)
