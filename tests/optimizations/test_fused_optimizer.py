@@ -209,15 +209,19 @@ BATCHES = [
 ]
 
 
-def run(net, optimizer, first, last):
+def train_on(net, optimizer, batches):
     losses = []
-    for inputs, labels in BATCHES[first:last]:
+    for inputs, labels in batches:
         loss = torch.nn.functional.cross_entropy(net(inputs), labels)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
     return losses
+
+
+def run(net, optimizer, first, last):
+    return train_on(net, optimizer, BATCHES[first:last])
 
 
 def resume(make_optimizer, checkpoint, rng):
@@ -717,25 +721,15 @@ def test_an_optimizer_put_back_continues_as_the_script_built_it_bitwise(monkeypa
             for _ in range(decided + more)
         ]
 
-        def run(net, optimizer, batches):
-            losses = []
-            for inputs, labels in batches:
-                loss = torch.nn.functional.cross_entropy(net(inputs), labels)
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad()
-                losses.append(loss.item())
-            return losses
-
         plain_net = model()
         plain = OPTIMIZERS[name](plain_net)
-        run(plain_net, plain, batches[:decided])
+        train_on(plain_net, plain, batches[:decided])
 
         timed_updates(monkeypatch, step_clock, fused_ms=[2.0], unfused_ms=1.0, cls=type(plain))
         enable("cpu")
         net = model()
         optimizer = OPTIMIZERS[name](net)
-        run(net, optimizer, batches[:decided])
+        train_on(net, optimizer, batches[:decided])
         assert optimizer.defaults == plain.defaults
         assert [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups] == [
             {k: v for k, v in group.items() if k != "params"} for group in plain.param_groups
@@ -747,7 +741,7 @@ def test_an_optimizer_put_back_continues_as_the_script_built_it_bitwise(monkeypa
             }
             assert float(state.get("step", 0)) == float(plain_state.get("step", 0))
         state = copy.deepcopy((net.state_dict(), optimizer.state_dict())), torch.get_rng_state()  # dropout's
-        losses = run(net, optimizer, batches[decided:])
+        losses = train_on(net, optimizer, batches[decided:])
         row = autogaudi.report().unit("fused_optimizer")
         assert row["figures"]["update_ms"] == {"unfused": 1.0, "fused": 2.0, "steps": fused_optimizer.TIMED_STEPS}
         assert row["figures"]["optimizers_put_back"] == 1 and row["changes"] == [] and row["status"] == "not needed"
@@ -761,7 +755,7 @@ def test_an_optimizer_put_back_continues_as_the_script_built_it_bitwise(monkeypa
         resumed = OPTIMIZERS[name](resumed_net)
         resumed.load_state_dict(state[0][1])
         torch.set_rng_state(state[1])
-        assert run(resumed_net, resumed, batches[decided:]) == losses
+        assert train_on(resumed_net, resumed, batches[decided:]) == losses
         assert all(map(torch.equal, net.parameters(), resumed_net.parameters()))
     finally:
         torch.set_default_dtype(previous)
