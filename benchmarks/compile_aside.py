@@ -48,19 +48,24 @@ def load() -> float:
     return round(os.getloadavg()[0], 2)
 
 
+def _quiet_single_threaded_child() -> None:
+    """A forked child's set-up: its output to /dev/null, one torch thread, inductor compiling in-process."""
+    import torch
+    import torch._inductor.config as inductor_config
+
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.dup2(devnull, 2)
+    torch.set_num_threads(1)
+    inductor_config.compile_threads = 1
+
+
 def child_compile(backend, model, inputs, loss_of) -> None:
     """In the forked child: compile forward and backward into inductor's caches, leave with _exit."""
-    import torch
 
     status = 1
     try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, 1)
-        os.dup2(devnull, 2)
-        torch.set_num_threads(1)
-        import torch._inductor.config as inductor_config
-
-        inductor_config.compile_threads = 1
+        _quiet_single_threaded_child()
         compiled = backend.graph_forward(model)
         loss_of(compiled(*inputs)).backward()
         status = 0
@@ -77,14 +82,10 @@ def busy_compiler(backend, model, inputs, loss_of) -> int:
         import torch
 
         try:
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, 1)
-            os.dup2(devnull, 2)
-            torch.set_num_threads(1)
             import torch._dynamo
             import torch._inductor.config as inductor_config
 
-            inductor_config.compile_threads = 1
+            _quiet_single_threaded_child()
             inductor_config.force_disable_caches = True
             while True:
                 torch._dynamo.reset()
