@@ -31,10 +31,13 @@ from autogaudi.model_call import Layer, holder
 from autogaudi.unit import ROUNDING
 
 
-def _convert(value):
-    if isinstance(value, torch.Tensor) and value.dim() == 4:
-        return value.contiguous(memory_format=torch.channels_last)
-    return value
+def _in_layout(layout, args, kwargs) -> tuple:
+    """A call's arguments with its 4-D tensors in ``layout`` (the others as they are)."""
+
+    def convert(value):
+        return value.contiguous(memory_format=layout) if isinstance(value, torch.Tensor) and value.dim() == 4 else value
+
+    return tuple(map(convert, args)), {key: convert(value) for key, value in kwargs.items()}
 
 
 def in_channels_last(model) -> bool:
@@ -141,7 +144,7 @@ class ChannelsLast(DecidesCandidate):
         if self.candidate.on:
             if self._numerics_pending:
                 self._measure_numerics(args, kwargs)
-            args, kwargs = tuple(map(_convert, args)), {key: _convert(value) for key, value in kwargs.items()}
+            args, kwargs = _in_layout(torch.channels_last, args, kwargs)
         return call(*args, **kwargs)
 
     def _measure_numerics(self, args, kwargs) -> None:
@@ -164,11 +167,9 @@ class ChannelsLast(DecidesCandidate):
 def _in_format(layout):
     """A copy's forward with its parameters and 4-D inputs in ``layout``."""
 
-    def convert(value):
-        return value.contiguous(memory_format=layout) if isinstance(value, torch.Tensor) and value.dim() == 4 else value
-
     def forward(shadow, args, kwargs):
         shadow.to(memory_format=layout)
-        return shadow(*map(convert, args), **{key: convert(value) for key, value in kwargs.items()})
+        args, kwargs = _in_layout(layout, args, kwargs)
+        return shadow(*args, **kwargs)
 
     return forward

@@ -382,11 +382,10 @@ class FusedOptimizer(Unit):
         fused step (both updates allocate the state), and not once decided."""
         if self.backend.host_runs_ahead:
             return None
-        if several_ranks():
-            self.note("not_timed_several_ranks")
-            return None
-        if optimizer not in self._times:
-            self._times[optimizer] = UpdateTimes()
+        if optimizer not in self._times:  # its first fused step: whether it will be timed is settled here
+            self._times[optimizer] = UpdateTimes(decided=several_ranks())
+            if self._times[optimizer].decided:
+                self.note("not_timed_several_ranks")
             return None
         times = self._times[optimizer]
         return None if times.decided else times

@@ -274,9 +274,10 @@ class GraphCapture(DecidesCandidate):
         self.candidate.scope.add(self._forget_graphs)
         self.hold(module, Layer.CAPTURE, self._around, self.candidate.scope)
         self.figures["model"] = name
-        self._masks_differ = numerics.active_dropout(module) and not exact
+        dropout = numerics.active_dropout(module)
+        self._masks_differ = dropout and not exact
         self._numerics_pending = True  # measured on the first captured call
-        if numerics.active_dropout(module):
+        if dropout:
             self.note("dropout_exact" if exact else "dropout_differs")
 
     def _capture_regions(self, module, exact: bool):
