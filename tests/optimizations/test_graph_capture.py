@@ -14,6 +14,7 @@ from torch import nn
 import autogaudi
 from autogaudi import numerics
 from autogaudi.backends.cpu import CpuBackend
+from autogaudi.optimizations import graph_capture as graph_capture_module
 from autogaudi.optimizations import step_profiler
 from autogaudi.optimizations.graph_capture import GraphCapture
 from tests.optimizations.test_step_profiler import STEPS, Timed, endless, train
@@ -525,3 +526,72 @@ def test_a_copy_that_would_not_fit_leaves_capture_not_measured(hpu_double, monke
     assert row()["reason_code"] == "captured_forced"
     assert "numerics_measured" not in row()["figures"]
     assert "numerics_not_measured_memory" in row()["note_codes"]
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self):
+        return self.now
+
+
+class _BackwardCompiles(torch.autograd.Function):
+    """Identity whose backward, the first time it runs under capture, takes the clock ``seconds``
+    on: the compiler building the backward graph lazily, at the step's first backward."""
+
+    clock = seconds = None
+
+    @staticmethod
+    def forward(ctx, inputs):
+        return inputs.view_as(inputs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if _BackwardCompiles.seconds:
+            _BackwardCompiles.clock.now += _BackwardCompiles.seconds
+            _BackwardCompiles.seconds = None
+        return grad
+
+
+class LazyBackward(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = mlp()
+
+    def forward(self, inputs):
+        return _BackwardCompiles.apply(self.net(inputs))
+
+
+def test_the_one_off_runs_to_the_end_of_the_step_the_first_compile_started_in(monkeypatch):
+    """The forward compiles in the captured call (2 s on the test's clock) and the backward at the
+    step's first backward (5 s): the one-off counts both, less an eager step, and learns from both."""
+    from autogaudi.backends import base
+
+    clock = _Clock()
+    monkeypatch.setattr(graph_capture_module, "time", clock)
+
+    def graph_forward(backend, module, **_options):
+        compiled = base.compile_calls(module, backend="eager")
+
+        def first_call_compiles(*args, **kwargs):
+            if _BackwardCompiles.seconds is None and not clock.now:
+                clock.now += 2.0
+                _BackwardCompiles.clock, _BackwardCompiles.seconds = clock, 5.0
+            return compiled(*args, **kwargs)
+
+        return first_call_compiles
+
+    monkeypatch.setattr(CpuBackend, "graph_forward", graph_forward)
+    learned = []
+    monkeypatch.setattr(
+        graph_capture_module.one_offs, "remember", lambda cache, backend, record: learned.append(record)
+    )
+    autogaudi.enable(device="cpu", only="step_profiler,graph_capture", force="graph_capture")
+    losses_of(LazyBackward(), batches())
+    figures = row()["figures"]
+    eager_s = autogaudi.report().unit("step_profiler")["figures"]["ms_per_step"] / 1000
+    assert figures["warm_up_s"] == pytest.approx(7.0 - eager_s, abs=1e-3)
+    assert figures["one_off_actual_s"] == pytest.approx(figures["set_up_s"] + figures["warm_up_s"], abs=2e-3)
+    assert [record["actual_s"] for record in learned] == [pytest.approx(figures["one_off_actual_s"], abs=2e-3)]
