@@ -1,6 +1,6 @@
 """Run public training scripts nobody here wrote, plain and under autogaudi, and compare what they did.
 
-    python benchmarks/corpus.py [--corpus ../shared/corpus ...] [--cases a,b] [--short] [--jobs N]
+    python benchmarks/corpus.py [--corpus ../shared/corpus ...] [--cases a,b] [--short] [--jobs N] [--repeat N]
 
 Two manifests by default: the shared corpus (``../shared/corpus``) and ``benchmarks/corpus_dist``
 (distributed scripts, FSDP2 and DDP, run by torchrun on two ranks; ``--corpus`` names others). For
@@ -20,7 +20,8 @@ torchrun and every rank runs under autogaudi):
 
 Per case and variant it records the exit code (must equal plain's), the result line (the manifest's
 regex, last match; its numbers compared with plain's, see :func:`compare_results`), the wall time
-and its ratio to plain, autogaudi's JSON report, and every file the run wrote: the same files must
+(with ``--repeat N``, plain's and autogaudi's are the median of N runs in rounds of alternating order:
+single runs move about +-0.1x) and its ratio to plain, autogaudi's JSON report, and every file the run wrote: the same files must
 exist under autogaudi (names that carry a time compared by kind), and each checkpoint must load
 with plain ``torch.load`` in a process without autogaudi, holding the same keys, dtypes and shapes
 as plain's, and values whose sums are within the result tolerance of plain's (for scripts that print
@@ -39,6 +40,7 @@ import math
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -86,6 +88,10 @@ NOT_COMPARED = {
 GLOO_TEARDOWN_ABORT = "terminate called without an active exception"
 # A variant whose whole run takes this much longer than plain's is "slower".
 SLOWER = 1.10
+# The variants ``--repeat`` runs again for their wall times: the default's speed against plain is
+# within run-to-run noise (about +-0.1x in single runs); the others' verdicts are about behaviour,
+# and forced capture's one-off dwarfs that noise.
+REPEATED = ("plain", "autogaudi")
 CHECKPOINT_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin")
 # --short: each case's own arguments, shortened (name -> (argument replacements, the result regex
 # that then matches the last report line)). For a CI run on 2 cores; the scripts stay as they are.
@@ -312,8 +318,9 @@ def run_variant(case: dict, variant: str, scratch: Path, timeout: float) -> dict
 def verdict(case: dict, variant: str, plain: dict, mine: dict) -> dict:
     """same / differs / crashed / slower, with every reason found (worst first)."""
     problems = {"crashed": [], "differs": [], "slower": []}
-    if mine["exit_code"] != plain["exit_code"]:
-        problems["crashed"].append(f"exit code {mine['exit_code']}, plain {plain['exit_code']}")
+    exits = set(mine.get("exit_codes", [mine["exit_code"]]))
+    if exits != {plain["exit_code"]}:
+        problems["crashed"].append(f"exit code {', '.join(map(str, sorted(exits)))}, plain {plain['exit_code']}")
     same, why = compare_results(case, variant, plain["result"], mine["result"])
     if not same:
         problems["differs"].append(why)
@@ -343,21 +350,44 @@ def verdict(case: dict, variant: str, plain: dict, mine: dict) -> dict:
     }
 
 
-def run_case(case: dict, variants: list, scratch: Path, log, timeout: float) -> dict:
+def run_variant_again_after_teardown_abort(case: dict, variant: str, scratch: Path, timeout: float) -> dict:
+    """One run of ``variant``; run again, at most twice more, where it ended in gloo's teardown abort
+    (plain or not)."""
+    run = run_variant(case, variant, scratch, timeout)
+    for again in range(1, 3):
+        if run["exit_code"] == 0 or GLOO_TEARDOWN_ABORT not in run["output_tail"]:
+            break
+        run = {**run_variant(case, variant, scratch, timeout), "runs_after_teardown_abort": again}
+    return run
+
+
+def repeat_timed(case: dict, runs: dict, scratch: Path, timeout: float, repeat: int) -> None:
+    """Run the variants in ``REPEATED`` ``repeat - 1`` more times, rounds in alternating order (drift
+    cancels), and make each one's ``seconds`` the median of its runs (all kept in ``seconds_runs``,
+    with every run's exit code)."""
+    timed = [variant for variant in REPEATED if variant in runs]
+    for round_ in range(1, repeat):
+        for variant in timed if round_ % 2 else timed[::-1]:
+            again = run_variant_again_after_teardown_abort(case, variant, scratch, timeout)
+            runs[variant].setdefault("seconds_runs", [runs[variant]["seconds"]]).append(again["seconds"])
+            runs[variant].setdefault("exit_codes", [runs[variant]["exit_code"]]).append(again["exit_code"])
+    for variant in timed:
+        if "seconds_runs" in runs[variant]:
+            runs[variant]["seconds"] = round(statistics.median(runs[variant]["seconds_runs"]), 2)
+
+
+def run_case(case: dict, variants: list, scratch: Path, log, timeout: float, repeat: int = 1) -> dict:
     missing = missing_requirements(case)
     if missing:
         return {"name": case["name"], "skipped": f"needs {', '.join(missing)}, not installed here"}
     runs = {}
     for variant in variants:
-        runs[variant] = run_variant(case, variant, scratch, timeout)
-        for again in range(1, 3):  # gloo's teardown abort, plain or not: run again, at most twice more
-            if runs[variant]["exit_code"] == 0 or GLOO_TEARDOWN_ABORT not in runs[variant]["output_tail"]:
-                break
-            runs[variant] = {**run_variant(case, variant, scratch, timeout), "runs_after_teardown_abort": again}
+        runs[variant] = run_variant_again_after_teardown_abort(case, variant, scratch, timeout)
         log(
             f"  {case['name']}: {variant} exit {runs[variant]['exit_code']} in {runs[variant]['seconds']:.1f} s, "
             f"result {runs[variant]['result']!r}"
         )
+    repeat_timed(case, runs, scratch, timeout, repeat)
     row = {"name": case["name"], "command": case["command"], "traits": case.get("traits", ""), "runs": runs}
     plain = runs.get("plain")
     if plain is not None and plain["exit_code"] != 0:
@@ -408,7 +438,13 @@ def markdown(results: dict) -> str:
         f"# Corpus on {results['machine']} (torch {results['torch']}, {results['mode']})",
         "",
         f"Cases run {results['jobs']} at a time; whole-process wall times (interpreter start, set-up "
-        "excluded). Verdicts against plain: same / differs / crashed / slower "
+        "excluded"
+        + (
+            f"; {' and '.join(REPEATED)}: the median of {results['repeat']} runs, in rounds of alternating order"
+            if results.get("repeat", 1) > 1
+            else ""
+        )
+        + "). Verdicts against plain: same / differs / crashed / slower "
         f"(> {SLOWER:.2f}x plain's wall time). Result tolerance: "
         + ", ".join(f"{v} {TOLERANCE[v]:.0%}" for v in variants[1:])
         + " relative, per number "
@@ -454,7 +490,7 @@ def log(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
-def new_results(where: str, jobs: int, short: bool, variants: list) -> dict:
+def new_results(where: str, jobs: int, short: bool, variants: list, repeat: int = 1) -> dict:
     """A results file's header, with no case yet."""
     import torch
 
@@ -463,6 +499,7 @@ def new_results(where: str, jobs: int, short: bool, variants: list) -> dict:
         "torch": torch.__version__,
         "where": where,
         "jobs": jobs,
+        "repeat": repeat,
         "mode": "short runs (--short)" if short else "the manifest's commands",
         "variants": variants,
         "tolerance": {v: TOLERANCE[v] for v in variants},
@@ -495,6 +532,12 @@ def main(argv=None) -> int:
     parser.add_argument("--jobs", type=int, default=1, help="cases run at once (timings then share the machine)")
     parser.add_argument("--out", type=Path, help="default: benchmarks/results/corpus-<machine>.json")
     parser.add_argument("--scratch", type=Path, help="where the copies run (default: a temporary folder)")
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help=f"runs of {' and '.join(REPEATED)} per case, their wall times the median (the others run once)",
+    )
     parser.add_argument("--timeout", type=float, default=1800, help="seconds one run may take before it is killed")
     args = parser.parse_args(argv)
     import torch
@@ -509,11 +552,11 @@ def main(argv=None) -> int:
         cases = [shortened(case) for case in cases]
     out = args.out or HERE / "results" / f"corpus-{machine_name()}.json"
     scratch = args.scratch or Path(tempfile.mkdtemp(prefix="autogaudi-corpus-"))
-    results = new_results(where, args.jobs, args.short, variants)
+    results = new_results(where, args.jobs, args.short, variants, args.repeat)
     out.parent.mkdir(parents=True, exist_ok=True)
     order = {case["name"]: index for index, case in enumerate(cases)}
     with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        pending = [pool.submit(run_case, case, variants, scratch, log, args.timeout) for case in cases]
+        pending = [pool.submit(run_case, case, variants, scratch, log, args.timeout, args.repeat) for case in cases]
         for finished in concurrent.futures.as_completed(pending):  # written as cases end: a cut run keeps its rows
             results["cases"] = sorted([*results["cases"], finished.result()], key=lambda row: order[row["name"]])
             write(results, out)

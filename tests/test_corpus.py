@@ -124,6 +124,26 @@ def run_corpus(tmp_path, *args, timeout):
 FORCED = ("mingpt-adder", "makemore-gru")
 
 
+def test_repeats_time_plain_and_autogaudi_in_alternating_rounds_by_their_median(monkeypatch):
+    corpus = load_corpus()
+    order = []
+    times = {"plain": iter([9.0, 11.0]), "autogaudi": iter([30.0, 10.5]), "exact": iter([])}
+
+    def run_variant(case, variant, scratch, timeout):
+        order.append(variant)
+        exit_code = 1 if variant == "autogaudi" and len(order) > 2 else 0
+        return {**run(seconds=next(times[variant]), exit_code=exit_code), "output_tail": ""}
+
+    monkeypatch.setattr(corpus, "run_variant", run_variant)
+    runs = {"plain": run(seconds=10.0), "autogaudi": run(seconds=10.2), "exact": run(seconds=40.0)}
+    corpus.repeat_timed(CASE, runs, None, 60, repeat=3)
+    assert order == ["plain", "autogaudi", "autogaudi", "plain"]  # the exact variant ran once
+    assert runs["plain"]["seconds_runs"] == [10.0, 9.0, 11.0] and runs["plain"]["seconds"] == 10.0
+    assert runs["autogaudi"]["seconds"] == 10.5 and runs["exact"]["seconds"] == 40.0
+    # A repeat that exited otherwise than plain is a crash, whatever the first run did.
+    assert corpus.verdict(CASE, "autogaudi", runs["plain"], runs["autogaudi"])["verdict"] == "crashed"
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(
     not (CORPUS / "corpus.json").exists(),
