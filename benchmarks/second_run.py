@@ -89,7 +89,7 @@ def w3_capture_forced(env: dict, scratch: Path, corpus_folder: Path, short: list
 
 
 def gpt_capture_forced(env: dict, scratch: Path, corpus_folder: Path, short: list) -> dict:
-    (case,) = corpus.load_cases(corpus_folder, "cpu", ["mingpt-chargpt"])
+    (case,) = corpus.load_cases([corpus_folder], "cpu", ["mingpt-chargpt"])
     if short:
         case = corpus.shortened(case)
     copy = scratch / "corpus"
