@@ -117,3 +117,20 @@ def test_autogaudi_variants_report_their_trial_decisions_and_the_table_shows_the
     results = fake_results(run)
     results["workloads"]["w1_mlp"]["autogaudi"]["trial_decisions_by_round"] = [["graph_capture rejected"], []]
     assert "(trials: graph_capture rejected in 1/2)" in run.markdown_table(results)
+
+
+@pytest.mark.skipif(
+    not (REPO.parent / "shared" / "corpus" / "corpus.json").exists(), reason="no shared corpus beside the repository"
+)
+def test_the_second_run_benchmark_runs_the_corpus_gpt_under_the_forced_variant(monkeypatch, tmp_path):
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("benchmark_second_run", REPO / "benchmarks" / "second_run.py")
+    second_run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(second_run)
+    pairs = []
+    monkeypatch.setattr(second_run, "pair", lambda name, command, cwd, env, scratch: pairs.append((name, command)))
+    monkeypatch.setattr(second_run.subprocess, "run", lambda *args, **kwargs: None)
+    second_run.gpt_capture_forced({}, tmp_path, REPO.parent / "shared" / "corpus", second_run.SHORT)
+    ((name, command),) = pairs
+    assert name == "gpt" and command[:5] == ["-m", "autogaudi", "--force", "graph_capture,channels_last", "--no-trials"]
+    assert "projects/chargpt/chargpt.py" in command
