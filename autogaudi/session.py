@@ -91,7 +91,12 @@ class Session:
                 self.cache_notes.append(f"decisions are not remembered: {error!r}")
         self.steps = TrainingSteps(self.backend, self.options, self.events, guard=self)
         self.steps.install()
-        self.trials = TrialRunner(self.steps, self.events, on_idle=self.check_settled)
+        self.trials = TrialRunner(
+            self.steps,
+            self.events,
+            on_idle=self.check_settled,
+            measuring=lambda: any(unit.measuring_steps() for unit in self.applied),
+        )
         if torch.distributed.is_available():
             self._scope.wrap(torch.distributed, "destroy_process_group", self._before_destroy)
         self.active = True

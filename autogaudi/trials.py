@@ -170,10 +170,13 @@ class Check(Trial):
 class TrialRunner:
     """Runs the session's trials one after another at optimizer-step boundaries."""
 
-    def __init__(self, steps, events, on_idle=lambda: None):
+    def __init__(self, steps, events, on_idle=lambda: None, measuring=lambda: False):
         self.steps = steps
         self.events = events
         self.on_idle = on_idle  # called whenever the last queued trial is decided or cancelled
+        # Whether a unit is measuring something inside the steps (work of its own in them): no trial
+        # or check starts meanwhile, since that work would be in one arm's times only.
+        self.measuring = measuring
         self.queue: list = []
         self.current = None
         self._running = None  # the handle of the running trial's step listener
@@ -188,9 +191,10 @@ class TrialRunner:
             self._start_next()
 
     def _start_next(self) -> None:
-        """Start the first queued trial whose step has come; with none ready, look again after
-        every step (a waiting trial's unit owns that listener until some trial starts)."""
-        ready = [trial for trial in self.queue if trial.not_before_step <= self.steps.steps]
+        """Start the first queued trial whose step has come, once no unit is measuring inside the
+        steps; with none ready, look again after every step (a waiting trial's unit owns that
+        listener until some trial starts)."""
+        ready = [] if self.measuring() else [t for t in self.queue if t.not_before_step <= self.steps.steps]
         self.current = ready[0] if ready else None
         if self.current is not None:
             self.queue.remove(self.current)
@@ -205,7 +209,7 @@ class TrialRunner:
             self.on_idle()
 
     def _look_again(self, _optimizer) -> None:
-        if any(trial.not_before_step <= self.steps.steps for trial in self.queue):
+        if not self.measuring() and any(trial.not_before_step <= self.steps.steps for trial in self.queue):
             self._stop_waiting()
             self._start_next()
 

@@ -168,3 +168,16 @@ def test_a_check_differs_from_a_step_time_a_quarter_off_either_way(trial_clock, 
     ((matches, record),) = decisions
     assert not matches and record["decision"] == "differs" and record["arm"] == "without"
     assert ran == 2 + 2 * trials.BLOCK and runner.idle and runner.records == [record]
+
+
+def test_no_trial_starts_while_a_unit_measures_inside_the_steps(trial_clock):
+    """A unit's own work in the steps (fused_optimizer timing an update twice) would weigh on one arm."""
+    steps, started = FakeSteps(), []
+    measuring = {"steps_left": 4}
+    runner = trials.TrialRunner(steps, steps.events, measuring=lambda: measuring["steps_left"] > 0)
+    runner.submit(trials.Trial(FakeUnit(), "fake", lambda on: started.append(steps.steps), lambda keep, record: None))
+    assert not started and steps.listening
+    while not started:
+        measuring["steps_left"] -= 1
+        steps.end_step()
+    assert started == [4]

@@ -319,6 +319,11 @@ class FusedOptimizer(Unit):
         # A fused optimizer still timed may yet be put back; its timed steps also make copies.
         return any(not times.decided for optimizer, times in self._times.items() if self._still_fused(optimizer))
 
+    def measuring_steps(self) -> bool:
+        # The timed steps run torch's unfused update too, on copies: a step timed by a trial meanwhile
+        # (a remembered capture's check read w1's steps 1.73x slow) would count that.
+        return self.deciding()
+
     # Each step of an optimizer it fused --------------------------------------------------------
 
     def _route_steps(self, owner) -> None:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import autogaudi
+from autogaudi import runtime
 from tests.helpers import said
 
 STEPS = 50
@@ -689,14 +690,16 @@ def test_the_runs_steady_state_starts_once_the_update_is_decided(monkeypatch, st
     autogaudi.enable(device="cpu", only="step_profiler,fused_optimizer", warmup_steps=1)
     net = model()
     optimizer = OPTIMIZERS["adamw"](net)
-    settled = []
+    settled, trials_wait = [], []
     for _ in range(1 + fused_optimizer.TIMED_STEPS + 2):
         net(torch.randn(8, 10)).sum().backward()
         optimizer.step()
         optimizer.zero_grad()
         settled.append(autogaudi.settled())
+        trials_wait.append(runtime._STATE.session.trials.measuring())
     assert autogaudi.report().unit("step_profiler")["figures"]
     assert settled.index(True) == fused_optimizer.TIMED_STEPS, settled  # the 13th step decided
+    assert trials_wait == [not done for done in settled]  # no trial may time the steps the update is timed in
     assert autogaudi.report().steps["decisions_settled_at_step"] == 1 + fused_optimizer.TIMED_STEPS
 
 
