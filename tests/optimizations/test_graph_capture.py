@@ -595,3 +595,31 @@ def test_the_one_off_runs_to_the_end_of_the_step_the_first_compile_started_in(mo
     assert figures["warm_up_s"] == pytest.approx(7.0 - eager_s, abs=1e-3)
     assert figures["one_off_actual_s"] == pytest.approx(figures["set_up_s"] + figures["warm_up_s"], abs=2e-3)
     assert [record["actual_s"] for record in learned] == [pytest.approx(figures["one_off_actual_s"], abs=2e-3)]
+
+
+def test_the_compile_is_saved_for_the_next_run_once_its_backward_is_built_too(monkeypatch):
+    """AOTAutograd builds the backward at the first backward: saved at the call, the next run's
+    artifacts would hold the forward alone."""
+    from autogaudi import runtime
+    from autogaudi.backends import base
+
+    backwards_at = {}
+
+    def graph_forward(backend, module, **_options):
+        compiled = base.compile_calls(module, backend="eager")
+
+        def call(*args, **kwargs):
+            backwards_at.setdefault("compiled", runtime._STATE.session.steps.backwards)
+            return compiled(*args, **kwargs)
+
+        return call
+
+    def save_artifacts(cache, key, backend):
+        backwards_at.setdefault("saved", runtime._STATE.session.steps.backwards)
+        return True
+
+    monkeypatch.setattr(CpuBackend, "graph_forward", graph_forward)
+    monkeypatch.setattr(graph_capture_module.one_offs, "save_artifacts", save_artifacts)
+    autogaudi.enable(device="cpu", only="step_profiler,graph_capture", force="graph_capture")
+    losses_of(mlp(), batches())
+    assert backwards_at["saved"] == backwards_at["compiled"] + 1
