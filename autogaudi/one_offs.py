@@ -12,7 +12,7 @@ of the model's graph times a rate of this machine:
 - *rate*: seconds per unit of size, learned from the one-offs measured on this machine (backend,
   device, torch) and kept in the cache, pulled towards the backend's prior (a pseudo-observation
   of weight ``PRIOR_WEIGHT``) so that one odd run moves it only part of the way. A warm compile
-  cache has a rate of its own (a second run compiled for 0.14-0.17x of the first's one-off).
+  cache has a rate of its own (a second run compiled for 0.10-0.17x of the first's one-off).
 
 The uncertainty is the geometric spread of the measured ratios (the prior's ``PRIOR_SPREAD`` until
 measurements say otherwise): the estimate is a central figure and ``low``-``high`` its range.
