@@ -20,13 +20,13 @@ torchrun and every rank runs under autogaudi):
 
 Per case and variant it records the exit code (must equal plain's), the result line (the manifest's
 regex, last match; its numbers compared with plain's, see :func:`compare_results`), the wall time
-(with ``--repeat N``, plain's and autogaudi's are the median of N runs in rounds of alternating order:
-single runs move about +-0.1x) and its ratio to plain, autogaudi's JSON report, and every file the run wrote: the same files must
-exist under autogaudi (names that carry a time compared by kind), and each checkpoint must load
-with plain ``torch.load`` in a process without autogaudi, holding the same keys, dtypes and shapes
-as plain's, and values whose sums are within the result tolerance of plain's (for scripts that print
-no result, the only check of what they computed). Writes
-``benchmarks/results/corpus-<machine>.{json,md}``; the test suite runs the ``cpu`` cases with
+(with ``--repeat N``, plain's and autogaudi's are the median of N runs in rounds of alternating
+order: single runs move about +-0.1x) and its ratio to plain, autogaudi's JSON report, and every
+file the run wrote: the same files must exist under autogaudi (names that carry a time compared by
+kind), and each checkpoint must load with plain ``torch.load`` in a process without autogaudi,
+holding the same keys, dtypes and shapes as plain's, and values whose sums are within the result
+tolerance of plain's (for scripts that print no result, the only check of what they computed).
+Writes ``benchmarks/results/corpus-<machine>.{json,md}``; the test suite runs the ``cpu`` cases with
 ``--short`` (the cases' own arguments made shorter; the scripts are never edited).
 """
 
