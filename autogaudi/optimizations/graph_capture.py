@@ -477,12 +477,8 @@ class GraphCapture(DecidesCandidate):
             result = self._graphed(*args, **kwargs)
         self._compiled_for = len(self._shapes)
         seconds = time.perf_counter() - started
-        if is_rank_zero():  # for the next run: compiled once, loaded after (the backward too, once built)
-            self._after_this_step(
-                lambda: one_offs.save_artifacts(self.session.cache, self._artifacts_key, self.backend)
-            )
-        if self._compiled_for == 1:
-            self._until_step_ends(started, seconds)
+        first = self._compiled_for == 1
+        if first:
             cached = self.backend.compile_cache_counts()
             if cached is not None:
                 hits, misses = (cached[kind] - cached_before[kind] for kind in ("hits", "misses"))
@@ -490,37 +486,40 @@ class GraphCapture(DecidesCandidate):
             # The compiler is loaded now, its exit handlers registered; ours, registered after, runs first.
             atexit.register(self._stop_compile_workers)
             self.candidate.scope.add(lambda: atexit.unregister(self._stop_compile_workers))
-        else:  # the first shape's compile is in the warm-up; these come on top
-            self.figures["later_compiles_s"] = round(self.figures.get("later_compiles_s", 0.0) + seconds, 3)
+        self._count_to_step_end(started, seconds, first)
         return result
 
-    def _until_step_ends(self, started: float, forward_s: float) -> None:
-        """The first compile goes on past the call: the compiler builds the backward at the step's
-        first backward (AOTAutograd compiles it lazily: 7 of 28 s for minGPT's GPT on the 2-core CPU).
-        So its one-off is counted to the end of the step it started in, less what an eager step took
-        (the profile's), and never less than the call's own compile. Without a trial (forced) this is
-        the warm-up; a trial's record replaces it. Until the step ends (a run may end in it) the
-        figures hold the call's compile; the machine's records learn only from the whole."""
+    def _count_to_step_end(self, started: float, call_s: float, first: bool) -> None:
+        """A compile goes on past the call: the compiler builds the backward at the step's first
+        backward (AOTAutograd compiles it lazily: 7 of 28 s for minGPT's GPT on the 2-core CPU). So
+        each compile is counted to the end of the step it started in, less what an eager step took
+        (the profile's), and never less than the call's own compile; the first is the warm-up (a
+        trial's record replaces it), later ones (new input shapes) come on top. Until the step ends (a
+        run may end in it) the figures hold the call's compile; the machine's records learn only from
+        the whole, and what was compiled is saved for the next run then, the backward included."""
         eager_s = self.candidate.profile.measured.ms_per_step / 1000
-        self.figures["warm_up_s"] = round(forward_s, 3)
-        self.figures["one_off_actual_s"] = round(self._set_up_seconds + forward_s, 3)
-
-        def step_ended():
-            seconds = max(forward_s, time.perf_counter() - started - eager_s)
-            self.figures["warm_up_s"] = round(seconds, 3)
-            self._learn_one_off(self._set_up_seconds + seconds)
-
-        self._after_this_step(step_ended)
-
-    def _after_this_step(self, action) -> None:
-        """``action()`` once, at the end of the training step under way (while the capture is set up)."""
+        if first:
+            self.figures["warm_up_s"] = round(call_s, 3)
+            self.figures["one_off_actual_s"] = round(self._set_up_seconds + call_s, 3)
+        else:
+            self._add_later_compile(call_s)
 
         def step_ended(_optimizer):
             handle.remove()
-            action()
+            seconds = max(call_s, time.perf_counter() - started - eager_s)
+            if first:
+                self.figures["warm_up_s"] = round(seconds, 3)
+                self._learn_one_off(self._set_up_seconds + seconds)
+            else:
+                self._add_later_compile(seconds - call_s)
+            if is_rank_zero():  # for the next run: compiled once, loaded after
+                one_offs.save_artifacts(self.session.cache, self._artifacts_key, self.backend)
 
         handle = self.session.events.on(Event.TRAINING_STEP, self, step_ended)
         self.candidate.scope.add(handle.remove)
+
+    def _add_later_compile(self, seconds: float) -> None:
+        self.figures["later_compiles_s"] = round(self.figures.get("later_compiles_s", 0.0) + seconds, 3)
 
     def _learn_one_off(self, actual_s: float) -> None:
         """Set what the capture cost (set-up and first compile) against its estimate, in the figures

@@ -623,3 +623,37 @@ def test_the_compile_is_saved_for_the_next_run_once_its_backward_is_built_too(mo
     autogaudi.enable(device="cpu", only="step_profiler,graph_capture", force="graph_capture")
     losses_of(mlp(), batches())
     assert backwards_at["saved"] == backwards_at["compiled"] + 1
+
+
+def test_a_later_input_shapes_compile_runs_to_the_end_of_its_step_too(monkeypatch):
+    """Each new shape compiles its own backward lazily: 1 s in the call, 3 s at the backward."""
+    from autogaudi.backends import base
+
+    clock = _Clock()
+    monkeypatch.setattr(graph_capture_module, "time", clock)
+
+    def graph_forward(backend, module, **_options):
+        compiled, seen = base.compile_calls(module, backend="eager"), set()
+
+        def each_shape_compiles(inputs):
+            if inputs.shape not in seen:
+                seen.add(inputs.shape)
+                clock.now += 1.0
+                _BackwardCompiles.clock, _BackwardCompiles.seconds = clock, 3.0
+            return compiled(inputs)
+
+        return each_shape_compiles
+
+    monkeypatch.setattr(CpuBackend, "graph_forward", graph_forward)
+    autogaudi.enable(device="cpu", only="step_profiler,graph_capture", force="graph_capture")
+    model = LazyBackward()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    sizes = [8] * (STEPS + 6) + [5, 5]
+    for step, (inputs, labels) in zip(range(len(sizes)), batches(sizes)):
+        if step == STEPS + 6:
+            assert "later_compiles_s" not in row()["figures"]
+        nn.functional.cross_entropy(model(inputs), labels).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    eager_s = autogaudi.report().unit("step_profiler")["figures"]["ms_per_step"] / 1000
+    assert row()["figures"]["later_compiles_s"] == pytest.approx(4.0 - eager_s, abs=1e-3)
