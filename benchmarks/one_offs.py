@@ -1,7 +1,7 @@
 """Capture one-offs: predicted against actual, first run against second, whole model against regional.
 
     python benchmarks/one_offs.py [--models w3,rl,chargpt,adder,makemore] [--regions gpt4,mingpt] [--quick]
-        [--corpus ../shared/corpus] [--out benchmarks/results/one_offs-<machine>.json]
+        [--device cpu|cuda] [--corpus ../shared/corpus] [--out benchmarks/results/one_offs-<machine>.json]
 
 Two tables:
 
@@ -14,9 +14,10 @@ Two tables:
   first compile: what the estimate predicts; and every part of the one-off), the artifacts' hit or
   miss, the whole run's wall clock and steps/s.
 - *Regions* (``--regions``): a GPT trained in a child process under autogaudi with capture forced as
-  whole model or by region (the unit's choice pinned through ``one_offs.REGIONAL_KEEPS``), each with
-  an empty inductor folder, and eagerly: the predicted and actual one-off and the steady ms/step
-  (the median of the steps after the compile).
+  whole model or by region (the unit's choice pinned through ``one_offs.REGIONAL_KEEPS``), on CUDA
+  also by the replay tier (CUDA graphs of torch's own kernels, pinned through ``REPLAY_KEEPS``), each
+  with an empty inductor folder, and eagerly: the predicted and actual one-off and the steady ms/step
+  (the median of the steps after the compile, each step synchronized on a GPU).
 
 ``--quick``: fewer steps (the workloads' ``--steps 30``, the corpus cases shortened as corpus.py's
 ``--short``; 20 timed steps in the regions). The machine's load average is recorded with each row.
@@ -57,7 +58,13 @@ def load() -> float:
 
 def capture_figures(report: dict) -> dict:
     figures = second_run.graph_capture_row(report)["figures"]
-    wanted = ("one_off_predicted_s", "one_off_predicted_range_s", "one_off_predicted_basis", "one_off_actual_s")
+    wanted = (
+        "capture_tier",
+        "one_off_predicted_s",
+        "one_off_predicted_range_s",
+        "one_off_predicted_basis",
+        "one_off_actual_s",
+    )
     return {
         **{key: figures.get(key) for key in wanted},
         "one_off_s": round(sum(figures.get(part, 0.0) for part in ONE_OFF_PARTS), 3),
@@ -114,13 +121,18 @@ def corpus_case(name: str, scratch: Path, corpus_folder: Path, quick: bool) -> d
     return three_runs(name, case["command"], copy / case["dir"], env, scratch)
 
 
-def regions(name: str, scratch: Path, corpus_folder: Path, quick: bool) -> dict:
-    """Whole, regional and eager, each in a child process with an empty inductor folder."""
+def region_kinds(device: str) -> tuple:
+    """The ways a region row trains: eagerly, and by each capture tier the device offers."""
+    return ("eager", "whole", "regional", *(("replay",) if device == "cuda" else ()))
+
+
+def regions(name: str, scratch: Path, corpus_folder: Path, quick: bool, device: str) -> dict:
+    """Eager and each capture tier, each in a child process with an empty inductor folder."""
     rows = {}
-    for kind in ("eager", "whole", "regional"):
+    for kind in region_kinds(device):
         env = {k: v for k, v in os.environ.items() if not k.startswith("AUTOGAUDI")}
         env.update(TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(dir=scratch), AUTOGAUDI_NO_CACHE="1")
-        command = [sys.executable, str(Path(__file__)), "--child", name, kind, str(corpus_folder)]
+        command = [sys.executable, str(Path(__file__)), "--child", name, kind, str(corpus_folder), device]
         before = load()
         done = subprocess.run([*command, *(["--quick"] if quick else [])], env=env, capture_output=True, text=True)
         if done.returncode != 0:
@@ -130,7 +142,7 @@ def regions(name: str, scratch: Path, corpus_folder: Path, quick: bool) -> dict:
     return rows
 
 
-def gpt4():
+def gpt4(device: str):
     """A 4-layer nanoGPT-style GPT, 64 wide, 32 tokens, batch 8: (model, batch maker)."""
     import torch
     from torch import nn
@@ -162,18 +174,18 @@ def gpt4():
             self.ln, self.head = nn.LayerNorm(width), nn.Linear(width, vocab)
 
         def forward(self, idx, targets):
-            x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
+            x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
             for block in self.blocks:
                 x = block(x)
             return F.cross_entropy(self.head(self.ln(x)).flatten(0, 1), targets.flatten())
 
     def batch():
-        return torch.randint(0, 65, (8, 32)), torch.randint(0, 65, (8, 32))
+        return torch.randint(0, 65, (8, 32), device=device), torch.randint(0, 65, (8, 32), device=device)
 
     return GPT(), batch, lambda output: output
 
 
-def mingpt(corpus_folder: Path):
+def mingpt(corpus_folder: Path, device: str):
     """minGPT's GPT as chargpt builds it (gpt-nano, 65 characters, 128 tokens), batch 8."""
     import torch
 
@@ -184,15 +196,15 @@ def mingpt(corpus_folder: Path):
     config.model_type, config.vocab_size, config.block_size = "gpt-nano", 65, 128
 
     def batch():
-        return torch.randint(0, 65, (8, 128)), torch.randint(0, 65, (8, 128))
+        return torch.randint(0, 65, (8, 128), device=device), torch.randint(0, 65, (8, 128), device=device)
 
     return GPT(config), batch, lambda output: output[1]
 
 
-REGION_MODELS = {"gpt4": lambda folder: gpt4(), "mingpt": mingpt}
+REGION_MODELS = {"gpt4": lambda folder, device: gpt4(device), "mingpt": mingpt}
 
 
-def child(name: str, kind: str, corpus_folder: Path, quick: bool) -> None:
+def child(name: str, kind: str, corpus_folder: Path, device: str, quick: bool) -> None:
     """Train ``name`` with capture forced as ``kind`` (or eagerly); print the figures as JSON."""
     import torch
 
@@ -200,10 +212,13 @@ def child(name: str, kind: str, corpus_folder: Path, quick: bool) -> None:
     from autogaudi import one_offs
 
     torch.manual_seed(0)
-    model, batch, loss_of = REGION_MODELS[name](corpus_folder)
-    if kind != "eager":
-        one_offs.REGIONAL_KEEPS = 1.0 if kind == "regional" else 1e-9  # pins the unit's choice
-        autogaudi.enable(device="cpu", only="step_profiler,graph_capture", force="graph_capture", quiet=True)
+    model, batch, loss_of = REGION_MODELS[name](corpus_folder, device)
+    model.to(device)
+    if kind != "eager":  # pins the unit's choice: the tier asked for keeps the whole saving, the others none
+        one_offs.REGIONAL_KEEPS = 1.0 if kind == "regional" else 1e-9
+        one_offs.REPLAY_KEEPS = 1.0 if kind == "replay" else 1e-9
+        autogaudi.enable(device=device, only="step_profiler,graph_capture", force="graph_capture", quiet=True)
+    synchronize = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     times = []
     for _ in range(40 if quick else 80):
@@ -212,6 +227,7 @@ def child(name: str, kind: str, corpus_folder: Path, quick: bool) -> None:
         loss_of(model(inputs, targets)).backward()
         optimizer.step()
         optimizer.zero_grad()
+        synchronize()
         times.append(time.perf_counter() - began)
     steady = times[-20:]  # after the profile (13 steps) and the compile
     figures = {"steady_ms_per_step": round(1000 * statistics.median(steady), 2)}
@@ -232,7 +248,7 @@ PARTS = {
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--child"]:
-        child(argv[1], argv[2], Path(argv[3]), "--quick" in argv)
+        child(argv[1], argv[2], Path(argv[3]), argv[4], "--quick" in argv)
         return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--corpus", type=Path, default=corpus.DEFAULT_CORPUS)
@@ -240,6 +256,7 @@ def main(argv=None) -> int:
     parser.add_argument("--models", type=lambda t: [n for n in t.split(",") if n], default=list(PARTS))
     parser.add_argument("--regions", type=lambda t: [n for n in t.split(",") if n], default=list(REGION_MODELS))
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the regions train")
     arguments = parser.parse_args(argv)
     unknown = sorted(set(arguments.models) - set(PARTS)) + sorted(set(arguments.regions) - set(REGION_MODELS))
     if unknown:
@@ -252,7 +269,11 @@ def main(argv=None) -> int:
     try:
         for section, names, measure in (
             ("runs", arguments.models, lambda name: PARTS[name](name, scratch, arguments.corpus, arguments.quick)),
-            ("regions", arguments.regions, lambda name: regions(name, scratch, arguments.corpus, arguments.quick)),
+            (
+                "regions",
+                arguments.regions,
+                lambda name: regions(name, scratch, arguments.corpus, arguments.quick, arguments.device),
+            ),
         ):
             for name in names:
                 results[section][name] = {"quick": arguments.quick, "date": time.strftime("%Y-%m-%d"), **measure(name)}
@@ -299,15 +320,17 @@ def markdown(results: dict) -> str:
             )
     lines += [
         "",
-        "## Regions: whole model against regional, empty inductor cache",
+        "## Regions: whole model against regional (and the replay tier on CUDA), empty inductor cache",
         "",
         "| model | capture | predicted (s) | actual (s) | steady ms/step | vs eager | load |",
         "|---|---|---|---|---|---|---|",
     ]
     for name, rows in results.get("regions", {}).items():
         eager = rows.get("eager", {}).get("steady_ms_per_step")
-        for kind in ("eager", "whole", "regional"):
+        for kind in ("eager", "whole", "regional", "replay"):
             row = rows.get(kind)
+            if row is None and kind == "replay":
+                continue
             if row is None or "failed" in row:
                 lines.append(f"| {name} | {kind} | failed | | | | |")
                 continue
