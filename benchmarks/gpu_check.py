@@ -342,19 +342,25 @@ def install() -> str:
     file in site-packages, and autogaudi.pth for ``AUTOGAUDI=1``), without pip: the lent machine has
     no network and no build backend, and its CUDA torch must stay. Says what is still missing."""
     import importlib.metadata
-    import importlib.util
     import re
 
     import tomllib
 
-    spec = importlib.util.find_spec("autogaudi")
-    if spec is None:
+    # Asked of a fresh interpreter outside the checkout: this one has the checkout on its path, and
+    # so would say yes where a corpus script run from its own folder cannot import autogaudi.
+    where = subprocess.run(
+        [sys.executable, "-c", "import autogaudi; print(autogaudi.__file__)"],
+        cwd=tempfile.gettempdir(),
+        capture_output=True,
+        text=True,
+    )
+    if where.returncode != 0:
         site = Path(sysconfig.get_paths()["purelib"])
         (site / "autogaudi-checkout.pth").write_text(f"{REPO}\n")
         shutil.copy(REPO / "autogaudi.pth", site / "autogaudi.pth")
         done = f"autogaudi from {REPO} importable (path files in {site})"
     else:
-        done = f"autogaudi already importable from {Path(spec.origin).parent}"
+        done = f"autogaudi already importable from {Path(where.stdout.strip()).parent}"
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     missing = []
     for requirement in [*project["dependencies"], *project["optional-dependencies"]["test"]]:

@@ -56,13 +56,26 @@ def test_install_makes_the_checkout_importable_through_a_path_file(tmp_path, mon
     """On the lent machine autogaudi is not installed: the path files must make a bare interpreter
     (no PYTHONPATH, started elsewhere) find this checkout, as an editable install would."""
     gpu_check = load_gpu_check()
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert importlib.util.find_spec("autogaudi") is not None  # this process finds it: not what counts
+    run = subprocess.run
+
+    def bare(command, **options):  # the lent machine's interpreter: no site-packages of ours
+        return run([command[0], "-S", *command[1:]], **{**options, "env": {}})
+
+    monkeypatch.setattr(gpu_check.subprocess, "run", bare)
     monkeypatch.setattr(gpu_check.sysconfig, "get_paths", lambda: {"purelib": str(tmp_path)})
     said = gpu_check.install()
     assert str(REPO) in said and (tmp_path / "autogaudi.pth").exists()
     probe = f"import site; site.addsitedir({str(tmp_path)!r}); import autogaudi; print(autogaudi.__file__)"
     done = subprocess.run([sys.executable, "-S", "-c", probe], cwd=tmp_path, capture_output=True, text=True, env={})
     assert done.stdout.strip() == str(REPO / "autogaudi" / "__init__.py"), done.stderr
+
+
+def test_install_leaves_an_interpreter_that_imports_autogaudi_as_it_is(tmp_path, monkeypatch):
+    gpu_check = load_gpu_check()
+    monkeypatch.setattr(gpu_check.sysconfig, "get_paths", lambda: {"purelib": str(tmp_path)})
+    assert gpu_check.install().startswith("autogaudi already importable from ")
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.slow
