@@ -55,10 +55,12 @@ class CudaBackend(Backend):
     def graph_replay(self, module):
         # torch.compile's "cudagraphs" backend: AOTAutograd's forward and backward recorded by cudagraph
         # trees (the liveness checks "reduce-overhead" has), torch's own kernels replayed, none generated.
+        # Static shapes: that backend records one graph per shape and cannot replay a graph made
+        # dynamic (a smaller last batch raised a size mismatch on an H100); a new shape records anew.
         self._trees_were_started = "torch._inductor.cudagraph_trees" in sys.modules
         self._workers_were_running = compile_workers_running()
         self._graph_kind = "CUDA graphs of torch's own kernels (torch.compile's cudagraphs backend, no inductor)"
-        return compile_calls(module, backend="cudagraphs")
+        return compile_calls(module, backend="cudagraphs", dynamic=False)
 
     def graph_kind(self) -> str:
         return self._graph_kind

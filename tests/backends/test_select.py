@@ -171,5 +171,34 @@ def test_cudas_replay_tier_is_torch_compiles_cudagraphs_backend(monkeypatch):
     backend = cuda.CudaBackend("test")
     module = torch.nn.Linear(2, 2)
     assert backend.graph_replay(module) == "graphed"
-    assert calls == [(module, {"backend": "cudagraphs"})]
+    assert calls == [(module, {"backend": "cudagraphs", "dynamic": False})]
     assert "cudagraphs" in backend.graph_kind() and backend.replay_one_off_rate_s < backend.capture_one_off_rate_s
+
+
+def test_cudas_replay_tier_records_a_static_graph_for_each_new_batch_size(monkeypatch):
+    """A smaller last batch must get a graph of its own shape: the cudagraphs backend cannot replay a
+    graph made dynamic. The tier's own options, with a recording backend in place of CUDA graphs."""
+    from autogaudi.backends import base, cuda
+
+    graphs = []
+
+    def recording(graph_module, example_inputs):
+        graphs.append([value if isinstance(value, torch.Tensor) else "symbolic" for value in example_inputs])
+        return graph_module.forward
+
+    def compile_calls(module, backend, **options):
+        return base.compile_calls(module, backend=recording, **options)
+
+    monkeypatch.setattr(cuda, "compile_calls", compile_calls)
+    module = torch.nn.Linear(3, 2)
+    graphed = cuda.CudaBackend("test").graph_replay(module)
+    try:
+        for batch in (8, 5, 3):
+            inputs = torch.randn(batch, 3)
+            torch.testing.assert_close(graphed(inputs), module(inputs))
+    finally:
+        base.release_compiled_calls()
+    assert len(graphs) == 3 and "symbolic" not in sum(graphs, [])
+    assert [(batch, 3) in [tuple(value.shape) for value in graph] for graph, batch in zip(graphs, (8, 5, 3))] == [
+        True
+    ] * 3
