@@ -271,7 +271,8 @@ def test_the_replay_tier_has_a_rate_and_floor_of_its_own_and_learns_apart_from_c
     assert one_offs.estimate(traits, slow_replays, backend) == one_offs.estimate(traits, [], backend)
 
 
-def test_replay_is_chosen_for_a_short_or_open_run_and_a_compile_where_its_fusion_pays_more():
+def test_replay_is_chosen_for_a_short_or_open_run_and_a_compile_where_its_fusion_pays_more(monkeypatch):
+    monkeypatch.setattr(one_offs, "REPLAY_KEEPS", 0.7)  # where a compiler's fused kernels save more
     whole = {"seconds": 20.0, "tier": "whole"}
     replay = {"seconds": 2.0, "tier": "replay"}  # 70% of the saving for a tenth of the one-off
     assert one_offs.choose([whole, None, replay], 0.01, None) is replay
