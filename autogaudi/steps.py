@@ -123,6 +123,7 @@ class TrainingSteps:
         self._passing = 0  # > 0 while a backward pass runs: one started inside it is part of it
         self.optimizers = weakref.WeakSet()  # every optimizer that has stepped
         self.timeline = Timeline()
+        self.began = clock()  # the run so far is timed from here (the session's start)
         self._start_first_step()
         self.evaluation_passes = 0  # forward passes of a trained model without gradients
         self.evaluation_counted_until = None  # the step counting them stopped at (see EVALUATION_CHECKED_AT_STEP)

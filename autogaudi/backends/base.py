@@ -53,6 +53,9 @@ class Backend:
     # Whether graph_forward(static_outputs=False) can capture a module whose outputs outlive the next
     # call (called several times per step): False where every replay writes into the same tensors.
     graphs_can_keep_outputs = True
+    # What the step profiler's device timing costs the first time a process uses it, in seconds (None:
+    # nothing measurable): the census waits until the run is long enough to carry it.
+    census_one_off_s = None
     # Whether the host queues work ahead of the device, so that reading a device value (``.item()``)
     # stalls it until the device has drained (CUDA streams, Gaudi's lazy and eager queues).
     host_runs_ahead = False

@@ -16,6 +16,8 @@ class CudaBackend(Backend):
     least_capture_one_off_s = 3.0
     capture_one_off_rate_s = 0.8  # minGPT's GPT on an H200: 22-24 s for about 1000 ops per step (0.7-0.75)
     host_runs_ahead = True
+    # CUPTI's start, at the census's first kernel timing: 4.2-4.9 s on an H100 (docs/units/step_profiler.md).
+    census_one_off_s = 4.5
     # The replay tier's one-off, measured on an H100 (docs/units/graph_capture.md): 3.8-5.3 s for 30-82
     # ops per step (importing and tracing are most of it), 6.0-7.7 s for minGPT's 628-1013, against
     # inductor's 20 s for a 4-layer GPT.

@@ -51,9 +51,13 @@ from autogaudi.events import Event
 from autogaudi.guard import guarded_call
 from autogaudi.memory import origin
 from autogaudi.ranks import rank_zero_choice
+from autogaudi.run_length import remaining_steps
 from autogaudi.unit import ROUNDING, Scope, Unit
 
 PAIRS = 5
+# The most of a run the census's one-off (the backend's ``census_one_off_s``) may cost: it starts once
+# the run so far, with the steps a framework says are left, is long enough to carry it.
+CENSUS_ONE_OFF_SHARE = 0.05
 INPUT_BOUND = 0.5
 HOST_BOUND = 0.5
 # Matrix products: what tensor cores and Gaudi's MME run in bf16 under autocast (forward and backward).
@@ -481,6 +485,8 @@ class StepProfile:
 class StepProfiler(Unit):
     reasons = {
         "warming_up": "waiting for {steps} warm-up steps",
+        "census_waits": "the census's device timing costs about {one_off_s:g} s once on {backend}; it starts once "
+        "the run has lasted {after_s:g} s, so that a shorter run pays nothing for it",
         "remembered_profile": "{bound}-bound, as measured in run {run} on {date} with the same script, model "
         "and inputs: {why}",
         **{f"{bound}_bound": f"{bound}-bound: {{why}}" for bound in ("input", "host", "communication", "device")},
@@ -521,6 +527,7 @@ class StepProfiler(Unit):
         self._done = 0
         self._recall = None  # None: not yet looked; a Scope: identifying the model; False: done or none
         self._identify = None  # the root modules of the step that identifies the model
+        self._known_end = None  # the training step a framework says the run ends at (looked up once)
         self._listening = self.scope.child()  # the step and batch listeners, closed once classified
         self.on(Event.TRAINING_STEP, self._after_step, self._listening)
         self.on(Event.BATCH_FETCHED, self._after_batch, self._listening)
@@ -539,6 +546,8 @@ class StepProfiler(Unit):
             return
         if self._recall is not False and self._recalled(optimizer):
             return
+        if self._done == 0 and self._census_waits():
+            return
         done, self._done = self._done, self._done + 1
         if done % 2:
             self._clean.append((steps.clock() - self._step_began, self._waited))
@@ -556,6 +565,28 @@ class StepProfiler(Unit):
             self._finish_census(optimizer)
         else:
             self._waited, self._step_began = 0.0, steps.clock()
+
+    def _census_waits(self) -> bool:
+        """Whether the census's one-off would still be more than ``CENSUS_ONE_OFF_SHARE`` of the run's
+        length as known so far (its wall time, and the steps a framework says are left at this pace).
+        A unit forced or put on trial by the user is the user taking its one-offs: no wait then."""
+        one_off = self.backend.census_one_off_s
+        if not one_off or self.options.force or self.options.trial:
+            return False
+        watcher = self.session.steps
+        if self._known_end is None:
+            remaining = remaining_steps()
+            self._known_end = watcher.steps + remaining[0] if remaining is not None else 0
+        run_s = steps.clock() - watcher.began
+        if watcher.timed is not None and self._known_end > watcher.steps:
+            timed_steps, timed_s = watcher.timed
+            run_s += (self._known_end - watcher.steps) * timed_s / timed_steps
+        after_s = one_off / CENSUS_ONE_OFF_SHARE
+        if run_s >= after_s:
+            return False
+        if self.reason.code != "census_waits":
+            self.because("census_waits", one_off_s=one_off, backend=self.backend.name, after_s=after_s)
+        return True
 
     def _abandon_census(self) -> None:
         if self._census_step is not None:

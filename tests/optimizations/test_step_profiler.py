@@ -123,6 +123,41 @@ def test_a_step_whose_ops_compute_little_of_it_is_host_bound(step_clock):
     assert figures["ops_per_step"] > 10
 
 
+@pytest.mark.parametrize("steps_left", [None, 1000])
+def test_a_census_with_a_one_off_waits_until_the_run_can_carry_it(step_clock, monkeypatch, steps_left):
+    """A one-off of 1 s is carried by a run of 20 s (5%): at 0.5 s a step, the census starts at step 40;
+    where a framework says 1000 steps are left, the run is long enough as soon as one timed step gives
+    the pace (the step after warm-up)."""
+    from autogaudi.backends.cpu import CpuBackend
+    from autogaudi.optimizations import step_profiler
+
+    monkeypatch.setattr(CpuBackend, "census_one_off_s", 1.0)
+    monkeypatch.setattr(step_profiler, "remaining_steps", lambda: steps_left and (steps_left, "test"))
+    autogaudi.enable(device="cpu", only="step_profiler")
+    model = Timed(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3)), host=0.5)
+    batches = small_batches()
+    train(model, batches, steps=30)
+    row = profile_row()
+    if steps_left is None:
+        assert (row["status"], row["reason_code"]) == ("watching", "census_waits")
+        assert row["reason_params"] == {"one_off_s": 1.0, "backend": "cpu", "after_s": 20.0}
+        train(model, batches, steps=30)
+    first = 40 if steps_left is None else 4
+    assert profile_row()["figures"]["profiled_at_step"] == first + 2 * PAIRS
+    assert profile_row()["figures"]["bound"] == "host"
+
+
+@pytest.mark.parametrize("asked", [{"force": "graph_capture"}, {"trial": "channels_last"}])
+def test_a_unit_the_user_forced_or_put_on_trial_takes_the_census_one_off_at_once(step_clock, monkeypatch, asked):
+    from autogaudi.backends.cpu import CpuBackend
+
+    monkeypatch.setattr(CpuBackend, "census_one_off_s", 1.0)
+    autogaudi.enable(device="cpu", only="step_profiler,graph_capture,channels_last", **asked)
+    model = Timed(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3)), host=0.5)
+    train(model, small_batches(), steps=STEPS)
+    assert profile_row()["figures"]["profiled_at_step"] == 3 + 2 * PAIRS
+
+
 def test_a_step_whose_ops_compute_most_of_it_is_device_bound(step_clock):
     autogaudi.enable(device="cpu", only="step_profiler")
     train(Timed(nn.Linear(8, 3), host=0.002, device=0.008), small_batches())
