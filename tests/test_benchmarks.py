@@ -76,6 +76,22 @@ def test_ratios_are_paired_by_round_so_drift_between_rounds_cancels(monkeypatch)
     assert "median of the rounds' own ratios" in run.markdown_table({**fake_results(run), "workloads": {"w": rows}})
 
 
+@pytest.mark.parametrize(("plain_again", "matches"), [([1.0, 2.0], False), ([1.0, 3.5], True)])
+def test_a_variant_within_plains_own_round_to_round_difference_trains_like_plain(monkeypatch, plain_again, matches):
+    """A seeded run that does not repeat itself (a GPU's atomics, an RL trajectory parting ways): plain's
+    second round moved 75% from its first, so autogaudi's 50% is plain's; with plain steady it is not."""
+    run = load_run()
+    scripted = {"plain": [[1.0, 2.0], plain_again], "autogaudi": [[1.0, 3.0]] * 2, "hand-tuned": [[1.0, 2.0]] * 2}
+    variants = {name: ([name], []) for name in scripted}
+    monkeypatch.setattr(run, "run_json", lambda command: {"steps_per_s": 1.0, "losses": scripted[command[0]].pop(0)})
+    rows = run.step_rates(["workload.py"], rounds=2, variants=variants)
+    assert rows["autogaudi"]["max_relative_loss_difference"] == pytest.approx(0.5)
+    assert rows["autogaudi"]["plain_own_loss_difference"] == pytest.approx(0.75 if matches else 0.0)
+    assert rows["autogaudi"]["losses_match"] is matches
+    line = run.table_row("w", "autogaudi", rows["autogaudi"])
+    assert ("within plain's own round-to-round" in line) is matches and ("DIFFERENT TRAINING" in line) is not matches
+
+
 def test_render_writes_the_table_and_a_png_chart_beside_the_results(tmp_path):
     pytest.importorskip("matplotlib")
     run = load_run()
