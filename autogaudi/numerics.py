@@ -155,11 +155,11 @@ def float_leaves(output) -> list:
     return found
 
 
-def random_devices(model, backend) -> list:
+def random_devices(model, device_type: str) -> list:
     """The indices of the accelerators ``model``'s parameters are on, whose generators a forward may draw from."""
-    if backend.device_type in ("", "cpu"):
+    if device_type in ("", "cpu"):
         return []
-    return sorted({p.device.index or 0 for p in model.parameters() if p.device.type == backend.device_type})
+    return sorted({p.device.index or 0 for p in model.parameters() if p.device.type == device_type})
 
 
 def random_state(devices: list, device_type: str) -> tuple:
@@ -254,7 +254,7 @@ def forward_difference(model, args, kwargs, backend, output=None, around=_plain,
     of the user's call."""
     if not copy_fits([*model.parameters(), *model.buffers()], backend):
         raise NotMeasured("memory", share=FREE_SHARE)
-    devices = random_devices(model, backend)
+    devices = random_devices(model, backend.device_type)
 
     def forward(call_around):
         with forked_random(devices, backend.device_type, state), plain_module_calls():

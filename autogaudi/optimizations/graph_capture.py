@@ -448,7 +448,9 @@ class GraphCapture(DecidesCandidate):
         """On the capture's first call, torch's generators before it: the eager copy draws from there."""
         if not self._numerics_pending:
             return None
-        return numerics.random_state(numerics.random_devices(module, self.backend), self.backend.device_type)
+        return numerics.random_state(
+            numerics.random_devices(module, self.backend.device_type), self.backend.device_type
+        )
 
     def _measure_numerics(self, module, args, kwargs, output, state) -> None:
         """The captured call's output, which the step uses anyway, against an eager forward of a copy

@@ -317,9 +317,7 @@ class _Guard:
         self.unseen = unseen
         # the random generators a dropout in the forward may draw from: the CPU's, and the device's
         self.device_type = device_type
-        self.device = getattr(torch, device_type) if device_type != "cpu" else None
-        on_device = [p.device.index or 0 for p in model.parameters() if p.device.type == device_type]
-        self.devices = sorted(set(on_device)) if self.device is not None else []
+        self.devices = numerics.random_devices(model, device_type)
         self.backward_passes = 0
         self.pending: list = []  # (inputs, random state, output tensors, their gradients) per forward
         self.loss = None
@@ -331,8 +329,7 @@ class _Guard:
             [a.detach().clone() if isinstance(a, torch.Tensor) else a for a in args],
             {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()},
         )
-        state = (torch.get_rng_state(), [self.device.get_rng_state(d) for d in self.devices])
-        self.pending.append([detached, state, None, None])
+        self.pending.append([detached, numerics.random_state(self.devices, self.device_type), None, None])
 
     def after_forward(self, output) -> list:
         """The forward's output tensors, each with the hook that keeps the gradient it gets."""
@@ -371,10 +368,7 @@ class _Guard:
 
     def _shadow(self, inputs, state, grads, context, scale=1.0):
         args, kwargs = inputs
-        with torch.random.fork_rng(devices=self.devices, device_type=self.device_type if self.devices else "cuda"):
-            torch.set_rng_state(state[0])
-            for device, device_state in zip(self.devices, state[1]):
-                self.device.set_rng_state(device_state, device)
+        with numerics.forked_random(self.devices, self.device_type, state):
             self.copy.zero_grad(set_to_none=True)
             with context():
                 output = self.copy(*args, **kwargs)
