@@ -2,6 +2,7 @@
 
     python benchmarks/gpu_check.py --list
     python benchmarks/gpu_check.py --install --part 1 --out DIR     # then 2a, 3a, 3b, 2b, 2c, 4, 5
+    python benchmarks/gpu_check.py --part 1,2a --minutes 9 --out DIR  # several in one call
     python benchmarks/gpu_check.py --dry-run --out DIR              # every harness on this CPU, tiny sizes
 
 A lent GPU comes rarely, bare and for minutes: each part runs what the project's own harnesses
@@ -396,10 +397,23 @@ def run_part(ctx: Context, part: str) -> list:
     return rows
 
 
+def parts_named(text: str) -> list:
+    """``--part``'s value: one part or several, comma-separated, run in the order given."""
+    parts = [part for part in text.split(",") if part]
+    unknown = [part for part in parts if part not in PARTS]
+    if unknown or not parts:
+        raise argparse.ArgumentTypeError(f"no part {', '.join(unknown) or repr(text)}; the parts: {', '.join(ORDER)}")
+    return parts
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--list", action="store_true", help="print the parts and their expected minutes")
-    parser.add_argument("--part", choices=ORDER, help="the part to run")
+    parser.add_argument(
+        "--part",
+        type=parts_named,
+        help=f"the part to run, or several in one call, comma-separated ({', '.join(ORDER)}): they share --minutes",
+    )
     parser.add_argument("--dry-run", action="store_true", help="every part on this CPU, tiny sizes (CI)")
     parser.add_argument("--install", action="store_true", help="make this checkout importable first (no pip)")
     parser.add_argument("--out", type=Path, help="the folder for the results (on the lent machine: $OUT)")
@@ -422,7 +436,7 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     ctx = Context(args.out, corpus_folder, args.dry_run, suite.machine_name(), time.monotonic() + 60 * args.minutes)
     texts, failed = [], False
-    for part in ORDER if args.dry_run else [args.part]:
+    for part in ORDER if args.dry_run else args.part:
         rows = run_part(ctx, part)
         texts.append(summary(ctx, part, rows))
         failed |= any(r["status"] == "FAILED" for r in rows)

@@ -52,6 +52,19 @@ def test_pytest_counts_read_passes_failures_and_skips_from_junit_xml(tmp_path):
     assert counts["failures"] == [{"test": "a::bad", "message": "assert 1 == 2"}]
 
 
+def test_several_parts_run_in_one_call_in_the_order_given_and_a_wrong_one_names_the_parts(
+    tmp_path, monkeypatch, capsys
+):
+    gpu_check = load_gpu_check()
+    ran = []
+    monkeypatch.setattr(gpu_check, "run_part", lambda ctx, part: ran.append(part) or [])
+    assert gpu_check.main(["--part", "2a,1", "--out", str(tmp_path)]) == 0
+    assert ran == ["2a", "1"]
+    with pytest.raises(SystemExit):
+        gpu_check.main(["--part", "1,9", "--out", str(tmp_path)])
+    assert "no part 9; the parts: 1, 2a, 3a" in capsys.readouterr().err
+
+
 def test_install_makes_the_checkout_importable_through_a_path_file(tmp_path, monkeypatch):
     """On the lent machine autogaudi is not installed: the path files must make a bare interpreter
     (no PYTHONPATH, started elsewhere) find this checkout, as an editable install would."""
