@@ -50,7 +50,7 @@ from autogaudi._paths import short_location, user_location
 from autogaudi.events import Event
 from autogaudi.guard import guarded_call
 from autogaudi.memory import origin
-from autogaudi.ranks import rank_zero_choice
+from autogaudi.ranks import rank_zero_choice, several_ranks
 from autogaudi.run_length import remaining_steps
 from autogaudi.unit import ROUNDING, Scope, Unit
 
@@ -569,9 +569,11 @@ class StepProfiler(Unit):
     def _census_waits(self) -> bool:
         """Whether the census's one-off would still be more than ``CENSUS_ONE_OFF_SHARE`` of the run's
         length as known so far (its wall time, and the steps a framework says are left at this pace).
-        A unit forced or put on trial by the user is the user taking its one-offs: no wait then."""
+        A unit forced or put on trial by the user is the user taking its one-offs: no wait then. Nor
+        with several ranks: each rank's clock would end the wait at its own step, and the census ends
+        in a broadcast every rank must reach at the same step."""
         one_off = self.backend.census_one_off_s
-        if not one_off or self.options.force or self.options.trial:
+        if not one_off or self.options.force or self.options.trial or several_ranks():
             return False
         watcher = self.session.steps
         if self._known_end is None:

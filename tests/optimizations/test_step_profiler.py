@@ -147,11 +147,17 @@ def test_a_census_with_a_one_off_waits_until_the_run_can_carry_it(step_clock, mo
     assert profile_row()["figures"]["bound"] == "host"
 
 
-@pytest.mark.parametrize("asked", [{"force": "graph_capture"}, {"trial": "channels_last"}])
-def test_a_unit_the_user_forced_or_put_on_trial_takes_the_census_one_off_at_once(step_clock, monkeypatch, asked):
+@pytest.mark.parametrize("asked", [{"force": "graph_capture"}, {"trial": "channels_last"}, {"ranks": 2}])
+def test_a_forced_unit_a_trial_or_several_ranks_take_the_census_one_off_at_once(step_clock, monkeypatch, asked):
+    """The user takes the one-offs of what they forced or put on trial; ranks must all start the census
+    at the same step, which their own clocks would not give."""
     from autogaudi.backends.cpu import CpuBackend
+    from autogaudi.optimizations import step_profiler
 
     monkeypatch.setattr(CpuBackend, "census_one_off_s", 1.0)
+    several = asked.pop("ranks", 1) > 1
+    monkeypatch.setattr(step_profiler, "several_ranks", lambda: several)
+    monkeypatch.setattr(step_profiler, "rank_zero_choice", lambda value: value)
     autogaudi.enable(device="cpu", only="step_profiler,graph_capture,channels_last", **asked)
     model = Timed(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3)), host=0.5)
     train(model, small_batches(), steps=STEPS)
