@@ -197,8 +197,8 @@ def step_rates(workload: list, rounds: int, variants: dict) -> dict:
             losses.setdefault(name, result["losses"])
             if name == "plain":
                 plain_rounds.append(result["losses"])
-    # Seeded runs on a GPU need not repeat themselves (atomics in cuDNN's and cuBLAS's kernels; an RL
-    # loop's sampled trajectory then parts ways): a variant within plain's own difference is plain's.
+    # Seeded runs on a GPU need not repeat themselves (plain mnist did not on an H100; an RL loop's sampled
+    # trajectory then parts ways): a variant within plain's own difference is plain's.
     own = max((relative_drift(later, plain_rounds[0]) for later in plain_rounds[1:]), default=0.0)
     rows = {}
     for name, values in rates.items():
