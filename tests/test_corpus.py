@@ -144,42 +144,59 @@ def test_repeats_time_plain_and_autogaudi_in_alternating_rounds_by_their_median(
     assert corpus.verdict(CASE, "autogaudi", runs["plain"], runs["autogaudi"])["verdict"] == "crashed"
 
 
-@pytest.mark.slow
+def cpu_cases() -> list:
+    """The shared corpus's CPU cases, shortened as the suite runs them (none without the corpus)."""
+    if not (CORPUS / "corpus.json").exists():
+        return []
+    corpus = load_corpus()
+    return [corpus.shortened(case) for case in corpus.load_cases([CORPUS], "cpu", None)]
+
+
+CPU_CASES = cpu_cases()
+
+
 @pytest.mark.skipif(
-    not (CORPUS / "corpus.json").exists(),
+    not CPU_CASES,
     reason=f"no corpus at {CORPUS}: it comes with the project's shared folder, beside the repository",
 )
-def test_the_cpu_cases_run_plain_under_autogaudi_exact_and_two_with_capture_forced(tmp_path, monkeypatch):
-    """Every CPU case plain, under autogaudi and --exact, and capture forced on ``FORCED``, through
-    the harness's own run_case: one plain run per case serves every variant (the command line is
-    the FSDP2 test's). Every run, plain's too, on one intra-op thread, as torchrun gives each rank:
-    with two, a loaded 2-core machine ran minGPT's 40 short steps in 112 s (seconds alone); the full
-    corpus run keeps the machine's count."""
+def test_the_cpu_cases_include_a_plain_loop_and_the_cases_capture_is_forced_on():
+    assert {case["name"] for case in CPU_CASES} >= {"regression", *FORCED}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "case",
+    CPU_CASES
+    or [pytest.param(None, marks=pytest.mark.skip(reason=f"no corpus at {CORPUS}: it comes with the shared folder"))],
+    ids=lambda case: case["name"] if case else "no-corpus",
+)
+def test_a_cpu_case_runs_plain_under_autogaudi_exact_and_capture_forced_alike(case, tmp_path, monkeypatch):
+    """A CPU case plain, under autogaudi and --exact, and capture forced where it is in ``FORCED``,
+    through the harness's own run_case: one plain run serves every variant. A test per case, so
+    that a parallel run spreads them. Every run, plain's too, on one intra-op thread, as torchrun
+    gives each rank: with two, a loaded 2-core machine ran minGPT's 40 short steps in 112 s
+    (seconds alone); the full corpus run keeps the machine's count."""
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)  # an earlier in-process compile's (helpers)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     corpus = load_corpus()
-    cases = [corpus.shortened(case) for case in corpus.load_cases([CORPUS], "cpu", None)]
-    rows = []
-    for case in cases:
-        variants = ["plain", "autogaudi", "exact", *(["capture forced"] if case["name"] in FORCED else [])]
-        rows.append(corpus.run_case(case, variants, tmp_path, corpus.log, 600))
-    assert {row["name"] for row in rows} >= {"regression", *FORCED}
-    checkpoints = 0
-    for row in rows:
-        assert "skipped" not in row, row  # the test extra installs what the cases need
-        assert row["runs"]["plain"]["exit_code"] == 0, row["runs"]["plain"]["output_tail"]
-        for variant in set(row["runs"]) - {"plain"}:
-            mine = row["runs"][variant]
-            where = f"{row['name']} / {variant}: {mine['why']}\n{mine['output_tail'][-2000:]}"
-            assert mine["verdict"] != "crashed", where
-            assert mine["files"] == row["runs"]["plain"]["files"], where
-            assert all("error" not in summary for summary in mine["checkpoints"].values()), where
-            checkpoints += len(mine["checkpoints"])
-        # --exact: the result line and every checkpoint value exactly plain's (tolerance 0)
-        for variant in ("autogaudi", "exact"):
-            assert row["runs"][variant]["verdict"] in ("same", "slower"), row["runs"][variant]["why"]
-    assert sum("capture forced" in row["runs"] for row in rows) == len(FORCED)
-    assert checkpoints >= 4  # minGPT's cases save model.pt: the loadability check really ran
+    variants = ["plain", "autogaudi", "exact", *(["capture forced"] if case["name"] in FORCED else [])]
+    row = corpus.run_case(case, variants, tmp_path, corpus.log, 600)
+    assert "skipped" not in row, row  # the test extra installs what the cases need
+    plain = row["runs"]["plain"]
+    assert plain["exit_code"] == 0, plain["output_tail"]
+    for variant in variants[1:]:
+        mine = row["runs"][variant]
+        where = f"{row['name']} / {variant}: {mine['why']}\n{mine['output_tail'][-2000:]}"
+        assert mine["verdict"] != "crashed", where
+        assert mine["files"] == plain["files"], where
+        # every checkpoint plain wrote was loaded by plain torch from this variant's run too
+        assert set(mine["checkpoints"]) == set(plain["checkpoints"]), where
+        assert all("error" not in summary for summary in mine["checkpoints"].values()), where
+    # --exact: the result line and every checkpoint value exactly plain's (tolerance 0)
+    for variant in ("autogaudi", "exact"):
+        assert row["runs"][variant]["verdict"] in ("same", "slower"), row["runs"][variant]["why"]
+    if case["name"].startswith("mingpt"):
+        assert plain["checkpoints"]  # minGPT's cases save model.pt: the loadability check really ran
 
 
 @pytest.mark.slow
