@@ -172,8 +172,8 @@ def test_the_cpu_cases_include_a_plain_loop_and_the_cases_capture_is_forced_on()
 )
 def test_a_cpu_case_runs_plain_under_autogaudi_exact_and_capture_forced_alike(case, tmp_path, monkeypatch):
     """A CPU case plain, under autogaudi and --exact, and capture forced where it is in ``FORCED``,
-    through the harness's own run_case: one plain run serves every variant. A test per case, so
-    that a parallel run spreads them. Every run, plain's too, on one intra-op thread, as torchrun
+    through the harness's own run_case: one plain run serves every variant. A test per case, so a
+    failure names its case. Every run, plain's too, on one intra-op thread, as torchrun
     gives each rank: with two, a loaded 2-core machine ran minGPT's 40 short steps in 112 s
     (seconds alone); the full corpus run keeps the machine's count."""
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)  # an earlier in-process compile's (helpers)
