@@ -153,12 +153,10 @@ def cpu_cases() -> list:
 
 
 CPU_CASES = cpu_cases()
+NO_CORPUS = f"no corpus at {CORPUS}: it comes with the project's shared folder, beside the repository"
 
 
-@pytest.mark.skipif(
-    not CPU_CASES,
-    reason=f"no corpus at {CORPUS}: it comes with the project's shared folder, beside the repository",
-)
+@pytest.mark.skipif(not CPU_CASES, reason=NO_CORPUS)
 def test_the_cpu_cases_include_a_plain_loop_and_the_cases_capture_is_forced_on():
     assert {case["name"] for case in CPU_CASES} >= {"regression", *FORCED}
 
@@ -166,8 +164,7 @@ def test_the_cpu_cases_include_a_plain_loop_and_the_cases_capture_is_forced_on()
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "case",
-    CPU_CASES
-    or [pytest.param(None, marks=pytest.mark.skip(reason=f"no corpus at {CORPUS}: it comes with the shared folder"))],
+    CPU_CASES or [pytest.param(None, marks=pytest.mark.skip(reason=NO_CORPUS))],
     ids=lambda case: case["name"] if case else "no-corpus",
 )
 def test_a_cpu_case_runs_plain_under_autogaudi_exact_and_capture_forced_alike(case, tmp_path, monkeypatch):
