@@ -31,7 +31,8 @@ parameter difference goes to the report: the script's tensors are not touched.
 
 Speed: where the host waits for each op (CPU), the two updates are timed on those copies, in the
 fused steps after the first (which allocates the state in both) until each has ``TIMED_STEPS``
-samples. The fused update stays only where it is faster by the trials' rule (:func:`autogaudi.trials.faster`,
+samples, or ``SETTLED_AFTER`` where the two sets do not overlap (each timed step costs a copy and
+a second update). The fused update stays only where it is faster by the trials' rule (:func:`autogaudi.trials.faster`,
 on the medians, a tie put back); else the optimizer goes back to the script's own kernels from its
 next step on, its ``step`` counters in the unfused format. Then no more copies are made. Where the
 host runs ahead of the device, timing would take a synchronisation the run would not have: the
@@ -75,6 +76,9 @@ TAKES_DTENSOR = (torch.optim.Adam, torch.optim.AdamW)
 MEASURED_STEPS = 3
 # The updates timed per optimizer, fused against unfused, before deciding: as many as a trial's arm.
 TIMED_STEPS = 2 * trials.BLOCK * trials.ROUNDS
+# Updates timed each way after which two sets that do not overlap decide at once: every fused update
+# faster than every unfused one by the trials' rule, or none of them (by chance, 1 ordering in 70).
+SETTLED_AFTER = 4
 
 
 def user_hyperparameters(optimizer_class, args, kwargs) -> dict:
@@ -171,6 +175,13 @@ class UpdateTimes:
     unfused: list = dataclasses.field(default_factory=list)
     fused: list = dataclasses.field(default_factory=list)
     decided: bool = False
+
+    def apart(self) -> bool:
+        """Whether the trials' rule says the same of every fused update against every unfused one:
+        the medians can then only say it too."""
+        return trials.faster(max(self.fused), min(self.unfused)) or not trials.faster(
+            min(self.fused), max(self.unfused)
+        )
 
 
 def _raw_step(optimizer):
@@ -401,10 +412,12 @@ class FusedOptimizer(Unit):
         times.unfused.append(steps.clock() - started)
 
     def _decide(self, optimizer, times) -> None:
-        """With TIMED_STEPS updates timed each way: keep the fused one where the trials' rule finds it
-        faster, else put the optimizer back to the script's own kernels."""
+        """With TIMED_STEPS updates timed each way, or SETTLED_AFTER where the two sets are apart: keep
+        the fused one where the trials' rule finds it faster on the medians, else put the optimizer
+        back to the script's own kernels."""
         self._update_figure()
-        if len(times.fused) < TIMED_STEPS:
+        timed = len(times.fused)
+        if timed < TIMED_STEPS and not (timed >= SETTLED_AFTER and times.apart()):
             return
         times.decided = True
         fused, unfused = statistics.median(times.fused), statistics.median(times.unfused)

@@ -55,6 +55,8 @@ from autogaudi.run_length import remaining_steps
 from autogaudi.unit import ROUNDING, Scope, Unit
 
 PAIRS = 5
+# A majority of PAIRS: where that many pairs read alike (a single process's census), the rest are not taken.
+DECIDING_PAIRS = PAIRS // 2 + 1
 # The most of a run the census's one-off (the backend's ``census_one_off_s``) may cost: it starts once
 # the run so far, with the steps a framework says are left, is long enough to carry it.
 CENSUS_ONE_OFF_SHARE = 0.05
@@ -129,18 +131,42 @@ class StepFigures:
         return cls(**{name: value for name, value in figures.items() if name in names})
 
 
+def pair_shares(clean: list, censuses: list) -> list:
+    """Per pair, (busy + collective wait, busy, collective wait) as shares of its clean step, sorted:
+    from the clean steps' (seconds, seconds waiting for data) and the census steps' (ops, busy
+    seconds, collective wait seconds or None, collectives without a future)."""
+    return sorted(
+        ((busy_s + (collective_s or 0.0)) / seconds, busy_s / seconds, (collective_s or 0.0) / seconds)
+        for (seconds, _waited), (_ops, busy_s, collective_s, _unfutured) in zip(clean, censuses)
+    )
+
+
+def waiting_share(clean: list) -> float:
+    """Of the clean steps' time, the share spent waiting for data (a total: workers hand batches over
+    in bursts)."""
+    return sum(waited for _seconds, waited in clean) / sum(seconds for seconds, _waited in clean)
+
+
+def settled(clean: list, censuses: list) -> bool:
+    """Whether the pairs measured so far already decide what all ``PAIRS`` would: the median pair by
+    its share decides, so once ``DECIDING_PAIRS`` (a majority) read alike, on the same side of the
+    host-bound line, the pairs still to come cannot move the median across it. (The input share is
+    then a total over fewer clean steps, and device against communication, where a single process
+    runs collectives at all, is read on the pairs taken.)"""
+    if len(censuses) < DECIDING_PAIRS:
+        return False
+    waiting = waiting_share(clean)
+    return len({classify(waiting, busy, collective)[0] for _, busy, collective in pair_shares(clean, censuses)}) == 1
+
+
 def census_figures(clean: list, censuses: list) -> tuple:
     """The step's figures, and the (input wait, ops computing, collective wait) shares of a step that
     :func:`classify` reads, from the clean steps' (seconds, seconds waiting for data) and the census
     steps' (ops, busy seconds, collective wait seconds or None, collectives without a future)."""
     step_s = statistics.median(seconds for seconds, _waited in clean)
-    waiting = sum(waited for _seconds, waited in clean) / sum(seconds for seconds, _waited in clean)
-    # Per pair: (busy + collective wait, busy, collective wait) as shares of the clean step; the
-    # median pair by their sum decides (PAIRS is odd).
-    pairs = sorted(
-        ((busy_s + (collective_s or 0.0)) / seconds, busy_s / seconds, (collective_s or 0.0) / seconds)
-        for (seconds, _waited), (_ops, busy_s, collective_s, _unfutured) in zip(clean, censuses)
-    )
+    waiting = waiting_share(clean)
+    # The median pair by its sum decides (an odd number of pairs: PAIRS, or DECIDING_PAIRS).
+    pairs = pair_shares(clean, censuses)
     _, busy_share, collective_share = pairs[len(pairs) // 2]
     busy = sorted(share for _, share, _ in pairs)
     figures = StepFigures(
@@ -156,6 +182,23 @@ def census_figures(clean: list, censuses: list) -> tuple:
     if unfutured:  # their waits are measured up to the next op only (_Census._completion)
         figures.collectives_without_future_per_step = unfutured
     return figures, (waiting, busy_share, collective_share)
+
+
+# What the census reads of an op, by its overload: a host read of a value (``.item()``), a copy that may
+# be one (``.cpu()``), a matrix product, a collective, or nothing ("").
+READ, COPY, MATRIX, COLLECTIVE = "read", "copy", "matrix", "collective"
+_OP_KINDS: dict = {}  # op overload -> its kind, filled as ops are seen
+
+
+def _op_kind(func) -> str:
+    if func.namespace == "c10d":
+        return COLLECTIVE
+    name = func.overloadpacket.__name__
+    if name == "_local_scalar_dense":
+        return READ
+    if name == "_to_copy":
+        return COPY
+    return MATRIX if name in MATRIX_OPS else ""
 
 
 class _Census(TorchDispatchMode):
@@ -214,34 +257,38 @@ class _Census(TorchDispatchMode):
         return guarded_call(self, functools.partial(self._count, func), func, args, kwargs or {})
 
     def _count(self, func, call, args, kwargs):
-        """The op, timed, and what it tells: host reads, matrix products, collectives in flight."""
+        """The op, timed, and what it tells: host reads, matrix products, collectives in flight. Runs
+        around every op of a census step: what it reads of the op is looked up once per op
+        (:func:`_op_kind`), and the collectives' bookkeeping only while one is in flight."""
         self.ops += 1
         self.close_gap()
         start = steps.clock()
         result = call(*args, **kwargs)
         end = steps.clock()
         self.cpu_seconds += end - start
-        if func.namespace == "c10d":
+        kind = _OP_KINDS.get(func)
+        if kind is None:
+            kind = _OP_KINDS[func] = _op_kind(func)
+        if kind == COLLECTIVE:
             self._watch(result)
-        else:
-            self._note_op(func, args, kwargs)
-        self._drop_completed()
+        elif kind:
+            self._note_op(kind, args, kwargs)
         if self._in_flight:
-            self._gap = (end, thread_clock())
+            self._drop_completed()
+            if self._in_flight:
+                self._gap = (end, thread_clock())
         return result
 
-    def _note_op(self, func, args, kwargs) -> None:
+    def _note_op(self, kind: str, args, kwargs) -> None:
         """Host reads of a tensor's value (``.item()``, ``float()``, ``bool()``, ``.cpu()``) with the
         user's line that made them, and the dtype each matrix product ran in."""
-        name = func.overloadpacket.__name__
         source = args[0] if args and isinstance(args[0], torch.Tensor) else None
         if source is None:
             return
-        to_host = name == "_to_copy" and source.device.type != "cpu" and str(kwargs.get("device")) == "cpu"
-        if name == "_local_scalar_dense" or to_host:
-            self.host_reads[(source.device.type, user_location(sys._getframe(2)))] += 1
-        elif name in MATRIX_OPS:
+        if kind == MATRIX:
             self.matrix_ops[source.dtype] += 1
+        elif kind == READ or (source.device.type != "cpu" and str(kwargs.get("device")) == "cpu"):
+            self.host_reads[(source.device.type, user_location(sys._getframe(2)))] += 1
 
     def _watch(self, result) -> None:
         from torch._C._distributed_c10d import Work  # only reached on builds with torch.distributed
@@ -485,6 +532,7 @@ class StepProfile:
 class StepProfiler(Unit):
     reasons = {
         "warming_up": "waiting for {steps} warm-up steps",
+        "others_measuring": "waiting while another unit times its own work inside the steps ({units})",
         "census_waits": "the census's device timing costs about {one_off_s:g} s once on {backend}; it starts once "
         "the run has lasted {after_s:g} s, so that a shorter run pays nothing for it",
         "remembered_profile": "{bound}-bound, as measured in run {run} on {date} with the same script, model "
@@ -502,7 +550,7 @@ class StepProfiler(Unit):
     }
     acts_on = (
         "training steps and batch fetches (the session's step watcher)",
-        "global module forward hooks and a TorchDispatchMode, during five census steps",
+        "global module forward hooks and a TorchDispatchMode, during three to five census steps",
     )
     exact_when = "the script itself marks a step after each optimizer step"  # in HPU lazy mode
 
@@ -546,7 +594,7 @@ class StepProfiler(Unit):
             return
         if self._recall is not False and self._recalled(optimizer):
             return
-        if self._done == 0 and self._census_waits():
+        if self._done == 0 and (self._census_waits() or self._others_measuring()):
             return
         done, self._done = self._done, self._done + 1
         if done % 2:
@@ -561,7 +609,7 @@ class StepProfiler(Unit):
             self._inputs = {**census_step.roots.inputs, **self._inputs}
             self._reads.append(census_step.census.host_reads)
             self._matrix_ops.update(census_step.census.matrix_ops)
-        if done == 2 * PAIRS:
+        if done == 2 * PAIRS or (done and not several_ranks() and settled(self._clean, self._censuses)):
             self._finish_census(optimizer)
         else:
             self._waited, self._step_began = 0.0, steps.clock()
@@ -589,6 +637,15 @@ class StepProfiler(Unit):
         if self.reason.code != "census_waits":
             self.because("census_waits", one_off_s=one_off, backend=self.backend.name, after_s=after_s)
         return True
+
+    def _others_measuring(self) -> bool:
+        """Whether another unit times work of its own inside the steps (fused_optimizer's update
+        against torch's, on copies): a census step would count that work as the step's, and its
+        dispatch mode would slow what the unit times. The census starts after it."""
+        measuring = [unit.name for unit in self.session.applied if unit is not self and unit.measuring_steps()]
+        if measuring and self.reason.code != "others_measuring":
+            self.because("others_measuring", units=", ".join(measuring))
+        return bool(measuring)
 
     def _abandon_census(self) -> None:
         if self._census_step is not None:

@@ -45,8 +45,11 @@ def test_hugging_face_trainer_trains_alike_and_its_own_choices_are_kept(tmp_path
     # 20 steps: no compile trial could pay for itself, and Trainer says how many steps are left.
     capture = units["graph_capture"]
     assert capture["reason_code"] == "too_short"
+    # the steps left once the profile was published (three to five census pairs: the machine decides),
+    # counted by the Trainer, whose step count lags the one under way
+    left = 20 - units["step_profiler"]["figures"]["profiled_at_step"] + 1
     assert (capture["reason_params"]["steps"], capture["reason_params"]["source"]) == (
-        8,
+        left,
         "Hugging Face Trainer max_steps",
     )
 

@@ -16,7 +16,15 @@ from torch.utils.data import DataLoader, Dataset
 
 import autogaudi
 from autogaudi import runtime, steps
-from autogaudi.optimizations.step_profiler import PAIRS, census_figures, classify, new_census
+from autogaudi.optimizations.step_profiler import (
+    DECIDING_PAIRS,
+    PAIRS,
+    census_figures,
+    classify,
+    new_census,
+    pair_shares,
+    settled,
+)
 from tests.helpers import SCRIPTS, run_python, said
 from tests.optimizations.ddp_helpers import TORCHRUN, torchrun
 
@@ -52,6 +60,29 @@ def test_the_median_pair_decides_and_waits_are_shares_of_the_clean_steps():
     clean = [(0.010, 0.0)] * PAIRS
     _, shares = census_figures(clean, [(40, 0.001, 0.006, 0)] * PAIRS)
     assert classify(*shares)[0] == "communication"
+
+
+def test_pairs_that_settle_early_read_as_every_pair_would():
+    """Generated: wherever the first pairs settle the census, the median of all PAIRS pairs is on the same
+    side of the host-bound line however the pairs not taken would have read (from nothing to ten
+    times a step)."""
+    generator = torch.Generator().manual_seed(0)
+    shares = lambda n: (torch.rand(n, generator=generator) * 1.2).tolist()  # noqa: E731
+    settled_early = 0
+    for _ in range(500):
+        clean = [(0.010, 0.0)] * PAIRS
+        censuses = [(40, 0.010 * share, None, 0) for share in shares(PAIRS)]
+        for taken in range(DECIDING_PAIRS, PAIRS):
+            if not settled(clean[:taken], censuses[:taken]):
+                continue
+            settled_early += 1
+            early = classify(*census_figures(clean[:taken], censuses[:taken])[1])[0]
+            for rest in ([(40, 0.0, None, 0)], [(40, 0.1, None, 0)]):
+                every = censuses[:taken] + rest * (PAIRS - taken)
+                assert classify(*census_figures(clean, every)[1])[0] == early
+            assert {classify(0.0, busy)[0] for _, busy, _ in pair_shares(clean[:taken], censuses[:taken])} == {early}
+            break
+    assert 100 < settled_early < 500  # both ways seen: most settle early, some take every pair
 
 
 @torch.library.custom_op("autogaudi_tests::takes", mutates_args=())
@@ -143,7 +174,7 @@ def test_a_census_with_a_one_off_waits_until_the_run_can_carry_it(step_clock, mo
         assert row["reason_params"] == {"one_off_s": 1.0, "backend": "cpu", "after_s": 20.0}
         train(model, batches, steps=30)
     first = 40 if steps_left is None else 4
-    assert profile_row()["figures"]["profiled_at_step"] == first + 2 * PAIRS
+    assert profile_row()["figures"]["profiled_at_step"] == first + 2 * DECIDING_PAIRS
     assert profile_row()["figures"]["bound"] == "host"
 
 
@@ -161,7 +192,8 @@ def test_a_forced_unit_a_trial_or_several_ranks_take_the_census_one_off_at_once(
     autogaudi.enable(device="cpu", only="step_profiler,graph_capture,channels_last", **asked)
     model = Timed(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3)), host=0.5)
     train(model, small_batches(), steps=STEPS)
-    assert profile_row()["figures"]["profiled_at_step"] == 3 + 2 * PAIRS
+    # pairs that read alike settle it early on one process; ranks take every pair (the same steps on each)
+    assert profile_row()["figures"]["profiled_at_step"] == 3 + 2 * (PAIRS if several else DECIDING_PAIRS)
 
 
 def test_a_step_whose_ops_compute_most_of_it_is_device_bound(step_clock):
@@ -201,6 +233,7 @@ def test_one_stalled_census_step_leaves_a_host_bound_run_host_bound(step_clock):
     figures = profile_row()["figures"]
     assert figures["bound"] == "host", profile_row()
     assert figures["compute_fraction_range"] == [0.0, 1.0]  # the stalled step was seen, and outvoted
+    assert figures["profiled_at_step"] == 3 + 2 * PAIRS  # pairs that disagree: every pair is taken
 
 
 def test_a_slow_dataset_is_input_bound(step_clock):
@@ -235,7 +268,7 @@ def test_hpu_device_time_comes_from_the_synchronize_wait(hpu_double, step_clock,
     # each census step starts on an idle device and ends with a flush and a wait; no other step waits.
     # In lazy mode the bridge's synchronize marks a step itself before waiting.
     synchronize = ["mark_step", "synchronize"]
-    assert calls.names() == [*synchronize, "mark_step", *synchronize] * PAIRS
+    assert calls.names() == [*synchronize, "mark_step", *synchronize] * DECIDING_PAIRS
 
 
 def train_reading_the_loss(model, batches, autocast=False):
