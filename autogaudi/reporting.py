@@ -249,7 +249,8 @@ class Report:
             f"{name}: its trial was still running when the run ended; nothing kept" for name in summary["unfinished"]
         ]
         lines += _block("tried", tried)
-        lines += _block("next", [_format_next(advice, summary["ms_per_step"]) for advice in summary["next"]]) or (
+        coming = [_format_next(advice, summary["ms_per_step"]) for advice in summary["next"]] + self._waiting_trials()
+        lines += _block("next", coming) or (
             [f"  next     nothing measured to try: {self._profile_reason()}"] if self._profile_reason() else []
         )
         if self.ranks is not None:
@@ -257,6 +258,16 @@ class Report:
         if self.children:
             lines.append(f"  children {_format_children(self.children)}")
         return lines
+
+    def _waiting_trials(self) -> list:
+        """Trials a unit holds back until the run has lasted long enough to pay for their one-off: what
+        a longer run of the script would try."""
+        return [
+            f"{row['name']}: a trial waits for step {row['figures']['trial_waits_for_step']}, from where the run "
+            "could pay for its one-off (--verbose: the estimate)"
+            for row in self.units
+            if row.get("reason_code") == "trial_waits" and "trial_waits_for_step" in row.get("figures", {})
+        ]
 
     def _profile_reason(self) -> str:
         """What bounds the step, where the step profiler classified it."""
