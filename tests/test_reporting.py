@@ -60,7 +60,7 @@ def test_the_default_report_is_short_and_says_what_changed_and_its_effect(tmp_pa
     """A person reads it in five seconds: the header (CI greps it), the run, each change with what
     it did to the run's steps, and nothing of the per-unit table, which --verbose and the JSON keep."""
     path = tmp_path / "report.json"
-    result = run_python("-m", "autogaudi", "--report", path, SCRIPTS / "train_adamw_mlp.py")
+    result = run_python("-m", "autogaudi", "--report", path, SCRIPTS / "train_tiny.py", env=clean_env(MODEL="mlp"))
     lines = result.stderr.splitlines()
     assert re.match(r"^autogaudi .* report \(torch", lines[0]) and len(lines) <= 10, result.stderr
     assert [line[:11] for line in lines[1:3]] == ["  run      ", "  changed  "]
@@ -74,7 +74,9 @@ def test_the_default_report_is_short_and_says_what_changed_and_its_effect(tmp_pa
 
 def test_the_report_leads_with_what_autogaudi_changed(tmp_path):
     path = tmp_path / "report.json"
-    result = run_python("-m", "autogaudi", "--verbose", "--report", path, SCRIPTS / "train_adamw_mlp.py")
+    result = run_python(
+        "-m", "autogaudi", "--verbose", "--report", path, SCRIPTS / "train_tiny.py", env=clean_env(MODEL="mlp")
+    )
     report = json.loads(path.read_text())
     changed = {row["unit"] for row in report["changed"]}
     assert "fused_optimizer" in changed  # its AdamW's fused update measured faster: kept
