@@ -57,6 +57,9 @@ from autogaudi.unit import ROUNDING, Scope, Unit
 PAIRS = 5
 # A majority of PAIRS: where that many pairs read alike (a single process's census), the rest are not taken.
 DECIDING_PAIRS = PAIRS // 2 + 1
+# The most training steps after warm-up the census waits for another unit's timing: an optimizer that
+# steps every step is decided within 13 of its own; one that stopped stepping would be waited for forever.
+MEASURING_WAIT_STEPS = 16
 # The most of a run the census's one-off (the backend's ``census_one_off_s``) may cost: it starts once
 # the run so far, with the steps a framework says are left, is long enough to carry it.
 CENSUS_ONE_OFF_SHARE = 0.05
@@ -642,6 +645,8 @@ class StepProfiler(Unit):
         """Whether another unit times work of its own inside the steps (fused_optimizer's update
         against torch's, on copies): a census step would count that work as the step's, and its
         dispatch mode would slow what the unit times. The census starts after it."""
+        if self.session.steps.steps >= self.options.warmup_steps + MEASURING_WAIT_STEPS:
+            return False
         measuring = [unit.name for unit in self.session.applied if unit is not self and unit.measuring_steps()]
         if measuring and self.reason.code != "others_measuring":
             self.because("others_measuring", units=", ".join(measuring))

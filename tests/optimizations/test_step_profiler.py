@@ -196,6 +196,37 @@ def test_a_forced_unit_a_trial_or_several_ranks_take_the_census_one_off_at_once(
     assert profile_row()["figures"]["profiled_at_step"] == 3 + 2 * (PAIRS if several else DECIDING_PAIRS)
 
 
+def test_the_census_waits_for_another_units_timing_but_not_for_an_optimizer_that_stopped_stepping(step_clock):
+    """The census starts once fused_optimizer's update is decided; an optimizer stepped twice and then
+    never again (its update never decided) holds it back no more than MEASURING_WAIT_STEPS."""
+    from autogaudi.optimizations import fused_optimizer, step_profiler
+
+    autogaudi.enable(device="cpu", only="step_profiler,fused_optimizer")
+    model = Timed(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3)), host=0.010)
+    main = torch.optim.AdamW(model.parameters())
+    for stepped_twice in (False, True):
+        idle_model = nn.Linear(2, 2)
+        idle = torch.optim.AdamW(idle_model.parameters())
+        seen = []
+        for step, (inputs, labels) in zip(range(80), small_batches()):
+            nn.functional.cross_entropy(model(inputs), labels).backward()
+            main.step()
+            main.zero_grad()
+            if stepped_twice and step < 2:
+                idle_model(torch.ones(1, 2)).sum().backward()
+                idle.step()
+            seen.append(profile_row()["reason_code"])
+        profiled_at = profile_row()["figures"]["profiled_at_step"]
+        if stepped_twice:
+            first = 3 + step_profiler.MEASURING_WAIT_STEPS
+        else:
+            first = 1 + fused_optimizer.SETTLED_AFTER  # the main optimizer's update decided
+        assert "others_measuring" in seen
+        assert profiled_at == first + 2 * DECIDING_PAIRS, seen
+        autogaudi.disable()
+        autogaudi.enable(device="cpu", only="step_profiler,fused_optimizer")
+
+
 def test_a_step_whose_ops_compute_most_of_it_is_device_bound(step_clock):
     autogaudi.enable(device="cpu", only="step_profiler")
     train(Timed(nn.Linear(8, 3), host=0.002, device=0.008), small_batches())
