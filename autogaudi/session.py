@@ -95,7 +95,7 @@ class Session:
             self.steps,
             self.events,
             on_idle=self.check_settled,
-            measuring=lambda: any(unit.measuring_steps() for unit in self.applied),
+            measuring=lambda: bool(self.measuring_units()),
         )
         if torch.distributed.is_available():
             self._scope.wrap(torch.distributed, "destroy_process_group", self._before_destroy)
@@ -173,6 +173,11 @@ class Session:
         profiler = self.unit("step_profiler")
         profiling = profiler is not None and profiler in self.applied and profiler.profile is None
         return not profiling and self.trials.idle and not any(unit.deciding() for unit in self.applied)
+
+    def measuring_units(self) -> list:
+        """The units in force doing work of their own inside the steps to measure something: trials
+        and the step profile's census wait for them."""
+        return [unit for unit in self.applied if unit.measuring_steps()]
 
     def check_settled(self) -> None:
         """Called when a decision may have been made: the profile published, a trial or check decided."""

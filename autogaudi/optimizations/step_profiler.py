@@ -647,7 +647,7 @@ class StepProfiler(Unit):
         dispatch mode would slow what the unit times. The census starts after it."""
         if self.session.steps.steps >= self.options.warmup_steps + MEASURING_WAIT_STEPS:
             return False
-        measuring = [unit.name for unit in self.session.applied if unit is not self and unit.measuring_steps()]
+        measuring = [unit.name for unit in self.session.measuring_units()]
         if measuring and self.reason.code != "others_measuring":
             self.because("others_measuring", units=", ".join(measuring))
         return bool(measuring)
