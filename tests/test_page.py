@@ -1,6 +1,7 @@
 """The report as a person sees it: the page --report run.html writes, drawn by a real browser, and
 the facts the short report rests on (bounded timeline, a trial cut short is no change)."""
 
+import gc
 import json
 import shutil
 import subprocess
@@ -72,6 +73,21 @@ def test_the_timeline_stays_bounded_and_keeps_the_run_s_time():
     assert len(data["step_s"]) <= MAX_POINTS and data["every"] == 8
     assert timeline.seconds == pytest.approx(0.0015 * (5 * MAX_POINTS + 3), rel=1e-3)
     assert len(data["events"]) == MAX_EVENTS and data["events_left_out"] == 5 * MAX_POINTS + 3 - MAX_EVENTS
+
+
+def test_a_timeline_step_leaves_the_garbage_collector_nothing_to_track():
+    """A tracked object kept per step would bring a full collection into short runs (timeline.py)."""
+    timeline = Timeline()
+    was_enabled = gc.isenabled()
+    gc.disable()  # no collection between the two counts
+    try:
+        tracked = len(gc.get_objects())
+        for _ in range(3 * MAX_POINTS):
+            timeline.step(0.001)
+        kept = len(gc.get_objects()) - tracked
+    finally:
+        (gc.enable if was_enabled else gc.disable)()
+    assert kept < 10
 
 
 def test_a_run_that_ends_during_a_trial_changed_nothing(trial_clock):
