@@ -1,5 +1,6 @@
 """The process-wide guard: every ordering of import, enable and disable, each in a fresh process."""
 
+import gc
 import json
 
 import pytest
@@ -80,3 +81,34 @@ def test_report_still_answers_after_disable():
     assert report["active"] is False
     assert report["steps"]["optimizer_steps"] == report["steps"]["backward_passes"] == 5
     assert report["backend"]["name"] == "cpu"
+
+
+@pytest.mark.parametrize("collector_on", [True, False])
+def test_starting_a_session_runs_no_garbage_collection_and_leaves_the_collector_as_it_was(collector_on):
+    """Importing torch leaves a full collection due: the objects autogaudi's start allocates must
+    not bring it into the user's run. At a threshold of one allocation the collector runs at every
+    allocation it is on for: only the few of entering and leaving the pause may meet it (thousands
+    without the pause)."""
+    collections, starting = [], [False]
+
+    def seen(phase, info):
+        if phase == "start" and starting[0]:
+            collections.append(info["generation"])
+
+    threshold = gc.get_threshold()
+    was_enabled = gc.isenabled()
+    gc.callbacks.append(seen)
+    gc.set_threshold(1)
+    (gc.enable if collector_on else gc.disable)()
+    try:
+        starting[0] = True
+        autogaudi.enable(device="cpu")
+        starting[0] = False
+        enabled_after = gc.isenabled()
+    finally:
+        gc.callbacks.remove(seen)
+        gc.set_threshold(*threshold)
+        (gc.enable if was_enabled else gc.disable)()
+    assert autogaudi.report().as_dict()["active"] is True  # the session did start
+    assert len(collections) < 10
+    assert enabled_after is collector_on
