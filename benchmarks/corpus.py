@@ -269,15 +269,27 @@ def _text(output) -> str:
     return output.decode(errors="replace") if isinstance(output, bytes) else (output or "")
 
 
+def run_setup(case: dict, folder: Path) -> None:
+    """The case's set-up commands, plain; each run again, at most twice more, where it ended in gloo's
+    teardown abort (a set-up that fails otherwise raises: the case cannot be measured)."""
+    env = clean_env(case, "plain")
+    for command in case.get("setup", ()):
+        for again in range(3):
+            done = subprocess.run(
+                [sys.executable, *command], cwd=folder, env=env, capture_output=True, text=True, timeout=600
+            )
+            if done.returncode == 0 or GLOO_TEARDOWN_ABORT not in done.stderr or again == 2:
+                break
+        done.check_returncode()
+
+
 def run_variant(case: dict, variant: str, scratch: Path, timeout: float) -> dict:
     root = scratch / case["name"] / variant.replace(" ", "-")
     shutil.rmtree(root, ignore_errors=True)  # a run again starts from a fresh copy
     copy = root / "corpus"
     shutil.copytree(case["corpus"], copy, ignore=shutil.ignore_patterns("__pycache__"))
     folder = copy / case["dir"]
-    env = clean_env(case, "plain")
-    for command in case.get("setup", ()):
-        subprocess.run([sys.executable, *command], cwd=folder, env=env, check=True, capture_output=True, timeout=600)
+    run_setup(case, folder)
     before = snapshot(copy)
     report_path = root / "autogaudi-report.json"
     extra = [*VARIANTS[variant], "--report", str(report_path)] if VARIANTS[variant] else []

@@ -217,3 +217,22 @@ def test_the_fsdp2_example_runs_on_two_ranks_plain_and_under_autogaudi(tmp_path)
             assert sorted(ranks) == ["0", "1"], where
             assert not [unit for rank in ranks.values() for unit in rank if unit["status"] == "failed"], where
     assert done.returncode == 0
+
+
+def test_a_set_up_that_ends_in_gloos_teardown_abort_runs_again_and_other_failures_raise(monkeypatch, tmp_path):
+    corpus = load_corpus()
+    outcomes = iter([(1, corpus.GLOO_TEARDOWN_ABORT), (0, ""), (1, "Traceback: a real error")])
+    calls = []
+
+    def run(command, **kwargs):
+        calls.append(command)
+        code, stderr = next(outcomes)
+        return subprocess.CompletedProcess(command, code, "", stderr)
+
+    monkeypatch.setattr(corpus.subprocess, "run", run)
+    case = {"name": "a-case", "setup": [["setup.py"]]}
+    corpus.run_setup(case, tmp_path)
+    assert len(calls) == 2
+    with pytest.raises(subprocess.CalledProcessError):
+        corpus.run_setup(case, tmp_path)
+    assert len(calls) == 3
