@@ -173,3 +173,21 @@ def test_cli_options_reach_child_processes(tmp_path):
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["7", "1"]
     assert os.environ.get("AUTOGAUDI_LOG_EVERY") is None
+
+
+def test_a_process_launcher_s_own_process_runs_without_autogaudi_and_hands_it_to_its_workers():
+    """torchrun's agent only starts and watches workers: a session there would patch torch for nothing."""
+    code = (
+        "import json, os, runpy, sys\n"
+        "sys.argv = ['autogaudi', '-m', 'torch.distributed.run', '--help']\n"
+        "try:\n"
+        "    runpy.run_module('autogaudi', run_name='__main__', alter_sys=True)\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "import autogaudi\n"
+        "print(json.dumps({'torch': 'torch' in sys.modules, 'enabled': autogaudi.is_enabled(),"
+        " 'workers_get': os.environ.get('AUTOGAUDI')}))\n"
+    )
+    result = run_python("-c", code)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout.splitlines()[-1]) == {"torch": True, "enabled": False, "workers_get": "1"}
