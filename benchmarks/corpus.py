@@ -269,17 +269,29 @@ def _text(output) -> str:
     return output.decode(errors="replace") if isinstance(output, bytes) else (output or "")
 
 
+def again_after_teardown_abort(run, exit_code_and_output) -> tuple:
+    """``run()``, run again, at most twice more, while its result (read by ``exit_code_and_output``)
+    ended in gloo's teardown abort; the last result and how many runs came after the first."""
+    result = run()
+    for again in range(1, 3):
+        exit_code, output = exit_code_and_output(result)
+        if exit_code == 0 or GLOO_TEARDOWN_ABORT not in output:
+            return result, again - 1
+        result = run()
+    return result, 2
+
+
 def run_setup(case: dict, folder: Path) -> None:
-    """The case's set-up commands, plain; each run again, at most twice more, where it ended in gloo's
-    teardown abort (a set-up that fails otherwise raises: the case cannot be measured)."""
+    """The case's set-up commands, plain, each run again after gloo's teardown abort as the measured
+    runs are (a set-up that fails otherwise raises: the case cannot be measured)."""
     env = clean_env(case, "plain")
     for command in case.get("setup", ()):
-        for again in range(3):
-            done = subprocess.run(
+        done, _ = again_after_teardown_abort(
+            lambda command=command: subprocess.run(
                 [sys.executable, *command], cwd=folder, env=env, capture_output=True, text=True, timeout=600
-            )
-            if done.returncode == 0 or GLOO_TEARDOWN_ABORT not in done.stderr or again == 2:
-                break
+            ),
+            lambda done: (done.returncode, done.stderr),
+        )
         done.check_returncode()
 
 
@@ -365,12 +377,10 @@ def verdict(case: dict, variant: str, plain: dict, mine: dict) -> dict:
 def run_variant_again_after_teardown_abort(case: dict, variant: str, scratch: Path, timeout: float) -> dict:
     """One run of ``variant``; run again, at most twice more, where it ended in gloo's teardown abort
     (plain or not)."""
-    run = run_variant(case, variant, scratch, timeout)
-    for again in range(1, 3):
-        if run["exit_code"] == 0 or GLOO_TEARDOWN_ABORT not in run["output_tail"]:
-            break
-        run = {**run_variant(case, variant, scratch, timeout), "runs_after_teardown_abort": again}
-    return run
+    run, again = again_after_teardown_abort(
+        lambda: run_variant(case, variant, scratch, timeout), lambda run: (run["exit_code"], run["output_tail"])
+    )
+    return {**run, "runs_after_teardown_abort": again} if again else run
 
 
 def repeat_timed(case: dict, runs: dict, scratch: Path, timeout: float, repeat: int) -> None:
