@@ -238,7 +238,8 @@ def test_saved_artifacts_make_the_estimate_a_warm_compiles(tmp_path, monkeypatch
     assert warm._estimate["seconds"] < cold._estimate["seconds"]
 
 
-def test_regional_is_chosen_where_it_pays_back_better():
+def test_regional_is_chosen_where_it_pays_back_better(monkeypatch):
+    monkeypatch.setattr(one_offs, "REGIONAL_KEEPS", 0.5)  # the rule, whatever the measured share
     whole = {"seconds": 20.0, "tier": "whole"}
     regional = {"seconds": 8.0, "tier": "regional"}  # 8 s for half the saving: pays back after 16 s of savings
     assert one_offs.choose([whole, regional], 0.01, None) is regional

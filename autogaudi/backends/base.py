@@ -63,6 +63,8 @@ class Backend:
     FUSED_TORCH_OPTIMIZERS = ("Adam", "AdamW", "SGD")
     # Whether graph_blocks can compile one block class for all its instances (regional compilation).
     graphs_by_region = True
+    # inductor options for graph_blocks' compile (torch.compile's ``options``: scoped to that compile).
+    region_compile_options: dict = {}
     # The replay tier (autogaudi.one_offs): graph_replay's one-off prior, seconds per sqrt(ops per step),
     # and the least it can cost; None where the backend has no such tier.
     replay_one_off_rate_s = None
@@ -106,7 +108,8 @@ class Backend:
         repeats of a GPT's layers compile once. No CUDA graphs: the blocks' replays would write into
         each other's inputs."""
         self._workers_were_running = compile_workers_running()
-        return torch.compile(_call_block, options={"fallback_random": True} if exact_random else None)
+        options = {**self.region_compile_options, **({"fallback_random": True} if exact_random else {})}
+        return torch.compile(_call_block, options=options or None)
 
     def graph_replay(self, module):
         """The replay tier, where ``replay_one_off_rate_s`` is set: like :meth:`graph_forward`, but the

@@ -417,9 +417,18 @@ def test_regional_capture_compiles_the_block_class_once_and_is_undone_exactly(mo
     model = Tower()
     keys = [set(vars(module)) for module in model.modules()]
     from torch._dynamo.utils import counters
+    from torch._inductor import config as inductor_config
+
+    from autogaudi.backends.base import compile_workers_running
 
     graphs_before = counters["stats"]["unique_graphs"]
-    losses = losses_of(model, batches())
+    pool_before, settings = compile_workers_running(), dict(cpp_wrapper=False, compile_threads=None)
+    with inductor_config.patch(settings):  # the script's own settings, whatever other tests left
+        losses = losses_of(model, batches())
+        # The CPU builds a block's graph as one C++ file, in this process: no compile pool started,
+        # and the options were the compile's own, not the script's.
+        assert compile_workers_running() == pool_before
+        assert {key: getattr(inductor_config, key) for key in settings} == settings
     figures = row()["figures"]
     assert figures["regions"] == {"container": "blocks", "block": "Sequential", "count": 4}
     assert figures["one_off_predicted_s"] == figures["one_off_predicted_regional_s"]
