@@ -46,8 +46,11 @@ def start_vector_isa_check() -> None:
     the trace that comes first. The check builds and loads a test program (4.4 s on the 2-core CPU
     with an empty inductor cache), and inductor runs it when it first generates code, after Dynamo and
     AOTAutograd have traced: there it waits for it. Mostly a subprocess, it overlaps the trace. Its
-    result is torch's own (cached once per process), so nothing differs but when it is paid."""
-    from torch._inductor import cpu_vec_isa
+    result is torch's own (cached once per process), so nothing differs but when it is paid. What the
+    check imports is imported here first (the compile imports it too), so that the thread imports
+    nothing while the trace does."""
+    import torch.utils.cpp_extension  # noqa: F401
+    from torch._inductor import codecache, cpp_builder, cpu_vec_isa  # noqa: F401
 
     threading.Thread(target=_vector_isa_list, args=(cpu_vec_isa,), name="autogaudi-vec-isa", daemon=True).start()
 

@@ -354,16 +354,39 @@ class WithDropout(nn.Module):
         return self.body(inputs)
 
 
+class TowerWithDropout(nn.Module):
+    """Repeated blocks with dropout: captured by region, each block's masks drawn in the compiled code."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(16, 16)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Dropout(0.5)) for _ in range(3))
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, inputs):
+        hidden = self.embed(inputs)
+        for block in self.blocks:
+            hidden = hidden + block(hidden)
+        return self.head(hidden)
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("tier, model_class", [("whole", WithDropout), ("regional", TowerWithDropout)])
 @pytest.mark.parametrize("exact", [True, False])
-def test_exact_random_compiles_dropout_to_eager_masks(exact):
+def test_exact_random_compiles_dropout_to_eager_masks(exact, tier, model_class, monkeypatch):
+    from autogaudi import one_offs
+
+    monkeypatch.setattr(one_offs, "REGIONAL_KEEPS", 1.0 if tier == "regional" else 1e-9)
+
     def run():
         torch.manual_seed(2)  # the dropout stream
-        return losses_of(WithDropout(), batches(), steps=STEPS + 10)
+        return losses_of(model_class(), batches(), steps=STEPS + 10)
 
     plain = run()
     autogaudi.enable(device="cpu", only="step_profiler,graph_capture", force="graph_capture", exact_random=exact)
     losses = run()
+    assert row()["figures"]["capture_tier"] == tier
     notes = row()["note_codes"]
     if exact:
         assert "dropout_exact" in notes and "dropout_differs" not in notes
