@@ -354,25 +354,8 @@ class WithDropout(nn.Module):
         return self.body(inputs)
 
 
-class TowerWithDropout(nn.Module):
-    """Repeated blocks with dropout: captured by region, each block's masks drawn in the compiled code."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.embed = nn.Linear(16, 16)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Dropout(0.5)) for _ in range(3))
-        self.head = nn.Linear(16, 3)
-
-    def forward(self, inputs):
-        hidden = self.embed(inputs)
-        for block in self.blocks:
-            hidden = hidden + block(hidden)
-        return self.head(hidden)
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("tier, model_class", [("whole", WithDropout), ("regional", TowerWithDropout)])
+@pytest.mark.parametrize("tier, model_class", [("whole", WithDropout), ("regional", lambda: Tower(dropout=0.5))])
 @pytest.mark.parametrize("exact", [True, False])
 def test_exact_random_compiles_dropout_to_eager_masks(exact, tier, model_class, monkeypatch):
     from autogaudi import one_offs
@@ -415,13 +398,15 @@ def test_hpu_graphs_and_eager_steps_never_share_a_gradient_tensor(hpu_double):
 
 
 class Tower(nn.Module):
-    """An embedding, four repeats of one block and a head: a GPT's shape in miniature."""
+    """An embedding, four repeats of one block and a head: a GPT's shape in miniature (with
+    ``dropout``, each block ends in a dropout of that rate)."""
 
-    def __init__(self):
+    def __init__(self, dropout=None):
         super().__init__()
         torch.manual_seed(0)
         self.embed = nn.Linear(16, 16)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(4))
+        ending = [] if dropout is None else [nn.Dropout(dropout)]
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Tanh(), *ending) for _ in range(4))
         self.head = nn.Linear(16, 3)
 
     def forward(self, inputs):
