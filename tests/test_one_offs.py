@@ -131,6 +131,20 @@ def test_a_plain_loop_waits_until_its_steps_could_have_paid_this_models_estimate
         assert too_short is None and start_at == math.ceil(estimate / saved_per_step_s)
 
 
+def test_a_regional_capture_is_waited_for_and_judged_on_the_share_of_the_saving_it_keeps(monkeypatch):
+    blocks = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8))  # every parameter in a block
+    monkeypatch.setattr(graph_capture, "remaining_steps", lambda: None)
+    unit = Unit()
+    too_short, start_at = unit._when_to_try(Profile(blocks, 2500))
+    assert unit.figures["capture_tier"] == "regional"
+    saved_per_step_s = 0.010 * 0.5 * one_offs.REGIONAL_KEEPS
+    estimate = CpuBackend.capture_one_off_rate_s * math.sqrt(2500 / 3)  # one block of three compiled
+    assert too_short is None and start_at == math.ceil(estimate / saved_per_step_s)
+    monkeypatch.setattr(graph_capture, "remaining_steps", lambda: (1000, "a framework"))
+    too_short, _ = Unit()._when_to_try(Profile(blocks, 2500))
+    assert too_short["most"] == pytest.approx(1000 * saved_per_step_s)
+
+
 def test_known_remaining_steps_that_cannot_pay_the_estimate_start_no_trial(monkeypatch):
     monkeypatch.setattr(graph_capture, "remaining_steps", lambda: (1000, "a framework"))
     # 1000 steps saving 5 ms each: 5 s. A 100-op model is estimated at 8 s, a 16-op one at the 2 s floor.

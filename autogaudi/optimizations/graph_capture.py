@@ -318,8 +318,9 @@ class GraphCapture(DecidesCandidate):
         either way the run loses at most about one one-off against the best choice in hindsight."""
         if profile.model is None:  # refused: no training model
             return None, 0
-        saved_per_step_s = _saved_per_step_s(profile)
         params = self._estimate_params(profile)
+        # the tier chosen keeps only its share of what a whole capture could save
+        saved_per_step_s = _saved_per_step_s(profile) * one_offs.keeps(self._estimate["tier"])
         remaining = remaining_steps()
         if remaining is None:
             return None, math.ceil(params["estimate"] / saved_per_step_s)
