@@ -82,6 +82,11 @@ def guarded_call(owner, wrapper, wrapped, args: tuple, kwargs: dict):
         if call.ran:
             return call.result
         return wrapped(*call.args, **call.kwargs)
+    finally:
+        # The user's exception holds this frame in its traceback, and the frame holds ``call``: kept,
+        # that cycle would keep the caller's frames alive (a loop's StopIteration every epoch, with
+        # the DataLoaders and tensors in them) until the garbage collector ran, not until return.
+        call.raised = None
 
 
 def run_guarded(owner, fn, *args, fallback=None):

@@ -36,7 +36,8 @@ def bare_report(**fields):
 
 class GuardOwner:
     """What the core's guard and dispatcher see of a unit: in force until something of its raises,
-    which it keeps instead of reverting anything."""
+    which it keeps (as text, as a unit does: the exception would keep its traceback's frames)
+    instead of reverting anything."""
 
     def __init__(self):
         self.failures = []
@@ -46,7 +47,7 @@ class GuardOwner:
         return not self.failures
 
     def failed_at_run_time(self, error):
-        self.failures.append(error)
+        self.failures.append(repr(error))
 
 
 class SimulatedClock:

@@ -5,7 +5,8 @@ objects, the outcome is plain PyTorch's: ``torch.save(model)`` loads back as a p
 ``pickle`` and ``copy.deepcopy`` give plain objects that hold nothing of autogaudi's,
 ``state_dict()`` loads into a plain model and optimizer, ``autograd.grad(create_graph=True)``,
 ``torch.utils.checkpoint`` and the script's own ``torch.compile`` give plain's numbers, a
-``KeyboardInterrupt`` raised in the script's code reaches the script as it was, and a checkpoint
+``KeyboardInterrupt`` raised in the script's code reaches the script as it was, what the script
+drops dies when it drops it (as plain's does, without waiting for the garbage collector), and a checkpoint
 taken in that state resumes in plain PyTorch on the loss curve an uninterrupted plain run draws.
 
 A new unit is covered without a row written for it: it declares its states (a base class's by
@@ -17,9 +18,11 @@ tests/optimizations/test_capture_safety.py), so the matrix stays cheap enough to
 """
 
 import copy
+import gc
 import importlib
 import io
 import pickle
+import weakref
 
 import pytest
 import torch
@@ -259,6 +262,38 @@ def check_operations(training: Training, images, tolerance: float) -> None:
         assert raised.value is interrupt
     finally:
         handle.remove()
+
+    check_dropped_objects_die()
+
+
+def train_in_a_function():
+    """A script's training function: its model, optimizer, DataLoader (run to its end, so that the
+    loader's StopIteration passes every wrapper of ``__next__``) and tensors are its locals; weak
+    references to them come back."""
+    torch.manual_seed(2)
+    model = ContractNet()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    dataset = torch.utils.data.TensorDataset(torch.randn(16, 3, 8, 8), torch.randint(0, 3, (16,)))
+    loader = torch.utils.data.DataLoader(dataset, batch_size=8)
+    for images, labels in loader:
+        loss = F.cross_entropy(model(images), labels)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return {name: weakref.ref(obj) for name, obj in locals().items() if name != "dataset"}
+
+
+def check_dropped_objects_die() -> None:
+    """Reference counting alone frees the function's objects at its return, as without autogaudi:
+    a cycle through autogaudi's objects would keep them (a DataLoader's worker processes, a model's
+    device memory) until the garbage collector ran, which a script cannot see or time."""
+    gc.disable()
+    try:
+        references = train_in_a_function()
+        alive = sorted(name for name, reference in references.items() if reference() is not None)
+    finally:
+        gc.enable()
+    assert not alive, f"kept alive after the function returned: {alive}"
 
 
 @pytest.fixture

@@ -3,7 +3,9 @@ user's call twice, switches the owner off; no unit can hand torch a callable aro
 deliberately broken unit, wherever it breaks, leaves the user's run as plain PyTorch's."""
 
 import ast
+import gc
 import pathlib
+import weakref
 
 import pytest
 import torch
@@ -38,6 +40,38 @@ def test_the_users_exception_propagates_unchanged_and_the_owner_stays_on():
     with pytest.raises(ValueError) as raised:
         guard.guarded_call(owner, lambda call, args, kwargs: call(*args, **kwargs), users, (1,), {})
     assert raised.value is error and users.calls == 1 and owner.in_force
+
+
+@pytest.mark.parametrize("wrapper_replaces_it", [False, True])
+def test_the_users_exception_leaves_no_cycle_that_keeps_the_callers_objects(wrapper_replaces_it):
+    """A loop's StopIteration passes the guard every epoch: the caller's locals die at its return,
+    by reference counting, as without the guard."""
+    owner = GuardOwner()
+
+    def wrapper(call, args, kwargs):
+        try:
+            return call(*args, **kwargs)
+        except StopIteration:
+            if wrapper_replaces_it:
+                raise RuntimeError("autogaudi's") from None
+            raise
+
+    def exhausted():  # a fresh exception, as an iterator's end raises: one held would close a cycle
+        raise StopIteration
+
+    def caller():
+        held = torch.zeros(3)
+        try:  # not pytest.raises: what it keeps of the exception would hold this frame itself
+            guard.guarded_call(owner, wrapper, exhausted, (), {})
+        except StopIteration:
+            return weakref.ref(held)
+        raise AssertionError("the user's StopIteration did not arrive")
+
+    gc.disable()
+    try:
+        assert caller()() is None
+    finally:
+        gc.enable()
 
 
 def test_autogaudi_raising_before_the_call_switches_it_off_and_the_call_runs_once():
