@@ -1,5 +1,7 @@
 """Helpers shared by the tests: paths and a subprocess runner with a clean environment."""
 
+import contextlib
+import gc
 import os
 import subprocess
 import sys
@@ -120,3 +122,16 @@ def run_python(*args, env=None, cwd=None, timeout=180):
         text=True,
         timeout=timeout,
     )
+
+
+@contextlib.contextmanager
+def collector_off():
+    """The garbage collector off inside, and as it was after: what dies inside died by reference
+    counting alone, as a script's objects die when it drops them."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()

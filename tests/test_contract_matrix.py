@@ -18,7 +18,6 @@ tests/optimizations/test_capture_safety.py), so the matrix stays cheap enough to
 """
 
 import copy
-import gc
 import importlib
 import io
 import pickle
@@ -36,7 +35,7 @@ from autogaudi import runtime, trials
 from autogaudi.backends.cpu import CpuBackend
 from autogaudi.optimizations import step_profiler
 from autogaudi.registry import UNITS
-from tests.helpers import SWITCHED_ON_BY, TRIAL_BY
+from tests.helpers import SWITCHED_ON_BY, TRIAL_BY, collector_off
 
 RESUMED_STEPS = 3
 MAX_STEPS = 120  # a state not reached by then fails the test
@@ -287,12 +286,9 @@ def check_dropped_objects_die() -> None:
     """Reference counting alone frees the function's objects at its return, as without autogaudi:
     a cycle through autogaudi's objects would keep them (a DataLoader's worker processes, a model's
     device memory) until the garbage collector ran, which a script cannot see or time."""
-    gc.disable()
-    try:
+    with collector_off():
         references = train_in_a_function()
         alive = sorted(name for name, reference in references.items() if reference() is not None)
-    finally:
-        gc.enable()
     assert not alive, f"kept alive after the function returned: {alive}"
 
 

@@ -3,7 +3,6 @@ user's call twice, switches the owner off; no unit can hand torch a callable aro
 deliberately broken unit, wherever it breaks, leaves the user's run as plain PyTorch's."""
 
 import ast
-import gc
 import pathlib
 import weakref
 
@@ -18,7 +17,7 @@ from autogaudi.events import Event
 from autogaudi.model_call import Layer
 from autogaudi.registry import UNITS, UnitInfo
 from autogaudi.unit import ActsOnProfile
-from tests.helpers import REPO, GuardOwner
+from tests.helpers import REPO, GuardOwner, collector_off
 
 
 class Counted:
@@ -67,11 +66,8 @@ def test_the_users_exception_leaves_no_cycle_that_keeps_the_callers_objects(wrap
             return weakref.ref(held)
         raise AssertionError("the user's StopIteration did not arrive")
 
-    gc.disable()
-    try:
+    with collector_off():
         assert caller()() is None
-    finally:
-        gc.enable()
 
 
 def test_autogaudi_raising_before_the_call_switches_it_off_and_the_call_runs_once():
