@@ -415,7 +415,7 @@ class TrainingSteps:
         model that was not (a teacher, a frozen part) is forgotten. Each model is told apart once
         (a rollout under no_grad in every step must not walk the parameters every step). The
         timeline marks them."""
-        if not self.optimizers and self.counted_by != BY_BACKWARD:
+        if not self._evaluated or (not self.optimizers and self.counted_by != BY_BACKWARD):
             return
         unknown = [module for module in list(self._evaluated.keys()) if module not in self._trained]
         if unknown:
