@@ -22,12 +22,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import run as suite  # noqa: E402
 
 MODES = ("none", "sequential", "aside")
 
@@ -67,10 +71,6 @@ print(json.dumps({"steps": steps, "window_s": round(time.perf_counter() - start,
 """
 
 
-def machine() -> str:
-    return f"{platform.machine()}-{os.cpu_count()}core-cpu"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -90,14 +90,14 @@ def main() -> None:
 
     steps = {mode: statistics.median(row["steps"] for row in rows if row["mode"] == mode) for mode in MODES}
     result = {
-        "machine": machine(),
+        "machine": suite.machine_name(),
         "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d"),
         "seconds": options.seconds,
         "median_steps": steps,
         "rows": rows,
     }
-    out = Path(options.out or Path(__file__).parent / "results" / f"import_aside-{machine()}.json")
+    out = Path(options.out or HERE / "results" / f"import_aside-{suite.machine_name()}.json")
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"median steps in {options.seconds} s: {steps}; written to {out}")
 

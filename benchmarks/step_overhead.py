@@ -14,14 +14,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 import autogaudi
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import run as suite  # noqa: E402
 
 WEIGHT = torch.randn(4, 1, requires_grad=True)
 
@@ -91,7 +95,7 @@ def main() -> None:
             print(rows[-1], flush=True)
     added = {name: statistics.median(row["added_us"] for row in rows if row["call"] == name) for name in CALLS}
     result = {
-        "machine": f"{platform.machine()}-{os.cpu_count()}core-cpu",
+        "machine": suite.machine_name(),
         "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d"),
         "median_added_us": added,
