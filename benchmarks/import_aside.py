@@ -25,7 +25,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -86,13 +85,9 @@ def main() -> None:
             )
             rows.append({"round": round_, "mode": mode, "load_before": load, **json.loads(done.stdout)})
             print(rows[-1], flush=True)
-    import torch
-
     steps = {mode: statistics.median(row["steps"] for row in rows if row["mode"] == mode) for mode in MODES}
     result = {
-        "machine": suite.machine_name(),
-        "torch": torch.__version__,
-        "date": time.strftime("%Y-%m-%d"),
+        **suite.provenance(),
         "seconds": options.seconds,
         "median_steps": steps,
         "rows": rows,

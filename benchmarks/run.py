@@ -112,6 +112,13 @@ def machine_name() -> str:
 CACHES = tempfile.TemporaryDirectory(prefix="autogaudi-bench-caches-")
 
 
+def provenance() -> dict:
+    """What a results file says it was measured on: the machine, torch's version and the date."""
+    import torch
+
+    return {"machine": machine_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
+
+
 def clean_env(**extra) -> dict:
     """The environment less autogaudi's variables, with a fresh cache folder: each run is a first run
     (nothing remembered, nothing compiled); second_run.py measures what the cache saves."""

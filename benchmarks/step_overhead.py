@@ -95,9 +95,7 @@ def main() -> None:
             print(rows[-1], flush=True)
     added = {name: statistics.median(row["added_us"] for row in rows if row["call"] == name) for name in CALLS}
     result = {
-        "machine": suite.machine_name(),
-        "torch": torch.__version__,
-        "date": time.strftime("%Y-%m-%d"),
+        **suite.provenance(),
         "median_added_us": added,
         "rows": rows,
     }
