@@ -348,8 +348,7 @@ class TrainingSteps:
         self.last_step_clock = now
         if self._timed_from is None and self.warmed_up:
             self._timed_from = (self.steps, now)
-        if self._evaluated:
-            self._tell_evaluation_passes()
+        self._tell_evaluation_passes()
         if self.steps >= EVALUATION_CHECKED_AT_STEP > self.steps - steps and self._outermost_calls > self.steps:
             self._stop_counting_evaluation()
             self.evaluation_counted_until = self.steps
