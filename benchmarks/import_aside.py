@@ -92,7 +92,7 @@ def main() -> None:
         "median_steps": steps,
         "rows": rows,
     }
-    out = Path(options.out or HERE / "results" / f"import_aside-{suite.machine_name()}.json")
+    out = Path(options.out or HERE / "results" / f"import_aside-{result['machine']}.json")
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"median steps in {options.seconds} s: {steps}; written to {out}")
 
