@@ -26,7 +26,7 @@ import signal
 import sys
 import types
 
-from autogaudi import runtime
+from autogaudi import report_file, runtime
 from autogaudi._paths import bootstrap_dir
 from autogaudi._version import __version__
 from autogaudi.errors import OptionsError
@@ -112,8 +112,12 @@ def main(argv=None):
         parser.error("give a script to run, or -m module")
     try:
         options = Options.from_env().replace(**given)
+        report_file.check(options.report)
     except OptionsError as error:
         parser.error(str(error))
+    if options.report is not None:  # children (torchrun workers) write where this folder says, too
+        given["report"] = report_file.resolved(options.report)
+        options = options.replace(report=given["report"])
     _export_to_children(options, given)
     if not (is_module and target in PROCESS_LAUNCHERS):
         runtime.enable_with_source(given, "launcher")

@@ -15,7 +15,7 @@ import contextlib
 import gc
 import sys
 
-from autogaudi import children
+from autogaudi import children, report_file
 from autogaudi._after_import import call_after_import
 from autogaudi.options import Options
 
@@ -52,6 +52,9 @@ def enable_with_source(overrides: dict, source: str) -> None:
     with _STATE.lock, collector_paused():
         base = _STATE.options if _STATE.options is not None else Options.from_env()
         options = base.replace(**overrides) if overrides else base
+        if options.report is not None:  # checked now, written at exit: a script may change folder
+            report_file.check(options.report)
+            options = options.replace(report=report_file.resolved(options.report))
         if source not in _STATE.sources:
             _STATE.sources.append(source)
         if _STATE.options is not None:

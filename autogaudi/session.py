@@ -18,7 +18,7 @@ import traceback
 import torch
 import torch.distributed
 
-from autogaudi import backends
+from autogaudi import backends, report_file
 from autogaudi.cache import RECIPE_CACHE, Cache, compile_cache_environment
 from autogaudi.children import gathered as gathered_children
 from autogaudi.events import Dispatcher
@@ -324,12 +324,15 @@ class Session:
         if not (explicit or self.steps.trained) or not is_rank_zero():
             return
         report = self.report()
+        not_written = None
         if self.options.report:
-            page = self.options.report.lower().endswith(".html")
-            with open(self.options.report, "w", encoding="utf-8") as handle:
-                handle.write(render_page(report) if page else report.to_json())
-        if not self.options.quiet:
-            sys.stderr.write(report.format())
+            try:
+                page = self.options.report.lower().endswith(".html")
+                report_file.write(self.options.report, render_page(report) if page else report.to_json())
+            except Exception as error:  # a full disk, a folder gone: the short report still arrives
+                not_written = f"autogaudi: the report file {self.options.report} was not written: {error!r}\n"
+        if not self.options.quiet or not_written:
+            sys.stderr.write(report.format() + (not_written or ""))
             sys.stderr.flush()
 
 

@@ -135,3 +135,25 @@ def collector_off():
     finally:
         if collecting:
             gc.enable()
+
+
+@contextlib.contextmanager
+def full_filesystem(where: Path):
+    """A small tmpfs mounted at ``where`` and filled to the last byte: what a run meets on a full
+    disk. Needs root (the tests skip, saying so, elsewhere)."""
+    import pytest
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a full tmpfs needs root")
+    where.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(where)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"could not mount a tmpfs: {mounted.stderr.decode().strip()}")
+    try:
+        with contextlib.suppress(OSError), open(where / "filler", "wb") as handle:
+            while True:
+                handle.write(b"\0" * 4096)
+                handle.flush()
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
