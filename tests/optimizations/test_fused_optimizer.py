@@ -546,7 +546,9 @@ def test_the_first_fused_steps_are_measured_against_torchs_unfused_step_on_copie
     figure = row["numerics_measured"]
     assert figure == row["figures"]["numerics_measured"]
     assert (figure["of"], figure["steps"]) == ("parameters", fused_optimizer.MEASURED_STEPS)
-    assert 0 < figure["max_rel_diff"] < 1e-5  # rounding: the last bits of a float32 parameter
+    # rounding: the last bits of a float32 parameter, or none (on some CPUs torch's fused and unfused
+    # AdamW kernels round these six steps the same way)
+    assert 0 <= figure["max_rel_diff"] < 1e-5
     assert autogaudi.report().numerics() == [{"unit": "fused_optimizer", "how": ["rounding"], "measured": figure}]
 
 
