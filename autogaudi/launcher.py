@@ -29,6 +29,7 @@ import types
 from autogaudi import runtime
 from autogaudi._paths import bootstrap_dir
 from autogaudi._version import __version__
+from autogaudi.cache import refusal as cache_refusal
 from autogaudi.errors import OptionsError
 from autogaudi.options import OPTIONS, Options
 from autogaudi.registry import UNITS
@@ -114,6 +115,9 @@ def main(argv=None):
         options = Options.from_env().replace(**given)
     except OptionsError as error:
         parser.error(str(error))
+    refused = cache_refusal(options)  # evicting there would delete the user's files: before the script starts
+    if refused:
+        parser.error(refused)
     _export_to_children(options, given)
     if not (is_module and target in PROCESS_LAUNCHERS):
         runtime.enable_with_source(given, "launcher")

@@ -19,6 +19,7 @@ CONV = SCRIPTS / "train_conv.py"
 
 def test_eviction_deletes_the_files_modified_longest_ago_until_under_the_limit(tmp_path):
     cache = Cache(str(tmp_path), max_bytes=2500)
+    cache.claim()
     for age, name in enumerate(["newest", "middle", "oldest"]):
         path = tmp_path / "decisions" / f"{name}.json"
         path.parent.mkdir(exist_ok=True)
@@ -84,7 +85,7 @@ def test_the_cache_command_lists_what_runs_remembered_and_clears_it(tmp_path):
     assert re.search(r"-bound \(run 1\); channels_last (kept|rejected) \(run 1\)", listed.stdout)
     cleared = run_python("-m", "autogaudi", "cache", "clear", "--cache-dir", cache_dir)
     assert cleared.returncode == 0 and "cleared" in cleared.stdout
-    assert os.listdir(cache_dir) == [".lock"]
+    assert sorted(os.listdir(cache_dir)) == [".lock", "CACHEDIR.TAG"]
     assert "remembered decisions: 0" in run_python("-m", "autogaudi", "cache", "list", "--cache-dir", cache_dir).stdout
     bad = run_python("-m", "autogaudi", "cache", "forget", "--cache-dir", cache_dir)
     assert bad.returncode == 2 and "list" in bad.stderr and "clear" in bad.stderr
