@@ -420,7 +420,7 @@ SCHEMAS = {
         "predicted_s": Maybe(NUMBER),
         "date": Maybe(str),
     },
-    "one_offs": {"records": ListOf(dict)},  # each record checked alone: a bad one is dropped, not all
+    "one_offs": {"records": list},  # each record checked alone: a bad one is dropped, not all
     "artifacts_index": {"key": MapOf((str, bool)), "blob": str, "sha256": str, "date": str},
 }
 
