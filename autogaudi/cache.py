@@ -220,7 +220,10 @@ class Cache:
                     fcntl.flock(handle, fcntl.LOCK_UN)
 
     def note(self, code: str, **params) -> None:
-        self.notes.append(note(code, **params))
+        """Say something in the report's cache notes, once however often it is found."""
+        said = note(code, **params)
+        if all(str(earlier) != str(said) for earlier in self.notes):
+            self.notes.append(said)
 
     def write_json(self, path: str, value) -> None:
         """Write ``value`` to ``path`` (inside the cache) atomically, then evict what is over the limit."""

@@ -100,10 +100,17 @@ def remembered(cache, backend) -> list:
     """The one-offs measured on this machine (backend, device, torch), oldest first; none without a cache."""
     if cache is None:
         return []
-    entry = read_json(records_path(cache, backend))
-    if entry is None or problem(entry, SCHEMAS["one_offs"]):
+    path = records_path(cache, backend)
+    if not os.path.lexists(path):
         return []
-    return [record for record in entry["records"] if problem(record, SCHEMAS["one_off"]) is None]
+    entry = read_json(path)
+    invalid = "not a JSON object" if entry is None else problem(entry, SCHEMAS["one_offs"])
+    kept = [] if invalid else [record for record in entry["records"] if problem(record, SCHEMAS["one_off"]) is None]
+    if not invalid and len(kept) < len(entry["records"]):
+        invalid = f"{len(entry['records']) - len(kept)} record(s) of {len(entry['records'])}"
+    if invalid:
+        cache.note("entry_invalid", problem=invalid, path=path)
+    return kept
 
 
 def remember(cache, backend, record: dict) -> bool:
@@ -213,7 +220,9 @@ def artifacts_lookup(cache, key) -> tuple:
     if not os.path.lexists(index):
         return None, "first", []
     saved = read_json(index)
-    if saved is None or problem(saved, SCHEMAS["artifacts_index"]):
+    invalid = "not a JSON object" if saved is None else problem(saved, SCHEMAS["artifacts_index"])
+    if invalid:
+        cache.note("entry_invalid", problem=invalid, path=index)
         return None, "invalid", []
     changed = [part for part in key if saved["key"].get(part) != key[part]]
     if changed:

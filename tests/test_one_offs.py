@@ -418,6 +418,7 @@ def test_a_spoilt_records_file_is_dropped_and_the_prior_used(tmp_path, how):
     assert len(one_offs.remembered(cache, cpu())) == 1
     corrupt(pathlib.Path(one_offs.records_path(cache, cpu())), how, tmp_path / "outside", wrong=b'{"records": "zzz"}')
     assert one_offs.remembered(cache, cpu()) == []
+    assert [note.code for note in cache.notes] == ["entry_invalid"]
 
 
 @pytest.mark.parametrize(
@@ -428,3 +429,4 @@ def test_a_record_that_is_not_what_autogaudi_writes_is_dropped_alone(tmp_path, r
     good = {"size": 10.0, "actual_s": 1.0, "warm": False, "tier": "whole"}
     cache.write_json(one_offs.records_path(cache, cpu()), {"records": [record, good]})
     assert one_offs.remembered(cache, cpu()) == [good]
+    assert [note.code for note in cache.notes] == ["entry_invalid"]
