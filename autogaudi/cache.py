@@ -18,16 +18,29 @@ or the new one, never half of one; eviction holds a lock on ``.lock`` (``fcntl.f
 process evicts at a time. Eviction keeps the folder under its size limit by deleting the files
 modified longest ago first, the policy of the Gaudi recipe cache. Nothing here imports torch: the
 ``cache`` command answers without it.
+
+The cache owns only what it wrote: its root carries a ``CACHEDIR.TAG``, and eviction and ``cache
+clear`` touch only plain files under the folders above, never a link's target, never a root without
+the tag (a folder holding other files and no tag is refused as a cache: :meth:`Cache.refusal`).
+What it loads can run code (compiled artifacts are pickles), so a cache another user owns or can
+write is not read at all unless the user says ``--cache-trust-shared`` (:meth:`Cache.distrust`), and
+an artifact loads only where its sha256 is the one recorded when it was saved. Entries are checked
+against :data:`SCHEMAS` when read: one that does not match is dropped with a note.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
+import stat
+import sys
 import tempfile
 import time
+
+from autogaudi.reasons import Reason
 
 try:
     import fcntl
@@ -36,8 +49,41 @@ except ImportError:  # Windows: writes stay atomic; eviction is not serialised
 
 DECISIONS = "decisions"
 COMPILE = "compile"
+ONE_OFFS = "one_offs"
+LAYOUT = (DECISIONS, COMPILE, ONE_OFFS)  # the only folders eviction and clear ever look into
 LOCK = ".lock"
+TAG = "CACHEDIR.TAG"  # https://bford.info/cachedir/: marks the folder as autogaudi's (backup tools skip it too)
+TAG_SIGNATURE = "Signature: 8a477f597d28d172789f06886806bc55"
+TAG_TEXT = (
+    f"{TAG_SIGNATURE}\n# This file is a cache directory tag created by autogaudi: every file under decisions/,\n"
+    "# compile/ and one_offs/ here is autogaudi's. See https://bford.info/cachedir/\n"
+)
+OWN = (*LAYOUT, LOCK, TAG)  # what an autogaudi cache holds at its root
 RECIPE_CACHE = "PT_HPU_RECIPE_CACHE_CONFIG"  # the Gaudi bridge's recipe disk cache, read when it loads
+FOLDER_MODE = 0o700
+TRUST_FLAG = "--cache-trust-shared"
+
+# What the report's cache notes can say: code -> text (the codes are what scripts and tests read).
+NOTES = {
+    "cache_refused": "cache not used: {why}",
+    "cache_untrusted": "cache not used: {why}; nothing is read from it (a folder another user can write "
+    "can make this run execute their code). Choose a folder of your own, or pass " + TRUST_FLAG,
+    "cache_not_used": "cache not used: {error!r}",
+    "compile_cache_untrusted": "torch.compile's cache ({variable}): {why}; torch loads compiled code from there",
+    "recipe_cache_not_set": "{variable} not set: the Gaudi bridge was loaded before autogaudi started",
+    "decisions_not_remembered": "decisions are not remembered: {error!r}",
+    "decisions_not_written": "could not write the decisions: {error!r}",
+    "not_evicted": "could not evict: {error!r}",
+    "entry_unreadable": "ignored a cache entry that could not be read: {path}",
+    "entry_other_setup": "ignored a cache entry written for another set-up (format {format}, autogaudi {version}): "
+    "{path}",
+    "entry_invalid": "ignored a cache entry that does not hold what autogaudi writes ({problem}): {path}",
+}
+
+
+def note(code: str, **params) -> Reason:
+    """One of the cache's notes (:data:`NOTES`), as the report carries it: code, text and values."""
+    return Reason(code, NOTES, **params)
 
 
 def default_root(environ=None) -> str:
@@ -46,30 +92,125 @@ def default_root(environ=None) -> str:
     return os.path.join(base, "autogaudi")
 
 
-class Cache:
-    """The folder at ``root``, kept under ``max_bytes``."""
+def distrust(path: str, follow: bool = True):
+    """Why a folder or file of the cache could hold another user's code, or None: it is not owned by
+    this user, or group or others can write it (the rule of pip's cache and Python's bytecode)."""
+    if not hasattr(os, "geteuid"):  # Windows: no owners or modes to read this way
+        return None
+    try:
+        found = os.stat(path) if follow else os.lstat(path)
+    except FileNotFoundError:
+        return None
+    if stat.S_ISLNK(found.st_mode):
+        return f"{path} is a symbolic link"
+    if found.st_uid != os.geteuid():
+        return f"{path} is owned by another user (uid {found.st_uid})"
+    if found.st_mode & 0o022:
+        return f"{path} can be written by {'others' if found.st_mode & 0o002 else 'its group'}"
+    return None
 
-    def __init__(self, root: str, max_bytes: int):
+
+def _has_tag(root: str) -> bool:
+    """Whether ``root`` carries autogaudi's ``CACHEDIR.TAG`` (a plain file, not a link)."""
+    try:
+        with open(os.path.join(root, TAG), "rb", opener=_no_follow) as handle:
+            return handle.read(len(TAG_SIGNATURE)) == TAG_SIGNATURE.encode()
+    except OSError:
+        return False
+
+
+def _no_follow(path, flags):
+    return os.open(path, flags | getattr(os, "O_NOFOLLOW", 0))
+
+
+class Cache:
+    """The folder at ``root``, kept under ``max_bytes``: autogaudi's own files only (:data:`LAYOUT`),
+    under a root that carries :data:`TAG`."""
+
+    def __init__(self, root: str, max_bytes: int, trust_shared: bool = False):
         self.root = os.path.abspath(root)
         self.max_bytes = max_bytes
+        self.trust_shared = trust_shared
+        self.notes: list = []  # what readers dropped (invalid entries), for the report
+        self._claimed = False
 
     @classmethod
     def for_options(cls, options):
         """The cache the options ask for, or None (``--no-cache``)."""
         if options.no_cache:
             return None
-        return cls(options.cache_dir or default_root(), options.cache_max_mb * 1024 * 1024)
+        return cls(options.cache_dir or default_root(), options.cache_max_mb * 1024 * 1024, options.cache_trust_shared)
+
+    def refusal(self):
+        """Why ``root`` cannot be autogaudi's cache, or None: it is not a folder, or it holds files
+        autogaudi did not write and no tag (a project folder, ``~/.cache`` itself). Evicting there
+        would delete the user's files."""
+        if not os.path.lexists(self.root):
+            return None
+        if not os.path.isdir(self.root):
+            return f"the cache folder {self.root} is not a folder. {self._choose()}"
+        if _has_tag(self.root):
+            return None
+        try:
+            others = sorted(name for name in os.listdir(self.root) if name not in OWN)
+        except OSError as error:
+            return f"the cache folder {self.root} cannot be listed ({error.strerror}). {self._choose()}"
+        if not others:  # empty, or an earlier autogaudi's cache (before the tag)
+            return None
+        shown = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
+        return (
+            f"the cache folder {self.root} holds files autogaudi did not write ({shown}) and no {TAG}; "
+            f"autogaudi would delete them to keep the cache under its size limit. {self._choose()}"
+        )
+
+    @staticmethod
+    def _choose() -> str:
+        return (
+            f"Choose an empty or new folder with --cache-dir (AUTOGAUDI_CACHE_DIR), leave it unset for the "
+            f"default ({default_root()}), or pass --no-cache"
+        )
+
+    def distrust(self):
+        """Why this cache could hold another user's code, or None (``--cache-trust-shared``: never):
+        its root or a folder of its layout is another user's or writable by others."""
+        if self.trust_shared:
+            return None
+        levels = [self.root] + [os.path.join(self.root, *parts) for parts in TRUSTED_LEVELS]
+        for level in levels:
+            why = distrust(level, follow=level == self.root)
+            if why:
+                return why
+        return None
+
+    def claim(self) -> None:
+        """Make ``root`` the cache (created, mode 0o700, tagged), unless it is refused (OSError)."""
+        if self._claimed:
+            return
+        refused = self.refusal()
+        if refused:
+            raise PermissionError(refused)
+        parent = os.path.dirname(self.root)
+        os.makedirs(parent, exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(self.root, FOLDER_MODE)
+        if not _has_tag(self.root):
+            _write_atomically(os.path.join(self.root, TAG), TAG_TEXT.encode())
+        self._claimed = True
 
     def folder(self, *parts: str) -> str:
-        """A folder inside the cache, created on first use."""
-        path = os.path.join(self.root, *parts)
-        os.makedirs(path, exist_ok=True)
+        """A folder inside the cache, each level created on first use with mode 0o700."""
+        self.claim()
+        path = self.root
+        for part in parts:
+            path = os.path.join(path, part)
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(path, FOLDER_MODE)
         return path
 
     @contextlib.contextmanager
     def locked(self):
         """Hold the cache's lock (one process at a time evicts or clears)."""
-        with open(os.path.join(self.folder(), LOCK), "a") as handle:
+        with open(os.path.join(self.root, LOCK), "a", opener=_no_follow) as handle:
             if fcntl is not None:
                 fcntl.flock(handle, fcntl.LOCK_EX)
             try:
@@ -78,36 +219,38 @@ class Cache:
                 if fcntl is not None:
                     fcntl.flock(handle, fcntl.LOCK_UN)
 
+    def note(self, code: str, **params) -> None:
+        """Say something in the report's cache notes, once however often it is found."""
+        said = note(code, **params)
+        if all(str(earlier) != str(said) for earlier in self.notes):
+            self.notes.append(said)
+
     def write_json(self, path: str, value) -> None:
         """Write ``value`` to ``path`` (inside the cache) atomically, then evict what is over the limit."""
         self.write_bytes(path, json.dumps(value, indent=1, sort_keys=True).encode("utf-8"))
 
     def write_bytes(self, path: str, data: bytes) -> None:
-        """Write ``data`` to ``path`` (inside the cache) atomically, then evict what is over the limit."""
-        folder = os.path.dirname(path)
-        os.makedirs(folder, exist_ok=True)
-        descriptor, temporary = tempfile.mkstemp(dir=folder, prefix=".writing-")
-        try:
-            with os.fdopen(descriptor, "wb") as handle:
-                handle.write(data)
-            os.replace(temporary, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(temporary)
-            raise
+        """Write ``data`` to ``path`` (inside the cache's layout) atomically, then evict what is over the limit."""
+        inside = os.path.relpath(os.path.dirname(os.path.abspath(path)), self.root)
+        if inside.split(os.sep)[0] not in LAYOUT:
+            raise ValueError(f"{path} is outside the cache's layout ({', '.join(LAYOUT)})")
+        _write_atomically(path, data, self.folder(*inside.split(os.sep)))
         self.evict()
 
     def files(self) -> list:
-        """(modified time, size, path) of every file in the cache but the lock."""
+        """(modified time, size, path) of every plain file in the cache's layout; links are not followed."""
         found = []
-        for folder, _dirs, names in os.walk(self.root):
-            for name in names:
-                path = os.path.join(folder, name)
-                if path == os.path.join(self.root, LOCK):
-                    continue
-                with contextlib.suppress(OSError):  # another process evicted it meanwhile
-                    stat = os.stat(path)
-                    found.append((stat.st_mtime, stat.st_size, path))
+        for name in LAYOUT:
+            top = os.path.join(self.root, name)
+            if os.path.islink(top):
+                continue
+            for folder, _dirs, names in os.walk(top):  # os.walk lists linked folders but does not enter them
+                for name in names:
+                    path = os.path.join(folder, name)
+                    with contextlib.suppress(OSError):  # another process evicted it meanwhile
+                        found_stat = os.lstat(path)
+                        if stat.S_ISREG(found_stat.st_mode):
+                            found.append((found_stat.st_mtime, found_stat.st_size, path))
         return found
 
     def size(self, *parts: str) -> int:
@@ -116,8 +259,9 @@ class Cache:
         return sum(size for _mtime, size, path in self.files() if path.startswith(prefix))
 
     def evict(self) -> list:
-        """Delete the oldest files until the cache is under its limit; the paths deleted."""
-        if not os.path.isdir(self.root):
+        """Delete the oldest files of the layout until the cache is under its limit; the paths
+        deleted. Nothing without the tag: the folder may not be autogaudi's."""
+        if not _has_tag(self.root):
             return []
         deleted = []
         with self.locked():
@@ -132,20 +276,19 @@ class Cache:
                 total -= size
         return deleted
 
-    def clear(self) -> None:
-        """Delete everything the cache holds."""
-        if not os.path.isdir(self.root):
-            return
+    def clear(self) -> bool:
+        """Delete everything in the cache's layout; False (nothing deleted) without the tag."""
+        if not _has_tag(self.root):
+            return False
         with self.locked():
-            for name in os.listdir(self.root):
-                if name == LOCK:
-                    continue
+            for name in LAYOUT:
                 path = os.path.join(self.root, name)
                 if os.path.isdir(path) and not os.path.islink(path):
-                    shutil.rmtree(path, ignore_errors=True)
+                    shutil.rmtree(path, ignore_errors=True)  # removes links inside, never what they point to
                 else:
                     with contextlib.suppress(OSError):
                         os.unlink(path)
+        return True
 
     def decisions(self) -> list:
         """(path, entry or None where unreadable) of every remembered decision, newest first."""
@@ -157,11 +300,176 @@ class Cache:
         return found
 
 
-def read_json(path: str):
-    """The JSON object in ``path``, or None when it is missing, unreadable or not an object."""
+# The folders of the layout whose owner and mode the trust rule checks (besides the root).
+TRUSTED_LEVELS = ((DECISIONS,), (COMPILE,), (COMPILE, "artifacts"), (COMPILE, "inductor"), (ONE_OFFS,))
+
+
+def inductor_cache_distrust(environ):
+    """Where torch.compile's cache (``TORCHINDUCTOR_CACHE_DIR``, else torch's default in the temporary
+    folder) could hold another user's code: {"variable", "path", "why"}, or None."""
+    variable = "TORCHINDUCTOR_CACHE_DIR"
+    path = environ.get(variable)
+    if not path:
+        import getpass
+        import re
+
+        user = re.sub(r'[\\/:*?"<>|]', "_", getpass.getuser())  # as torch names it
+        path = os.path.join(tempfile.gettempdir(), f"torchinductor_{user}")
+        variable = f"torch's default, {variable} unset"
+    why = distrust(path)
+    return None if why is None else {"variable": variable, "path": path, "why": why}
+
+
+def _write_atomically(path: str, data: bytes, folder: str | None = None) -> None:
+    """Write ``data`` to a temporary file beside ``path`` and rename it over ``path``: a reader sees
+    the old file or the new one, never half of one."""
+    descriptor, temporary = tempfile.mkstemp(dir=folder or os.path.dirname(path), prefix=".writing-")
     try:
-        with open(path, encoding="utf-8") as handle:
-            value = json.load(handle)
+        with os.fdopen(descriptor, "wb") as handle:
+            handle.write(data)
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
+
+
+def refusal(options):
+    """Why the cache the options name cannot be used, or None (``--no-cache``, or it can): what the
+    launcher says before the script starts, exiting 2."""
+    cache = Cache.for_options(options)
+    return None if cache is None else cache.refusal()
+
+
+def read_bytes(path: str) -> bytes:
+    """The bytes of a plain file of the cache (a link at ``path`` is refused: OSError)."""
+    with open(path, "rb", opener=_no_follow) as handle:
+        return handle.read()
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+# What each kind of entry autogaudi writes in the cache holds, checked when it is read back: an entry
+# that does not match is dropped with a note and measured afresh (a valid JSON file with a wrong
+# field would otherwise steer every later run). A schema is a type (or tuple of types), a dict of
+# the keys it needs (Maybe(...): a key that may be absent; other keys are allowed), ListOf, MapOf
+# (any keys) or OneOf (one of these values).
+class ListOf:
+    def __init__(self, item):
+        self.item = item
+
+
+class MapOf:
+    def __init__(self, value):
+        self.value = value
+
+
+class OneOf:
+    def __init__(self, *values):
+        self.values = values
+
+
+class Maybe:
+    def __init__(self, schema):
+        self.schema = schema
+
+
+NUMBER = (int, float)
+FIGURES = {
+    "ms_per_step": NUMBER,
+    "input_wait_fraction": NUMBER,
+    "ops_per_step": int,
+    "compute_fraction": NUMBER,
+    "compute_fraction_range": ListOf(NUMBER),
+    "collective_wait_fraction": Maybe(NUMBER),
+    "collectives_without_future_per_step": Maybe(NUMBER),
+    "fp32_matrix_fraction": Maybe(NUMBER),
+}
+STAMP = {"run": int, "date": str}
+PROFILE = {
+    "bound": OneOf("input", "host", "communication", "device"),
+    "why": str,
+    "figures": FIGURES,
+    "calls_per_step": int,
+    **STAMP,
+}
+TRIAL = {
+    "decision": OneOf("kept", "rejected"),
+    "speedup": NUMBER,
+    "ms_per_step_with": NUMBER,
+    "ms_per_step_without": NUMBER,
+    **STAMP,
+}
+SCHEMAS = {
+    "decisions": {
+        "format": int,
+        "setup": dict,
+        "script": str,
+        "model": str,
+        "backend": str,
+        "device": str,
+        "profile": PROFILE,
+        "trials": MapOf(TRIAL),
+        "runs": int,
+        "last_run_on": str,
+    },
+    "one_off": {
+        "size": NUMBER,
+        "actual_s": NUMBER,
+        "warm": Maybe(bool),
+        "tier": Maybe(OneOf("whole", "regional", "replay")),
+        "predicted_s": Maybe(NUMBER),
+        "date": Maybe(str),
+    },
+    "one_offs": {"records": list},  # each record checked alone: a bad one is dropped, not all
+    "artifacts_index": {"key": MapOf((str, bool)), "blob": str, "sha256": str, "date": str},
+}
+
+
+def problem(value, schema, where: str = "entry"):
+    """What in ``value`` does not match ``schema`` (the first thing found, where it is), or None."""
+    if isinstance(schema, dict):
+        if not isinstance(value, dict):
+            return f"{where} is not an object"
+        for key, wanted in schema.items():
+            if isinstance(wanted, Maybe):
+                if value.get(key) is None:
+                    continue
+                wanted = wanted.schema
+            elif key not in value:
+                return f"{where}.{key} is missing"
+            found = problem(value[key], wanted, f"{where}.{key}")
+            if found:
+                return found
+        return None
+    if isinstance(schema, ListOf):
+        if not isinstance(value, list):
+            return f"{where} is not a list"
+        return next((p for i, item in enumerate(value) if (p := problem(item, schema.item, f"{where}[{i}]"))), None)
+    if isinstance(schema, MapOf):
+        if not isinstance(value, dict):
+            return f"{where} is not an object"
+        return next((p for key, item in value.items() if (p := problem(item, schema.value, f"{where}.{key}"))), None)
+    if isinstance(schema, OneOf):
+        return None if value in schema.values else f"{where} is {_shown(value)}, not one of {', '.join(schema.values)}"
+    types = schema if isinstance(schema, tuple) else (schema,)
+    # JSON's true is no number, though Python's bool is an int
+    if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+        return f"{where} is {_shown(value)}, not {'/'.join(t.__name__ for t in types)}"
+    return None
+
+
+def _shown(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def read_json(path: str):
+    """The JSON object in ``path``, or None when it is missing, unreadable, a link or not an object."""
+    try:
+        value = json.loads(read_bytes(path).decode("utf-8"))
     except (OSError, ValueError):
         return None
     return value if isinstance(value, dict) else None
@@ -180,17 +488,21 @@ def listing(cache: Cache) -> str:
         if entry is None:
             lines.append(f"  (unreadable, ignored by runs) {path}")
             continue
-        profile = entry.get("profile", {})
+        invalid = problem(entry, SCHEMAS["decisions"])
+        if invalid:
+            lines.append(f"  (not what autogaudi writes: {invalid}; ignored by runs) {path}")
+            continue
+        profile = entry["profile"]
         decided = [f"{profile.get('bound')}-bound (run {profile.get('run')})"] + [
-            f"{name} {record.get('decision')} (run {record.get('run')})"
-            for name, record in entry.get("trials", {}).items()
+            f"{name} {record.get('decision')} (run {record.get('run')})" for name, record in entry["trials"].items()
         ]
         lines.append(
             f"  {entry.get('script')} · {entry.get('model')} · {entry.get('backend')} {entry.get('device')} · "
             f"{'; '.join(decided)} · {entry.get('runs')} run(s), the last on {entry.get('last_run_on')}"
         )
     compile_root = os.path.join(cache.root, COMPILE)
-    kinds = sorted(os.listdir(compile_root)) if os.path.isdir(compile_root) else []
+    is_folder = os.path.isdir(compile_root) and not os.path.islink(compile_root)
+    kinds = sorted(os.listdir(compile_root)) if is_folder else []
     lines.append(
         "compile caches: " + (", ".join(f"{kind} {_megabytes(cache.size(COMPILE, kind))}" for kind in kinds) or "none")
     )
@@ -198,7 +510,8 @@ def listing(cache: Cache) -> str:
 
 
 def main(argv: list) -> int:
-    """``python -m autogaudi cache {list,clear} [--cache-dir DIR]``."""
+    """``python -m autogaudi cache {list,clear} [--cache-dir DIR]``: 2 where the folder is not
+    autogaudi's (no tag; for ``list``, files autogaudi did not write), having deleted nothing."""
     import argparse
 
     from autogaudi.errors import OptionsError
@@ -219,9 +532,21 @@ def main(argv: list) -> int:
     except OptionsError as error:
         parser.error(str(error))
     cache = Cache.for_options(options)
+    refused = cache.refusal()
+    if refused:
+        sys.stderr.write(f"autogaudi cache: {refused}\n")
+        return 2
     if arguments.action == "clear":
+        if not os.path.lexists(cache.root):
+            print(f"autogaudi cache: nothing to clear at {cache.root}")
+            return 0
         before = cache.size()
-        cache.clear()
+        if not cache.clear():
+            sys.stderr.write(
+                f"autogaudi cache: deleted nothing: {cache.root} carries no {TAG}, so autogaudi cannot tell its "
+                "files from others'; a run with this --cache-dir tags it, or delete the folder yourself\n"
+            )
+            return 2
         print(f"autogaudi cache: cleared {cache.root} ({_megabytes(before)})")
         return 0
     print(listing(cache), end="")

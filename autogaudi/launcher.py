@@ -29,6 +29,7 @@ import types
 from autogaudi import report_file, runtime
 from autogaudi._paths import bootstrap_dir
 from autogaudi._version import __version__
+from autogaudi.cache import refusal as cache_refusal
 from autogaudi.errors import OptionsError
 from autogaudi.options import OPTIONS, Options
 from autogaudi.registry import UNITS
@@ -115,6 +116,9 @@ def main(argv=None):
         report_file.check(options.report)
     except OptionsError as error:
         parser.error(str(error))
+    refused = cache_refusal(options)  # evicting there would delete the user's files: before the script starts
+    if refused:
+        parser.error(refused)
     if options.report is not None:  # children (torchrun workers) write where this folder says, too
         given["report"] = report_file.resolved(options.report)
         options = options.replace(report=given["report"])

@@ -27,12 +27,15 @@ import sys
 import torch
 
 from autogaudi._version import __version__
-from autogaudi.cache import DECISIONS, now, read_json
+from autogaudi.cache import DECISIONS, SCHEMAS, note, now, problem, read_json
 from autogaudi.ranks import is_rank_zero, rank_zero_choice
 
 FORMAT = 1  # the layout of an entry; entries of another layout are ignored, with a note
-# Options that do not steer any decision: a run that differs only in them finds the same entries.
-NOT_DECIDING = frozenset({"report", "quiet", "log_every", "cache_dir", "no_cache", "cache_max_mb"})
+# Options that do not steer any decision (what the report shows, where the cache is): a run that
+# differs only in them finds the same entries.
+NOT_DECIDING = frozenset(
+    {"report", "verbose", "quiet", "log_every", "cache_dir", "no_cache", "cache_max_mb", "cache_trust_shared"}
+)
 
 
 def digest(value) -> str:
@@ -61,7 +64,7 @@ class Memory:
 
     def __init__(self, cache, backend, options):
         self.cache = cache
-        self.notes: list = []
+        self.notes: list = []  # what was ignored, as the cache's notes (autogaudi.cache.NOTES)
         self.script = script_identity()
         setup = {
             "format": FORMAT,
@@ -103,13 +106,16 @@ class Memory:
             return None
         entry = read_json(path)
         if entry is None:
-            self.notes.append(f"ignored a cache entry that could not be read: {path}")
+            self.notes.append(note("entry_unreadable", path=path))
             return None
         if entry.get("format") != FORMAT or entry.get("setup") != self.setup:
-            self.notes.append(
-                f"ignored a cache entry written for another set-up (format {entry.get('format')}, autogaudi "
-                f"{(entry.get('setup') or {}).get('autogaudi')}): {path}"
-            )
+            setup = entry.get("setup")
+            version = setup.get("autogaudi") if isinstance(setup, dict) else None
+            self.notes.append(note("entry_other_setup", format=entry.get("format"), version=version, path=path))
+            return None
+        invalid = problem(entry, SCHEMAS["decisions"])
+        if invalid:
+            self.notes.append(note("entry_invalid", problem=invalid, path=path))
             return None
         return entry
 

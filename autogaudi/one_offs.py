@@ -33,11 +33,10 @@ import os
 
 import torch
 
-from autogaudi.cache import now, read_json
+from autogaudi.cache import COMPILE, ONE_OFFS, SCHEMAS, distrust, now, problem, read_bytes, read_json, sha256
 from autogaudi.memory import digest, model_structure, script_identity
 
-ONE_OFFS = "one_offs"
-ARTIFACTS = ("compile", "artifacts")
+ARTIFACTS = (COMPILE, "artifacts")
 KEPT = 40  # records kept per machine: the newest
 PRIOR_WEIGHT = 2.0  # the prior counts as this many measurements
 PRIOR_SPREAD = 2.0  # the prior's factor of uncertainty either way
@@ -101,9 +100,17 @@ def remembered(cache, backend) -> list:
     """The one-offs measured on this machine (backend, device, torch), oldest first; none without a cache."""
     if cache is None:
         return []
-    entry = read_json(records_path(cache, backend)) or {}
-    records = entry.get("records")
-    return [r for r in records if isinstance(r, dict)] if isinstance(records, list) else []
+    path = records_path(cache, backend)
+    if not os.path.lexists(path):
+        return []
+    entry = read_json(path)
+    invalid = "not a JSON object" if entry is None else problem(entry, SCHEMAS["one_offs"])
+    kept = [] if invalid else [record for record in entry["records"] if problem(record, SCHEMAS["one_off"]) is None]
+    if not invalid and len(kept) < len(entry["records"]):
+        invalid = f"{len(entry['records']) - len(kept)} record(s) of {len(entry['records'])}"
+    if invalid:
+        cache.note("entry_invalid", problem=invalid, path=path)
+    return kept
 
 
 def remember(cache, backend, record: dict) -> bool:
@@ -203,19 +210,26 @@ def _artifacts_paths(cache, key: dict) -> tuple:
 
 def artifacts_lookup(cache, key) -> tuple:
     """(the blob's path or None; why: ``saved``, or ``no_cache``, ``no_script``, ``first`` (this script
-    saved none), ``changed`` (it saved one for another key), ``evicted``; the key's parts that changed)."""
+    saved none), ``invalid`` (its index is not what autogaudi writes), ``changed`` (it saved one for
+    another key), ``evicted``; the key's parts that changed)."""
     if cache is None:
         return None, "no_cache", []
     if key is None:
         return None, "no_script", []
     index, blob = _artifacts_paths(cache, key)
-    saved = read_json(index)
-    if saved is None:
+    if not os.path.lexists(index):
         return None, "first", []
-    changed = [part for part in key if saved.get("key", {}).get(part) != key[part]]
+    saved = read_json(index)
+    invalid = "not a JSON object" if saved is None else problem(saved, SCHEMAS["artifacts_index"])
+    if invalid:
+        cache.note("entry_invalid", problem=invalid, path=index)
+        return None, "invalid", []
+    changed = [part for part in key if saved["key"].get(part) != key[part]]
     if changed:
         return None, "changed", changed
-    if not os.path.isfile(blob):
+    if saved["blob"] != os.path.basename(blob):
+        return None, "invalid", []
+    if not os.path.lexists(blob):
         return None, "evicted", []
     return blob, "saved", []
 
@@ -223,15 +237,34 @@ def artifacts_lookup(cache, key) -> tuple:
 def load_artifacts(cache, key, backend) -> dict:
     """Load the blob saved for ``key`` into torch.compile's caches, before compiling: the figures
     {"status": "hit" or "miss", "reason", "changed"}: ``loaded``, or a miss's code of
-    :func:`artifacts_lookup`, ``empty`` (nothing in it for this backend) or ``unreadable``."""
+    :func:`artifacts_lookup`, ``untrusted`` (another user owns or can write where it lies: loading
+    it would run their code), ``digest_mismatch`` (not the bytes this user's run saved), ``empty``
+    (nothing in it for this backend) or ``unreadable``. Loading unpickles: only verified bytes are."""
     blob, reason, changed = artifacts_lookup(cache, key)
     if blob is not None:
-        try:
-            with open(blob, "rb") as handle:
-                reason = "loaded" if backend.load_compile_artifacts(handle.read()) else "empty"
-        except Exception:  # a blob torch cannot read (truncated, another build): compiled afresh
-            reason = "unreadable"
+        reason = _load_verified(cache, key, blob, backend)
     return {"status": "hit" if reason == "loaded" else "miss", "reason": reason, "changed": changed}
+
+
+def _load_verified(cache, key, blob: str, backend) -> str:
+    """Hand the blob's bytes to the backend where the cache and the files are trusted and the bytes'
+    sha256 is the one recorded beside them when saved; the outcome's code."""
+    index = _artifacts_paths(cache, key)[0]
+    if not cache.trust_shared:
+        levels = (cache.distrust(), distrust(index, follow=False), distrust(blob, follow=False))
+        if any(levels):
+            return "untrusted"
+    try:
+        data = read_bytes(blob)  # read once: the bytes checked are the bytes loaded
+    except OSError:
+        return "unreadable"
+    saved = read_json(index)
+    if saved is None or saved.get("sha256") != sha256(data):
+        return "digest_mismatch"
+    try:
+        return "loaded" if backend.load_compile_artifacts(data) else "empty"
+    except Exception:  # a blob torch cannot read (another build): compiled afresh
+        return "unreadable"
 
 
 def save_artifacts(cache, key, backend) -> bool:
@@ -245,10 +278,13 @@ def save_artifacts(cache, key, backend) -> bool:
     index, blob = _artifacts_paths(cache, key)
     before = (read_json(index) or {}).get("blob")
     with contextlib.suppress(OSError):
-        if before and before != os.path.basename(blob):  # the script's blob for its last key: superseded
+        if isinstance(before, str) and before != os.path.basename(
+            blob
+        ):  # the script's blob for its last key: superseded
             os.unlink(os.path.join(os.path.dirname(index), os.path.basename(before)))
         cache.write_bytes(blob, data)
-        cache.write_json(index, {"key": key, "blob": os.path.basename(blob), "date": now()})
+        record = {"key": key, "blob": os.path.basename(blob), "sha256": sha256(data), "date": now()}
+        cache.write_json(index, record)
         return True
     return False
 

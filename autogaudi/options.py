@@ -246,6 +246,13 @@ OPTIONS: tuple = (
         "size limit of the cache folder; past it the files modified longest ago are deleted first",
         "MB",
     ),
+    Option(
+        "cache_trust_shared",
+        False,
+        parse_bool,
+        "use a cache folder owned by another user or writable by others (by default nothing is read "
+        "from it); the risk: anyone who can write that folder can make your runs execute their code",
+    ),
 )
 OPTIONS_BY_NAME = {option.name: option for option in OPTIONS}
 

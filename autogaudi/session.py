@@ -19,7 +19,7 @@ import torch
 import torch.distributed
 
 from autogaudi import backends, report_file
-from autogaudi.cache import RECIPE_CACHE, Cache, compile_cache_environment
+from autogaudi.cache import RECIPE_CACHE, Cache, compile_cache_environment, inductor_cache_distrust, note
 from autogaudi.children import gathered as gathered_children
 from autogaudi.events import Dispatcher
 from autogaudi.memory import Memory
@@ -79,7 +79,7 @@ class Session:
         self.cache = None  # the cache folder (autogaudi.cache), unless --no-cache or it is not usable
         self.memory = None  # remembered decisions (autogaudi.memory), with the cache
         self.compile_caches: dict = {}  # environment variable -> {"value", "set_by"}
-        self.cache_notes: list = []
+        self.cache_notes: list = []  # autogaudi.cache.note()s: why the cache was not used, or not all of it
 
     def start(self) -> None:
         self._open_cache()  # before the backend's probe loads the Gaudi bridge, which reads its recipe cache setting
@@ -88,7 +88,7 @@ class Session:
             try:
                 self.memory = Memory(self.cache, self.backend, self.options)
             except Exception as error:
-                self.cache_notes.append(f"decisions are not remembered: {error!r}")
+                self.cache_notes.append(note("decisions_not_remembered", error=error))
         self.steps = TrainingSteps(self.backend, self.options, self.events, guard=self)
         self.steps.install()
         self.trials = TrialRunner(
@@ -189,11 +189,23 @@ class Session:
 
     def _open_cache(self) -> None:
         """The cache folder, and the compile caches pointed into it where the environment does not
-        name theirs already (the user's setting, or a parent process's, is never overridden)."""
+        name theirs already (the user's setting, or a parent process's, is never overridden). A folder
+        that is not autogaudi's, or that another user could have written, is not used: the run goes on
+        without it and the report's cache notes say why."""
         try:
-            self.cache = Cache.for_options(self.options)
-            if self.cache is None:
+            cache = Cache.for_options(self.options)
+            if cache is None:
                 return
+            refused = cache.refusal()
+            if refused:
+                self.cache_notes.append(note("cache_refused", why=refused))
+                return
+            cache.claim()
+            untrusted = cache.distrust()
+            if untrusted:
+                self.cache_notes.append(note("cache_untrusted", why=untrusted))
+                return
+            self.cache = cache
             bridge = (
                 self.options.device in ("auto", "hpu") and importlib.util.find_spec("habana_frameworks") is not None
             )
@@ -201,14 +213,28 @@ class Session:
                 if name in os.environ:
                     self.compile_caches[name] = {"value": os.environ[name], "set_by": "environment"}
                 elif name == RECIPE_CACHE and "habana_frameworks.torch" in sys.modules:
-                    self.cache_notes.append(f"{name} not set: the Gaudi bridge was loaded before autogaudi started")
+                    self.cache_notes.append(note("recipe_cache_not_set", variable=name))
                 else:
                     os.environ[name] = value
                     self._scope.add(lambda name=name, value=value: _unset(name, value))
                     self.compile_caches[name] = {"value": value, "set_by": "autogaudi"}
         except Exception as error:  # an unwritable home folder: the run goes on without a cache
             self.cache = None
-            self.cache_notes.append(f"cache not used: {error!r}")
+            self.cache_notes.append(note("cache_not_used", error=error))
+        finally:
+            self._check_inductor_cache()
+
+    def _check_inductor_cache(self) -> None:
+        """Say where torch.compile's own cache (the environment's, or torch's default in the temporary
+        folder) could hold another user's code: torch loads compiled code from it."""
+        if self.options.no_cache or self.options.cache_trust_shared:
+            return
+        try:
+            found = inductor_cache_distrust(os.environ)
+        except Exception:  # a check for the report only: never the run's end
+            return
+        if found is not None:
+            self.cache_notes.append(note("compile_cache_untrusted", **found))
 
     def remember(self) -> None:
         """Write what this run decided (rank 0), for a later run with the same set-up, model and inputs:
@@ -225,7 +251,7 @@ class Session:
         try:
             self.memory.remember(profile, trials)
         except Exception as error:
-            self.cache_notes.append(f"could not write the decisions: {error!r}")
+            self.cache_notes.append(note("decisions_not_written", error=error))
 
     def unit(self, name: str):
         """The live unit called ``name`` (applied or not yet decided), or None."""
@@ -293,11 +319,13 @@ class Session:
         )
 
     def _cache_facts(self):
+        notes = self.cache_notes + (self.cache.notes if self.cache is not None else [])
+        notes += self.memory.notes if self.memory is not None else []
+        said = {"notes": [str(n) for n in notes], "note_codes": [n.code for n in notes]}
+        said["note_params"] = [n.params for n in notes]
         if self.cache is None:
             return (
-                None
-                if self.options.no_cache
-                else {"dir": None, "decisions": "not remembered", "compile": {}, "notes": self.cache_notes}
+                None if self.options.no_cache else {"dir": None, "decisions": "not remembered", "compile": {}, **said}
             )
         memory = self.memory
         if memory is None or memory.script is None:
@@ -309,8 +337,7 @@ class Session:
             )
         else:
             decisions = "measured in this run"
-        notes = self.cache_notes + (memory.notes if memory is not None else [])
-        return {"dir": self.cache.root, "decisions": decisions, "compile": dict(self.compile_caches), "notes": notes}
+        return {"dir": self.cache.root, "decisions": decisions, "compile": dict(self.compile_caches), **said}
 
     def finish(self, explicit: bool) -> None:
         """At exit: print and write the report, on rank 0, if autogaudi was asked for or trained."""
@@ -320,7 +347,7 @@ class Session:
             try:  # not in every DataLoader or compile worker: they compiled and decided nothing
                 self.cache.evict()  # the compile caches grew during the run
             except Exception as error:
-                self.cache_notes.append(f"could not evict: {error!r}")
+                self.cache_notes.append(note("not_evicted", error=error))
         if not (explicit or self.steps.trained) or not is_rank_zero():
             return
         report = self.report()

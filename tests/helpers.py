@@ -157,3 +157,24 @@ def full_filesystem(where: Path):
         yield where
     finally:
         subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+CORRUPTIONS = ("truncated", "garbage", "wrong_schema", "symlinked_out")
+
+
+def corrupt(path: Path, how: str, outside: Path, wrong=b'{"profile": "zzz"}') -> None:
+    """Spoil a file autogaudi wrote in its cache: cut in half, random bytes, valid JSON that is not
+    what autogaudi writes (``wrong``), or a link to a copy of it outside the cache."""
+    data = path.read_bytes()
+    if how == "truncated":
+        path.write_bytes(data[: len(data) // 2])
+    elif how == "garbage":
+        path.write_bytes(b"\x80\x04garbage" * 8)
+    elif how == "wrong_schema":
+        path.write_bytes(wrong)
+    else:
+        outside.mkdir(parents=True, exist_ok=True)
+        target = outside / path.name
+        target.write_bytes(data)
+        path.unlink()
+        path.symlink_to(target)

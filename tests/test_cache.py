@@ -4,21 +4,24 @@ absent with --no-cache; compile caches kept in it (inductor's; the Gaudi bridge'
 import importlib
 import json
 import os
+import pwd
 import re
 import time
 
 import pytest
 
 import autogaudi
-from autogaudi.cache import Cache
+from autogaudi.cache import LAYOUT, NOTES, TAG, Cache
+from autogaudi.cache import main as cache_main
 from tests.conftest import _forget_hpu_double
-from tests.helpers import HPU_DOUBLE, SCRIPTS, clean_env, run_python
+from tests.helpers import HPU_DOUBLE, REPO, SCRIPTS, clean_env, run_python
 
 CONV = SCRIPTS / "train_conv.py"
 
 
 def test_eviction_deletes_the_files_modified_longest_ago_until_under_the_limit(tmp_path):
     cache = Cache(str(tmp_path), max_bytes=2500)
+    cache.claim()
     for age, name in enumerate(["newest", "middle", "oldest"]):
         path = tmp_path / "decisions" / f"{name}.json"
         path.parent.mkdir(exist_ok=True)
@@ -84,7 +87,7 @@ def test_the_cache_command_lists_what_runs_remembered_and_clears_it(tmp_path):
     assert re.search(r"-bound \(run 1\); channels_last (kept|rejected) \(run 1\)", listed.stdout)
     cleared = run_python("-m", "autogaudi", "cache", "clear", "--cache-dir", cache_dir)
     assert cleared.returncode == 0 and "cleared" in cleared.stdout
-    assert os.listdir(cache_dir) == [".lock"]
+    assert sorted(os.listdir(cache_dir)) == [".lock", "CACHEDIR.TAG"]
     assert "remembered decisions: 0" in run_python("-m", "autogaudi", "cache", "list", "--cache-dir", cache_dir).stdout
     bad = run_python("-m", "autogaudi", "cache", "forget", "--cache-dir", cache_dir)
     assert bad.returncode == 2 and "list" in bad.stderr and "clear" in bad.stderr
@@ -169,3 +172,171 @@ def test_a_bridge_loaded_before_autogaudi_keeps_its_recipe_setting_and_the_repor
     assert "PT_HPU_RECIPE_CACHE_CONFIG" not in os.environ
     notes = autogaudi.report().as_dict()["cache"]["notes"]
     assert any("PT_HPU_RECIPE_CACHE_CONFIG" in note and "loaded before" in note for note in notes)
+
+
+def project(tmp_path):
+    """A user's project folder: what --cache-dir . would name."""
+    folder = tmp_path / "project"
+    (folder / "data").mkdir(parents=True)
+    (folder / "dataset.bin").write_bytes(b"d" * 2_000_000)
+    (folder / "notes.txt").write_text("mine")
+    (folder / "data" / "part.bin").write_bytes(b"p" * 100)
+    return folder
+
+
+def snapshot(folder) -> dict:
+    """Every file and link under ``folder`` and what it holds (links not followed)."""
+    found = {}
+    for path in sorted(folder.rglob("*")):
+        found[str(path.relative_to(folder))] = (
+            os.readlink(path) if path.is_symlink() else path.is_dir() or path.read_bytes()
+        )
+    return found
+
+
+def test_a_folder_holding_other_files_is_refused_and_eviction_or_clear_delete_none_of_them(tmp_path):
+    folder = project(tmp_path)
+    before = snapshot(folder)
+    cache = Cache(str(folder), max_bytes=1024 * 1024)
+    refused = cache.refusal()
+    assert refused and str(folder) in refused and TAG in refused and "dataset.bin" in refused
+    assert cache.evict() == [] and cache.clear() is False
+    with pytest.raises(OSError):
+        cache.claim()
+    assert snapshot(folder) == before
+
+
+def test_the_launcher_refuses_such_a_folder_with_exit_2_before_the_script_starts(tmp_path):
+    folder = project(tmp_path)
+    before = snapshot(folder)
+    result = run_python(
+        "-m", "autogaudi", "--cache-dir", folder, "--cache-max-mb", "1", CONV, env=clean_env(AUTOGAUDI_NO_CACHE="0")
+    )
+    assert result.returncode == 2 and str(folder) in result.stderr and TAG in result.stderr
+    assert "loss" not in result.stdout  # the script never ran
+    assert snapshot(folder) == before
+
+
+def test_inside_a_run_a_refused_folder_leaves_the_run_without_a_cache_and_says_why(tmp_path, monkeypatch):
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    folder = project(tmp_path)
+    before = snapshot(folder)
+    autogaudi.enable(no_cache=False, cache_dir=str(folder), cache_max_mb=1)
+    facts = autogaudi.report().as_dict()["cache"]
+    assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+    autogaudi.disable()
+    assert facts["dir"] is None and "cache_refused" in facts["note_codes"]
+    assert snapshot(folder) == before
+
+
+def test_a_new_folder_is_made_private_and_tagged_and_an_untagged_earlier_cache_is_adopted(tmp_path):
+    cache = Cache(str(tmp_path / "new"), max_bytes=10**6)
+    path = cache.folder("decisions", "setup")
+    for level in (cache.root, os.path.dirname(path), path):
+        assert os.stat(level).st_mode & 0o777 == 0o700
+    tag = (tmp_path / "new" / TAG).read_text().splitlines()
+    assert tag[0] == "Signature: 8a477f597d28d172789f06886806bc55" and "autogaudi" in tag[1]
+    earlier = tmp_path / "earlier"  # what autogaudi wrote before it tagged its caches
+    (earlier / "decisions" / "s").mkdir(parents=True)
+    (earlier / ".lock").write_text("")
+    assert Cache(str(earlier), 10**6).refusal() is None
+
+
+def test_eviction_and_clear_touch_only_the_layout_of_a_tagged_root(tmp_path):
+    cache = Cache(str(tmp_path / "cache"), max_bytes=0)
+    cache.claim()
+    root = tmp_path / "cache"
+    (root / "mine.txt").write_text("dropped here by the user")
+    for name in ("decisions/s/e.json", "compile/inductor/fx/g.py", "one_offs/m.json"):
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text("x" * 100)
+    assert len(cache.evict()) == 3
+    assert sorted(p.name for p in root.iterdir() if p.is_file()) == [".lock", TAG, "mine.txt"]
+    (root / "one_offs" / "m.json").write_text("x")
+    assert cache.clear() is True
+    assert sorted(p.name for p in root.iterdir()) == [".lock", TAG, "mine.txt"]
+
+
+WRITTEN = ("decisions/s/entry.json", "one_offs/machine.json", "compile/artifacts/a.json", "compile/artifacts/a.bin")
+
+
+@pytest.mark.parametrize("action", ["evict", "clear"])
+@pytest.mark.parametrize("linked", [*WRITTEN, "compile/inductor", *LAYOUT])
+def test_links_in_the_cache_pointing_outside_are_never_followed(tmp_path, linked, action):
+    cache = Cache(str(tmp_path / "cache"), max_bytes=0)
+    cache.claim()
+    outside = tmp_path / "outside"
+    (outside / "folder").mkdir(parents=True)
+    (outside / "precious.bin").write_bytes(b"p" * 1000)
+    (outside / "folder" / "inner.bin").write_bytes(b"i" * 1000)
+    link = tmp_path / "cache" / linked
+    link.parent.mkdir(parents=True, exist_ok=True)
+    link.symlink_to(outside / ("precious.bin" if "." in link.name else "folder"))
+    before = snapshot(outside)
+    getattr(cache, action)()
+    assert snapshot(outside) == before
+
+
+def test_cache_clear_and_list_on_a_folder_without_the_tag_delete_nothing_and_exit_2(tmp_path, capsys):
+    folder = project(tmp_path)
+    before = snapshot(folder)
+    assert cache_main(["clear", "--cache-dir", str(folder)]) == 2
+    assert cache_main(["list", "--cache-dir", str(folder)]) == 2
+    assert snapshot(folder) == before
+    earlier = tmp_path / "earlier"  # only autogaudi's names, but no tag: nothing proves they are its files
+    (earlier / "decisions" / "s").mkdir(parents=True)
+    (earlier / "decisions" / "s" / "e.json").write_text("{}")
+    assert cache_main(["clear", "--cache-dir", str(earlier)]) == 2
+    assert (earlier / "decisions" / "s" / "e.json").exists()
+    assert str(folder) in capsys.readouterr().err
+
+
+def make_shared(path, how):
+    """Give ``path`` to another user, or let its group or others write it."""
+    if how == "other_owner":
+        if os.geteuid() != 0:
+            pytest.skip("giving a folder to another user needs root")
+        os.chown(path, pwd.getpwnam("nobody").pw_uid, -1)
+    else:
+        os.chmod(path, {"writable_by_others": 0o777, "writable_by_group": 0o770}[how])
+
+
+SHARED = ("writable_by_others", "writable_by_group", "other_owner")
+
+
+@pytest.mark.parametrize("level", ["", "decisions", "compile/artifacts"])
+@pytest.mark.parametrize("how", SHARED)
+def test_a_cache_another_user_could_write_is_not_used_unless_trusted_explicitly(tmp_path, monkeypatch, how, level):
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    root = tmp_path / "cache"
+    Cache(str(root), 10**6).folder(*filter(None, level.split("/")))
+    make_shared(root / level, how)
+    autogaudi.enable(no_cache=False, cache_dir=str(root))
+    facts = autogaudi.report().as_dict()["cache"]
+    assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ  # inductor is not pointed into it either
+    autogaudi.disable()
+    assert facts["dir"] is None and "cache_untrusted" in facts["note_codes"]
+    autogaudi.enable(no_cache=False, cache_dir=str(root), cache_trust_shared=True)
+    facts = autogaudi.report().as_dict()["cache"]
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(root / "compile" / "inductor")
+    autogaudi.disable()
+    assert facts["dir"] == str(root) and "cache_untrusted" not in facts["note_codes"]
+
+
+@pytest.mark.parametrize("how", SHARED)
+def test_a_torch_compile_cache_another_user_could_write_is_named_in_the_notes(tmp_path, monkeypatch, how):
+    inductor = tmp_path / "inductor"
+    inductor.mkdir()
+    make_shared(inductor, how)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(inductor))
+    autogaudi.enable(no_cache=False, cache_dir=str(tmp_path / "cache"))
+    facts = autogaudi.report().as_dict()["cache"]
+    autogaudi.disable()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(inductor)  # the user's setting stays
+    (code,) = [code for code in facts["note_codes"] if code == "compile_cache_untrusted"]
+    assert facts["note_params"][facts["note_codes"].index(code)]["path"] == str(inductor)
+
+
+def test_every_cache_note_code_is_documented():
+    page = (REPO / "docs" / "cache.md").read_text()
+    assert [code for code in NOTES if f"`{code}`" not in page] == []

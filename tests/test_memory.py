@@ -4,10 +4,16 @@ it cannot trust. The runs' trials time every step alike (tests/scripts/steady_tr
 trial rejects, a check matches the time its trial measured, on a loaded machine as on an idle one."""
 
 import json
+import pathlib
 
 import pytest
+from torch import nn
 
-from tests.helpers import SCRIPTS, clean_env, run_python
+from autogaudi.backends.cpu import CpuBackend
+from autogaudi.cache import Cache
+from autogaudi.memory import Memory
+from autogaudi.options import Options
+from tests.helpers import CORRUPTIONS, SCRIPTS, clean_env, corrupt, run_python
 from tests.optimizations.ddp_helpers import TORCHRUN, torchrun
 
 CONV = SCRIPTS / "train_conv.py"
@@ -96,7 +102,7 @@ def test_an_unreadable_entry_is_ignored_with_a_note(tmp_path):
     second, _ = run(tmp_path, "second", "--trial", "channels_last")
     assert unit(second, "step_profiler")["reason_code"] != "remembered_profile"
     assert [record.get("check") for record in second["trials"]] == [None]  # measured again
-    assert any("could not be read" in note for note in second["cache"]["notes"])
+    assert "entry_unreadable" in second["cache"]["note_codes"]
     assert json.loads(path.read_text())["runs"] == 1  # replaced by this run's decisions
 
 
@@ -105,7 +111,7 @@ def test_an_entry_of_another_autogaudi_version_is_ignored_with_a_note(tmp_path):
     rewrite_entry(tmp_path, lambda entry: entry["setup"].update(autogaudi="0.0.1"))
     second, _ = run(tmp_path, "second", "--trial", "channels_last")
     assert unit(second, "step_profiler")["reason_code"] != "remembered_profile"
-    assert any("another set-up" in note for note in second["cache"]["notes"])
+    assert "entry_other_setup" in second["cache"]["note_codes"]
 
 
 def test_options_that_steer_decisions_are_part_of_the_key_and_the_others_are_not(tmp_path):
@@ -169,3 +175,119 @@ def test_a_remembered_kept_capture_is_set_up_at_once_and_compiles_from_the_cache
     assert row["reason_code"] == "remembered" and row["status"] == "applied"
     assert "run 1's trial" in row["changes"][0] and "compiled from the cache" in row["changes"][0]
     assert second_output.startswith("loss ")
+
+
+def test_an_entry_that_is_not_what_autogaudi_writes_is_ignored_with_a_note_and_measured_afresh(tmp_path):
+    run(tmp_path, "first", "--trial", "channels_last")
+    rewrite_entry(tmp_path, lambda entry: entry.update(profile="zzz"))
+    second, _ = run(tmp_path, "second", "--trial", "channels_last")
+    assert unit(second, "step_profiler")["reason_code"] != "remembered_profile"
+    assert [record.get("check") for record in second["trials"]] == [None]  # measured again
+    assert "entry_invalid" in second["cache"]["note_codes"]
+    (path,) = entry_paths(tmp_path)
+    assert isinstance(json.loads(path.read_text())["profile"], dict)  # replaced by this run's decisions
+
+
+MODEL = nn.Linear(2, 2)
+INPUTS = [[4, 2]]
+
+
+def memory(tmp_path, **options):
+    return Memory(Cache(str(tmp_path / "cache"), 1 << 30), CpuBackend("test"), Options(**options))
+
+
+def valid_entry(remembering) -> dict:
+    figures = {"ms_per_step": 1.0, "input_wait_fraction": 0.0, "ops_per_step": 9, "compute_fraction": 0.5}
+    stamp = {"run": 1, "date": "2025-01-01 10:00:00"}
+    return {
+        "format": 1,
+        "setup": remembering.setup,
+        "script": "/work/train.py",
+        "argv": [],
+        "model": "Linear",
+        "backend": "cpu",
+        "device": "x86_64 CPU",
+        "profile": {
+            "bound": "host",
+            "why": "w",
+            "figures": {**figures, "compute_fraction_range": [0.4, 0.6]},
+            "calls_per_step": 1,
+            **stamp,
+        },
+        "trials": {
+            "channels_last": {
+                "decision": "rejected",
+                "speedup": 0.9,
+                "ms_per_step_with": 1.1,
+                "ms_per_step_without": 1.0,
+                **stamp,
+            }
+        },
+        "runs": 1,
+        "last_run_on": stamp["date"],
+    }
+
+
+def planted(tmp_path, change=None):
+    """An entry for MODEL and INPUTS, as a run wrote it (changed by ``change``); its path."""
+    remembering = memory(tmp_path)
+    entry = valid_entry(remembering)
+    if change is not None:
+        change(entry)
+    path = remembering._entry_path(MODEL, INPUTS)
+    remembering.cache.write_json(path, entry)
+    return path
+
+
+def test_a_valid_entry_is_recalled(tmp_path):
+    planted(tmp_path)
+    assert memory(tmp_path).recall(MODEL, INPUTS)["runs"] == 1
+
+
+WRONG = {
+    "profile_not_an_object": lambda entry: entry.update(profile="zzz"),
+    "unknown_bound": lambda entry: entry["profile"].update(bound="zzz"),
+    "figures_missing": lambda entry: entry["profile"].pop("figures"),
+    "trial_not_an_object": lambda entry: entry["trials"].update(channels_last="kept"),
+    "unknown_decision": lambda entry: entry["trials"]["channels_last"].update(decision="zzz"),
+    "runs_a_string": lambda entry: entry.update(runs="2"),
+    "runs_a_boolean": lambda entry: entry.update(runs=True),
+    "trials_a_list": lambda entry: entry.update(trials=[]),
+}
+
+
+@pytest.mark.parametrize("wrong", WRONG)
+def test_an_entry_with_a_wrong_field_is_dropped_with_a_note(tmp_path, wrong):
+    planted(tmp_path, WRONG[wrong])
+    remembering = memory(tmp_path)
+    assert remembering.recall(MODEL, INPUTS) is None
+    assert [note.code for note in remembering.notes] == ["entry_invalid"]
+
+
+@pytest.mark.parametrize("how", CORRUPTIONS)
+def test_a_spoilt_entry_is_dropped_with_a_note(tmp_path, how):
+    path = planted(tmp_path)
+    wrong = json.dumps({**valid_entry(memory(tmp_path)), "profile": "zzz"}).encode()
+    corrupt(pathlib.Path(path), how, tmp_path / "outside", wrong=wrong)
+    remembering = memory(tmp_path)
+    assert remembering.recall(MODEL, INPUTS) is None
+    expected = "entry_invalid" if how == "wrong_schema" else "entry_unreadable"
+    assert [note.code for note in remembering.notes] == [expected]
+
+
+REPORT_ONLY = {
+    "verbose": True,
+    "quiet": True,
+    "report": "run.json",
+    "log_every": 5,
+    "cache_dir": "/elsewhere",
+    "cache_max_mb": 1,
+    "no_cache": True,
+    "cache_trust_shared": True,
+}
+
+
+@pytest.mark.parametrize("option", REPORT_ONLY)
+def test_options_that_only_shape_the_report_or_the_cache_leave_the_key_alone(tmp_path, option):
+    assert memory(tmp_path, **{option: REPORT_ONLY[option]}).folder == memory(tmp_path).folder
+    assert memory(tmp_path, warmup_steps=4).folder != memory(tmp_path).folder  # one that steers decisions

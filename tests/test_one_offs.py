@@ -1,7 +1,11 @@
 """The capture one-off's estimate: sized by the model, scaled by what this machine measured, pulled
 towards the backend's prior, kept per machine in the cache; graph_capture's pay-back rule reads it."""
 
+import json
 import math
+import os
+import pathlib
+import pwd
 from types import SimpleNamespace
 
 import pytest
@@ -12,6 +16,7 @@ from autogaudi import one_offs
 from autogaudi.backends.cpu import CpuBackend
 from autogaudi.cache import Cache
 from autogaudi.optimizations import graph_capture
+from tests.helpers import CORRUPTIONS, corrupt
 
 
 class Block(nn.Module):
@@ -353,3 +358,75 @@ def test_the_benchmark_table_shows_predicted_against_actual_and_whole_against_re
     table = benchmark.markdown(results)
     assert "| chargpt | first | 20.4 | 10.2-40.8 | 18.7 | 19.9 | miss (first) | 30.0 | 2.5 | 1.0/1.5 |" in table
     assert "| gpt4 | regional | 9.5 | 11.0 | 20.0 | 1.50x | 1.0/1.0 |" in table
+
+
+def saved(tmp_path, data=b"kernels of run 1"):
+    """A cache in which a run saved ``data`` for key(); (cache, the index, the blob)."""
+    cache = Cache(str(tmp_path / "cache"), 1 << 30)
+    assert one_offs.save_artifacts(cache, key(), Blobs(data))
+    (index,) = (tmp_path / "cache" / "compile" / "artifacts").glob("*.json")
+    (blob,) = (tmp_path / "cache" / "compile" / "artifacts").glob("*.bin")
+    return cache, index, blob
+
+
+def test_a_planted_blob_whose_digest_does_not_match_is_never_loaded(tmp_path):
+    cache, _index, blob = saved(tmp_path)
+    blob.write_bytes(b"another user's pickle")
+    later = Blobs()
+    assert one_offs.load_artifacts(cache, key(), later)["reason"] == "digest_mismatch"
+    assert later.loaded == []
+
+
+@pytest.mark.parametrize("how", CORRUPTIONS)
+@pytest.mark.parametrize("spoilt", ["index", "blob"])
+def test_a_spoilt_artifact_file_is_never_handed_to_the_backend(tmp_path, spoilt, how):
+    cache, index, blob = saved(tmp_path)
+    if spoilt == "blob" and how == "wrong_schema":
+        pytest.skip("a blob is torch's bytes, not JSON: it has no schema of autogaudi's")
+    wrong = json.dumps({"key": key(), "blob": blob.name, "sha256": 5, "date": "today"}).encode()
+    corrupt(index if spoilt == "index" else blob, how, tmp_path / "outside", wrong=wrong)
+    later = Blobs()
+    expected = {"index": "invalid", "blob": "untrusted" if how == "symlinked_out" else "digest_mismatch"}
+    assert one_offs.load_artifacts(cache, key(), later)["reason"] == expected[spoilt]
+    assert later.loaded == []
+
+
+@pytest.mark.parametrize("level", ["root", "folder", "blob"])
+@pytest.mark.parametrize("how", ["writable_by_others", "writable_by_group", "other_owner"])
+def test_artifacts_another_user_could_write_are_loaded_only_with_cache_trust_shared(tmp_path, how, level):
+    _cache, _index, blob = saved(tmp_path)
+    path = {"root": tmp_path / "cache", "folder": blob.parent, "blob": blob}[level]
+    if how == "other_owner":
+        if os.geteuid() != 0:
+            pytest.skip("giving a file to another user needs root")
+        os.chown(path, pwd.getpwnam("nobody").pw_uid, -1)
+    else:
+        modes = {("writable_by_others", True): 0o777, ("writable_by_group", True): 0o770}
+        os.chmod(path, modes.get((how, path.is_dir()), 0o666 if how == "writable_by_others" else 0o660))
+    later = Blobs()
+    assert one_offs.load_artifacts(Cache(str(tmp_path / "cache"), 1 << 30), key(), later)["reason"] == "untrusted"
+    assert later.loaded == []
+    trusting = Cache(str(tmp_path / "cache"), 1 << 30, trust_shared=True)
+    assert one_offs.load_artifacts(trusting, key(), later)["reason"] == "loaded"
+    assert later.loaded == [b"kernels of run 1"]
+
+
+@pytest.mark.parametrize("how", CORRUPTIONS)
+def test_a_spoilt_records_file_is_dropped_and_the_prior_used(tmp_path, how):
+    cache = Cache(str(tmp_path / "cache"), 1 << 30)
+    one_offs.remember(cache, cpu(), {"size": 10.0, "actual_s": 1.0, "warm": False, "tier": "whole"})
+    assert len(one_offs.remembered(cache, cpu())) == 1
+    corrupt(pathlib.Path(one_offs.records_path(cache, cpu())), how, tmp_path / "outside", wrong=b'{"records": "zzz"}')
+    assert one_offs.remembered(cache, cpu()) == []
+    assert [note.code for note in cache.notes] == ["entry_invalid"]
+
+
+@pytest.mark.parametrize(
+    "record", [{"size": "zzz", "actual_s": 1.0}, {"size": 10.0}, {"size": 10.0, "actual_s": 1.0, "tier": "zzz"}, "zzz"]
+)
+def test_a_record_that_is_not_what_autogaudi_writes_is_dropped_alone(tmp_path, record):
+    cache = Cache(str(tmp_path / "cache"), 1 << 30)
+    good = {"size": 10.0, "actual_s": 1.0, "warm": False, "tier": "whole"}
+    cache.write_json(one_offs.records_path(cache, cpu()), {"records": [record, good]})
+    assert one_offs.remembered(cache, cpu()) == [good]
+    assert [note.code for note in cache.notes] == ["entry_invalid"]
