@@ -35,7 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import dataloader
 from torch.utils.weak import WeakIdKeyDictionary
 
-from autogaudi import steps
+from autogaudi import module_hooks, steps
 from autogaudi._paths import user_location
 from autogaudi.diagnosis import gaudi_facts
 from autogaudi.optimizations.step_profiler import input_shapes
@@ -118,8 +118,8 @@ class Observer:
     # -- installation -------------------------------------------------------------------------
     def install(self) -> None:
         self._scope.hook(register_optimizer_step_post_hook, self._after_step)
-        self._scope.hook(torch.nn.modules.module.register_module_forward_pre_hook, self._before_forward)
-        self._scope.hook(torch.nn.modules.module.register_module_forward_hook, self._after_forward, always_call=True)
+        self._scope.hook(module_hooks.register_forward_pre_hook, self._before_forward)
+        self._scope.hook(module_hooks.register_forward_hook, self._after_forward)
         self._scope.wrap(dataloader.DataLoader, "__init__", self._new_loader)
         self._scope.wrap(dataloader._BaseDataLoaderIter, "__next__", self._next_batch)
         for method, kind in _HOST_READ_METHODS.items():
