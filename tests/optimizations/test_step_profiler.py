@@ -3,6 +3,7 @@ one stalled step that must not flip them, the HPU path through the double's timi
 module it names as the training model."""
 
 import importlib
+import json
 import threading
 import time
 import warnings
@@ -26,7 +27,7 @@ from autogaudi.optimizations.step_profiler import (
     pair_shares,
     settled,
 )
-from tests.helpers import SCRIPTS, run_python, said
+from tests.helpers import SCRIPTS, clean_env, run_python, said
 from tests.optimizations.ddp_helpers import TORCHRUN, torchrun
 
 STEPS = 3 + 2 * PAIRS + 2  # warm-up, the clean and census steps, and a couple more
@@ -457,6 +458,23 @@ def test_a_model_the_script_compiled_is_profiled_and_torch_warns_nothing():
         assert not model._forward_pre_hooks and not model._forward_hooks  # nothing left on the script's module
     finally:
         torch._dynamo.reset()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_a_nanogpt_shaped_script_that_compiles_its_model_runs_as_plain_and_is_profiled(tmp_path, backend):
+    """nanoGPT's defaults: ``torch.compile(model)`` of its own module, evaluated under no_grad, trained
+    with AdamW. Under ``-m autogaudi --quiet`` the output is plain's, byte for byte (torch's warning
+    about global hooks with torch.compile(module) included: none), and the step profile is there."""
+    script, report = SCRIPTS / "compiled_gpt.py", tmp_path / "report.json"
+    env = clean_env(BACKEND=backend)
+    plain = run_python(script, env=env)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    mine = run_python("-m", "autogaudi", "--quiet", "--report", report, script, env=env)
+    assert (mine.returncode, mine.stdout, mine.stderr) == (plain.returncode, plain.stdout, plain.stderr)
+    row = next(unit for unit in json.loads(report.read_text())["units"] if unit["name"] == "step_profiler")
+    assert row["status"] == "watching" and row["reason_code"].endswith("_bound"), row
+    assert row["figures"]["model"] == "GPT" and row["figures"]["ops_per_step"] > 0, row["figures"]
 
 
 @pytest.mark.slow
