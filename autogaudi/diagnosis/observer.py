@@ -10,7 +10,8 @@ One :class:`Observer` per diagnosis. It sees:
   an ``if``, formatting) in the mode, and ``tolist()`` / ``cpu()`` / ``numpy()`` / ``print`` through
   wrapt wrappers on ``torch.Tensor`` (those do not dispatch an op on a CPU tensor);
 - module calls, through torch's global forward hooks: which top-level modules run, with which
-  input shapes, and whether a read happens inside a forward (a graph-capture blocker);
+  input shapes, and whether a read happens inside a forward (a graph-capture blocker); on a module
+  the script compiled they move onto it for its call (:mod:`autogaudi.module_hooks`);
 - DataLoader construction (batch size, dataset length, ``drop_last``) and the time each batch
   fetch waits;
 - optimizer steps, through ``register_optimizer_step_post_hook``: the step boundaries. After
