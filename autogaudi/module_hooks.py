@@ -106,7 +106,11 @@ class _Mover:
         return self.failure is None
 
     def failed_at_run_time(self, error: Exception) -> None:
-        self.failure = self.failure or repr(error)
+        if self.failure is None:
+            from autogaudi.unit import warn
+
+            self.failure = repr(error)
+            warn(f"moving its module hooks onto a compiled module raised {self.failure}; they stay global")
 
 
 _MOVER = _Mover()
