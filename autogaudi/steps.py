@@ -43,11 +43,10 @@ import time
 import weakref
 
 import torch
-from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.data import dataloader
 
-from autogaudi import guard
+from autogaudi import guard, module_hooks
 from autogaudi.events import Event
 from autogaudi.guard import guarded
 from autogaudi.timeline import Timeline
@@ -379,7 +378,7 @@ class TrainingSteps:
     # run on torch's fast path and only its outermost call costs anything.
     def _watch_module_calls(self) -> None:
         if self._calls_hook is None and self._returned_hook is None:
-            self._calls_hook = register_module_forward_pre_hook(self._guarded_call)
+            self._calls_hook = module_hooks.register_forward_pre_hook(self._guarded_call)
 
     def _stop_counting_evaluation(self) -> None:
         self._regions.close()

@@ -2,6 +2,8 @@
 (no torch.optim), with two optimizers per iteration (a GAN), with per-layer optimizers that train
 one after another (forward-forward), or with LBFGS's closure (many backward passes per step)."""
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -273,6 +275,30 @@ def test_regions_inside_gradients_already_off_leave_training_calls_unwatched():
     with torch.set_grad_enabled(False):  # the transfer-learning tutorial's evaluation phase
         model(torch.randn(2, 4))
     assert steps_figures()["evaluation_forward_passes"] == 1
+
+
+def test_evaluation_passes_of_a_model_the_script_compiled_are_counted_and_torch_warns_nothing():
+    """nanoGPT's ``estimate_loss``: a ``torch.compile(model)`` called under ``@torch.no_grad()``. The
+    watcher's global hook sees the ``OptimizedModule``'s call as its own hook would, so torch's warning
+    about global hooks with torch.compile(module) is not raised, and each pass is counted once."""
+    autogaudi.enable(device="cpu", only="throughput_meter")
+    model = torch.compile(nn.Linear(4, 1), backend="eager")
+    evaluate = torch.no_grad()(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step, (inputs, targets) in zip(range(6), data()):
+                if step % 3 == 0:
+                    evaluate(inputs)
+                nn.functional.mse_loss(model(inputs), targets).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+        assert [str(warning.message) for warning in caught] == []
+        figures = steps_figures()
+        assert (figures["steps"], figures["evaluation_forward_passes"]) == (6, 2)
+    finally:
+        torch._dynamo.reset()
 
 
 def test_evaluation_passes_of_a_loop_that_updates_by_hand():

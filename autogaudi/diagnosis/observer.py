@@ -10,7 +10,8 @@ One :class:`Observer` per diagnosis. It sees:
   an ``if``, formatting) in the mode, and ``tolist()`` / ``cpu()`` / ``numpy()`` / ``print`` through
   wrapt wrappers on ``torch.Tensor`` (those do not dispatch an op on a CPU tensor);
 - module calls, through torch's global forward hooks: which top-level modules run, with which
-  input shapes, and whether a read happens inside a forward (a graph-capture blocker);
+  input shapes, and whether a read happens inside a forward (a graph-capture blocker); on a module
+  the script compiled they move onto it for its call (:mod:`autogaudi.module_hooks`);
 - DataLoader construction (batch size, dataset length, ``drop_last``) and the time each batch
   fetch waits;
 - optimizer steps, through ``register_optimizer_step_post_hook``: the step boundaries. After
@@ -35,7 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import dataloader
 from torch.utils.weak import WeakIdKeyDictionary
 
-from autogaudi import steps
+from autogaudi import module_hooks, steps
 from autogaudi._paths import user_location
 from autogaudi.diagnosis import gaudi_facts
 from autogaudi.optimizations.step_profiler import input_shapes
@@ -118,8 +119,8 @@ class Observer:
     # -- installation -------------------------------------------------------------------------
     def install(self) -> None:
         self._scope.hook(register_optimizer_step_post_hook, self._after_step)
-        self._scope.hook(torch.nn.modules.module.register_module_forward_pre_hook, self._before_forward)
-        self._scope.hook(torch.nn.modules.module.register_module_forward_hook, self._after_forward, always_call=True)
+        self._scope.hook(module_hooks.register_forward_pre_hook, self._before_forward)
+        self._scope.hook(module_hooks.register_forward_hook, self._after_forward)
         self._scope.wrap(dataloader.DataLoader, "__init__", self._new_loader)
         self._scope.wrap(dataloader._BaseDataLoaderIter, "__next__", self._next_batch)
         for method, kind in _HOST_READ_METHODS.items():

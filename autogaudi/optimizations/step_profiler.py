@@ -45,7 +45,7 @@ from collections import Counter
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from autogaudi import steps
+from autogaudi import module_hooks, steps
 from autogaudi._paths import short_location, user_location
 from autogaudi.events import Event
 from autogaudi.guard import guarded_call
@@ -397,8 +397,8 @@ class _RootModules:
         self.called = called
         self.calls: dict = {}
         self.inputs: dict = {}
-        scope.hook(torch.nn.modules.module.register_module_forward_pre_hook, self._enter)
-        scope.hook(torch.nn.modules.module.register_module_forward_hook, self._leave, always_call=True)
+        scope.hook(module_hooks.register_forward_pre_hook, self._enter)
+        scope.hook(module_hooks.register_forward_hook, self._leave)
 
     def _enter(self, module, args):
         if self.depth == 0:
@@ -480,6 +480,16 @@ def training_root(roots: list, optimizer):
         if count > best_count:
             best, best_count = module, count
     return best
+
+
+def model_name(model) -> str:
+    """The class of the model the script wrote: a ``torch.compile(model)`` of its own is named by the
+    module it compiled. The profile's model stays the ``OptimizedModule``, the module the script calls
+    (the units that would compile or hold that call see it compiled by the script)."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    if eval_frame is not None and isinstance(model, eval_frame.OptimizedModule):
+        model = model._orig_mod
+    return type(model).__name__
 
 
 def _weak(value):
@@ -663,13 +673,15 @@ class StepProfiler(Unit):
         if bound != measured[0]:
             self.note("follows_rank_zero", bound=measured[0], why=measured[1])
         root = training_root(self._roots, optimizer)
-        calls = max((step_calls.get(id(root), 0) for step_calls in self._calls), default=0) if root else 0
+        # ``is not None``: a module's truth is its length where it has one (an empty Sequential is
+        # false; torch.compile's OptimizedModule asks the module it compiled, and raises without one).
+        calls = max((step_calls.get(id(root), 0) for step_calls in self._calls), default=0) if root is not None else 0
         inputs = self._inputs.get(id(root), ())
         self.profile = StepProfile(bound, why, figures, root, optimizer, calls_per_step=calls, inputs=inputs)
         self.figures.update(bound=bound, profiled_at_step=self.session.steps.steps, **figures.as_dict())
         self.because(f"{bound}_bound", why=why)
         if root is not None:
-            self.figures["model"] = type(self.profile.model).__name__
+            self.figures["model"] = model_name(self.profile.model)
             self.figures["model_calls_per_step"] = calls
         if self.backend.name == "hpu" and self.backend.is_lazy:
             # The bridge's synchronize() marks a step and drains the host pipeline before it waits
@@ -727,7 +739,7 @@ class StepProfiler(Unit):
             **record["figures"],
             remembered_from_run=record["run"],
         )
-        self.figures.update(model=type(self.profile.model).__name__, model_calls_per_step=calls)
+        self.figures.update(model=model_name(self.profile.model), model_calls_per_step=calls)
         self.because("remembered_profile", bound=record["bound"], why=record["why"], **origin(record))
         self._publish()
         return True

@@ -3,8 +3,10 @@ one stalled step that must not flip them, the HPU path through the double's timi
 module it names as the training model."""
 
 import importlib
+import json
 import threading
 import time
+import warnings
 
 import pytest
 import torch
@@ -25,7 +27,7 @@ from autogaudi.optimizations.step_profiler import (
     pair_shares,
     settled,
 )
-from tests.helpers import SCRIPTS, run_python, said
+from tests.helpers import SCRIPTS, clean_env, run_python, said
 from tests.optimizations.ddp_helpers import TORCHRUN, torchrun
 
 STEPS = 3 + 2 * PAIRS + 2  # warm-up, the clean and census steps, and a couple more
@@ -393,6 +395,86 @@ def test_the_training_model_is_the_module_inside_ddp(tmp_path):
     finally:
         autogaudi.disable()
         dist.destroy_process_group()
+
+
+class Scaled(nn.Sequential):
+    """A Sequential of no layers with a weight of its own: a module whose truth is its length, 0."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(8, 3))
+
+    def forward(self, inputs):
+        return inputs @ self.weight
+
+
+def test_the_training_model_is_found_whatever_its_length():
+    """The root module is tested against None: an empty Sequential is false, and was profiled as
+    called in no step."""
+    autogaudi.enable(device="cpu", only="step_profiler")
+    model = Scaled()
+    train(model, small_batches())
+    row = profile_row()
+    assert row["status"] == "watching" and row["reason_code"].endswith("_bound"), row
+    assert (row["figures"]["model"], row["figures"]["model_calls_per_step"]) == ("Scaled", 1)
+    assert runtime._STATE.session.unit("step_profiler").profile.model is model
+
+
+class Net(nn.Module):
+    """A custom module: no ``__len__``, which torch.compile's OptimizedModule forwards ``len()`` to."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
+
+    def forward(self, inputs):
+        return self.layers(inputs)
+
+
+def test_a_model_the_script_compiled_is_profiled_and_torch_warns_nothing():
+    """``torch.compile(model)`` of a custom module: the profile names the compiled class and keeps the
+    ``OptimizedModule`` the script calls as its model (the units that would compile it see it compiled
+    already). While the census's global hooks exist the compiled module's calls carry them as its own:
+    torch's warning about global hooks with torch.compile(module) is not raised, and after disable()
+    ``OptimizedModule.__call__`` and torch's global hooks are as they were."""
+    from torch._dynamo.eval_frame import OptimizedModule
+    from torch.nn.modules import module as torch_module
+
+    call = vars(OptimizedModule)["__call__"]
+    autogaudi.enable(device="cpu", only="step_profiler")
+    model = torch.compile(Net(), backend="eager")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            train(model, small_batches())
+        assert [str(warning.message) for warning in caught] == []
+        row = profile_row()
+        assert row["status"] == "watching" and row["reason_code"].endswith("_bound"), row
+        assert (row["figures"]["model"], row["figures"]["model_calls_per_step"]) == ("Net", 1)
+        assert runtime._STATE.session.unit("step_profiler").profile.model is model
+        autogaudi.disable()
+        assert vars(OptimizedModule)["__call__"] is call
+        assert not torch_module._global_forward_pre_hooks and not torch_module._global_forward_hooks
+        assert not model._forward_pre_hooks and not model._forward_hooks  # nothing left on the script's module
+    finally:
+        torch._dynamo.reset()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_a_nanogpt_shaped_script_that_compiles_its_model_runs_as_plain_and_is_profiled(tmp_path, backend):
+    """nanoGPT's defaults: ``torch.compile(model)`` of its own module, evaluated under no_grad, trained
+    with AdamW. Under ``-m autogaudi --quiet`` the output is plain's, byte for byte (torch's warning
+    about global hooks with torch.compile(module) included: none), and the step profile is there."""
+    script, report = SCRIPTS / "compiled_gpt.py", tmp_path / "report.json"
+    env = clean_env(BACKEND=backend)
+    plain = run_python(script, env=env)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    mine = run_python("-m", "autogaudi", "--quiet", "--report", report, script, env=env)
+    assert (mine.returncode, mine.stdout, mine.stderr) == (plain.returncode, plain.stdout, plain.stderr)
+    row = next(unit for unit in json.loads(report.read_text())["units"] if unit["name"] == "step_profiler")
+    assert row["status"] == "watching" and row["reason_code"].endswith("_bound"), row
+    assert row["figures"]["model"] == "GPT" and row["figures"]["ops_per_step"] > 0, row["figures"]
 
 
 @pytest.mark.slow
