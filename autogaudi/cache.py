@@ -120,7 +120,8 @@ def _has_tag(root: str) -> bool:
 
 
 def _no_follow(path, flags):
-    return os.open(path, flags | getattr(os, "O_NOFOLLOW", 0))
+    """An ``open()`` opener that refuses a link at ``path``; what it creates only this user can read."""
+    return os.open(path, flags | getattr(os, "O_NOFOLLOW", 0), 0o600)
 
 
 class Cache:
@@ -209,8 +210,14 @@ class Cache:
 
     @contextlib.contextmanager
     def locked(self):
-        """Hold the cache's lock (one process at a time evicts or clears)."""
-        with open(os.path.join(self.root, LOCK), "a", opener=_no_follow) as handle:
+        """Hold the cache's lock (one process at a time evicts or clears). A link or anything but a
+        plain file where the lock belongs is taken away (never what it points to), so one planted
+        link does not leave every later run unable to evict."""
+        path = os.path.join(self.root, LOCK)
+        found = os.lstat(path) if os.path.lexists(path) else None
+        if found is not None and not stat.S_ISREG(found.st_mode):
+            os.unlink(path)
+        with open(path, "a", opener=_no_follow) as handle:
             if fcntl is not None:
                 fcntl.flock(handle, fcntl.LOCK_EX)
             try:

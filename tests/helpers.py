@@ -138,33 +138,49 @@ def collector_off():
 
 
 @contextlib.contextmanager
-def full_filesystem(where: Path):
-    """A small tmpfs mounted at ``where`` and filled to the last byte: what a run meets on a full
-    disk. Needs root (the tests skip, saying so, elsewhere)."""
+def small_filesystem(where: Path, holding: Path = None, state: str = "full"):
+    """A small tmpfs mounted at ``where``, holding a copy of ``holding`` (a folder) if given, then
+    filled to the last byte (``state="full"``) or made read-only (``"read_only"``): what a run meets
+    on a full or read-only disk. Needs root (the tests skip, saying so, elsewhere)."""
+    import shutil
+
     import pytest
 
     if os.geteuid() != 0:
-        pytest.skip("mounting a full tmpfs needs root")
+        pytest.skip("mounting a tmpfs needs root")
     where.mkdir(parents=True, exist_ok=True)
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(where)], capture_output=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(where)], capture_output=True)
     if mounted.returncode != 0:
         pytest.skip(f"could not mount a tmpfs: {mounted.stderr.decode().strip()}")
     try:
-        with contextlib.suppress(OSError), open(where / "filler", "wb") as handle:
-            while True:
-                handle.write(b"\0" * 4096)
-                handle.flush()
+        if holding is not None:
+            shutil.copytree(holding, where / holding.name, symlinks=True)
+        if state == "full":
+            with contextlib.suppress(OSError), open(where / "filler", "wb") as handle:
+                while True:
+                    handle.write(b"\0" * 4096)
+                    handle.flush()
+        else:
+            subprocess.run(["mount", "-o", "remount,ro", str(where)], check=True)
         yield where
     finally:
         subprocess.run(["umount", "-l", str(where)], check=False)
 
 
+def full_filesystem(where: Path):
+    """:func:`small_filesystem`, empty and full."""
+    return small_filesystem(where)
+
+
 CORRUPTIONS = ("truncated", "garbage", "wrong_schema", "symlinked_out")
+# and, where the test runs as root: the file replaced by one another user owns and anyone can write
+OTHER_USER = "other_user"
 
 
 def corrupt(path: Path, how: str, outside: Path, wrong=b'{"profile": "zzz"}') -> None:
     """Spoil a file autogaudi wrote in its cache: cut in half, random bytes, valid JSON that is not
-    what autogaudi writes (``wrong``), or a link to a copy of it outside the cache."""
+    what autogaudi writes (``wrong``), a link to a copy of it outside the cache, or (``OTHER_USER``) a
+    copy that another user owns and anyone can write."""
     data = path.read_bytes()
     if how == "truncated":
         path.write_bytes(data[: len(data) // 2])
@@ -172,6 +188,13 @@ def corrupt(path: Path, how: str, outside: Path, wrong=b'{"profile": "zzz"}') ->
         path.write_bytes(b"\x80\x04garbage" * 8)
     elif how == "wrong_schema":
         path.write_bytes(wrong)
+    elif how == OTHER_USER:
+        import pwd
+
+        path.unlink()
+        path.write_bytes(data)
+        os.chown(path, pwd.getpwnam("nobody").pw_uid, -1)
+        path.chmod(0o666)
     else:
         outside.mkdir(parents=True, exist_ok=True)
         target = outside / path.name

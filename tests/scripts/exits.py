@@ -1,5 +1,5 @@
-"""Trains a few steps, saves a checkpoint beside the user's own files, prints its loss, then leaves
-the way EXIT says: normal, exception, sys_exit, os_exit, sigint, sigterm or sigkill."""
+"""Trains a few steps (STEPS, 12 by default), saves a checkpoint beside the user's own files, prints
+its loss, then leaves the way EXIT says: normal, exception, sys_exit, os_exit, sigint, sigterm or sigkill."""
 
 import os
 import signal
@@ -10,7 +10,7 @@ import torch
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-for _ in range(12):
+for _ in range(int(os.environ.get("STEPS", "12"))):
     loss = model(torch.ones(4, 8)).pow(2).mean()
     loss.backward()
     optimizer.step()
