@@ -1,6 +1,10 @@
 """AUTOGAUDI=1 without the launcher: the .pth file, the sitecustomize bootstrap, and child processes."""
 
 import json
+import subprocess
+import sys
+
+import pytest
 
 from autogaudi._paths import bootstrap_dir
 from tests.helpers import SCRIPTS, clean_env, run_python
@@ -71,3 +75,19 @@ def test_pth_file_and_options_agree_on_what_means_off():
 
     line = (REPO / "autogaudi.pth").read_text()
     assert repr(_FALSE).replace("'", '"') in line
+
+
+def test_interpreter_without_autogaudi_below_the_launcher_stays_silent(tmp_path):
+    """A script's child on another interpreter (here the venv's base python, which lacks autogaudi)
+    inherits AUTOGAUDI=1 and the bootstrap folder: its stderr is its own, unless --verbose."""
+    other = getattr(sys, "_base_executable", None) or sys.executable
+    lacks = subprocess.run([other, "-c", "import autogaudi"], cwd=tmp_path, env=clean_env(), capture_output=True)
+    if other == sys.executable or lacks.returncode == 0:
+        pytest.skip("no interpreter without autogaudi here")
+    child = f"import subprocess, sys; r = subprocess.run([{other!r}, '-c', 'print(7)'], capture_output=True, text=True)"
+    script = tmp_path / "parent.py"
+    script.write_text(child + "\nprint(repr(r.stderr), r.returncode, r.stdout.strip())\n")
+    quiet = run_python("-m", "autogaudi", "--quiet", script, env=clean_env(), cwd=tmp_path)
+    assert (quiet.returncode, quiet.stdout) == (0, "'' 0 7\n"), quiet.stderr
+    verbose = run_python("-m", "autogaudi", "--quiet", "--verbose", script, env=clean_env(), cwd=tmp_path)
+    assert verbose.stdout != quiet.stdout and verbose.stdout.endswith(" 0 7\n")
