@@ -30,7 +30,7 @@ from autogaudi import runtime
 from autogaudi._paths import bootstrap_dir
 from autogaudi._version import __version__
 from autogaudi.errors import OptionsError
-from autogaudi.options import OPTIONS, Options
+from autogaudi.options import OPTIONS, Options, parse_bool
 from autogaudi.registry import UNITS
 
 PROG = "python -m autogaudi"
@@ -121,7 +121,12 @@ def main(argv=None):
 
 
 def _export_to_children(options: Options, given: dict) -> None:
-    """Let every Python process started below this one enable autogaudi with the same options."""
+    """Let every Python process started below this one enable autogaudi with the same options.
+    A malformed ``AUTOGAUDI`` is refused here, before the script, as a bad option is."""
+    try:
+        parse_bool("AUTOGAUDI", os.environ.get("AUTOGAUDI", ""))
+    except OptionsError as error:
+        build_parser().error(f"environment: {error}")
     os.environ.update(options.env_overrides(given))
     os.environ["AUTOGAUDI"] = "1"
     folder = bootstrap_dir()

@@ -31,13 +31,24 @@ def test_unset_or_zero_does_nothing():
         assert result.stdout.strip() == "False"
 
 
-def test_bad_env_values_stop_the_process_with_the_valid_choices():
-    result = run_python("-c", "print('ran')", env=clean_env(AUTOGAUDI="banana"))
-    assert (result.returncode, result.stdout) == (2, "")
-    assert "AUTOGAUDI='banana' is not a boolean" in result.stderr
-    result = run_python("-c", "print('ran')", env=clean_env(AUTOGAUDI="1", AUTOGAUDI_DEVICE="tpu"))
-    assert (result.returncode, result.stdout) == (2, "")
-    assert "valid choices for AUTOGAUDI_DEVICE: auto, hpu, cuda, cpu" in result.stderr
+@pytest.mark.slow
+def test_bad_env_values_stop_a_process_at_its_torch_import_with_the_valid_choices():
+    for bad in (dict(AUTOGAUDI="banana"), dict(AUTOGAUDI="1", AUTOGAUDI_DEVICE="tpu")):
+        (name, value), *_ = reversed(bad.items())
+        result = run_python("-c", "print('before'); import torch; print('ran')", env=clean_env(**bad))
+        assert (result.returncode, result.stdout) == (2, "before\n")
+        assert name in result.stderr and repr(value) in result.stderr and "valid choices" in result.stderr
+        launched = run_python("-m", "autogaudi", SCRIPTS / "show_main.py", env=clean_env(**bad))
+        assert (launched.returncode, launched.stdout) == (2, "")  # the launcher refuses before the script
+
+
+def test_bad_env_values_leave_processes_without_torch_alone():
+    for bad in (dict(AUTOGAUDI="2"), dict(AUTOGAUDI="1", AUTOGAUDI_PRECISION="bf17")):
+        result = run_python("-c", "print('ran')", env=clean_env(**bad))
+        assert (result.returncode, result.stdout, result.stderr) == (0, "ran\n", "")
+        pip = run_python("-m", "pip", "--version", env=clean_env(**bad))
+        assert (pip.returncode, pip.stderr) == (0, "")
+        assert pip.stdout == run_python("-m", "pip", "--version").stdout
 
 
 def test_sitecustomize_bootstrap_and_pth_enable_once():
