@@ -142,7 +142,7 @@ def run_as_main(target: str, args: list, is_module: bool, stopped_by: tuple = ()
     try:
         code, module = _load_module_main(target) if is_module else _load_script_main(target)
     except _CannotRun as problem:
-        sys.stderr.write(f"{sys.executable}: {problem.message}\n")
+        problem.show()
         return problem.status
     sys.argv = [target if not is_module else module.__file__, *args]
     _replaced_main_modules.append(sys.modules.get("__main__"))
@@ -185,6 +185,22 @@ class _CannotRun(Exception):
         self.message = message
         self.status = status
 
+    def show(self) -> None:
+        sys.stderr.write(f"{sys.executable}: {self.message}\n")
+
+
+class _DoesNotCompile(_CannotRun):
+    """The script's syntax error, shown as python shows it: the error alone, no traceback (the
+    frames it was raised in are the launcher's), and exit status 1."""
+
+    def __init__(self, error: SyntaxError):
+        super().__init__(str(error), 1)
+        self.error = error
+
+    def show(self) -> None:
+        error, self.error = self.error, None
+        sys.excepthook(type(error), error.with_traceback(None), None)
+
 
 def _new_main(**attributes) -> types.ModuleType:
     module = types.ModuleType("__main__")
@@ -210,7 +226,10 @@ def _load_script_main(path: str):
     # python puts the script's real folder (symlinks resolved) first on sys.path.
     sys.path[0] = os.path.dirname(os.path.realpath(absolute))
     loader = importlib.machinery.SourceFileLoader("__main__", absolute)
-    code = compile(source, absolute, "exec", dont_inherit=True)
+    try:
+        code = compile(source, absolute, "exec", dont_inherit=True)
+    except SyntaxError as error:
+        raise _DoesNotCompile(error) from None
     return code, _new_main(__file__=absolute, __loader__=loader, __spec__=None, __package__=None)
 
 
