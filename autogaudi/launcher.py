@@ -27,6 +27,7 @@ import sys
 import types
 
 from autogaudi import runtime
+from autogaudi._frames import strip_own_frames
 from autogaudi._paths import bootstrap_dir
 from autogaudi._version import __version__
 from autogaudi.errors import OptionsError
@@ -158,10 +159,8 @@ def _run(code, module, stopped_by=()):
     except stopped_by:
         return 0
     except BaseException as error:  # the user's exception: show it as python would, then exit 1
-        traceback = error.__traceback__
-        while traceback is not None and traceback.tb_frame.f_code.co_filename == __file__:
-            traceback = traceback.tb_next
-        sys.excepthook(type(error), error.with_traceback(traceback), traceback)
+        strip_own_frames(error)  # the launcher's, and those of autogaudi's wrappers it passed through
+        sys.excepthook(type(error), error, error.__traceback__)
         if isinstance(error, KeyboardInterrupt):
             _exit_like_python_on_interrupt()
         return 1

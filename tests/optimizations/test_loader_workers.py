@@ -7,6 +7,7 @@ import gc
 import os
 import random
 import time
+import traceback
 from types import SimpleNamespace
 
 import psutil
@@ -15,6 +16,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler
 
 import autogaudi
+from autogaudi._frames import is_own
 from autogaudi.optimizations.loader_workers import (
     CLEARLY_INPUT_BOUND,
     EARLY_BATCHES,
@@ -522,3 +524,21 @@ def test_without_a_training_model_the_thread_cut_is_not_measured(starving):
     only_loader_workers()
     train(lambda: DataLoader(Slow(delay=0.0), batch_size=8), epochs=1)
     assert "threads_cut_no_model" in row()["note_codes"] and row()["numerics_measured"] is None
+
+
+class RaisesAt(Slow):
+    """Raises the script's own error at one index, wherever it is built."""
+
+    def __getitem__(self, index):
+        if index == 12 * 8:
+            raise ValueError(index)
+        return super().__getitem__(index)
+
+
+def test_a_users_error_met_by_the_workers_reaches_the_script_without_autogaudis_frames(starving):
+    only_loader_workers()
+    with pytest.raises(ValueError) as caught:
+        train(lambda: DataLoader(RaisesAt(), batch_size=8), epochs=1)
+    assert row()["reason_code"] == "workers_failed" and "ValueError" in row()["reason_params"]["error"]
+    frames = [frame.filename for frame in traceback.extract_tb(caught.value.__traceback__)]
+    assert frames[-1] == __file__ and not [name for name in frames if is_own(name)]
