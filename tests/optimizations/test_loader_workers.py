@@ -6,6 +6,7 @@ alone."""
 import gc
 import os
 import random
+import sys
 import time
 import traceback
 from types import SimpleNamespace
@@ -542,3 +543,28 @@ def test_a_users_error_met_by_the_workers_reaches_the_script_without_autogaudis_
     assert row()["reason_code"] == "workers_failed" and "ValueError" in row()["reason_params"]["error"]
     frames = [frame.filename for frame in traceback.extract_tb(caught.value.__traceback__)]
     assert frames[-1] == __file__ and not [name for name in frames if is_own(name)]
+
+
+class ExitsAt(Slow):
+    """Notes its visit to one index in a file (seen from any process), then calls sys.exit(9)."""
+
+    def __init__(self, visits):
+        super().__init__()
+        self.visits = visits
+
+    def __getitem__(self, index):
+        if index == 12 * 8:
+            with open(self.visits, "a") as handle:
+                handle.write(f"{index}\n")
+            sys.exit(9)
+        return super().__getitem__(index)
+
+
+def test_sys_exit_in_a_worker_exits_the_script_once_as_in_process(starving, tmp_path):
+    visits = tmp_path / "visits"
+    only_loader_workers()
+    with pytest.raises(SystemExit) as caught:
+        train(lambda: DataLoader(ExitsAt(visits), batch_size=8), epochs=1)
+    assert caught.value.code == 9
+    assert visits.read_text() == "96\n"  # the item's side effect ran once, as in the plain run
+    assert row()["figures"]["loaders_tuned"] == 1  # the workers had taken over the epoch
