@@ -27,10 +27,14 @@ class _NotifyingLoader:
 
     def exec_module(self, module):
         self._loader.exec_module(module)
-        # The module should look exactly as if nobody had watched it being imported.
-        module.__loader__ = self._loader
+        # The module should look exactly as if nobody had watched it being imported (by one
+        # watcher or several: each wraps the loader the one before it found).
+        loader = self._loader
+        while isinstance(loader, _NotifyingLoader):
+            loader = loader._loader
+        module.__loader__ = loader
         if getattr(module, "__spec__", None) is not None:
-            module.__spec__.loader = self._loader
+            module.__spec__.loader = loader
         self._on_loaded(module)
 
 
@@ -64,5 +68,5 @@ def call_after_import(name: str, on_loaded) -> None:
     if module is not None:
         on_loaded(module)
         return
-    if not any(isinstance(f, _ImportWatcher) and f.name == name for f in sys.meta_path):
+    if not any(isinstance(f, _ImportWatcher) and f.name == name and f.on_loaded == on_loaded for f in sys.meta_path):
         sys.meta_path.insert(0, _ImportWatcher(name, on_loaded))

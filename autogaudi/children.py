@@ -16,6 +16,7 @@ import os
 import sys
 
 ENV = "AUTOGAUDI_CHILD_REPORTS"
+PREFIX = "autogaudi-children-"  # then the owner's pid, then mkdtemp's random part
 # Counts a forked child inherits from its parent: its part holds what it counted itself.
 COUNTS = ("steps", "backward_passes", "optimizer_steps", "evaluation_forward_passes")
 
@@ -49,12 +50,47 @@ def start() -> None:
     elif parts.folder is None:
         import tempfile  # here, not at the top: the runtime imports this module in every process
 
-        parts.folder, parts.owner = tempfile.mkdtemp(prefix="autogaudi-children-"), True
+        _remove_stale_folders(tempfile.gettempdir())
+        parts.folder, parts.owner = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-"), True
         parts.previous_env = named
         os.environ[ENV] = parts.folder
     if not parts.at_fork_registered and hasattr(os, "register_at_fork"):
         os.register_at_fork(after_in_child=_forked)
         parts.at_fork_registered = True
+
+
+def _remove_stale_folders(temp: str) -> None:
+    """The folders of this user's runs that ended without removing theirs (SIGKILL, SIGTERM, a
+    crash): their owner's pid is in the name, and a folder goes once nothing runs under that pid."""
+    import re
+    import shutil
+
+    pattern = re.compile(re.escape(PREFIX) + r"(\d+)-[A-Za-z0-9_]{8}")
+    try:
+        names = os.listdir(temp)
+    except OSError:
+        return
+    for name in names:
+        match = pattern.fullmatch(name)
+        if match is None:
+            continue
+        path = os.path.join(temp, name)
+        try:
+            if os.lstat(path).st_uid != os.getuid() or _running(int(match.group(1))):
+                continue
+        except OSError:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process: running
+        return True
+    return True
 
 
 def stop() -> None:

@@ -15,11 +15,16 @@ from __future__ import annotations
 
 import torch.utils.checkpoint
 
+from autogaudi._frames import strip_own_frames
+
 # Exceptions torch raises through the user's calls on purpose, never autogaudi's failures: non-reentrant
 # checkpointing stops its recomputation early with one. Running the call again would recompute past it.
 PASSING_THROUGH = tuple(
     cls for cls in (getattr(torch.utils.checkpoint, "_StopRecomputationError", None),) if cls is not None
 )
+
+
+_FREE = object()  # guarded_call's wrappers take no instance
 
 
 class _UserCall:
@@ -65,23 +70,34 @@ def guarded_call(owner, wrapper, wrapped, args: tuple, kwargs: dict):
     call. An exception raised by the user's call propagates as it is; one raised by the wrapper's own
     code switches the owner off, and the user's call completes as without the wrapper: run now if the
     wrapper had not run it yet, its result returned if it had (a user's call never runs twice)."""
+    return guarded_method_call(owner, wrapper, wrapped, _FREE, args, kwargs)
+
+
+def guarded_method_call(owner, wrapper, wrapped, instance, args: tuple, kwargs: dict):
+    """:func:`guarded_call` with ``wrapper(call, instance, args, kwargs)``: bound with
+    ``functools.partial``, it is a wrapt wrapper with no frame of its own, so the user's exception
+    reaches the script without any of autogaudi's frames (each is spliced out here)."""
     if not owner.in_force:
         return wrapped(*args, **kwargs)
     call = _UserCall(wrapped, args, kwargs)
     try:
-        return wrapper(call, args, kwargs)
+        return wrapper(call, args, kwargs) if instance is _FREE else wrapper(call, instance, args, kwargs)
     except PASSING_THROUGH:
         raise
     except Exception as error:
         if call.raised is not None:
             if error is not call.raised:  # the wrapper replaced the user's exception: give it back
                 owner.failed_at_run_time(error)
-                raise call.raised from None
+                raise strip_own_frames(call.raised) from None
+            strip_own_frames(error)  # the user's traceback reads as without the wrapper
             raise
         owner.failed_at_run_time(error)
         if call.ran:
             return call.result
         return wrapped(*call.args, **call.kwargs)
+    except BaseException as error:  # a Ctrl-C in the call or the wrapper: the user's, as it is
+        strip_own_frames(error)
+        raise
     finally:
         # The user's exception holds this frame in its traceback, and the frame holds ``call``: kept,
         # that cycle would keep the caller's frames alive (a loop's StopIteration every epoch, with

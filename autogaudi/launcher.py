@@ -27,11 +27,12 @@ import sys
 import types
 
 from autogaudi import report_file, runtime
+from autogaudi._frames import strip_own_frames
 from autogaudi._paths import bootstrap_dir
 from autogaudi._version import __version__
 from autogaudi.cache import refusal as cache_refusal
 from autogaudi.errors import OptionsError
-from autogaudi.options import OPTIONS, Options
+from autogaudi.options import OPTIONS, Options, parse_bool
 from autogaudi.registry import UNITS
 
 PROG = "python -m autogaudi"
@@ -129,7 +130,12 @@ def main(argv=None):
 
 
 def _export_to_children(options: Options, given: dict) -> None:
-    """Let every Python process started below this one enable autogaudi with the same options."""
+    """Let every Python process started below this one enable autogaudi with the same options.
+    A malformed ``AUTOGAUDI`` is refused here, before the script, as a bad option is."""
+    try:
+        parse_bool("AUTOGAUDI", os.environ.get("AUTOGAUDI", ""))
+    except OptionsError as error:
+        build_parser().error(f"environment: {error}")
     os.environ.update(options.env_overrides(given))
     os.environ["AUTOGAUDI"] = "1"
     folder = bootstrap_dir()
@@ -145,7 +151,7 @@ def run_as_main(target: str, args: list, is_module: bool, stopped_by: tuple = ()
     try:
         code, module = _load_module_main(target) if is_module else _load_script_main(target)
     except _CannotRun as problem:
-        sys.stderr.write(f"{sys.executable}: {problem.message}\n")
+        problem.show()
         return problem.status
     sys.argv = [target if not is_module else module.__file__, *args]
     _replaced_main_modules.append(sys.modules.get("__main__"))
@@ -161,10 +167,8 @@ def _run(code, module, stopped_by=()):
     except stopped_by:
         return 0
     except BaseException as error:  # the user's exception: show it as python would, then exit 1
-        traceback = error.__traceback__
-        while traceback is not None and traceback.tb_frame.f_code.co_filename == __file__:
-            traceback = traceback.tb_next
-        sys.excepthook(type(error), error.with_traceback(traceback), traceback)
+        strip_own_frames(error)  # the launcher's, and those of autogaudi's wrappers it passed through
+        sys.excepthook(type(error), error, error.__traceback__)
         if isinstance(error, KeyboardInterrupt):
             _exit_like_python_on_interrupt()
         return 1
@@ -187,6 +191,22 @@ class _CannotRun(Exception):
         super().__init__(message)
         self.message = message
         self.status = status
+
+    def show(self) -> None:
+        sys.stderr.write(f"{sys.executable}: {self.message}\n")
+
+
+class _DoesNotCompile(_CannotRun):
+    """The script's syntax error, shown as python shows it: the error alone, no traceback (the
+    frames it was raised in are the launcher's), and exit status 1."""
+
+    def __init__(self, error: SyntaxError):
+        super().__init__(str(error), 1)
+        self.error = error
+
+    def show(self) -> None:
+        error, self.error = self.error, None
+        sys.excepthook(type(error), error.with_traceback(None), None)
 
 
 def _new_main(**attributes) -> types.ModuleType:
@@ -213,7 +233,10 @@ def _load_script_main(path: str):
     # python puts the script's real folder (symlinks resolved) first on sys.path.
     sys.path[0] = os.path.dirname(os.path.realpath(absolute))
     loader = importlib.machinery.SourceFileLoader("__main__", absolute)
-    code = compile(source, absolute, "exec", dont_inherit=True)
+    try:
+        code = compile(source, absolute, "exec", dont_inherit=True)
+    except SyntaxError as error:
+        raise _DoesNotCompile(error) from None
     return code, _new_main(__file__=absolute, __loader__=loader, __spec__=None, __package__=None)
 
 

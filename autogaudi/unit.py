@@ -13,6 +13,7 @@ user's own exceptions propagate unchanged.
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 import sys
 
@@ -21,7 +22,7 @@ import wrapt
 
 from autogaudi import model_call, numerics
 from autogaudi.events import Event
-from autogaudi.guard import guarded, guarded_call
+from autogaudi.guard import guarded, guarded_method_call
 from autogaudi.options import OPTIONS_BY_NAME
 from autogaudi.reasons import Reason
 
@@ -79,12 +80,7 @@ class Scope:
 
     def wrap(self, owner, attribute: str, wrapper) -> None:
         """Wrap ``owner.attribute`` with ``wrapper(wrapped, instance, args, kwargs)``, guarded."""
-        guard = self.guard
-
-        def guarded_wrapper(wrapped, instance, args, kwargs):
-            return guarded_call(guard, lambda call, a, kw: wrapper(call, instance, a, kw), wrapped, args, kwargs)
-
-        self.add(wrap_attribute(owner, attribute, guarded_wrapper))
+        self.add(wrap_attribute(owner, attribute, functools.partial(guarded_method_call, self.guard, wrapper)))
 
     def hook(self, register, fn, *args, **kwargs):
         """``register(guarded fn, *args, **kwargs)`` (a torch ``register_*hook``), removed on close;

@@ -17,7 +17,10 @@ def _enable_autogaudi():
     try:
         from autogaudi._bootstrap import enable_from_environment
     except ImportError as error:
-        sys.stderr.write(f"autogaudi: not importable in this interpreter ({error}); running without it\n")
+        # Another interpreter (a system python the script runs) inherits our PYTHONPATH but not
+        # autogaudi: it runs as it would without us, and a caller parsing its stderr sees nothing.
+        if os.environ.get("AUTOGAUDI_VERBOSE", "").strip().lower() in ("1", "true", "yes", "on"):
+            sys.stderr.write(f"autogaudi: not importable in this interpreter ({error}); running without it\n")
         return
     enable_from_environment("sitecustomize")
 

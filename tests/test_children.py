@@ -3,6 +3,7 @@ spawned by multiprocessing, each with its own optimizer) write their part, the p
 and the user's stderr gets one report, not one per process."""
 
 import json
+import os
 
 import pytest
 
@@ -79,3 +80,22 @@ def test_a_forked_child_writes_its_own_counts_not_its_parent_s():
         (pid, "fork", 3)
     ]
     assert report["steps"]["steps"] == 5
+
+
+def test_folders_of_runs_that_were_killed_go_at_the_next_start(tmp_path):
+    """SIGKILL leaves a run no chance to remove its folder: the next run removes those whose owner
+    is gone, and nothing else (a live run's folder, a name not quite autogaudi's)."""
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    gone = int(dead.stdout)
+    names = {
+        "stale": f"{children.PREFIX}{gone}-abcd1234",
+        "alive": f"{children.PREFIX}{os.getpid()}-abcd1234",
+        "other": f"{children.PREFIX}{gone}-abcd12345",
+    }
+    for name in names.values():
+        (tmp_path / name).mkdir()
+    children._remove_stale_folders(str(tmp_path))
+    assert sorted(path.name for path in tmp_path.iterdir()) == sorted([names["alive"], names["other"]])

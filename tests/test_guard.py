@@ -4,6 +4,7 @@ deliberately broken unit, wherever it breaks, leaves the user's run as plain PyT
 
 import ast
 import pathlib
+import traceback
 import weakref
 
 import pytest
@@ -235,3 +236,16 @@ def test_a_broken_unit_leaves_the_run_plain_and_its_row_failed(monkeypatch, wher
     assert (row["status"], row["reason_code"]) == ("failed", "failed_at_run_time"), row
     assert row["reason_params"]["error"].startswith("RuntimeError('broken")
     assert torch.nn.functional.relu is relu  # reverted: the plain function again
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt, ValueError])
+def test_the_users_exception_leaves_with_none_of_autogaudis_frames(error):
+    """A Ctrl-C or the user's error, through a wrapper: its traceback reads as without the wrapper."""
+
+    def users_call():
+        raise error
+
+    with pytest.raises(error) as caught:
+        guard.guarded_method_call(GuardOwner(), lambda call, instance, args, kwargs: call(), users_call, None, (), {})
+    frames = [frame.filename for frame in traceback.extract_tb(caught.value.__traceback__)]
+    assert len(frames) == 3 and set(frames) == {__file__}  # the test, its wrapper, the user's call

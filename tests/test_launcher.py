@@ -191,3 +191,11 @@ def test_a_process_launcher_s_own_process_runs_without_autogaudi_and_hands_it_to
     result = run_python("-c", code)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout.splitlines()[-1]) == {"torch": True, "enabled": False, "workers_get": "1"}
+
+
+def test_syntax_error_in_the_script_reads_as_plain_pythons(tmp_path):
+    (tmp_path / "bad.py").write_text("print('never')\nx = (1,\n")
+    plain = run_python("bad.py", cwd=tmp_path)
+    launched = run_python("-m", "autogaudi", "bad.py", cwd=tmp_path)
+    assert plain.returncode == 1
+    assert (launched.returncode, launched.stdout, launched.stderr) == (plain.returncode, plain.stdout, plain.stderr)

@@ -335,6 +335,45 @@ class _WorkerLoader(wrapt.ObjectProxy):
     def multiprocessing_context(self):
         return self._self_context
 
+    @property
+    def worker_init_fn(self):
+        return functools.partial(_init_worker, self.__wrapped__.worker_init_fn)
+
+
+class _Exited:
+    """What a worker hands back for a batch whose ``__getitem__`` called ``sys.exit``: the main
+    process exits there, as the plain run would, instead of building the item a second time."""
+
+    def __init__(self, code):
+        self.code = code
+
+
+def _init_worker(init_fn, worker_id) -> None:
+    """In a worker autogaudi added: ``sys.exit`` in the dataset comes back as :class:`_Exited`, and
+    the worker builds nothing after it (the plain run would have stopped there)."""
+    create = dataloader._DatasetKind.create_fetcher
+    exited = []
+
+    def create_fetcher(*args, **kwargs):
+        fetcher = create(*args, **kwargs)
+        fetch = fetcher.fetch
+
+        def fetch_or_exit(index):
+            if exited:
+                return exited[0]
+            try:
+                return fetch(index)
+            except SystemExit as exit:
+                exited.append(_Exited(exit.code))
+                return exited[0]
+
+        fetcher.fetch = fetch_or_exit
+        return fetcher
+
+    dataloader._DatasetKind.create_fetcher = staticmethod(create_fetcher)
+    if init_fn is not None:
+        init_fn(worker_id)
+
 
 class _TooSlow(Exception):
     pass
@@ -380,6 +419,9 @@ class _WorkerIterator(dataloader._MultiProcessingDataLoaderIter):
             else:
                 self._indices.pending.popleft()
                 self._given += 1
+                if isinstance(data, _Exited):  # the rest of the epoch in-process, should the script go on
+                    self.give_up()
+                    raise SystemExit(data.code)
                 return data
         return self._in_process()._next_data()
 

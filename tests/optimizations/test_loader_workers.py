@@ -6,7 +6,9 @@ alone."""
 import gc
 import os
 import random
+import sys
 import time
+import traceback
 from types import SimpleNamespace
 
 import psutil
@@ -15,6 +17,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler
 
 import autogaudi
+from autogaudi._frames import is_own
 from autogaudi.optimizations.loader_workers import (
     CLEARLY_INPUT_BOUND,
     EARLY_BATCHES,
@@ -522,3 +525,46 @@ def test_without_a_training_model_the_thread_cut_is_not_measured(starving):
     only_loader_workers()
     train(lambda: DataLoader(Slow(delay=0.0), batch_size=8), epochs=1)
     assert "threads_cut_no_model" in row()["note_codes"] and row()["numerics_measured"] is None
+
+
+class RaisesAt(Slow):
+    """Raises the script's own error at one index, wherever it is built."""
+
+    def __getitem__(self, index):
+        if index == 12 * 8:
+            raise ValueError(index)
+        return super().__getitem__(index)
+
+
+def test_a_users_error_met_by_the_workers_reaches_the_script_without_autogaudis_frames(starving):
+    only_loader_workers()
+    with pytest.raises(ValueError) as caught:
+        train(lambda: DataLoader(RaisesAt(), batch_size=8), epochs=1)
+    assert row()["reason_code"] == "workers_failed" and "ValueError" in row()["reason_params"]["error"]
+    frames = [frame.filename for frame in traceback.extract_tb(caught.value.__traceback__)]
+    assert frames[-1] == __file__ and not [name for name in frames if is_own(name)]
+
+
+class ExitsAt(Slow):
+    """Notes its visit to one index in a file (seen from any process), then calls sys.exit(9)."""
+
+    def __init__(self, visits):
+        super().__init__()
+        self.visits = visits
+
+    def __getitem__(self, index):
+        if index == 12 * 8:
+            with open(self.visits, "a") as handle:
+                handle.write(f"{index}\n")
+            sys.exit(9)
+        return super().__getitem__(index)
+
+
+def test_sys_exit_in_a_worker_exits_the_script_once_as_in_process(starving, tmp_path):
+    visits = tmp_path / "visits"
+    only_loader_workers()
+    with pytest.raises(SystemExit) as caught:
+        train(lambda: DataLoader(ExitsAt(visits), batch_size=8), epochs=1)
+    assert caught.value.code == 9
+    assert visits.read_text() == "96\n"  # the item's side effect ran once, as in the plain run
+    assert row()["figures"]["loaders_tuned"] == 1  # the workers had taken over the epoch
