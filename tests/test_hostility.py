@@ -60,7 +60,7 @@ def test_every_exit_path_keeps_the_users_files_output_and_exit_code_and_the_next
 
     again = run_python("-m", "autogaudi", "train.py", env={**ours_env, "EXIT": "normal"}, cwd=project)
     assert again.returncode == 0, again.stderr
-    assert again.stdout == run_python("train.py", env={**env, "EXIT": "normal"}, cwd=project).stdout
+    assert again.stdout == plain.stdout  # the loss line, printed before the script leaves, whichever way
     assert "report (torch" in again.stderr
     assert {name: (project / name).read_bytes() for name in USERS_FILES} == USERS_FILES
     leftovers = [name for name in os.listdir(temporary) if name.startswith("autogaudi")]
