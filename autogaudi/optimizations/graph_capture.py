@@ -9,8 +9,9 @@ Backend mapping: :meth:`Backend.graph_forward`.
 How: calls of the model that owns most of the optimizer's parameters (a DDP model's inner module)
 run through the capture layer of the model's call route (:mod:`autogaudi.model_call`), which
 ``torch.save``, ``pickle`` and ``copy.deepcopy`` drop: a saved model is a plain one. The gates (:meth:`_refusal`:
-not host-bound, compiled by the script, outputs a replay would overwrite, HPU graphs' gradient
-rules; :meth:`_when_to_try`: a run too short to pay back this model's estimated one-off) each give a reason code;
+not host-bound, compiled by the script, outputs a replay would overwrite, a forward deciding on a
+device value (HPU lazy), HPU graphs' gradient rules; :meth:`_when_to_try`: a run too short to pay back
+this model's estimated one-off) each give a reason code;
 a capture not kept is released with every reference; an exception from the captured call re-runs
 the call eagerly and switches capture off; past ``MAX_SHAPES`` input shapes it switches off. The
 rules, their measurements and what each figure means: docs/units/graph_capture.md.
