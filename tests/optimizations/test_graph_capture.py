@@ -1,6 +1,8 @@
 """graph_capture: not on a device-bound run; forced on the HPU double it caches the module inside
-DDP through ModuleCacher with the same numerics; a recompile storm switches it off; on the CPU a
-host-bound run gets a torch.compile trial whose steps train like plain ones."""
+DDP through ModuleCacher with the same numerics; a recompile storm switches it off; a forward that
+branches on a tensor is never captured there, even forced (the double's replay runs the recorded
+ops, so it would take the recorded branch); on the CPU a host-bound run gets a torch.compile trial
+whose steps train like plain ones."""
 
 import dataclasses
 import gc
