@@ -53,6 +53,10 @@ class Backend:
     # Whether graph_forward(static_outputs=False) can capture a module whose outputs outlive the next
     # call (called several times per step): False where every replay writes into the same tensors.
     graphs_can_keep_outputs = True
+    # Whether graph_forward's graphs replay the ops they recorded without Python (HPU lazy ModuleCacher):
+    # a branch the forward takes on a device value is then replayed as it went at capture. torch.compile
+    # breaks the graph there and guards on it instead.
+    graphs_replay_recorded_branches = False
     # What the step profiler's device timing costs the first time a process uses it, in seconds (None:
     # nothing measurable): the census waits until the run is long enough to carry it.
     census_one_off_s = None

@@ -90,6 +90,10 @@ class HpuBackend(Backend):
         return MemoryStats(stats["InUse"], stats["MaxInUse"], stats["Limit"])
 
     @property
+    def graphs_replay_recorded_branches(self) -> bool:
+        return self.is_lazy  # ModuleCacher; eager mode's torch.compile guards on the branch
+
+    @property
     def graphs_can_keep_outputs(self) -> bool:
         return not self.is_lazy  # ModuleCacher replays into the same output tensors
 

@@ -21,6 +21,7 @@ KINDS = (
     "graph_blocker",
     "dynamic_ops",
     "dynamic_shapes",
+    "python_scalar",
     "last_batch",
     "cpu_fallback",
     "input_bound",
@@ -174,6 +175,41 @@ def dynamic_shapes(observer) -> list:
                 "graph per shape)",
                 "pad inputs to a few fixed sizes (bucket sequence lengths), keep the batch size fixed",
                 score=len(shapes),
+            )
+        )
+    return findings
+
+
+def python_scalars(observer) -> list:
+    """Python numbers passed to a model whose value changes from call to call: each value is a
+    constant of the graph, so each new one is a new graph to compile (Gaudi guide: avoiding
+    constant variables in loops)."""
+    findings = []
+    for (label, argument), values in observer.scalars.items():
+        if len(values) < 2:
+            continue
+        kind = type(next(iter(values))).__name__
+        findings.append(
+            Finding(
+                "python_scalar",
+                "high" if len(values) > 2 else "medium",
+                f"{_model_name(observer, label)} is passed a Python {kind} as {argument} that took "
+                f"{len(values)} values in {sum(values.values())} calls",
+                observer.scalar_sites.get((label, argument)),
+                {
+                    "module": _model_name(observer, label),
+                    "argument": argument,
+                    "type": kind,
+                    "distinct_values": len(values),
+                    "values_seen": list(values)[:8],
+                    "predicted_recompilations": f">= {len(values)} (one graph per value)",
+                },
+                "a Python number is a constant of the graph: each new value is a new graph to compile in lazy "
+                "mode, a new HPU graph for ModuleCacher (it keys graphs by plain values) and a recompilation "
+                f"for torch.compile ({facts.SOURCES['performance_guide']}: avoiding constant variables in loops)",
+                "pass it as a tensor on the device (e.g. torch.tensor(value, device=...), or a device tensor "
+                "rolled each step instead of indexing with the loop variable), or make it constant",
+                score=len(values),
             )
         )
     return findings
@@ -344,7 +380,17 @@ def mixed_precision(observer) -> list:
     ]
 
 
-RULES = (host_reads, dynamic_ops, dynamic_shapes, last_batch, cpu_fallback, input_bound, tile_sizes, mixed_precision)
+RULES = (
+    host_reads,
+    dynamic_ops,
+    dynamic_shapes,
+    python_scalars,
+    last_batch,
+    cpu_fallback,
+    input_bound,
+    tile_sizes,
+    mixed_precision,
+)
 
 
 def judge(observer) -> list:

@@ -10,8 +10,11 @@ One :class:`Observer` per diagnosis. It sees:
   an ``if``, formatting) in the mode, and ``tolist()`` / ``cpu()`` / ``numpy()`` / ``print`` through
   wrapt wrappers on ``torch.Tensor`` (those do not dispatch an op on a CPU tensor);
 - module calls, through torch's global forward hooks: which top-level modules run, with which
-  input shapes, and whether a read happens inside a forward (a graph-capture blocker); on a module
-  the script compiled they move onto it for its call (:mod:`autogaudi.module_hooks`);
+  input shapes (of the tensors among their positional arguments, nested or not), which Python
+  numbers they are passed (each value a constant of the graph), and whether a read happens inside a
+  forward (a graph-capture blocker); keyword arguments are not seen (global hooks are not given
+  them); on a module the script compiled the hooks move onto it for its call
+  (:mod:`autogaudi.module_hooks`);
 - DataLoader construction (batch size, dataset length, ``drop_last``) and the time each batch
   fetch waits;
 - optimizer steps, through ``register_optimizer_step_post_hook``: the step boundaries. After
@@ -39,7 +42,6 @@ from torch.utils.weak import WeakIdKeyDictionary
 from autogaudi import module_hooks, steps
 from autogaudi._paths import user_location
 from autogaudi.diagnosis import gaudi_facts
-from autogaudi.optimizations.step_profiler import input_shapes
 from autogaudi.unit import Scope
 
 # Ops whose output shape depends on the values of their input: every new shape a recompilation.
@@ -98,6 +100,8 @@ class Observer:
         self.dtype_ops = Counter()  # (dtype, op, location) -> count
         self.forward_op_seconds = Counter()  # op name -> seconds, inside forwards
         self.shapes = defaultdict(Counter)  # module label -> Counter of input-shape tuples
+        self.scalars = defaultdict(Counter)  # (module label, argument path) -> Counter of Python numbers passed
+        self.scalar_sites: dict = {}  # (module label, argument path) -> where it was first called with a new value
         self.models: dict = {}  # module label -> module (top-level, with parameters)
         self.call_sites: dict = {}  # module label -> where it was first called with a new shape
         self.loaders: list = []  # (location, batch_size, dataset length or None, drop_last)
@@ -187,15 +191,24 @@ class Observer:
         if self._depth == 0 and any(True for _ in module.parameters()):
             label = f"{type(module).__name__} at {id(module):#x}"
             self.models[label] = module
-            shapes = input_shapes(args, {})
-            for value in args:
+            leaves, _ = _pytree.tree_flatten_with_path(args)
+            shapes = tuple(tuple(value.shape) for _, value in leaves if isinstance(value, torch.Tensor))
+            for path, value in leaves:
                 if isinstance(value, torch.Tensor):
                     self._device_values[value] = True  # a script on Gaudi moves the model's inputs there
+                elif isinstance(value, (int, float)):  # bool included: a flag is a constant too
+                    self._saw_scalar((label, f"args{_pytree.keystr(path)}"), value)
             if self.shapes[label] and shapes not in self.shapes[label]:
                 self.call_sites.setdefault(label, user_location(sys._getframe(1)))
             self.shapes[label][shapes] += 1
             self.autocast_seen = self.autocast_seen or _autocast_enabled()
         self._depth += 1
+
+    def _saw_scalar(self, key: tuple, value) -> None:
+        values = self.scalars[key]
+        if values and value not in values:
+            self.scalar_sites.setdefault(key, user_location(sys._getframe(1)))
+        values[value] += 1
 
     def _after_forward(self, module, args, output) -> None:
         self._depth = max(0, self._depth - 1)

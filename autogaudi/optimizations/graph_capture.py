@@ -9,8 +9,9 @@ Backend mapping: :meth:`Backend.graph_forward`.
 How: calls of the model that owns most of the optimizer's parameters (a DDP model's inner module)
 run through the capture layer of the model's call route (:mod:`autogaudi.model_call`), which
 ``torch.save``, ``pickle`` and ``copy.deepcopy`` drop: a saved model is a plain one. The gates (:meth:`_refusal`:
-not host-bound, compiled by the script, outputs a replay would overwrite, HPU graphs' gradient
-rules; :meth:`_when_to_try`: a run too short to pay back this model's estimated one-off) each give a reason code;
+not host-bound, compiled by the script, outputs a replay would overwrite, a forward deciding on a
+device value (HPU lazy), HPU graphs' gradient rules; :meth:`_when_to_try`: a run too short to pay back
+this model's estimated one-off) each give a reason code;
 a capture not kept is released with every reference; an exception from the captured call re-runs
 the call eagerly and switches capture off; past ``MAX_SHAPES`` input shapes it switches off. The
 rules, their measurements and what each figure means: docs/units/graph_capture.md.
@@ -20,7 +21,9 @@ from __future__ import annotations
 
 import atexit
 import functools
+import inspect
 import math
+import os
 import time
 import warnings
 
@@ -28,6 +31,7 @@ import torch
 import torch.utils.checkpoint
 
 from autogaudi import numerics, one_offs
+from autogaudi._paths import short_location
 from autogaudi.candidate import Candidate, DecidesCandidate
 from autogaudi.engines import fsdp2_managed
 from autogaudi.events import Event
@@ -65,6 +69,37 @@ def uses_gradient_checkpointing(module) -> bool:
     return any(getattr(sub, "gradient_checkpointing", False) is True for sub in module.modules())
 
 
+def read_sites(profiler) -> list:
+    """(file, line) of each host read of a device value the step profiler located in its census steps
+    (its ``host_read_sites`` figure, ``file:line (n/step)``, the file relative to the working folder)."""
+    sites = []
+    for text in profiler.figures.get("host_read_sites", ()) if profiler is not None else ():
+        path, _, line = text.rsplit(" (", 1)[0].rpartition(":")
+        if line.isdigit():
+            sites.append((os.path.abspath(path), int(line)))
+    return sites
+
+
+def forward_reading(module, sites: list):
+    """(the sub-module, its (file, line)) of the first of ``sites`` inside the source of the forward of
+    ``module`` or of one of its sub-modules, or None. A read in a helper the forward calls is filed
+    under the helper's line, and is not found here."""
+    spans = {}  # forward function -> (file, first line, last line), or None where it has no source
+    for sub in module.modules():
+        forward = type(sub).forward
+        if forward not in spans:
+            try:
+                lines, first = inspect.getsourcelines(forward)
+                spans[forward] = (os.path.abspath(inspect.getsourcefile(forward)), first, first + len(lines) - 1)
+            except (OSError, TypeError):
+                spans[forward] = None
+        span = spans[forward]
+        for site in sites:
+            if span and site[0] == span[0] and span[1] <= site[1] <= span[2]:
+                return sub, site
+    return None
+
+
 def _saved_per_step_s(profile) -> float:
     """The most a capture could save per step: every part of it that is not the ops computing."""
     return max(1e-9, profile.measured.ms_per_step / 1000 * (1 - profile.measured.compute_fraction))
@@ -86,6 +121,10 @@ class GraphCapture(DecidesCandidate):
         "compile each block before fully_shard (as torchtitan does) instead",
         "mixed_precision": "stepped aside: {holder} holds this model's precision (its autocast would be traced "
         "into the graph)",
+        "data_dependent_control_flow": "not captured: {module}.forward reads a device value at {where} (a branch "
+        "on a tensor, .item()); {backend} graphs replay the ops they recorded, so a later batch would take the "
+        "branch taken at capture; compute both sides and select with torch.where, or capture its static "
+        "sub-modules yourself",
         "positional_forward": "not captured: {model}.forward takes *args or positional-only arguments, which "
         "ModuleCacher refuses",
         "module_hooks": "not captured: module hooks on {where} would not run when HPU graphs replay",
@@ -183,7 +222,7 @@ class GraphCapture(DecidesCandidate):
         precision = holder(profile.model, Layer.PRECISION)
         if precision is not None:
             return self.reason_for("mixed_precision", holder=precision.name)
-        refusal = self.backend.graph_refusal(profile.model)
+        refusal = self._control_flow_refusal(profile.model) or self.backend.graph_refusal(profile.model)
         if refusal:
             code, params = refusal
             return self.reason_for(code, **params)
@@ -197,6 +236,22 @@ class GraphCapture(DecidesCandidate):
         if self.backend.graphs_hold_gradients:
             return self._gradient_refusal(profile)
         return None
+
+    def _control_flow_refusal(self, model):
+        """(code, params) where the backend's graphs would replay a decision the model's forward takes on a
+        device value (the step profiler's host reads, located in a forward's source), or None. Forcing
+        does not lift it: a replay of the other branch changes what the model computes."""
+        if not self.backend.graphs_replay_recorded_branches:
+            return None
+        found = forward_reading(model, read_sites(self.session.unit("step_profiler")))
+        if found is None:
+            return None
+        module, site = found
+        return "data_dependent_control_flow", {
+            "module": type(module).__name__,
+            "where": short_location(site),
+            "backend": self.backend.name,
+        }
 
     def _profiled(self, profile) -> None:
         forced = self.name in self.options.force

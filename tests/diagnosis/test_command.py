@@ -73,6 +73,15 @@ def test_changing_input_shapes_predict_recompilations():
     assert finding.location[0] == str(SCRIPTS / "dynamic_shapes.py")
 
 
+def test_a_python_number_that_changes_every_step_is_named_where_the_model_is_called():
+    diagnosis = diagnose("python_scalar.py")
+    (finding,) = only(diagnosis, "python_scalar")
+    assert at_line(finding, "python_scalar.py", "python_scalar")
+    assert finding.severity == "high" and finding.evidence["argument"] == "args[1]"
+    assert finding.evidence["values_seen"] == list(range(8)) and finding.evidence["type"] == "int"
+    assert not only(diagnosis, "dynamic_shapes")  # the tensors' shapes never changed
+
+
 def test_a_short_last_batch_is_named_with_its_size():
     diagnosis = diagnose("last_batch.py", steps=12)  # 7 batches per epoch: the short one was seen
     (finding,) = only(diagnosis, "last_batch")

@@ -1,10 +1,15 @@
 """graph_capture: not on a device-bound run; forced on the HPU double it caches the module inside
-DDP through ModuleCacher with the same numerics; a recompile storm switches it off; on the CPU a
-host-bound run gets a torch.compile trial whose steps train like plain ones."""
+DDP through ModuleCacher with the same numerics; a recompile storm switches it off; a forward that
+branches on a tensor is never captured there, even forced (the double's replay runs the recorded
+ops, so it would take the recorded branch); on the CPU a host-bound run gets a torch.compile trial
+whose steps train like plain ones."""
 
 import dataclasses
 import gc
+import inspect
+import itertools
 import math
+import os
 
 import pytest
 import torch
@@ -201,6 +206,93 @@ def test_the_double_breaks_where_module_cacher_would(hpu_double):
     second = model(torch.randn(4, 16))  # same graph: replayed into the tensors the first call returned
     torch.testing.assert_close(first, second)
     assert {"orig_forward", "forward", "capture_start", "capture_end"} <= set(vars(model))
+
+
+class Branching(nn.Module):
+    """A Python decision on a tensor's value inside forward: loud hidden states are squashed. Both
+    sides use every parameter, so nothing but the branch keeps it from HPU graphs."""
+
+    THRESHOLD = 1.0
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.encode = nn.Linear(16, 32)
+        self.head = nn.Linear(32, 3)
+        self.forwards = []  # shared with the cacher's shallow copy: how often the Python forward ran
+
+    def forward(self, inputs):
+        self.forwards.append(len(inputs))
+        hidden = torch.relu(self.encode(inputs))
+        if hidden.mean() > self.THRESHOLD:  # the branch
+            hidden = torch.tanh(hidden)
+        return self.head(hidden)
+
+
+BRANCH_LINE = next(n for n, text in enumerate(inspect.getsource(Branching).splitlines()) if "# the branch" in text)
+SWITCH_AT = STEPS + 2  # after the profile, so after a forced capture
+
+
+def quiet_then_loud(switch_at=SWITCH_AT):
+    """Batches that take the quiet side of Branching's branch up to ``switch_at``, the loud side after."""
+    for index, (inputs, labels) in enumerate(batches()):
+        yield inputs * (0.1 if index < switch_at else 10.0), labels
+
+
+def test_the_double_replays_the_recorded_ops_not_the_python_forward(hpu_double):
+    """As a Gaudi's graph: a replay runs the ops recorded at capture on the new inputs and parameters,
+    with their backward, and the branch taken at capture is taken again, whatever the new batch says."""
+    calls = hpu_double(lazy=True)
+    from habana_frameworks.torch.hpu import ModuleCacher
+
+    eager = Branching()
+    model = ModuleCacher()(model=Branching(), inplace=True)
+    quiet, again, _, loud = [inputs for inputs, _ in itertools.islice(quiet_then_loud(switch_at=3), 4)]
+    for inputs in (quiet, again):
+        output = model(inputs).clone()
+        expected = eager(inputs)
+        torch.testing.assert_close(output, expected)
+        output.sum().backward()
+        expected.sum().backward()
+        torch.testing.assert_close([p.grad for p in model.parameters()], [p.grad for p in eager.parameters()])
+    assert model.forwards == [8]  # the capture ran Python, the replay did not
+    assert calls.names() == ["module_cacher", "module_cacher_capture", "module_cacher_replay"]
+    replayed = model(loud)
+    assert eager.encode(loud).relu().mean() > Branching.THRESHOLD  # eager would squash it
+    torch.testing.assert_close(replayed, eager.head(eager.encode(loud).relu()))  # the recorded side
+    assert not torch.allclose(replayed, eager(loud))
+    assert calls.names()[-1] == "module_cacher_replay" and model.forwards == [8]
+
+
+def test_a_forward_that_branches_on_a_tensor_is_never_captured_even_forced(hpu_double):
+    calls = hpu_double(lazy=True)
+    plain = losses_of(Branching(), quiet_then_loud())
+    autogaudi.enable(device="hpu", only="step_profiler,graph_capture", force="graph_capture")
+    losses = losses_of(Branching(), quiet_then_loud())
+    torch.testing.assert_close(losses, plain, rtol=1e-5, atol=1e-6)
+    where = f"{os.path.relpath(inspect.getsourcefile(Branching))}:{inspect.getsourcelines(Branching)[1] + BRANCH_LINE}"
+    assert (row()["reason_code"], row()["reason_params"]) == (
+        "data_dependent_control_flow",
+        {"module": "Branching", "where": where, "backend": "hpu"},
+    ), row()
+    assert "module_cacher" not in calls.names()
+
+
+class BranchingInside(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = Branching()
+
+    def forward(self, inputs):
+        return self.block(inputs)
+
+
+def test_a_read_is_found_in_the_forward_of_the_sub_module_that_makes_it():
+    line = inspect.getsourcelines(Branching)[1] + BRANCH_LINE
+    path = os.path.abspath(inspect.getsourcefile(Branching))
+    model = BranchingInside()
+    assert graph_capture_module.forward_reading(model, [(path, line)]) == (model.block, (path, line))
+    assert graph_capture_module.forward_reading(model, [(path, inspect.getsourcelines(losses_of)[1] + 3)]) is None
 
 
 def test_hpu_capture_leaves_no_cacher_attribute_and_the_model_saves_as_a_plain_one(hpu_double):

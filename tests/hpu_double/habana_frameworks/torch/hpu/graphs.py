@@ -1,14 +1,17 @@
 """HPU graphs (exported by hpu only in lazy mode), following the bridge's ``hpu/graphs.py``
-(HabanaAI/gaudi-pytorch-bridge, read 2026-11-23). "Capture" and "replay" call the eager forward on
-the CPU and are recorded, so tests see when a new graph would be compiled; what a real replay does
-differently from eager (no Python hooks, outputs written into the same tensors) is modelled."""
+(HabanaAI/gaudi-pytorch-bridge, read 2026-11-23). ModuleCacher's capture runs the Python forward
+once on the CPU and records the ops it ran (:class:`_Recording`); a replay runs those ops on the new
+inputs, not the Python forward: a branch taken on a tensor's value at capture is taken again, no
+Python hook fires, and the outputs are written into the same tensors, as on a Gaudi. Every capture
+and replay is recorded, so tests see when a new graph would be compiled."""
 
-import contextlib
 import copy
 import inspect
 import weakref
 
 import torch
+from torch.utils import _pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from habana_frameworks.torch._calls import record
 from habana_frameworks.torch.hpu.metrics import _count_compilation
@@ -127,31 +130,72 @@ def _tensors(value):
     return []
 
 
-@contextlib.contextmanager
-def _python_hooks_silenced(module):
-    """A replay runs the recorded graph, not Python: no module hooks (forward, pre, backward,
-    global) fire. Modelled by emptying them for the duration of the eager stand-in."""
-    saved = []
-    owners = [(sub, name) for sub in module.modules() for name in _HOOK_DICTS]
-    owners += [(torch.nn.modules.module, name) for name in _GLOBAL_HOOK_DICTS]
-    for owner, name in owners:
-        hooks = getattr(owner, name)
-        saved.append((owner, name, hooks.copy()))
-        hooks.clear()
-    try:
-        yield
-    finally:
-        for owner, name, hooks in saved:
-            getattr(owner, name).update(hooks)
+class _Input:
+    """A recorded op's tensor that a replay takes from its inputs (an argument, parameter or buffer)."""
+
+    def __init__(self, index):
+        self.index = index
 
 
-_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-_GLOBAL_HOOK_DICTS = (
-    "_global_forward_hooks",
-    "_global_forward_pre_hooks",
-    "_global_backward_hooks",
-    "_global_backward_pre_hooks",
-)
+class _Output:
+    """A recorded op's tensor that an earlier op of the replay produced."""
+
+    def __init__(self, op, position):
+        self.op, self.position = op, position
+
+
+class _Recording(TorchDispatchMode):
+    """The ops one forward ran, below autograd, as a graph that :meth:`replay` runs on new inputs.
+
+    Each op's tensors are an input (by position), an earlier op's output, or else a constant (a
+    tensor the forward held, baked in as the bridge bakes it). A value read to the host
+    (``.item()``, ``if tensor:``) is not an op of the graph: what Python did with it at capture is
+    what the graph holds. Replayed ops go through autograd as any op does, so a replay's backward is
+    that of the recorded ops."""
+
+    def __init__(self, inputs):
+        super().__init__()
+        self.ops = []  # (op, args, kwargs), tensors as _Input / _Output / constants
+        self.outputs = None
+        self._names = {id(tensor): _Input(index) for index, tensor in enumerate(inputs)}
+        self._alive = list(inputs)  # no id is reused while recording
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        if func is torch.ops.aten._local_scalar_dense.default:
+            return result  # read by Python, which decides what else is recorded
+        self.ops.append((func, self._named(args), self._named(kwargs)))
+        for position, value in enumerate(_pytree.tree_leaves(result)):
+            if isinstance(value, torch.Tensor):
+                self._names[id(value)] = _Output(len(self.ops) - 1, position)
+                self._alive.append(value)
+        return result
+
+    def _named(self, tree):
+        return _pytree.tree_map_only(torch.Tensor, lambda tensor: self._names.get(id(tensor), tensor), tree)
+
+    def finish(self, outputs) -> None:
+        """Name the forward's outputs; the recording keeps no tensor of the capture but constants."""
+        self.outputs = self._named(outputs)
+        self._alive = self._names = None
+
+    def replay(self, inputs):
+        results = []  # per op, the leaves of what it returned
+
+        def value(leaf):
+            if isinstance(leaf, _Input):
+                return inputs[leaf.index]
+            if isinstance(leaf, _Output):
+                return results[leaf.op][leaf.position]
+            return leaf
+
+        for func, args, kwargs in self.ops:
+            output = func(*_pytree.tree_map(value, args), **_pytree.tree_map(value, kwargs))
+            results.append(_pytree.tree_leaves(output))
+        return _pytree.tree_map(value, self.outputs)
+
+
 LIVE_CACHERS = weakref.WeakSet()  # the double's own: lets tests see that a cacher was let go
 
 
@@ -161,14 +205,16 @@ class ModuleCacher(torch.nn.Module):
     ``is_hpugraph_tracing``, ``set_iteration_count``, ``capture_start`` and ``capture_end``; only
     training calls with grad are cached, one graph per input key (``_input_key``); a capture calls a
     shallow copy of the model by keyword, refuses DataParallel/DDP models and, unless
-    ``allow_unused_input``, raises for a trainable parameter that gets no gradient; a replay runs no
-    Python hooks and writes its outputs into the tensors the previous replay of that graph returned.
-    "Capture" and "replay" run the forward eagerly on the CPU and are recorded."""
+    ``allow_unused_input``, raises for a trainable parameter that gets no gradient. The capture runs
+    the Python forward once and records its ops; a replay runs the recorded ops on the new inputs
+    and the model's parameters and buffers (no Python: no hook fires, a data-dependent branch goes
+    as it went at capture) and writes its outputs into the tensors the previous replay of that graph
+    returned."""
 
     def __init__(self, max_graphs=10):
         super().__init__()
         self.max_graphs = max_graphs
-        self._graphs = {}  # input key -> the outputs its last capture or replay returned
+        self._graphs = {}  # input key -> (its recording, the outputs its last capture or replay returned)
         LIVE_CACHERS.add(self)
 
     def __call__(
@@ -229,7 +275,10 @@ class ModuleCacher(torch.nn.Module):
         assert not isinstance(self.orig_model, (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)), (
             "Use DataParallel/DistributedDataParallel only after wrapping with ModuleCacher"
         )
-        outputs = self.orig_model(**arguments)
+        recording = _Recording(self._inputs(arguments))
+        with recording:
+            outputs = self.orig_model(**arguments)
+        recording.finish(outputs)
         trainable = [parameter for parameter in self.orig_model.parameters() if parameter.requires_grad]
         differentiable = [tensor for tensor in _tensors(outputs) if tensor.requires_grad]
         if differentiable and trainable and not self.allow_unused_input:
@@ -245,19 +294,23 @@ class ModuleCacher(torch.nn.Module):
                     "One of the differentiated Tensors appears to not have been used in the graph. "
                     "Set allow_unused=True if this is the desired behavior."
                 )
-        self._graphs[key] = outputs
+        self._graphs[key] = recording, outputs
         self._previous_gradients = []
         _count_compilation(1000, ("module_cacher", type(self.orig_model).__name__, key))
         record("module_cacher_capture", shapes=_shapes(arguments))
         return outputs
 
+    def _inputs(self, arguments):
+        """What a graph reads: the arguments' tensors, then the model's parameters and buffers."""
+        return [*_tensors(arguments), *self.orig_model.parameters(), *self.orig_model.buffers()]
+
     def _replay(self, key, arguments):
-        with _python_hooks_silenced(self.orig_model):
-            outputs = self.orig_model.forward(**arguments)
+        recording, previous = self._graphs[key]
+        outputs = recording.replay(self._inputs(arguments))
         with torch.no_grad():
-            for static, new in zip(_tensors(self._graphs[key]), _tensors(outputs)):
+            for static, new in zip(_tensors(previous), _tensors(outputs)):
                 static.data.copy_(new.detach())  # every replay writes into the same output tensors
-        self._graphs[key] = outputs
+        self._graphs[key] = recording, outputs
         current = _gradients(self.model)
         previous = self._previous_gradients
         reused = all(a is not None and a is b for a, b in zip(current, previous)) if previous else None
