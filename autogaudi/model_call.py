@@ -28,6 +28,7 @@ from autogaudi.reasons import Reason
 class Layer(enum.IntEnum):
     """Where a unit's layer sits in the call, outermost first."""
 
+    TRACK = -2  # runs one call inside a memory tracker (autogaudi.step_memory): sees everything the call does
     MEASURE = -1  # sees one call as the script made it, to measure a unit's numerics on a copy (thread cut)
     OBSERVE = 0  # sees the call as the script made it (the precision guard)
     INPUTS = 1  # changes the inputs (memory format)
