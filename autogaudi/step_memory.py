@@ -272,6 +272,7 @@ class StepMemory:
     def __init__(self, session):
         self.session = session
         self.budget = None
+        self.enforced = False  # whether the device itself holds the process to --memory-limit
         self.failure = None
         self.state = "off"  # off (no budget), waiting, forecast, measuring, measured, not_forecast, failed
         self.forecast = None  # the forecast of the step as it runs (after any unit changed it)
@@ -283,6 +284,7 @@ class StepMemory:
         self._tracker = None
         self._closing = False
         self._scope = Scope(self)
+        self._limit = Scope(self)
 
     @property
     def in_force(self) -> bool:
@@ -299,6 +301,11 @@ class StepMemory:
         self.budget = budget_bytes(self.session.options, self.session.backend)
         if self.budget is None:
             return
+        limit = self.session.options.memory_limit
+        undo = self.session.backend.limit_memory(int(limit * GB)) if limit else None
+        self.enforced = undo is not None
+        if undo is not None:
+            self._limit.add(undo)  # for the whole session, not only until the measured step
         self.state = "waiting"
         self._first = self._scope.child()
         self._first.hook(torch.nn.modules.module.register_module_forward_pre_hook, self._called)
@@ -309,6 +316,7 @@ class StepMemory:
 
     def uninstall(self) -> None:
         self._scope.close()
+        self._limit.close()
 
     def _called(self, module, args) -> None:
         """The first call with gradients of a module with trainable parameters: the training model."""
@@ -381,6 +389,7 @@ class StepMemory:
         matters = bool(self.budget and peak and peak >= MATTERS_AT * self.budget)
         return {
             "budget_bytes": self.budget,
+            "limit_enforced": self.enforced,
             "state": self.state,
             "peak_bytes": peak,
             "predicted_peak_bytes": forecast.peak if forecast else None,

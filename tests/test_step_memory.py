@@ -121,3 +121,21 @@ def test_the_memory_limit_option_takes_gigabytes():
         except OptionsError:
             continue
         raise AssertionError(f"memory_limit={wrong!r} accepted")
+
+
+def test_on_cuda_the_limit_is_enforced_by_the_allocator_and_given_back(monkeypatch):
+    from types import SimpleNamespace
+
+    from autogaudi.backends.cuda import CudaBackend
+
+    fractions = [0.75]  # what the script set
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 * GB))
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: fractions[-1])
+    monkeypatch.setattr(
+        torch.cuda, "set_per_process_memory_fraction", lambda fraction, device: fractions.append(fraction)
+    )
+    undo = CudaBackend("test").limit_memory(20 * GB)
+    assert fractions[-1] == 0.25
+    undo()
+    assert fractions[-1] == 0.75
