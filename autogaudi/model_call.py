@@ -33,7 +33,8 @@ class Layer(enum.IntEnum):
     OBSERVE = 0  # sees the call as the script made it (the precision guard)
     INPUTS = 1  # changes the inputs (memory format)
     PRECISION = 2  # the forward's numeric precision (autocast)
-    CAPTURE = 3  # runs the call as a captured graph instead of eagerly (innermost)
+    CAPTURE = 3  # runs the call as a captured graph instead of eagerly
+    RECOMPUTE = 4  # a block's call checkpointed: its forward runs again in backward (innermost)
 
 
 class Route:

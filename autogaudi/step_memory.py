@@ -341,10 +341,11 @@ class StepMemory:
             self.state, self.why_not = "not_forecast", repr(error)
             return
         self.state = "forecast"
-        self.session.events.emit(Event.MEMORY_FORECAST, model, self)
+        self.session.events.emit(Event.MEMORY_FORECAST, model, args, self)
 
     def again(self, model, args, checkpointed=(), watch=()) -> Forecast:
-        """A forecast of the step with ``checkpointed`` submodules (names) checkpointed."""
+        """A forecast of the step called with ``args``, with ``checkpointed`` submodules (names)
+        checkpointed; ``watch``: the submodules whose kept and output bytes it reports."""
         optimizer = self._optimizer() if self._optimizer is not None else None
         self._closing = True  # the copy's calls are no training model's
         try:
