@@ -32,6 +32,8 @@ class Event(enum.Enum):
     OPTIMIZER_STEP = "optimizer step"  # (optimizer): after every step of every optimizer
     TRAINING_STEP = "training step"  # (pacing optimizer, or None): one iteration of the loop ended
     STEP_PROFILED = "step profiled"  # (StepProfile): the step was classified, once per run
+    # (model, args, StepMemory): the training model's first step was forecast, before its first forward runs
+    MEMORY_FORECAST = "memory forecast"
 
 
 class _Listener:

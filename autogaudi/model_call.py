@@ -28,11 +28,13 @@ from autogaudi.reasons import Reason
 class Layer(enum.IntEnum):
     """Where a unit's layer sits in the call, outermost first."""
 
+    TRACK = -2  # runs one call inside a memory tracker (autogaudi.step_memory): sees everything the call does
     MEASURE = -1  # sees one call as the script made it, to measure a unit's numerics on a copy (thread cut)
     OBSERVE = 0  # sees the call as the script made it (the precision guard)
     INPUTS = 1  # changes the inputs (memory format)
     PRECISION = 2  # the forward's numeric precision (autocast)
-    CAPTURE = 3  # runs the call as a captured graph instead of eagerly (innermost)
+    CAPTURE = 3  # runs the call as a captured graph instead of eagerly
+    RECOMPUTE = 4  # a block's call checkpointed: its forward runs again in backward (innermost)
 
 
 class Route:

@@ -84,6 +84,18 @@ def _parse_count(name: str, value) -> int:
     return number
 
 
+def _parse_gigabytes(name: str, value):
+    if value is None or str(value).strip() == "":
+        return None
+    try:
+        number = float(value if isinstance(value, (int, float)) and not isinstance(value, bool) else str(value).strip())
+    except ValueError:
+        number = -1.0
+    if not number > 0 or number == float("inf"):
+        raise OptionsError(f"{name}={value!r} must be a number of gigabytes > 0")
+    return number
+
+
 def _parse_path(name: str, value):
     if value is None or str(value).strip() == "":
         return None
@@ -182,6 +194,15 @@ OPTIONS: tuple = (
         "used only after matching float32 on the run's own steps, and "
         "switched back on a NaN/Inf or spiking loss (off by default: it changes numerics)",
         "{" + ",".join(PRECISIONS) + "}",
+    ),
+    Option(
+        "memory_limit",
+        None,
+        _parse_gigabytes,
+        "run as if the device had this much memory (GiB): the training step's peak is forecast on fake tensors "
+        "before its first forward and activation_checkpointing keeps it under the limit; on CUDA also enforced "
+        "with torch.cuda.set_per_process_memory_fraction",
+        "GB",
     ),
     Option(
         "report",

@@ -62,6 +62,12 @@ UNITS: tuple[UnitInfo, ...] = (
         "autogaudi.optimizations.mixed_precision:MixedPrecision",
     ),
     UnitInfo(
+        "activation_checkpointing",
+        "where a step's peak, forecast on fake tensors before the first forward, exceeds --memory-limit or the "
+        "device: activation checkpointing of the fewest repeated blocks that bring it under",
+        "autogaudi.optimizations.activation_checkpointing:ActivationCheckpointing",
+    ),
+    UnitInfo(
         "graph_capture",
         "host-bound runs: the training model replays captured graphs (HPU graphs, CUDA graphs, torch.compile), "
         "if a trial finds it faster",

@@ -241,6 +241,8 @@ class Report:
             f"{row['unit']} ({', '.join(row['how'])}, {_format_size(row['measured'])})" for row in self.numerics()
         )
         lines.append(f"  results  {f'may differ from plain: {differ}' if differ else 'identical to plain'}")
+        if (self.memory or {}).get("matters"):
+            lines.append(f"  memory   {_format_memory(self.memory)}")
         tried = [
             f"{tried['unit']}: {tried['speedup']}x in its trial, not kept; the trial cost {tried['cost_s']} s"
             for tried in summary["tried"]
@@ -282,7 +284,8 @@ class Report:
             f"  steps    {_format_steps(self.steps)}",
         ]
         if self.memory:
-            lines.append("  memory   " + ", ".join(f"{k} {v}" for k, v in self.memory.items()))
+            scalars = {k: v for k, v in self.memory.items() if not isinstance(v, dict)}
+            lines.append("  memory   " + ", ".join(f"{k} {v}" for k, v in scalars.items()))
         width = max([len(row["name"]) for row in self.units] + [4])
         lines.append(f"  {'unit'.ljust(width)}  {'status':<11} reason")
         for row in self.units:
@@ -364,6 +367,22 @@ def _format_effect(change: dict) -> str:
     if "timed" in effect:
         return text + f" ({effect['timed']})"
     return text + f", one-off {effect['one_off_s']} s included"
+
+
+def _format_memory(memory: dict) -> str:
+    """A step's peak against the budget, and what it is made of, largest part first."""
+    peak = memory["peak_bytes"] or memory["predicted_peak_bytes"]
+    how = "measured" if memory["peak_bytes"] else "forecast"
+    text = f"a step's peak {_mb(peak)} ({how}) of a {_mb(memory['budget_bytes'])} budget"
+    if memory["peak_bytes"] and memory["predicted_peak_bytes"]:
+        text += f", forecast {_mb(memory['predicted_peak_bytes'])}"
+    parts = sorted((memory.get("parts") or {}).items(), key=lambda part: -part[1])
+    shares = [f"{name.replace('_', ' ')} {size / peak:.0%}" for name, size in parts if size and peak]
+    return text + (f": {', '.join(shares)}" if shares else "")
+
+
+def _mb(size) -> str:
+    return f"{size / 1e6:.1f} MB"
 
 
 def _format_size(measured) -> str:

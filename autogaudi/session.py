@@ -28,6 +28,7 @@ from autogaudi.ranks import gather_from_ranks, is_rank_zero, several_ranks
 from autogaudi.reasons import Reason
 from autogaudi.registry import UNITS
 from autogaudi.reporting import APPLIED, FAILED, SKIPPED, Report, UnitRow
+from autogaudi.step_memory import StepMemory
 from autogaudi.steps import TrainingSteps
 from autogaudi.trials import TrialRunner
 from autogaudi.unit import Scope, warn
@@ -91,6 +92,9 @@ class Session:
                 self.cache_notes.append(note("decisions_not_remembered", error=error))
         self.steps = TrainingSteps(self.backend, self.options, self.events, guard=self)
         self.steps.install()
+        self.step_memory = StepMemory(self)  # before the units: its forecast comes before their first call
+        self.step_memory.install()
+        self._scope.add(self.step_memory.uninstall)
         self.trials = TrialRunner(
             self.steps,
             self.events,
@@ -301,7 +305,8 @@ class Session:
             self.rank_step_s = {str(rank): None if got is None else got["steps"] for rank, got in posted.items()}
 
     def report(self) -> Report:
-        memory = self.backend.memory_stats()
+        stats = self.backend.memory_stats()
+        memory = {**(stats.as_dict() if stats else {}), **self.step_memory.report()}
         return Report(
             torch_version=torch.__version__,
             enabled_by=self.sources,
@@ -309,7 +314,7 @@ class Session:
             backend=self.backend.describe(),
             options=self.options.as_dict(),
             steps={**self.steps.figures(), "decisions_settled_at_step": self.settled_at_step},
-            memory=memory.as_dict() if memory else None,
+            memory=memory,
             units=[row.as_dict() for row in self.rows.values()],
             trials=list(self.trials.records),
             ranks=self.rank_rows,

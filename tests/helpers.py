@@ -14,7 +14,7 @@ HPU_DOUBLE = TESTS / "hpu_double"
 
 
 # Units that an option of their own switches on (off by default): the options that do, for generic tests.
-SWITCHED_ON_BY = {"mixed_precision": {"precision": "bf16"}}
+SWITCHED_ON_BY = {"mixed_precision": {"precision": "bf16"}, "activation_checkpointing": {"memory_limit": 1e-4}}
 # Units whose trial an option of their own asks for (the others: --trial UNIT).
 TRIAL_BY = {"mixed_precision": {"precision": "auto"}}
 

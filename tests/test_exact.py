@@ -43,7 +43,9 @@ def runs(tmp_path_factory):
             env = clean_env(**ENVIRONMENTS[backend])
             plain = numbers(run_python(SCRIPT, env=env))
             report = tmp_path_factory.mktemp(backend) / "report.json"
-            switched_on = [f"--{key}={value}" for unit in SWITCHED_ON_BY.values() for key, value in unit.items()]
+            switched_on = [
+                f"--{key.replace('_', '-')}={value}" for unit in SWITCHED_ON_BY.values() for key, value in unit.items()
+            ]
             exact = run_python(
                 "-m", "autogaudi", "--exact", "--force", ",".join(OPT_IN_UNITS), *switched_on, "--quiet",
                 "--report", report, SCRIPT, env=env,

@@ -26,8 +26,9 @@ def test_launcher_prints_the_table_and_writes_json(tmp_path):
     row = {unit["name"]: unit for unit in report["units"]}["step_marks"]
     assert (row["status"], row["reason_code"], row["reason_params"]["backends"]) == ("skipped", "other_backend", "hpu")
     assert "hpu: habana_frameworks.torch is not installed" in report["backend"]["reason"]
-    for line in (f"backend  {BACKEND}:", "10 optimizer steps, 10 backward passes", "step_marks          skipped"):
+    for line in (f"backend  {BACKEND}:", "10 optimizer steps, 10 backward passes"):
         assert line in result.stderr
+    assert re.search(r"  step_marks +skipped", result.stderr)  # padded to the longest unit name
 
 
 def test_quiet_keeps_stderr_clean_but_still_writes_json(tmp_path):
@@ -100,7 +101,7 @@ def test_a_unit_that_decided_nothing_needs_changing_says_not_needed(tmp_path):
     status = {unit["name"]: unit["status"] for unit in json.loads(path.read_text())["units"]}
     assert status["channels_last"] == "not needed"  # profiled: no Conv2d in the training model
     assert status["fused_optimizer"] == "applied" and status["step_profiler"] == "watching"
-    assert "  channels_last       not needed " in result.stderr  # the same words in the table
+    assert re.search(r"  channels_last +not needed ", result.stderr)  # the same words in the table
 
 
 def test_a_trial_held_back_until_the_run_could_pay_for_it_is_what_comes_next():

@@ -92,6 +92,11 @@ class Backend:
         """A :class:`MemoryStats`, or None where the backend cannot tell."""
         return None
 
+    def limit_memory(self, size: int):
+        """Hold this process to ``size`` bytes of device memory (``--memory-limit``): the undo, or None
+        where the backend cannot enforce it and the limit is only the budget decisions plan with."""
+        return None
+
     def fast_bf16(self) -> bool:
         """Whether bf16 autocast runs matrix products faster than float32 here (tensor cores, Gaudi's
         MME); not the CPU's default: on the 2-core machine here it ran 0.10-0.33x (issue 20)."""

@@ -41,6 +41,16 @@ class CudaBackend(Backend):
         total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
         return MemoryStats(torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated(), total)
 
+    def limit_memory(self, size: int):
+        """The caching allocator refuses to hold more than ``size`` bytes: an allocation past it raises
+        torch's out-of-memory error, as on a device that small. The fraction the script set (or 1.0)
+        comes back on undo."""
+        device = torch.cuda.current_device()
+        total = torch.cuda.get_device_properties(device).total_memory
+        before = torch.cuda.get_per_process_memory_fraction(device)
+        torch.cuda.set_per_process_memory_fraction(min(1.0, size / total), device)
+        return lambda: torch.cuda.set_per_process_memory_fraction(before, device)
+
     def graph_forward(self, module, exact_random: bool = False, static_outputs: bool = True):
         # "reduce-overhead" is torch.compile's CUDA-graphs mode: replay instead of re-launching. A
         # mode and options cannot be passed together; the mode stands for inductor's triton.cudagraphs.

@@ -1,0 +1,58 @@
+"""A small GPT for the memory tests: token and position embeddings, a ModuleList of identical
+transformer blocks (attention through scaled_dot_product_attention, an MLP, dropout), a head, and
+the loss computed inside the forward, as minGPT does."""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+VOCAB, WIDTH, HEADS, CONTEXT = 128, 64, 4, 32
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(WIDTH), nn.LayerNorm(WIDTH)
+        self.qkv, self.proj = nn.Linear(WIDTH, 3 * WIDTH), nn.Linear(WIDTH, WIDTH)
+        self.fc, self.out = nn.Linear(WIDTH, 4 * WIDTH), nn.Linear(4 * WIDTH, WIDTH)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x):
+        batch, length, width = x.shape
+        heads = [t.view(batch, length, HEADS, -1).transpose(1, 2) for t in self.qkv(self.ln1(x)).split(width, 2)]
+        attended = F.scaled_dot_product_attention(*heads, is_causal=True).transpose(1, 2).reshape(x.shape)
+        x = x + self.drop(self.proj(attended))
+        return x + self.drop(self.out(F.gelu(self.fc(self.ln2(x)))))
+
+
+class TinyGPT(nn.Module):
+    def __init__(self, blocks=4):
+        super().__init__()
+        self.tokens, self.positions = nn.Embedding(VOCAB, WIDTH), nn.Embedding(CONTEXT, WIDTH)
+        self.blocks = nn.ModuleList(Block() for _ in range(blocks))
+        self.ln, self.head = nn.LayerNorm(WIDTH), nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, idx, targets):
+        x = self.tokens(idx) + self.positions(torch.arange(idx.shape[1]))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln(x))
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def train(steps=5, batch=16):
+    """Losses of ``steps`` AdamW steps of a seeded TinyGPT on seeded batches (dropout on), and the model."""
+    torch.manual_seed(0)
+    model = TinyGPT()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    generator = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        idx = torch.randint(0, VOCAB, (batch, CONTEXT), generator=generator)
+        targets = torch.randint(0, VOCAB, (batch, CONTEXT), generator=generator)
+        loss = model(idx, targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, model

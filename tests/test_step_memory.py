@@ -1,0 +1,141 @@
+"""The anatomy of a step's memory: forecast on fake tensors before the first forward, measured on
+the second step, only where a budget is known; the run's numbers and step counts as plain's."""
+
+import torch
+
+import autogaudi
+from autogaudi import model_call, runtime, step_memory
+from autogaudi.backends.base import GB
+from tests.gpt_model import TinyGPT, train
+
+ROOMY = 1.0  # GiB: far above the test GPT's step
+
+
+def memory_section():
+    return autogaudi.report().as_dict()["memory"]
+
+
+def test_without_a_budget_on_the_cpu_nothing_is_tracked():
+    autogaudi.enable(device="cpu")
+    losses, model = train(steps=3)
+    memory = memory_section()
+    assert memory["state"] == "off"
+    assert memory["budget_bytes"] is None and memory["predicted_peak_bytes"] is None and memory["peak_bytes"] is None
+    assert model_call.route_of(model) is None
+    assert not torch.nn.modules.module._global_forward_pre_hooks
+
+
+def test_a_budget_forecasts_the_step_and_measures_the_second_one():
+    plain, _ = train()
+    autogaudi.enable(device="cpu", memory_limit=ROOMY, only="step_profiler")  # no unit that rounds otherwise
+    losses, model = train()
+    memory = memory_section()
+    assert memory["state"] == "measured"
+    assert memory["budget_bytes"] == int(ROOMY * GB)
+    assert set(memory["parts"]) == set(step_memory.PARTS)
+    parameters = memory["parts"]["parameters"]
+    assert 2 * parameters <= memory["parts"]["optimizer_state"] < 2.01 * parameters  # AdamW's moments and steps
+    assert memory["parts"]["activations"] > 0
+    assert abs(memory["predicted_peak_bytes"] - memory["peak_bytes"]) <= 0.1 * memory["peak_bytes"]
+    assert losses == plain  # the forecast took no random draw, the tracker changed no op
+    steps = autogaudi.report().as_dict()["steps"]
+    assert steps["optimizer_steps"] == steps["steps"] == 5  # the fake steps are not the script's
+    assert model_call.route_of(model) is None  # the tracking layer went with the measured step
+    assert not torch.nn.modules.module._global_forward_pre_hooks
+
+
+def test_the_short_report_shows_memory_only_where_it_matters():
+    autogaudi.enable(device="cpu", memory_limit=ROOMY)
+    train(steps=3)
+    assert not memory_section()["matters"]
+    assert not any(line.startswith("  memory") for line in autogaudi.report().format(verbose=False).splitlines())
+    autogaudi.disable()
+    autogaudi.enable(device="cpu", memory_limit=memory_section_peak() / GB * 1.05)
+    train(steps=3)
+    assert memory_section()["matters"]
+    assert any(line.startswith("  memory") for line in autogaudi.report().format(verbose=False).splitlines())
+
+
+def memory_section_peak():
+    return memory_section()["peak_bytes"]
+
+
+def test_the_forecast_leaves_the_model_and_optimizer_as_they_were():
+    torch.manual_seed(0)
+    model = TinyGPT()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    idx = torch.randint(0, 128, (4, 32))
+    forecast = step_memory.predict(model, optimizer, (idx, idx), {})
+    assert forecast.peak > 0 and forecast.parts["optimizer_state"] > 0
+    assert not optimizer.state  # no step taken on the real one
+    assert all(torch.equal(before[name], value) for name, value in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_forward_fake_tensors_cannot_run_is_measured_only():
+    class Reads(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            y = self.linear(x)
+            return y * float(y.sum().item() > 0)  # a value the fake tensors do not have
+
+    autogaudi.enable(device="cpu", memory_limit=ROOMY)
+    model = Reads()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(3):
+        model(torch.randn(2, 4)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    memory = memory_section()
+    assert memory["predicted_peak_bytes"] is None and memory["not_forecast"]
+    assert memory["state"] == "measured" and memory["peak_bytes"] > 0
+
+
+def test_disable_before_the_measured_step_takes_everything_off():
+    autogaudi.enable(device="cpu", memory_limit=ROOMY)
+    torch.manual_seed(0)
+    model = TinyGPT()
+    idx = torch.randint(0, 128, (2, 32))
+    model(idx, idx).backward()
+    assert model_call.route_of(model) is not None
+    autogaudi.disable()
+    assert model_call.route_of(model) is None
+    assert not torch.nn.modules.module._global_forward_pre_hooks
+    assert runtime._STATE.session is None or not runtime._STATE.session.active
+
+
+def test_the_memory_limit_option_takes_gigabytes():
+    from autogaudi.errors import OptionsError
+    from autogaudi.options import Options
+
+    assert Options(memory_limit="1.5").memory_limit == 1.5
+    assert Options.from_env({"AUTOGAUDI_MEMORY_LIMIT": "2"}).memory_limit == 2.0
+    assert Options().memory_limit is None
+    for wrong in ("0", "-1", "lots", "inf"):
+        try:
+            Options(memory_limit=wrong)
+        except OptionsError:
+            continue
+        raise AssertionError(f"memory_limit={wrong!r} accepted")
+
+
+def test_on_cuda_the_limit_is_enforced_by_the_allocator_and_given_back(monkeypatch):
+    from types import SimpleNamespace
+
+    from autogaudi.backends.cuda import CudaBackend
+
+    fractions = [0.75]  # what the script set
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 * GB))
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: fractions[-1])
+    monkeypatch.setattr(
+        torch.cuda, "set_per_process_memory_fraction", lambda fraction, device: fractions.append(fraction)
+    )
+    undo = CudaBackend("test").limit_memory(20 * GB)
+    assert fractions[-1] == 0.25
+    undo()
+    assert fractions[-1] == 0.75
