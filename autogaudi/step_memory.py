@@ -26,6 +26,7 @@ import weakref
 
 import torch
 
+from autogaudi import module_hooks
 from autogaudi.events import Event
 from autogaudi.model_call import Layer
 from autogaudi.unit import Scope
@@ -308,7 +309,7 @@ class StepMemory:
             self._limit.add(undo)  # for the whole session, not only until the measured step
         self.state = "waiting"
         self._first = self._scope.child()
-        self._first.hook(torch.nn.modules.module.register_module_forward_pre_hook, self._called)
+        self._first.hook(module_hooks.register_forward_pre_hook, self._called)
         self.session.events.rank(self, -1)  # its tracker closes before a census opens at the same step's end
         handle = self.session.events.on(Event.TRAINING_STEP, self, self._step_ended)
         self._scope.add(handle.remove)
