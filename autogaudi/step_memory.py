@@ -259,8 +259,34 @@ def _step_tracker():
     from torch.distributed._tools.mem_tracker import MemTracker
 
     class StepTracker(MemTracker):
+        """Its module hooks run inside the script's forward and backward, outside autogaudi's guard:
+        one that raises (a model called twice in a step: accumulation, an LBFGS closure) stops the
+        measurement instead of the script's call."""
+
+        broken = None
+
         def _register_global_optimizer_hook(self) -> None:
             pass
+
+        def _kept_out(self, hook, *args) -> None:
+            if self.broken is not None:
+                return
+            try:
+                hook(*args)
+            except Exception as error:
+                self.broken = error
+
+        def _pre_fw_hook(self, *args) -> None:
+            self._kept_out(super()._pre_fw_hook, *args)
+
+        def _post_fw_hook(self, *args) -> None:
+            self._kept_out(super()._post_fw_hook, *args)
+
+        def _pre_bw_hook(self, *args) -> None:
+            self._kept_out(super()._pre_bw_hook, *args)
+
+        def _post_bw_hook(self, *args) -> None:
+            self._kept_out(super()._post_bw_hook, *args)
 
     return StepTracker()
 
@@ -275,10 +301,12 @@ class StepMemory:
         self.budget = None
         self.enforced = False  # whether the device itself holds the process to --memory-limit
         self.failure = None
-        self.state = "off"  # off (no budget), waiting, forecast, measuring, measured, not_forecast, failed
+        # off (no budget), waiting, forecast, measuring, measured, not_measured, not_forecast, failed
+        self.state = "off"
         self.forecast = None  # the forecast of the step as it runs (after any unit changed it)
         self.forecast_plain = None  # the first forecast, of the step as the script wrote it
         self.why_not = None  # what stopped the forecast, as text
+        self.why_not_measured = None  # what stopped the measurement, as text
         self.measured = None  # (peak, parts) of the real step
         self._model = None
         self._optimizer = None
@@ -372,10 +400,13 @@ class StepMemory:
 
     def _step_ended(self, _optimizer) -> None:
         if self._tracker is not None:
-            snapshot = self._tracker.get_tracker_snapshot("peak")
-            self.measured = (peak_of(snapshot), parts_of(snapshot))
+            broken = self._tracker.broken
+            if broken is None:
+                snapshot = self._tracker.get_tracker_snapshot("peak")
+                self.measured = (peak_of(snapshot), parts_of(snapshot))
             self._stop_tracking()
-            self.state = "measured"
+            self.state = "measured" if broken is None else "not_measured"
+            self.why_not_measured = None if broken is None else repr(broken)
             self._scope.close()
 
     def _stop_tracking(self) -> None:
@@ -399,6 +430,7 @@ class StepMemory:
             "parts_from": "measured" if measured else ("predicted" if forecast else None),
             "predicted_parts": forecast.parts if forecast else None,
             "not_forecast": self.why_not,
+            "not_measured": self.why_not_measured,
             "failure": self.failure,
             "matters": matters,
         }

@@ -202,11 +202,17 @@ class TrainingSteps:
         self.events.emit(Event.BATCH_FETCHED, instance, batch, clock() - start)
         return batch
 
+    @property
+    def in_own_work(self) -> bool:
+        """Inside :meth:`unseen`: what runs now is autogaudi's own (a shadow step, a forecast's fake
+        step), and the objects it builds are no script's."""
+        return self._unseen > 0
+
     @contextlib.contextmanager
     def unseen(self):
         """Backward passes autogaudi runs itself (mixed precision's shadow steps on a copy of the
-        model) are not the user's: not counted, and no listener hears them (a loss scale would scale
-        them)."""
+        model, the memory forecast's fake steps) are not the user's: not counted, and no listener
+        hears them (a loss scale would scale them)."""
         self._unseen += 1
         try:
             yield

@@ -139,3 +139,30 @@ def test_on_cuda_the_limit_is_enforced_by_the_allocator_and_given_back(monkeypat
     assert fractions[-1] == 0.25
     undo()
     assert fractions[-1] == 0.75
+
+
+def test_a_model_called_twice_in_a_step_is_forecast_not_measured_and_the_run_is_plains():
+    """Gradient accumulation calls the model twice before the optimizer steps: torch's tracker
+    refuses a second call of its root inside its own hooks, within the script's forward. The
+    measurement stops; the script's call goes on as plain's."""
+
+    def accumulate():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        for _ in range(4):
+            for half in torch.ones(2, 4, 8).unbind():
+                loss = model(half).pow(2).mean() / 2
+                loss.backward()
+                losses.append(loss.item())
+            optimizer.step()
+            optimizer.zero_grad()
+        return losses
+
+    plain = accumulate()
+    autogaudi.enable(device="cpu", memory_limit=ROOMY, only="step_profiler")
+    assert accumulate() == plain
+    memory = memory_section()
+    assert (memory["state"], memory["peak_bytes"]) == ("not_measured", None)
+    assert memory["predicted_peak_bytes"] > 0 and "NotImplementedError" in memory["not_measured"]

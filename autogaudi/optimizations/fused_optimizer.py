@@ -248,8 +248,8 @@ class FusedOptimizer(Unit):
         self.because("torch_fused" if self._native else "hpex")
 
     def _init(self, owner, wrapped, instance, args, kwargs):
-        if type(instance) is not owner:  # a subclass, or AdamW running Adam's __init__
-            return wrapped(*args, **kwargs)
+        if type(instance) is not owner or self.session.steps.in_own_work:  # a subclass, AdamW running
+            return wrapped(*args, **kwargs)  # Adam's __init__, or an optimizer of autogaudi's own copy
         refusal, hyperparameters = self._refusal(owner, args, kwargs)
         result = wrapped(*args, **kwargs)  # exactly the script's call: nothing of ours on the object
         if refusal:
