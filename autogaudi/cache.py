@@ -422,6 +422,15 @@ SCHEMAS = {
         "runs": int,
         "last_run_on": str,
     },
+    "memory_decision": {
+        "format": int,
+        "setup": dict,
+        "model": str,
+        "blocks": list,
+        "where": OneOf("forward", "outside_forward"),
+        "step": int,
+        "date": str,
+    },
     "one_off": {
         "size": NUMBER,
         "actual_s": NUMBER,

@@ -168,6 +168,7 @@ def _run(code, module, stopped_by=()):
         return 0
     except BaseException as error:  # the user's exception: show it as python would, then exit 1
         strip_own_frames(error)  # the launcher's, and those of autogaudi's wrappers it passed through
+        sys.last_type, sys.last_value, sys.last_traceback = type(error), error, error.__traceback__  # as python does
         sys.excepthook(type(error), error, error.__traceback__)
         if isinstance(error, KeyboardInterrupt):
             _exit_like_python_on_interrupt()

@@ -30,6 +30,7 @@ from autogaudi._version import __version__
 from autogaudi.cache import DECISIONS, SCHEMAS, note, now, problem, read_json
 from autogaudi.ranks import is_rank_zero, rank_zero_choice
 
+MEMORY_SUFFIX = ".memory"  # an out-of-memory decision's file, beside the entry (not one: no profile in it)
 FORMAT = 1  # the layout of an entry; entries of another layout are ignored, with a note
 # Options that do not steer any decision (what the report shows, where the cache is): a run that
 # differs only in them finds the same entries.
@@ -149,6 +150,34 @@ class Memory:
             return
         self.cache.write_json(self._path, entry)
         self._written = entry
+
+    def _memory_path(self, model, inputs) -> str:
+        return os.path.join(self.folder, digest({"model": model_structure(model), "inputs": inputs}) + MEMORY_SUFFIX)
+
+    def recall_memory(self, model, inputs):
+        """What an earlier run that ran out of memory with ``model`` called with ``inputs`` (shapes)
+        decided for the next one, or None; rank 0's on every rank. Read at the model's first call,
+        before the step profile's key exists: a step that runs out of memory may never be profiled."""
+        if self.script is None:
+            return None
+        path = self._memory_path(model, inputs)
+        record = None
+        if is_rank_zero() and os.path.exists(path):
+            record = read_json(path)
+            invalid = "unreadable" if record is None else problem(record, SCHEMAS["memory_decision"])
+            if not invalid and record.get("setup") != self.setup:
+                invalid = "another set-up"
+            if invalid:
+                self.notes.append(note("entry_invalid", problem=invalid, path=path))
+                record = None
+        return rank_zero_choice(record)
+
+    def remember_memory(self, model, inputs, decision: dict) -> None:
+        """Write (rank 0) what the next run with ``model`` and ``inputs`` does from its first step."""
+        if self.script is None or not is_rank_zero():
+            return
+        record = {"format": FORMAT, "setup": self.setup, "model": type(model).__name__, **decision, "date": now()}
+        self.cache.write_json(self._memory_path(model, inputs), record)
 
 
 def origin(record: dict) -> dict:

@@ -28,6 +28,7 @@ from autogaudi.reasons import Reason
 class Layer(enum.IntEnum):
     """Where a unit's layer sits in the call, outermost first."""
 
+    RESCUE = -3  # runs a forward again, checkpointed, after it ran out of memory (activation_checkpointing)
     TRACK = -2  # runs one call inside a memory tracker (autogaudi.step_memory): sees everything the call does
     MEASURE = -1  # sees one call as the script made it, to measure a unit's numerics on a copy (thread cut)
     OBSERVE = 0  # sees the call as the script made it (the precision guard)

@@ -222,6 +222,15 @@ class Report:
             lines.extend(self._table_lines())
         else:
             lines.append("  more     --verbose: every unit's row and reason; --report run.html: the step-time chart")
+        # Last: what the next run does differently because of how this one ended (out of memory).
+        lines += _block(
+            "next run",
+            [
+                f"{row['name']}: {row['figures']['next_run']['what']}"
+                for row in self.units
+                if row.get("figures", {}).get("next_run")
+            ],
+        )
         return "\n".join(lines) + "\n"
 
     __str__ = format

@@ -22,6 +22,7 @@ from autogaudi import backends, report_file
 from autogaudi.cache import RECIPE_CACHE, Cache, compile_cache_environment, inductor_cache_distrust, note
 from autogaudi.children import gathered as gathered_children
 from autogaudi.events import Dispatcher
+from autogaudi.guard import run_guarded
 from autogaudi.memory import Memory
 from autogaudi.page import render as render_page
 from autogaudi.ranks import gather_from_ranks, is_rank_zero, several_ranks
@@ -347,6 +348,9 @@ class Session:
     def finish(self, explicit: bool) -> None:
         """At exit: print and write the report, on rank 0, if autogaudi was asked for or trained."""
         self.share_with_ranks()
+        ended_by = getattr(sys, "last_value", None)  # python's (and the launcher's) uncaught exception
+        for unit in list(self.applied):
+            run_guarded(unit, unit.run_ending, ended_by)
         self.remember()
         if self.cache is not None and self.steps.trained and is_rank_zero():
             try:  # not in every DataLoader or compile worker: they compiled and decided nothing

@@ -319,6 +319,11 @@ class StepMemory:
     def in_force(self) -> bool:
         return self.failure is None
 
+    @property
+    def forecasting(self) -> bool:
+        """Whether the module calls now made are a forecast's, on a fake copy: no training model's."""
+        return self._closing
+
     def failed_at_run_time(self, error: Exception) -> None:
         if self.failure is None:
             self.failure = repr(error)

@@ -308,6 +308,10 @@ class Unit:
         handle = self.session.events.on(event, self, listener)
         (self.scope if scope is None else scope).add(handle.remove)
 
+    def run_ending(self, error) -> None:
+        """The run ends (at exit, before the report), with the exception raised through the script
+        (None where none was): for a unit that leaves the next run a decision about it."""
+
     def on_revert(self, undo) -> None:
         """Register how to undo something done outside :meth:`wrap` (e.g. ``handle.remove``)."""
         self.scope.add(undo)

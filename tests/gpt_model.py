@@ -40,10 +40,43 @@ class TinyGPT(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def train(steps=5, batch=16):
-    """Losses of ``steps`` AdamW steps of a seeded TinyGPT on seeded batches (dropout on), and the model."""
+class _FailsInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, loss):
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+
+
+class OutOfMemoryGPT(TinyGPT):
+    """A TinyGPT that runs out of memory once, in its call number ``at`` (1-based): in its forward
+    (after updating a buffer and drawing a block's dropout masks, as a real forward would have by
+    then) or in the backward of that call's loss; ``error`` is what it raises."""
+
+    def __init__(self, at=None, where="forward", error=None):
+        super().__init__()
+        self.register_buffer("calls_seen", torch.zeros(()))
+        self.at, self.where, self.calls = at, where, 0
+        self.error = error or torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+
+    def forward(self, idx, targets):
+        self.calls += 1
+        fails = self.calls == self.at
+        self.calls_seen.add_(1)
+        if fails and self.where == "forward":
+            self.blocks[0](self.tokens(idx))
+            raise self.error
+        loss = super().forward(idx, targets)
+        return _FailsInBackward.apply(loss) if fails and self.where == "backward" else loss
+
+
+def train(steps=5, batch=16, make=TinyGPT):
+    """Losses of ``steps`` AdamW steps of a seeded ``make()`` (a TinyGPT) on seeded batches (dropout
+    on), and the model."""
     torch.manual_seed(0)
-    model = TinyGPT()
+    model = make()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     generator = torch.Generator().manual_seed(1)
     losses = []

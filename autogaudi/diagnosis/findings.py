@@ -11,8 +11,10 @@ from collections import Counter, defaultdict
 
 import torch
 
+from autogaudi import step_memory
 from autogaudi._paths import short_location
 from autogaudi.diagnosis import gaudi_facts as facts
+from autogaudi.diagnosis import memory_fit
 
 SCHEMA = "autogaudi.doctor/1"
 SEVERITIES = ("high", "medium", "low")
@@ -27,6 +29,7 @@ KINDS = (
     "input_bound",
     "tile_size",
     "mixed_precision",
+    "memory",
 )
 _READS = {
     "item": "`.item()`",
@@ -380,6 +383,72 @@ def mixed_precision(observer) -> list:
     ]
 
 
+def memory_projection(observer):
+    """The projection of the largest training model's step (:mod:`autogaudi.diagnosis.memory_fit`),
+    made once per observer; None where no training call was seen or its step cannot be forecast."""
+    if not hasattr(observer, "memory_projection"):
+        observer.memory_projection = None
+        models = [(label, observer.models[label]) for label in observer.training_inputs if label in observer.models]
+        if models:
+            label, model = max(models, key=lambda item: sum(p.numel() for p in item[1].parameters()))
+            try:
+                observer.memory_projection = memory_fit.projection(
+                    model, observer.training_inputs[label], observer.optimizers.values()
+                )
+            except Exception:  # noqa: BLE001 - a forward fake tensors cannot run: no projection, no finding
+                observer.memory_projection = None
+    return observer.memory_projection
+
+
+def memory(observer) -> list:
+    found = memory_projection(observer)
+    if found is None:
+        return []
+    batch = found["batch"]
+    short = {
+        name: row
+        for name, row in found["devices"].items()
+        if row["largest_batch"] is not None and row["largest_batch"] < batch
+    }
+    if not short:
+        return []
+    name, row = min(short.items(), key=lambda item: item[1]["capacity_bytes"])
+    checkpointed = row.get("largest_batch_checkpointed")
+    levers = []
+    if checkpointed is not None and checkpointed >= batch:
+        levers.append(f"checkpoint the {found['blocks']} repeated blocks: batch up to {checkpointed} fits")
+    elif row["largest_batch"]:
+        micro = row["largest_batch"] if checkpointed is None else max(row["largest_batch"], checkpointed)
+        levers.append(
+            f"a micro-batch of {micro} with {-(-batch // micro)} gradient accumulation steps (or a smaller batch)"
+        )
+    if found["eight_bit_optimizer_saves_bytes"]:
+        levers.append(
+            f"an 8-bit or factored optimizer instead of {found['optimizer']}: "
+            f"{found['eight_bit_optimizer_saves_bytes'] / 1e6:.1f} MB less optimizer state"
+        )
+    return [
+        Finding(
+            "memory",
+            "high",
+            f"the step's projected peak {found['peak_bytes'] / 1e9:.2f} GB at batch {batch} does not fit "
+            f"{', '.join(short)}",
+            None,
+            {
+                "peak_bytes": found["peak_bytes"],
+                "per_sample_bytes": found["per_sample_bytes"],
+                **{f"largest_batch_{device}": r["largest_batch"] for device, r in found["devices"].items()},
+            },
+            f"{name} holds {row['capacity_bytes'] / 1e9:.0f} GB, of which a step can plan on "
+            f"{step_memory.CAPACITY_SHARE:.0%}; parameters, gradients and optimizer state are fixed, "
+            f"activations grow with the batch",
+            "; or ".join(levers) or "a smaller model or a device with more memory",
+            fixed_by="activation_checkpointing" if checkpointed is not None and checkpointed >= batch else None,
+            score=found["peak_bytes"],
+        )
+    ]
+
+
 RULES = (
     host_reads,
     dynamic_ops,
@@ -390,6 +459,7 @@ RULES = (
     input_bound,
     tile_sizes,
     mixed_precision,
+    memory,
 )
 
 
@@ -413,6 +483,7 @@ class Diagnosis:
             "steps_measured": len(observer.measured_steps),
         }
         self.findings = judge(observer)
+        self.figures["memory"] = memory_projection(observer)
 
     def kinds(self) -> set:
         return {finding.kind for finding in self.findings}
@@ -442,6 +513,21 @@ class Diagnosis:
         ]
         if self.steps_run == 0:
             lines.append("  no optimizer step was seen: is this a training script?")
+        projected = self.figures["memory"]
+        if projected:
+            fits = ", ".join(
+                f"{name} {row['largest_batch'] if row['largest_batch'] is not None else 'any'}"
+                + (
+                    f" ({row['largest_batch_checkpointed']} checkpointed)"
+                    if "largest_batch_checkpointed" in row
+                    else ""
+                )
+                for name, row in projected["devices"].items()
+            )
+            lines.append(
+                f"  memory: step peak {projected['peak_bytes'] / 1e6:.1f} MB at batch {projected['batch']} "
+                f"(+{projected['per_sample_bytes'] / 1e6:.2f} MB a sample); largest batch that fits: {fits}"
+            )
         if not self.findings:
             lines.append("  no findings: nothing here that is known to be slow on Gaudi")
         for number, finding in enumerate(self.findings, 1):

@@ -106,6 +106,8 @@ class Observer:
         self.call_sites: dict = {}  # module label -> where it was first called with a new shape
         self.loaders: list = []  # (location, batch_size, dataset length or None, drop_last)
         self.autocast_seen = False
+        self.optimizers: dict = {}  # id -> each optimizer that stepped
+        self.training_inputs: dict = {}  # module label -> the positional inputs of its last call with gradients
         self._device_values = WeakIdKeyDictionary()
         self._depth = 0
         self._reading = False
@@ -135,6 +137,7 @@ class Observer:
 
     # -- events -------------------------------------------------------------------------------
     def _after_step(self, optimizer, args, kwargs) -> None:
+        self.optimizers[id(optimizer)] = optimizer  # kept: the script's may be gone when the findings are made
         self.step_clocks.append(steps.clock())
         self.steps += 1
         if self.steps >= self.max_steps:
@@ -201,6 +204,8 @@ class Observer:
             if self.shapes[label] and shapes not in self.shapes[label]:
                 self.call_sites.setdefault(label, user_location(sys._getframe(1)))
             self.shapes[label][shapes] += 1
+            if torch.is_grad_enabled():  # a training call: the memory projection forecasts its step
+                self.training_inputs[label] = args
             self.autocast_seen = self.autocast_seen or _autocast_enabled()
         self._depth += 1
 
