@@ -14,8 +14,9 @@ class (a GPT's layers); each chosen block's call gets the recompute layer of its
 ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` with the random state preserved, so
 dropout draws the same masks in the recomputation. Revert takes the layers off.
 
-Out of memory: where no forecast foresaw it (no budget known, or the forecast fell short), a
-training forward that runs out of device memory is rescued once, from the model's second call on:
+Out of memory: where the forecast fell short of a budget (``--memory-limit``, or an accelerator's
+memory), a training forward that runs out of device memory is rescued once, from the model's second
+call on:
 the memory freed, the call's random state and updated buffers put back
 (:mod:`autogaudi.out_of_memory`), every block checkpointed, the call run again. One raised outside
 the forward (backward, loss, optimizer) propagates as plain PyTorch's: that step cannot be run
@@ -134,6 +135,8 @@ class ActivationCheckpointing(Unit):
         remembered = self.session.memory.recall_memory(module, self._inputs) if self.session.memory else None
         if remembered is not None and not self._held:
             self._recall(module, remembered)
+        if memory.budget is None:  # no device whose memory could run out: no layer on every call
+            return
         if compiled_by_the_script(module) or isinstance(module, torch.nn.parallel.DistributedDataParallel):
             self.note("not_rescuable", model=type(module).__name__)
             return

@@ -14,6 +14,7 @@ from tests.gpt_model import OutOfMemoryGPT, train
 from tests.helpers import clean_env, run_python
 
 ONLY = "step_profiler,activation_checkpointing"
+ROOMY = 1.0  # GiB, --memory-limit: a budget the forecast fits in, so only the rescue checkpoints
 SCRIPT = "tests/scripts/oom_train.py"
 
 
@@ -32,7 +33,7 @@ def unit_row():
 )
 def test_a_forward_that_runs_out_of_memory_is_run_again_checkpointed_as_plain(error):
     plain, plain_model = train(make=lambda: OutOfMemoryGPT())
-    autogaudi.enable(device="cpu", only=ONLY)
+    autogaudi.enable(device="cpu", only=ONLY, memory_limit=ROOMY)
     losses, model = train(make=lambda: OutOfMemoryGPT(at=3, error=error))
     row = unit_row()
     assert losses == plain  # bitwise: random state put back, checkpointing recomputes the same masks
@@ -46,11 +47,20 @@ def test_a_forward_that_runs_out_of_memory_is_run_again_checkpointed_as_plain(er
 
 
 def test_an_error_that_is_not_out_of_memory_propagates_and_changes_nothing():
-    autogaudi.enable(device="cpu", only=ONLY)
+    autogaudi.enable(device="cpu", only=ONLY, memory_limit=ROOMY)
     with pytest.raises(ValueError, match="the script's"):
         train(make=lambda: OutOfMemoryGPT(at=3, error=ValueError("the script's")))
     row = unit_row()
-    assert row["reason_code"] == "no_budget" and "blocks_checkpointed" not in row["figures"]
+    assert row["reason_code"] == "fits" and "blocks_checkpointed" not in row["figures"]
+
+
+def test_without_a_budget_no_layer_sits_on_the_training_models_calls():
+    """No device whose memory could run out (the CPU, no --memory-limit): every call plain's."""
+    from autogaudi import model_call
+
+    autogaudi.enable(device="cpu", only=ONLY)
+    _, model = train(steps=3, make=lambda: OutOfMemoryGPT())
+    assert model_call.route_of(model) is None and unit_row()["reason_code"] == "no_budget"
 
 
 def test_the_matcher_tells_out_of_memory_from_other_errors():
@@ -68,7 +78,7 @@ def _run(tmp_path, *launcher, **env):
 
 
 def test_out_of_memory_in_the_backward_ends_as_plain_and_the_next_run_checkpoints_from_its_first_step(tmp_path):
-    cache = dict(AUTOGAUDI_NO_CACHE="0", AUTOGAUDI_CACHE_DIR=tmp_path / "cache")
+    cache = dict(AUTOGAUDI_NO_CACHE="0", AUTOGAUDI_CACHE_DIR=tmp_path / "cache", AUTOGAUDI_MEMORY_LIMIT=str(ROOMY))
     plain, _ = _run(tmp_path, OOM_AT="3", OOM_WHERE="backward")
     ours, report = _run(tmp_path, "-m", "autogaudi", OOM_AT="3", OOM_WHERE="backward", **cache)
     assert plain.returncode == ours.returncode == 1
