@@ -79,7 +79,7 @@ class ActivationCheckpointing(Unit):
         "rescued": "the training forward ran out of memory at step {step}: memory freed, its random state and "
         "{buffers} updated buffer(s) put back, {count} of {total} blocks of {container} checkpointed, the call run "
         "again",
-        "remembered": "{count} of {total} blocks of {container} checkpointed from the first step: an earlier run "
+        "out_of_memory_remembered": "{count} of {total} blocks of {container} checkpointed from the first step: an earlier run "
         "(on {date}) ran out of memory {where} at step {step}",
         "not_rescued": "out of memory {where} at step {step}: raised as plain PyTorch raises it",
         "not_rescuable": "{model} is compiled by the script or distributed: a forward that runs out of memory is "
@@ -149,7 +149,7 @@ class ActivationCheckpointing(Unit):
         self._decided = True
         self.figures.update(checkpointed_from_step=self.session.steps.steps, remembered_on=remembered["date"])
         self.because(
-            "remembered",
+            "out_of_memory_remembered",
             count=len(names),
             total=len(names),
             container=container or type(model).__name__,

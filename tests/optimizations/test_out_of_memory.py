@@ -94,6 +94,6 @@ def test_out_of_memory_in_the_backward_ends_as_plain_and_the_next_run_checkpoint
     again, report = _run(tmp_path, "-m", "autogaudi", **cache)
     assert again.returncode == 0, again.stderr
     row = next(row for row in report["units"] if row["name"] == "activation_checkpointing")
-    assert row["reason_code"] == "remembered" and row["figures"]["checkpointed_from_step"] == 0
+    assert row["reason_code"] == "out_of_memory_remembered" and row["figures"]["checkpointed_from_step"] == 0
     assert len(row["figures"]["blocks_checkpointed"]) == 4
     assert again.stdout == clean.stdout  # the losses, bitwise
