@@ -79,8 +79,8 @@ class ActivationCheckpointing(Unit):
         "rescued": "the training forward ran out of memory at step {step}: memory freed, its random state and "
         "{buffers} updated buffer(s) put back, {count} of {total} blocks of {container} checkpointed, the call run "
         "again",
-        "out_of_memory_remembered": "{count} of {total} blocks of {container} checkpointed from the first step: an earlier run "
-        "(on {date}) ran out of memory {where} at step {step}",
+        "out_of_memory_remembered": "{count} of {total} blocks of {container} checkpointed from the first step: an "
+        "earlier run (on {date}) ran out of memory {where} at step {step}",
         "not_rescued": "out of memory {where} at step {step}: raised as plain PyTorch raises it",
         "not_rescuable": "{model} is compiled by the script or distributed: a forward that runs out of memory is "
         "not run again",
