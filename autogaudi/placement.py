@@ -19,6 +19,7 @@ where it can be (:meth:`Unit.step_aside`) and said where it cannot.
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 # How many autograd nodes the search for a parameter visits from the loss before giving up.
 _MAX_NODES = 10_000
@@ -49,6 +50,10 @@ def parameters_reached(tensors) -> list:
     return leaves
 
 
+def _trained(tensor) -> bool:
+    return isinstance(tensor, torch.Tensor) and tensor.is_floating_point()
+
+
 class Placement:
     """The session's verdict on where the work is: None until seen, then True (on the backend's
     device) or False (on the host while the backend is an accelerator)."""
@@ -63,7 +68,8 @@ class Placement:
         if self.on_device is not None:
             return
         backend = self.session.backend
-        tensors = [p for p in parameters if isinstance(p, torch.Tensor) and p.is_floating_point()]
+        # FakeTensors: the memory forecast's copies, not the script's parameters
+        tensors = [p for p in parameters if _trained(p) and not isinstance(p, FakeTensor)]
         if not tensors:
             return
         devices = sorted({device_type_of(t) for t in tensors})
