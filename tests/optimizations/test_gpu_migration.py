@@ -131,3 +131,14 @@ def test_the_doubles_toolkit_maps_cuda_calls_onto_its_device_and_records_each():
         "True",
         "False",
     ]
+
+
+def test_a_bridge_loaded_before_autogaudi_leaves_the_toolkit_off_and_the_cuda_check_is_recommended(tmp_path):
+    report, _ = run(tmp_path, "cuda_train.py", IMPORT_BRIDGE_FIRST="1")
+    units = rows(report)
+    migration = units["gpu_migration"]
+    assert migration["reason_code"] == "bridge_loaded_first"
+    assert "cuda_asked_at_run_time" in migration["note_codes"]
+    assert [advice["code"] for advice in migration["recommendations"]] == ["set_variable"]
+    for name in DEVICE_UNITS:
+        assert units[name]["reason_code"] == "model_not_on_device", name

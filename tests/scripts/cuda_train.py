@@ -1,10 +1,14 @@
 """A script written for CUDA, as public ones are: STYLE=examples picks its device the pytorch/examples
 way (``"cuda" if torch.cuda.is_available() else "cpu"``), STYLE=dot calls ``.cuda()`` directly
-(guarded the same way, so it also runs where nothing maps it), STYLE=cpu never names CUDA. Its model
+(guarded the same way, so it also runs where nothing maps it). IMPORT_BRIDGE_FIRST=1 loads the Gaudi
+bridge before torch, as a script of Gaudi's own would. Its model
 and helpers live in a local module (cuda_pkg/net.py), as scripts split them. Prints where the model's
 parameters are and the final loss."""
 
 import os
+
+if os.environ.get("IMPORT_BRIDGE_FIRST") == "1":  # as a script that loads the Gaudi bridge itself
+    import habana_frameworks.torch  # noqa: F401
 
 import torch
 from cuda_pkg.net import Net, seeded
@@ -18,12 +22,10 @@ model = Net()
 if STYLE == "examples":
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = model.to(device)
-elif STYLE == "dot":
+else:
     device = None
     if torch.cuda.is_available():
         model = model.cuda()
-else:
-    device = torch.device("cpu")
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
 for _epoch in range(2):
     for inputs, targets in loader:
