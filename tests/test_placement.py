@@ -4,7 +4,9 @@ import types
 
 import pytest
 import torch
+from torch.utils.data import DataLoader, TensorDataset
 
+import autogaudi
 from autogaudi import placement as placement_module
 from autogaudi.placement import Placement, parameters_reached
 
@@ -56,3 +58,18 @@ def test_no_verdict_without_floating_point_parameters():
     placement = Placement(Recorder("cuda"))
     placement.observe([torch.ones(2, dtype=torch.long)], "optimizer's construction")
     assert placement.on_device is None and placement.as_dict() is None
+
+
+def test_loaders_built_before_the_model_stop_pinning_and_padding_when_it_stays_on_the_host(hpu_double):
+    hpu_double(lazy=True)
+    placement_module.device_type_of = lambda tensor: tensor.device.type  # the double's probe, put back by real_probe
+    autogaudi.enable(device="hpu", only="fused_optimizer,pin_memory,static_last_batch,step_marks")
+    loader = DataLoader(TensorDataset(torch.randn(10, 2)), batch_size=4)
+    assert loader.pin_memory is True and len(loader) == 3 and len(list(loader.sampler)) == 12
+    model = torch.nn.Linear(2, 1)
+    torch.optim.AdamW(model.parameters())
+    assert loader.pin_memory is False and len(list(loader.sampler)) == 10
+    report = autogaudi.report()
+    for name in ("fused_optimizer", "pin_memory", "static_last_batch", "step_marks"):
+        assert report.unit(name)["reason_code"] == "model_not_on_device", name
+    assert report.backend["placement"] == {"device": "cpu", "at": "optimizer's construction", "on_device": False}
