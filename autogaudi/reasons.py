@@ -22,6 +22,8 @@ CORE = {
     "old_torch": "needs torch >= {needed}; this is {version}",
     "apply_raised": "apply() raised {error!r}; reverted",
     "failed_at_run_time": "raised {error!r} at run time in {where}; reverted, the run went on without it",
+    "model_not_on_device": "stepped aside: the training model is on {device}, not {backend} (seen at the {at}); "
+    "this unit acts for {backend} only",
     "not_exact": "off under {flag}: it would change {how}{when}",
     "waiting_for_profile": "waiting for the step profile",
     "no_training_model": "no module owning the optimizer's parameters was called in the profiled step",

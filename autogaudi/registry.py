@@ -24,6 +24,12 @@ class UnitInfo:
 
 UNITS: tuple[UnitInfo, ...] = (
     UnitInfo(
+        "gpu_migration",
+        "HPU: a script written for CUDA runs on Gaudi through Intel's GPU migration toolkit, switched on before "
+        "the bridge loads",
+        "autogaudi.optimizations.gpu_migration:GpuMigration",
+    ),
+    UnitInfo(
         "step_marks",
         "HPU lazy mode: mark_step() after every backward and every optimizer step",
         "autogaudi.optimizations.step_marks:StepMarks",

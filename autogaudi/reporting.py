@@ -91,6 +91,30 @@ def _numerics(unit) -> dict:
     return {"numerics": how, "numerics_measured": unit.figures.get("numerics_measured") if how else None}
 
 
+def _where_lines(backend: dict) -> list:
+    """The report's first line where the math did not run where the backend suggests: a CUDA script
+    mapped onto hpu by Intel's GPU migration, or a model left on the host (autogaudi.placement)."""
+    migration, placement = backend.get("migration"), backend.get("placement")
+    lines = []
+    if migration:
+        count = migration.get("mapped_calls")
+        mapped = f"{count} calls mapped" if count is not None else "calls mapped (not counted)"
+        lines.append(
+            f"autogaudi: the script asked for {migration['asked_for']}; it ran on {migration['ran_on']} through "
+            f"{migration['through']}: {mapped}"
+            + (f"; not mapped: {', '.join(migration['not_mapped'])}" if migration.get("not_mapped") else "")
+        )
+    if placement and not placement.get("on_device"):
+        name = backend["name"]
+        fix = "or let gpu_migration map the script's CUDA calls" if name == "hpu" else f"or move the model to {name}"
+        lines.insert(
+            0,
+            f"autogaudi: the training ran on {placement['device']}, not on {name}: the {name} units stepped aside "
+            f"(model_not_on_device); run with --device cpu, {fix}",
+        )
+    return lines
+
+
 class Report:
     def __init__(
         self,
@@ -237,7 +261,7 @@ class Report:
 
     def _short_lines(self) -> list:
         summary, backend = self.summary(), self.backend
-        lines = [
+        lines = _where_lines(backend) + [
             f"autogaudi {__version__} report (torch {self.torch_version}{'' if self.active else ', disabled since'}) "
             f"on {backend['name']} ({backend['device']})",
             f"  run      {_format_run(self.steps, summary)}",

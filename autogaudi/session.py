@@ -21,10 +21,11 @@ import torch.distributed
 from autogaudi import backends, report_file
 from autogaudi.cache import RECIPE_CACHE, Cache, compile_cache_environment, inductor_cache_distrust, note
 from autogaudi.children import gathered as gathered_children
-from autogaudi.events import Dispatcher
+from autogaudi.events import Dispatcher, Event
 from autogaudi.guard import run_guarded
 from autogaudi.memory import Memory
 from autogaudi.page import render as render_page
+from autogaudi.placement import Placement
 from autogaudi.ranks import gather_from_ranks, is_rank_zero, several_ranks
 from autogaudi.reasons import Reason
 from autogaudi.registry import UNITS
@@ -82,9 +83,12 @@ class Session:
         self.memory = None  # remembered decisions (autogaudi.memory), with the cache
         self.compile_caches: dict = {}  # environment variable -> {"value", "set_by"}
         self.cache_notes: list = []  # autogaudi.cache.note()s: why the cache was not used, or not all of it
+        self.placement = Placement(self)  # where the training model is (autogaudi.placement)
+        self.migration = None  # what gpu_migration decided before the bridge loaded (its module)
 
     def start(self) -> None:
         self._open_cache()  # before the backend's probe loads the Gaudi bridge, which reads its recipe cache setting
+        self._before_bridge()
         self.backend = backends.select(self.options.device)
         if self.cache is not None:
             try:
@@ -93,6 +97,9 @@ class Session:
                 self.cache_notes.append(note("decisions_not_remembered", error=error))
         self.steps = TrainingSteps(self.backend, self.options, self.events, guard=self)
         self.steps.install()
+        # The session hears the first backward before any unit (a step mark after it, an extra one before it)
+        self.events.rank(self, -1)
+        self._scope.add(self.events.on(Event.BEFORE_BACKWARD, self, self.placement.observe_backward).remove)
         self.step_memory = StepMemory(self)  # before the units: its forecast comes before their first call
         self.step_memory.install()
         self._scope.add(self.step_memory.uninstall)
@@ -146,6 +153,34 @@ class Session:
             return
         row.set(APPLIED)  # the reason is read live from the unit: it may change as it measures
         self.applied.append(unit)
+
+    def _before_bridge(self) -> None:
+        """What must happen before the Gaudi bridge loads: Intel's GPU migration is switched on then
+        or not at all (the gpu_migration unit). Fail-open: a problem here leaves the script as written."""
+        if self.options.unit_switched_off("gpu_migration"):
+            return
+        try:
+            from autogaudi.optimizations import gpu_migration
+
+            self.migration = gpu_migration.switch_on_before_bridge(self.options)
+        except Exception as error:
+            self.migration = {"error": repr(error)}
+
+    def work_off_device(self, device: str, at: str) -> None:
+        """The training model is on ``device``, not the backend's: every unit that acts for the device
+        steps aside (undone as by disable(), its row says ``model_not_on_device``)."""
+        reason = Reason("model_not_on_device", device=device, backend=self.backend.device_type, at=at)
+        for unit in [unit for unit in self.applied if unit.needs_work_on_device()]:
+            self.applied.remove(unit)
+            unit.set_aside = True
+            try:
+                unit.step_aside()
+            except Exception as error:
+                unit.note("revert_raised", error=error)
+            self._revert(unit)
+            self.rows[unit.name].set(SKIPPED, reason)
+            unit.moment("stepped_aside")
+        self.check_settled()
 
     def unit_failed_at_run_time(self, unit, error: Exception) -> None:
         if unit not in self.applied:
@@ -312,7 +347,7 @@ class Session:
             torch_version=torch.__version__,
             enabled_by=self.sources,
             active=self.active,
-            backend=self.backend.describe(),
+            backend={**self.backend.describe(), "placement": self.placement.as_dict(), **self._migration_facts()},
             options=self.options.as_dict(),
             steps={**self.steps.figures(), "decisions_settled_at_step": self.settled_at_step},
             memory=memory,
@@ -323,6 +358,12 @@ class Session:
             cache=self._cache_facts(),
             timeline={**self.steps.timeline.as_dict(), "ranks": self.rank_step_s},
         )
+
+    def _migration_facts(self) -> dict:
+        """The gpu_migration unit's facts for the report's first line, where it has any."""
+        unit = self.unit("gpu_migration")
+        facts = unit.facts() if unit is not None and hasattr(unit, "facts") else None
+        return {"migration": facts} if facts else {}
 
     def _cache_facts(self):
         notes = self.cache_notes + (self.cache.notes if self.cache is not None else [])

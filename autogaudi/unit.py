@@ -152,6 +152,10 @@ class Unit:
     # in force before it acts, in use once the run is profiled and decided, failed at run time, and
     # after disable(). Units that decide through trials or checks add theirs.
     states: tuple = ("watching", "in_use", "failed", "disabled")
+    # Whether the unit only makes sense where the training model is on the backend's device (step
+    # marks, device kernels, pinning for a copy): it steps aside where the work is on the host
+    # (:mod:`autogaudi.placement`, reason ``model_not_on_device``).
+    acts_for_device = False
 
     def __init__(self, session, info):
         self.session = session
@@ -162,6 +166,7 @@ class Unit:
         self.notes: list = []
         self.recommendations: list = []
         self.failure = None  # what switched the unit off at run time (a repr: no traceback kept alive)
+        self.set_aside = False  # stepped aside: the work is not on the backend's device
         self.scope = Scope(self)
 
     @property
@@ -214,6 +219,15 @@ class Unit:
     def apply(self) -> None:
         raise NotImplementedError
 
+    def needs_work_on_device(self) -> bool:
+        """Whether this unit steps aside where the training model is not on the backend's device
+        (``acts_for_device``; a unit whose path differs by backend refines it)."""
+        return self.acts_for_device
+
+    def step_aside(self) -> None:
+        """The work turned out to be on the host: undo, beyond :meth:`revert`, what the unit did to
+        objects built before that was known (a loader pinned at construction). Reverted after this."""
+
     def changes(self) -> list:
         """What this unit changed in the run, for the report's headline; [] where nothing changed."""
         figure, text = self.changed_figure or (None, "")
@@ -260,8 +274,8 @@ class Unit:
 
     @property
     def in_force(self) -> bool:
-        """False once the unit failed at run time: its guarded code is skipped from then on."""
-        return self.failure is None
+        """False once the unit failed at run time or stepped aside: its guarded code is skipped from then on."""
+        return self.failure is None and not self.set_aside
 
     def failed_at_run_time(self, error: Exception) -> None:
         """The guard's report of an exception from this unit's own code: switch the unit off."""

@@ -50,6 +50,7 @@ class FusedClipNormUnit(Unit):
     changed_figure = ("fused_calls", "{} clip_grad_norm_ calls through FusedClipNorm")
     targets = ("torch.nn.utils.clip_grad_norm_", "torch.nn.utils.clip_grad.clip_grad_norm_")
     backends = ("hpu",)
+    acts_for_device = True
     why_not_elsewhere = "torch's clip_grad_norm_ already runs its foreach kernels there"
 
     def apply(self) -> None:

@@ -252,6 +252,13 @@ class FusedOptimizer(Unit):
             return wrapped(*args, **kwargs)  # Adam's __init__, or an optimizer of autogaudi's own copy
         refusal, hyperparameters = self._refusal(owner, args, kwargs)
         result = wrapped(*args, **kwargs)  # exactly the script's call: nothing of ours on the object
+        # The earliest the trained parameters are known (autogaudi.placement): off the device, the
+        # hpex path steps aside here, before this optimizer gets a delegate.
+        self.session.placement.observe(
+            [p for group in instance.param_groups for p in group["params"]], "optimizer's construction"
+        )
+        if self.set_aside:
+            return result
         if refusal:
             self._kept(owner, refusal)
             return result
@@ -267,6 +274,9 @@ class FusedOptimizer(Unit):
         else:
             self._attach_hpu_delegate(owner, instance, hyperparameters)
         return result
+
+    def needs_work_on_device(self) -> bool:
+        return not self._native  # the hpex path; torch's fused=True runs on the host too
 
     def _refusal(self, owner, args, kwargs):
         chosen = [f"{name}={kwargs[name]!r}" for name in ("fused", "foreach") if kwargs.get(name) is not None]

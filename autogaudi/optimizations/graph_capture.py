@@ -110,6 +110,7 @@ class GraphCapture(DecidesCandidate):
     # masks, still not the same rounding). A rejected trial ran its steps captured.
     numerics = (ROUNDING, RANDOM)
     after = ("mixed_precision",)  # decides first on a profile: a model it holds is not captured
+    acts_for_device = True
     reasons = {
         "too_short": "not tried: {steps} steps left ({source}) could save at most {most:.2f} s, less than the "
         "{estimate:.1f} s (likely {low:.1f}-{high:.1f} s) a capture of {model} is estimated to cost on {backend} "

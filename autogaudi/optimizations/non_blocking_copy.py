@@ -41,6 +41,7 @@ class NonBlockingCopy(Unit):
     targets = ("torch.Tensor.to",)
     acts_on = ("CUDA: torch.Tensor.cuda",)
     backends = ("hpu", "cuda")
+    acts_for_device = True
     why_not_elsewhere = "a CPU-only run makes no host-to-device copies"
 
     def apply(self) -> None:

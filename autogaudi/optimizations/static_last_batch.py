@@ -11,9 +11,14 @@ than torch's plain Random/SequentialSampler (wrapping, say, a DistributedSampler
 ``set_epoch`` and type from the script), iterable datasets, loaders without ``batch_size``, and
 epochs that already divide evenly.
 Elsewhere skipped until graph capture (which also needs static shapes) is switched on.
+Where the training model turns out to be on the host (:mod:`autogaudi.placement`), the samplers
+padded so far stop padding from their next epoch: an epoch that started before that was known keeps
+its padding (said in the row's figures).
 """
 
 from __future__ import annotations
+
+import weakref
 
 from torch.utils.data import IterableDataset, RandomSampler, Sampler, SequentialSampler
 
@@ -29,11 +34,17 @@ class PaddedSampler(Sampler):
     def __init__(self, sampler, multiple: int):
         self.sampler = sampler
         self.multiple = multiple
+        self.padding = True  # False: the plain sampler's epoch (the unit stepped aside)
 
     def __len__(self) -> int:
+        if not self.padding:
+            return len(self.sampler)
         return -(-len(self.sampler) // self.multiple) * self.multiple
 
     def __iter__(self):
+        if not self.padding:
+            yield from self.sampler
+            return
         indices = list(self.sampler)
         missing = len(self) - len(indices)
         yield from indices
@@ -52,6 +63,7 @@ class StaticLastBatch(Unit):
     changed_figure = ("loaders_padded", "{} DataLoader(s) padded to whole batches")
     acts_on = ("DataLoader construction (the session's step watcher)",)
     backends = ("hpu",)
+    acts_for_device = True
     why_not_elsewhere = "shapes only need to be static under graph capture, which is not on"
 
     def skip_reason(self):
@@ -62,6 +74,7 @@ class StaticLastBatch(Unit):
 
     def apply(self) -> None:
         self.figures.update(loaders_padded=0, samples_added_per_epoch=0)
+        self._samplers = weakref.WeakSet()
         self.on(Event.LOADER_BUILT, self._adjust)
         self.because("policy", policy=self.options.last_batch)
 
@@ -95,4 +108,10 @@ class StaticLastBatch(Unit):
             return (), {**call, "drop_last": True}
         self.figures["samples_added_per_epoch"] += batch_size - remainder
         self.note("repeats_samples")
-        return (), {**call, "sampler": PaddedSampler(sampler, batch_size), "shuffle": None}
+        padded = PaddedSampler(sampler, batch_size)
+        self._samplers.add(padded)
+        return (), {**call, "sampler": padded, "shuffle": None}
+
+    def step_aside(self) -> None:
+        for sampler in list(self._samplers):
+            sampler.padding = False

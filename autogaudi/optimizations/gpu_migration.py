@@ -1,0 +1,243 @@
+"""Gaudi: Intel's GPU migration toolkit switched on for a script written for CUDA.
+
+Why: most public training scripts target CUDA (``device = "cuda" if torch.cuda.is_available() else
+"cpu"``, ``.cuda()``). On a Gaudi such a script trains on the CPU, and every Gaudi unit would act on a
+CPU run. Intel ships the answer, ``habana_frameworks.torch.gpu_migration``: it maps ``torch.cuda.*``,
+``device="cuda"`` arguments, Apex and pynvml onto HPU, and (its docs say) optimizes nothing: step
+marks and fused kernels are still to be added, which is what the other units do. This unit switches
+the real toolkit on; it re-implements nothing.
+
+How: the toolkit must be on before the bridge loads (``PT_HPU_GPU_MIGRATION=1``, read by the bridge at
+import; hpu-api.md). The session asks :func:`switch_on_before_bridge` before its backend probe loads the
+bridge; it reads the script (``__main__``'s file) and the modules of the script's own folder it
+imports, and sets the variable where they use CUDA. It is inherited by the processes the script
+starts (torchrun workers, loader workers), which then map the same calls. A script or environment that
+switched it on itself is left as it is (and reported). The unit then reports how many calls were
+mapped, where the toolkit counts them, and names the CUDA-bound libraries the script uses that the
+toolkit does not map (:data:`NOT_MAPPED`). Where the script uses CUDA only at run time in a way the
+source does not show, the toolkit could not be switched on: the unit notes the first
+``torch.cuda.is_available()`` call and recommends ``PT_HPU_GPU_MIGRATION=1``.
+Undo: ``disable()`` takes the variable back off (for processes started later); the toolkit's mapping
+stays in this process, as the bridge has no way to unload it (said in the row's notes).
+``--disable gpu_migration`` runs the script as written: on a Gaudi its model then stays on the CPU and
+the device units step aside (``model_not_on_device``).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import os
+import re
+import sys
+
+import torch
+
+from autogaudi.unit import ROUNDING, Unit
+
+TOOLKIT = "habana_frameworks.torch.gpu_migration"
+VARIABLE = "PT_HPU_GPU_MIGRATION"
+# What in a script's source says it targets CUDA.
+CUDA_USE = re.compile(r"""\.cuda\(|\btorch\.cuda\.|["']cuda(:\d+)?["']""")
+# CUDA-bound libraries outside what the toolkit maps. The docs (docs.habana.ai, "GPU Migration
+# Toolkit", latest as read 2026-11-26, software 1.19-1.23) list what it maps: torch.cuda, torch calls
+# with GPU arguments, Apex (with limitations) and pynvml; these are CUDA kernels of their own, which
+# it cannot map. Read, not run: no Gaudi was available.
+NOT_MAPPED = {
+    "triton": "Triton GPU kernels",
+    "flash_attn": "FlashAttention's CUDA kernels",
+    "xformers": "xFormers' CUDA kernels",
+    "bitsandbytes": "bitsandbytes' CUDA kernels",
+    "cupy": "CuPy arrays and kernels",
+    "torch.utils.cpp_extension": "a CUDA extension built by the script",
+}
+_MAX_FILES = 32  # the script and at most this many of its own modules are read
+
+
+def script_path():
+    """The running script's file (``__main__``), or None (``python -c``, an interactive session)."""
+    path = getattr(sys.modules.get("__main__"), "__file__", None)
+    return path if path and path.endswith(".py") and os.path.isfile(path) else None
+
+
+def _imported_names(tree) -> list:
+    names = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.extend(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.append(node.module)
+            names.extend(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def _local_file(folder: str, name: str):
+    base = os.path.join(folder, *name.split("."))
+    for candidate in (base + ".py", os.path.join(base, "__init__.py")):
+        if os.path.isfile(candidate):
+            return candidate
+    return None
+
+
+def read_script(path: str) -> dict:
+    """What the script and its own modules (those of its folder it imports, transitively) show:
+    ``cuda`` (``file:line`` of the first uses of CUDA, at most 3) and ``not_mapped`` (library ->
+    ``file:line`` of its first import), read before the script runs."""
+    folder = os.path.dirname(os.path.abspath(path))
+    pending, seen = [os.path.abspath(path)], set()
+    found = {"cuda": [], "not_mapped": {}}
+    while pending and len(seen) < _MAX_FILES:
+        file = pending.pop(0)
+        if file in seen:
+            continue
+        seen.add(file)
+        try:
+            with open(file, encoding="utf-8") as handle:
+                source = handle.read()
+            tree = ast.parse(source)
+        except (OSError, SyntaxError, ValueError, UnicodeDecodeError):
+            continue
+        where = os.path.relpath(file, folder)
+        for number, line in enumerate(source.splitlines(), 1):
+            if len(found["cuda"]) < 3 and CUDA_USE.search(line.split("#", 1)[0]):
+                found["cuda"].append(f"{where}:{number}")
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                for name in _imported_names(ast.Module(body=[node], type_ignores=[])):
+                    library = next((lib for lib in NOT_MAPPED if name == lib or name.startswith(lib + ".")), None)
+                    if library:
+                        found["not_mapped"].setdefault(library, f"{where}:{node.lineno}")
+        for name in _imported_names(tree):
+            local = _local_file(folder, name)
+            if local is not None:
+                pending.append(local)
+    return found
+
+
+def switch_on_before_bridge(options) -> dict:
+    """Switch Intel's toolkit on for a CUDA script, before the bridge loads; what was decided
+    (``switched_on_by``: ``autogaudi``, ``environment`` or None with ``why_not``, a reason code)."""
+    if TOOLKIT in sys.modules or os.environ.get(VARIABLE) == "1":
+        return {"switched_on_by": "environment"}
+    if options.device not in ("auto", "hpu"):
+        return {"switched_on_by": None, "why_not": "other_device"}
+    if options.exact:
+        return {"switched_on_by": None, "why_not": "exact"}
+    if importlib.util.find_spec("habana_frameworks") is None:
+        return {"switched_on_by": None, "why_not": "no_bridge"}
+    if "habana_frameworks.torch" in sys.modules:
+        return {"switched_on_by": None, "why_not": "bridge_loaded_first"}
+    path = script_path()
+    if path is None:
+        return {"switched_on_by": None, "why_not": "no_script"}
+    found = read_script(path)
+    if not found["cuda"]:
+        return {"switched_on_by": None, "why_not": "script_not_cuda", **found}
+    os.environ[VARIABLE] = "1"
+    return {"switched_on_by": "autogaudi", **found}
+
+
+def _asked_by_the_script() -> bool:
+    """Whether the call being served came from the script's own folder (not from torch, a library,
+    or autogaudi): the first caller outside autogaudi, wrapt and torch."""
+    path = script_path()
+    if path is None:
+        return False
+    folder = os.path.dirname(os.path.abspath(path)) + os.sep
+    skipped = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(torch.__file__))
+    frame = sys._getframe(1)
+    while frame is not None:
+        name = os.path.abspath(frame.f_code.co_filename)
+        if not name.startswith(skipped) and "wrapt" not in name:
+            return name.startswith(folder)
+        frame = frame.f_back
+    return False
+
+
+class GpuMigration(Unit):
+    # The math runs on the device instead of the host: other kernels, other rounding
+    numerics = (ROUNDING,)
+    exact_when = "never: the device's kernels round otherwise than the host's"
+    reasons = {
+        "mapped": "the script asked for cuda; it ran on hpu through Intel's GPU migration ({by})",
+        "other_device": "--device names another backend",
+        "exact": "off under --exact: the script runs where it asked",
+        "no_bridge": "the Gaudi bridge is not installed",
+        "bridge_loaded_first": "the Gaudi bridge was loaded before autogaudi started: the toolkit can only be "
+        "switched on before it (PT_HPU_GPU_MIGRATION=1)",
+        "no_script": "no script file to read (python -c, an interactive session)",
+        "script_not_cuda": "the script and its own modules do not use CUDA",
+        "failed_before_bridge": "could not read the script before the bridge loaded: {error}",
+        # notes and recommendations
+        "not_mapped": "{library} ({what}, imported at {where}) is CUDA-bound and not mapped by the toolkit",
+        "mapping_stays": "the toolkit's mapping stays in this process after disable(): the bridge cannot unload it",
+        "cuda_asked_at_run_time": "the script asked torch.cuda.is_available() at run time without the toolkit on: "
+        "its CUDA code ran on the CPU",
+        "set_variable": "set PT_HPU_GPU_MIGRATION=1 before the script starts, so Intel's toolkit maps its CUDA calls",
+    }
+    changed_figure = ("mapped_calls", "{} CUDA calls mapped to hpu by Intel's GPU migration")
+    targets = ("torch.cuda.is_available",)
+    acts_on = ("PT_HPU_GPU_MIGRATION, set before the Gaudi bridge loads (the session, before its backend probe)",)
+    backends = ("hpu",)
+    why_not_elsewhere = "the toolkit maps CUDA calls onto a Gaudi only"
+    states = ("watching", "failed", "disabled")
+
+    def apply(self) -> None:
+        decided = self.session.migration or {"switched_on_by": None, "why_not": "no_script"}
+        self._decided = decided
+        self._toolkit = sys.modules.get(TOOLKIT)
+        self.figures["switched_on_by"] = decided.get("switched_on_by")
+        for library, where in decided.get("not_mapped", {}).items():
+            self.note("not_mapped", library=library, what=NOT_MAPPED[library], where=where)
+        if self._toolkit is not None:
+            self.figures["script_uses_cuda_at"] = decided.get("cuda", [])
+            if decided.get("switched_on_by") == "autogaudi":
+                self.on_revert(self._unset_variable)
+            self.because("mapped", by=f"switched on by {decided.get('switched_on_by') or 'the script'}")
+        elif "error" in decided:
+            self.because("failed_before_bridge", error=decided["error"])
+        else:
+            self.because(decided.get("why_not", "no_script"))
+        self.wrap(torch.cuda, "is_available", self._is_available)
+
+    def _is_available(self, wrapped, instance, args, kwargs):
+        answer = wrapped(*args, **kwargs)
+        if self._toolkit is None and "cuda_asked_at" not in self.figures and _asked_by_the_script():
+            self.figures["cuda_asked_at"] = self.session.steps.steps
+            self.note("cuda_asked_at_run_time")
+            self.recommend("set_variable", do=f"{VARIABLE}=1")
+        return answer
+
+    def _unset_variable(self):
+        if os.environ.get(VARIABLE) == "1":
+            del os.environ[VARIABLE]
+        return self.reason_for("mapping_stays")
+
+    def mapped_calls(self):
+        """The toolkit's count of mapped calls, where it keeps one it can be asked for (the test double
+        does; whether the bridge's toolkit does is unconfirmed: its log, GPU_MIGRATION_LOG_LEVEL, lists them)."""
+        count = getattr(self._toolkit, "mapped_calls", None) if self._toolkit is not None else None
+        try:
+            return int(count()) if callable(count) else None
+        except Exception:
+            return None
+
+    def changes(self) -> list:
+        self.figures["mapped_calls"] = self.mapped_calls()
+        if self._toolkit is None:
+            return []
+        count = self.figures["mapped_calls"]
+        return [self.changed_figure[1].format(count if count is not None else "its")]
+
+    def facts(self):
+        """For the report's first line: where the script asked the math to run and where it ran."""
+        if getattr(self, "_toolkit", None) is None:
+            return None
+        return {
+            "asked_for": "cuda",
+            "ran_on": self.backend.device_type,
+            "through": "Intel's GPU migration",
+            "switched_on_by": self._decided.get("switched_on_by"),
+            "mapped_calls": self.mapped_calls(),
+            "not_mapped": sorted(self._decided.get("not_mapped", {})),
+        }

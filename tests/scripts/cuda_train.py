@@ -1,0 +1,42 @@
+"""A script written for CUDA, as public ones are: STYLE=examples picks its device the pytorch/examples
+way (``"cuda" if torch.cuda.is_available() else "cpu"``), STYLE=dot calls ``.cuda()`` directly
+(guarded the same way, so it also runs where nothing maps it). IMPORT_BRIDGE_FIRST=1 loads the Gaudi
+bridge before torch, as a script of Gaudi's own would. Its model
+and helpers live in a local module (cuda_pkg/net.py), as scripts split them. Prints where the model's
+parameters are and the final loss."""
+
+import os
+
+if os.environ.get("IMPORT_BRIDGE_FIRST") == "1":  # as a script that loads the Gaudi bridge itself
+    import habana_frameworks.torch  # noqa: F401
+
+import torch
+from cuda_pkg.net import Net, seeded
+from torch.utils.data import DataLoader, TensorDataset
+
+STYLE = os.environ.get("STYLE", "examples")
+seeded(0)
+data = TensorDataset(torch.randn(50, 4), torch.randn(50, 1))  # 50 % 8: a short last batch
+loader = DataLoader(data, batch_size=8, shuffle=False)
+model = Net()
+if STYLE == "examples":
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = model.to(device)
+else:
+    device = None
+    if torch.cuda.is_available():
+        model = model.cuda()
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+for _epoch in range(2):
+    for inputs, targets in loader:
+        if STYLE == "dot" and torch.cuda.is_available():
+            inputs, targets = inputs.cuda(), targets.cuda()
+        elif device is not None:
+            inputs, targets = inputs.to(device), targets.to(device)
+        loss = torch.nn.functional.mse_loss(model(inputs), targets)
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+print(f"model on {next(model.parameters()).device}")
+print(f"loss {loss.item():.8f}")
