@@ -19,7 +19,6 @@ import platform
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -29,34 +28,17 @@ sys.path.insert(0, str(ROOT))
 
 import autogaudi  # noqa: E402
 from autogaudi.backends.base import GB  # noqa: E402
-from tests.gpt_model import CONTEXT, VOCAB, TinyGPT  # noqa: E402
+from tests.gpt_model import train  # noqa: E402
 
 ONLY = "step_profiler,activation_checkpointing"
-
-
-def timed_steps(steps: int, batch: int = 16):
-    """The step times (s) of ``steps`` AdamW steps of a seeded TinyGPT, and its model."""
-    torch.manual_seed(0)
-    model = TinyGPT()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    generator = torch.Generator().manual_seed(1)
-    times = []
-    for _ in range(steps):
-        idx = torch.randint(0, VOCAB, (batch, CONTEXT), generator=generator)
-        targets = torch.randint(0, VOCAB, (batch, CONTEXT), generator=generator)
-        start = time.perf_counter()
-        model(idx, targets).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        times.append(time.perf_counter() - start)
-    return times, model
 
 
 def under(limit_gb, steps):
     """(median step ms after the first three steps, blocks checkpointed, memory section) under ``limit_gb``."""
     autogaudi.enable(device="cpu", memory_limit=limit_gb, only=ONLY) if limit_gb else None
     try:
-        times, _ = timed_steps(steps)
+        times = []
+        train(steps, times=times)
         report = autogaudi.report().as_dict() if limit_gb else None
     finally:
         autogaudi.disable()

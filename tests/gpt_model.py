@@ -72,9 +72,11 @@ class OutOfMemoryGPT(TinyGPT):
         return _FailsInBackward.apply(loss) if fails and self.where == "backward" else loss
 
 
-def train(steps=5, batch=16, make=TinyGPT):
+def train(steps=5, batch=16, make=TinyGPT, times=None):
     """Losses of ``steps`` AdamW steps of a seeded ``make()`` (a TinyGPT) on seeded batches (dropout
-    on), and the model."""
+    on), and the model; ``times``, a list: each step's seconds appended (for the benchmarks)."""
+    import time
+
     torch.manual_seed(0)
     model = make()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -83,9 +85,12 @@ def train(steps=5, batch=16, make=TinyGPT):
     for _ in range(steps):
         idx = torch.randint(0, VOCAB, (batch, CONTEXT), generator=generator)
         targets = torch.randint(0, VOCAB, (batch, CONTEXT), generator=generator)
+        start = time.perf_counter()
         loss = model(idx, targets)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
+        if times is not None:
+            times.append(time.perf_counter() - start)
         losses.append(loss.item())
     return losses, model
