@@ -311,6 +311,7 @@ class StepMemory:
         self._model = None
         self._optimizer = None
         self._tracker = None
+        self._optimizer_steps_at_start = 0  # the optimizer steps when the tracked step began
         self._closing = False
         self._scope = Scope(self)
         self._limit = Scope(self)
@@ -391,8 +392,11 @@ class StepMemory:
     def _around_call(self, call, args, kwargs):
         """The training model's call: the measured step's first one runs inside the tracker, which
         sees the model's own hooks and every op of the forward, backward and optimizer step."""
-        if self._tracker is None and self.measured is None and self.session.steps.steps == MEASURED_STEP:
+        training = torch.is_grad_enabled()  # an evaluation pass (no_grad) between steps is no step's start
+        if self._tracker is None and self.measured is None and training and self.session.steps.steps == MEASURED_STEP:
             self._start_tracking(self._model())
+        elif self._tracker is not None and self.session.steps.optimizer_steps > self._optimizer_steps_at_start:
+            self._step_ended(None)  # the step is whole: an evaluation (generate) runs between its end and the next
         return call(*args, **kwargs)
 
     def _start_tracking(self, model) -> None:
@@ -401,6 +405,7 @@ class StepMemory:
         tracker.track_external(model, *([optimizer] if optimizer is not None else []))
         tracker.__enter__()
         self._tracker = tracker
+        self._optimizer_steps_at_start = self.session.steps.optimizer_steps
         self.state = "measuring"
 
     def _step_ended(self, _optimizer) -> None:

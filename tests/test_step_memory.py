@@ -166,3 +166,31 @@ def test_a_model_called_twice_in_a_step_is_forecast_not_measured_and_the_run_is_
     memory = memory_section()
     assert (memory["state"], memory["peak_bytes"]) == ("not_measured", None)
     assert memory["predicted_peak_bytes"] > 0 and "NotImplementedError" in memory["not_measured"]
+
+
+def test_an_evaluation_between_steps_neither_starts_nor_spoils_the_measured_step():
+    """minGPT's trainer samples with generate() after an optimizer step: several calls of the model
+    without gradients, where the measured step would otherwise start or still be tracked."""
+
+    def train_and_sample():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+        losses = []
+        for _ in range(4):
+            loss = model(torch.ones(4, 8)).pow(2).mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            with torch.no_grad():
+                for _ in range(3):
+                    model(torch.ones(1, 8))
+            losses.append(loss.item())
+        return losses
+
+    plain = train_and_sample()
+    autogaudi.enable(device="cpu", memory_limit=ROOMY, only="step_profiler")
+    assert train_and_sample() == plain
+    memory = memory_section()
+    assert memory["state"] == "measured" and memory["not_measured"] is None
+    assert abs(memory["predicted_peak_bytes"] - memory["peak_bytes"]) <= 0.1 * memory["peak_bytes"]
