@@ -312,7 +312,7 @@ class StepMemory:
         self._optimizer = None
         self._tracker = None
         self._optimizer_steps_at_start = 0  # the optimizer steps when the tracked step began
-        self._closing = False
+        self._forecasting = False
         self._scope = Scope(self)
         self._limit = Scope(self)
 
@@ -320,10 +320,10 @@ class StepMemory:
     def in_force(self) -> bool:
         return self.failure is None
 
-    @property
-    def forecasting(self) -> bool:
-        """Whether the module calls now made are a forecast's, on a fake copy: no training model's."""
-        return self._closing
+    def is_training_call(self, module) -> bool:
+        """Whether a call of ``module`` may be the training model's: gradients on, trainable
+        parameters, and not a forecast's call on a fake copy."""
+        return not self._forecasting and torch.is_grad_enabled() and any(p.requires_grad for p in module.parameters())
 
     def failed_at_run_time(self, error: Exception) -> None:
         if self.failure is None:
@@ -355,7 +355,7 @@ class StepMemory:
 
     def _called(self, module, args) -> None:
         """The first call with gradients of a module with trainable parameters: the training model."""
-        if self._closing or not torch.is_grad_enabled() or not any(p.requires_grad for p in module.parameters()):
+        if not self.is_training_call(module):
             return
         self._first.close()
         self._first_call(module, args)
@@ -382,12 +382,12 @@ class StepMemory:
         """A forecast of the step called with ``args``, with ``checkpointed`` submodules (names)
         checkpointed; ``watch``: the submodules whose kept and output bytes it reports."""
         optimizer = self._optimizer() if self._optimizer is not None else None
-        self._closing = True  # the copy's calls are no training model's
+        self._forecasting = True  # the copy's calls are no training model's
         try:
             with self.session.steps.unseen():
                 return predict(model, optimizer, args, {}, checkpointed=checkpointed, watch=watch)
         finally:
-            self._closing = False
+            self._forecasting = False
 
     def _around_call(self, call, args, kwargs):
         """The training model's call: the measured step's first one runs inside the tracker, which

@@ -123,7 +123,7 @@ class ActivationCheckpointing(Unit):
         copy): the training model. Its blocks are checkpointed now where an earlier run ran out of
         memory; its later calls run through the rescue layer."""
         memory = self.session.step_memory
-        if memory.forecasting or not torch.is_grad_enabled() or not any(p.requires_grad for p in module.parameters()):
+        if not memory.is_training_call(module):
             return
         import weakref
 
