@@ -195,7 +195,7 @@ class Cache:
         with contextlib.suppress(FileExistsError):
             os.mkdir(self.root, FOLDER_MODE)
         if not _has_tag(self.root):
-            _write_atomically(os.path.join(self.root, TAG), TAG_TEXT.encode())
+            write_atomically(os.path.join(self.root, TAG), TAG_TEXT.encode())
         self._claimed = True
 
     def folder(self, *parts: str) -> str:
@@ -241,7 +241,7 @@ class Cache:
         inside = os.path.relpath(os.path.dirname(os.path.abspath(path)), self.root)
         if inside.split(os.sep)[0] not in LAYOUT:
             raise ValueError(f"{path} is outside the cache's layout ({', '.join(LAYOUT)})")
-        _write_atomically(path, data, self.folder(*inside.split(os.sep)))
+        write_atomically(path, data, self.folder(*inside.split(os.sep)))
         self.evict()
 
     def files(self) -> list:
@@ -327,13 +327,16 @@ def inductor_cache_distrust(environ):
     return None if why is None else {"variable": variable, "path": path, "why": why}
 
 
-def _write_atomically(path: str, data: bytes, folder: str | None = None) -> None:
+def write_atomically(path: str, data: bytes, folder: str | None = None, before_replace=None) -> None:
     """Write ``data`` to a temporary file beside ``path`` and rename it over ``path``: a reader sees
-    the old file or the new one, never half of one."""
+    the old file or the new one, never half of one. ``before_replace(temporary)`` may check or
+    finish the temporary file first (what raises there leaves ``path`` as it was)."""
     descriptor, temporary = tempfile.mkstemp(dir=folder or os.path.dirname(path), prefix=".writing-")
     try:
         with os.fdopen(descriptor, "wb") as handle:
             handle.write(data)
+        if before_replace is not None:
+            before_replace(temporary)
         os.replace(temporary, path)
     except BaseException:
         with contextlib.suppress(OSError):

@@ -11,10 +11,9 @@ Nothing here imports torch.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import tempfile
 
+from autogaudi.cache import write_atomically
 from autogaudi.errors import OptionsError
 
 
@@ -39,22 +38,16 @@ def check(path) -> None:
 
 
 def write(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file in its folder, renamed over it."""
-    folder = os.path.dirname(os.path.abspath(path))
-    descriptor, temporary = tempfile.mkstemp(dir=folder, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
-    try:
-        with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
+    """Write ``text`` to ``path`` through a temporary file in its folder, synced and renamed over it."""
+
+    def finish(temporary):
+        with open(temporary, "rb") as handle:
             os.fsync(handle.fileno())
         if os.path.islink(path):
             raise OSError(f"{path} became a symbolic link during the run; not replaced")
         os.chmod(temporary, 0o666 & ~_umask())
-        os.replace(temporary, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temporary)
-        raise
+
+    write_atomically(os.path.abspath(path), text.encode("utf-8"), before_replace=finish)
 
 
 def _umask() -> int:

@@ -15,7 +15,7 @@ import contextlib
 import gc
 import sys
 
-from autogaudi import children, report_file
+from autogaudi import children
 from autogaudi._after_import import call_after_import
 from autogaudi.options import Options
 
@@ -53,6 +53,8 @@ def enable_with_source(overrides: dict, source: str) -> None:
         base = _STATE.options if _STATE.options is not None else Options.from_env()
         options = base.replace(**overrides) if overrides else base
         if options.report is not None:  # checked now, written at exit: a script may change folder
+            from autogaudi import report_file  # here: every AUTOGAUDI=1 process imports this module
+
             report_file.check(options.report)
             options = options.replace(report=report_file.resolved(options.report))
         if source not in _STATE.sources:
