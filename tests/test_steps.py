@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 import autogaudi
-from autogaudi import steps
-from autogaudi.steps import NO_OPTIMIZER_AFTER, REPACE_AFTER
+from autogaudi import evaluation
+from autogaudi.step_count import NO_OPTIMIZER_AFTER, REPACE_AFTER
 
 
 def steps_figures():
@@ -245,17 +245,42 @@ def test_a_loop_that_evaluates_in_every_step_stops_being_counted_and_says_so():
     autogaudi.enable(device="cpu", only="throughput_meter")
     policy = nn.Linear(4, 2)
     optimizer = torch.optim.SGD(policy.parameters(), lr=0.01)
-    for step in range(1, steps.EVALUATION_CHECKED_AT_STEP + 6):
+    for step in range(1, evaluation.EVALUATION_CHECKED_AT_STEP + 6):
         for _ in range(3):
             with torch.no_grad():
                 policy(torch.randn(1, 4))
         policy(torch.randn(2, 4)).sum().backward()
         optimizer.step()
         optimizer.zero_grad()
-        assert (torch.no_grad.__enter__ is entered) == (step >= steps.EVALUATION_CHECKED_AT_STEP)
+        assert (torch.no_grad.__enter__ is entered) == (step >= evaluation.EVALUATION_CHECKED_AT_STEP)
     figures = steps_figures()
-    assert figures["evaluation_counted_until_step"] == steps.EVALUATION_CHECKED_AT_STEP
-    assert figures["evaluation_forward_passes"] == 3 * steps.EVALUATION_CHECKED_AT_STEP
+    assert figures["evaluation_counted_until_step"] == evaluation.EVALUATION_CHECKED_AT_STEP
+    assert figures["evaluation_forward_passes"] == 3 * evaluation.EVALUATION_CHECKED_AT_STEP
+
+
+def test_a_loop_that_evaluates_now_and_then_is_counted_for_the_whole_run():
+    """A bigram LM's script: many evaluation passes before the first steps (more than steps by the
+    check step), a few later, and generate() at the end: every one counted, none left out."""
+    autogaudi.enable(device="cpu", only="throughput_meter")
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    evaluated = 0
+    for step in range(3 * evaluation.EVALUATION_CHECKED_AT_STEP):
+        if step % evaluation.EVALUATION_CHECKED_AT_STEP == 0:
+            with torch.no_grad():
+                for _ in range(2 * evaluation.EVALUATION_CHECKED_AT_STEP):
+                    model(torch.randn(1, 4))
+                    evaluated += 1
+        model(torch.randn(2, 4)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    with torch.no_grad():
+        for _ in range(5):
+            model(torch.randn(1, 4))
+            evaluated += 1
+    figures = steps_figures()
+    assert figures["evaluation_counted_until_step"] is None
+    assert figures["evaluation_forward_passes"] == evaluated
 
 
 def test_regions_inside_gradients_already_off_leave_training_calls_unwatched():
