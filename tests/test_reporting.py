@@ -4,6 +4,7 @@ rank 0 only; the launcher always reports."""
 import json
 import re
 
+import pytest
 import torch
 
 from tests.helpers import REPO, SCRIPTS, bare_report, clean_env, run_python
@@ -170,17 +171,147 @@ def test_a_cache_folder_that_could_not_be_used_says_so():
 def test_the_results_line_gives_each_units_measured_size_or_says_it_was_not_measured():
     measured = {"max_rel_diff": 2.4e-07, "of": "parameters", "steps": 3, "against": "torch's unfused step"}
     rows = [
-        {"name": "fused_optimizer", "numerics": ["rounding"], "numerics_measured": measured},
-        {"name": "graph_capture", "numerics": ["rounding", "random"], "numerics_measured": None},
+        {"name": "fused_optimizer", "changes": ["fused"], "numerics": ["rounding"], "numerics_measured": measured},
+        {
+            "name": "graph_capture",
+            "changes": ["captured"],
+            "numerics": ["rounding", "random"],
+            "numerics_measured": None,
+        },
         {"name": "step_profiler", "numerics": [], "numerics_measured": None, "figures": {}},
     ]
     report = bare_report(units=rows)
     assert report.as_dict()["numerics"] == [
-        {"unit": "fused_optimizer", "how": ["rounding"], "measured": measured},
-        {"unit": "graph_capture", "how": ["rounding", "random"], "measured": None},
+        {"unit": "fused_optimizer", "how": ["rounding"], "measured": measured, "kept": True},
+        {"unit": "graph_capture", "how": ["rounding", "random"], "measured": None, "kept": True},
     ]
     (line,) = [line for line in report.format().splitlines() if line.startswith("  results")]
     assert line == (
         "  results  may differ from plain: fused_optimizer (rounding, parameters ≤2.4e-07 relative per step, "
         "measured), graph_capture (rounding, random, not measured)"
     )
+
+
+def trial(candidate, without, with_, decision, spreads=None, one_off=0.5, started_at=5):
+    """A trial's record as autogaudi.trials writes it (``spreads``: each arm's, where measured)."""
+    record = {
+        "candidate": candidate,
+        "ms_per_step_with": with_,
+        "ms_per_step_without": without,
+        "speedup": round(without / with_, 3),
+        "one_off_s": one_off,
+        "set_up_s": 0.0,
+        "steps": 21,
+        "decision": decision,
+        "started_at_step": started_at,
+        "arms": [["without", 3], ["warm-up", 3], ["with", 3], ["without", 6], ["with", 6]],
+    }
+    if spreads is not None:
+        record["spread_with"], record["spread_without"] = spreads
+    return record
+
+
+def kept_row(name):
+    return {"name": name, "changes": [f"{name} on"], "numerics": [], "figures": {}}
+
+
+def summary_of(report):
+    return report.as_dict()["summary"]
+
+
+def line(report, label):
+    (found,) = [line for line in report.format().splitlines() if line.startswith(f"  {label}")]
+    return found
+
+
+def test_a_speedup_carries_its_spread_and_a_saving_within_noise_is_not_claimed():
+    """Two identical runs read 1.09x and 1.19x: the same gain of 4 ms in 100 with 10% noise per arm
+    is no saving to claim; with 1% noise per arm it is, with its ±."""
+    noisy = bare_report(
+        units=[kept_row("graph_capture")],
+        trials=[trial("graph_capture", 100.0, 96.0, "kept", spreads=(0.1, 0.1))],
+        steps={"steps": 200},
+    )
+    (change,) = summary_of(noisy)["changed"]
+    assert change["effect"]["claimed"] is False and change["effect"]["spread"] == pytest.approx(0.141, abs=1e-3)
+    assert "1.042x ±14%" in line(noisy, "changed") and "no saving claimed" in line(noisy, "changed")
+    assert "saved" not in line(noisy, "changed") and "within noise" in line(noisy, "run")
+    steady = bare_report(
+        units=[kept_row("graph_capture")],
+        trials=[trial("graph_capture", 100.0, 96.0, "kept", spreads=(0.01, 0.01), one_off=0.1)],
+        steps={"steps": 200},
+    )
+    effect = summary_of(steady)["changed"][0]["effect"]
+    assert effect["claimed"] is True and effect["saved_s"] > effect["noise_s"] > 0
+    assert f"±{effect['noise_s']} s saved" in line(steady, "changed")
+
+
+def test_without_a_spread_the_figure_stands_as_measured_with_no_plus_minus():
+    report = bare_report(
+        units=[kept_row("graph_capture")], trials=[trial("graph_capture", 100.0, 80.0, "kept")], steps={"steps": 100}
+    )
+    effect = summary_of(report)["changed"][0]["effect"]
+    assert (effect["spread"], effect["noise_s"], effect["claimed"]) == (None, None, True)
+    assert "±" not in line(report, "changed") and "(1.25x)" in line(report, "changed")
+
+
+def test_the_run_line_sets_autogaudis_own_cost_against_what_the_kept_changes_saved():
+    """A kept change saved 20 ms over 80 steps net of its 0.5 s one-off; a rejected trial paid its
+    one-off and its slower "with" arm: the whole run is what both make together, not the speed-up."""
+    report = bare_report(
+        units=[kept_row("graph_capture"), {"name": "channels_last", "numerics": [], "figures": {}}],
+        trials=[
+            trial("graph_capture", 100.0, 80.0, "kept", started_at=5),
+            trial("channels_last", 80.0, 90.0, "rejected", one_off=1.0, started_at=30),
+        ],
+        steps={"steps": 100},
+    )
+    whole = summary_of(report)["whole_run"]
+    steps_with = 100 - 5 - 9  # the kept trial's "without" steps ran as plain
+    saved = 0.020 * steps_with
+    rejected_cost = 1.0 + 0.010 * 9
+    assert whole["cost_s"] == pytest.approx(0.5 + rejected_cost)
+    assert whole["net_s"] == pytest.approx(saved - 0.5 - rejected_cost)
+    assert "autogaudi's own cost" in line(report, "run") and "against plain: " in line(report, "run")
+
+
+def test_where_a_change_was_not_timed_the_run_line_gives_the_cost_and_no_ratio():
+    report = bare_report(
+        units=[kept_row("fused_optimizer"), {"name": "channels_last", "numerics": [], "figures": {}}],
+        trials=[trial("channels_last", 80.0, 90.0, "rejected", one_off=1.0)],
+        steps={"steps": 100},
+    )
+    whole = summary_of(report)["whole_run"]
+    assert (whole["net_s"], whole["plain_s"]) == (None, None) and whole["cost_s"] > 0
+    assert "against plain: not known (fused_optimizer" in line(report, "run")
+
+
+def test_a_forced_unit_that_switched_itself_off_is_named_with_why():
+    row = {
+        "name": "graph_capture",
+        "numerics": [],
+        "figures": {},
+        "reason": "switched off: dynamic shapes, 9 distinct input shapes",
+        "reason_code": "dynamic_shapes",
+    }
+    report = bare_report(units=[row], options={"force": ["graph_capture"]})
+    assert summary_of(report)["forced_off"] == [
+        {"unit": "graph_capture", "reason_code": "dynamic_shapes", "reason": row["reason"]}
+    ]
+    assert "graph_capture: switched off: dynamic shapes" in line(report, "forced")
+
+
+def test_a_unit_put_back_is_not_named_as_having_changed_the_results():
+    row = {"name": "fused_optimizer", "changes": [], "numerics": ["rounding"], "numerics_measured": None}
+    report = bare_report(units=[row])
+    results = line(report, "results")
+    assert "fused_optimizer's timed steps only" in results and "not kept" in results
+    assert report.as_dict()["numerics"][0]["kept"] is False
+    assert "changed  nothing" in report.format()
+
+
+def test_evaluation_passes_counted_only_in_the_first_steps_say_so_with_the_count():
+    steps = {"steps": 50, "evaluation_forward_passes": 30, "evaluation_counted_until_step": 10}
+    run = line(bare_report(steps=steps), "run")
+    assert "30 evaluation forward passes counted in the first 10 steps, none after" in run
+    assert run.count("evaluation forward passes") == 1

@@ -1,0 +1,128 @@
+"""What a unit's change did to this run, and what autogaudi itself cost it, from the trials' records
+and the units' figures: the figures the report states as gains, each with its noise.
+
+Why the noise: a trial's arms are medians of a few steps on a machine that may be busy; two
+identical runs read 1.09x and 1.19x. Where a record carries each arm's spread (``spread_with``,
+``spread_without``: fractions of the arm's median) a speed-up is stated with it, and a saving is
+claimed only where it is larger than the noise over the same steps; else the report says "within
+noise" and claims nothing. Where a record has no spread the figure stands as measured, with no ±.
+
+Why the whole run: a change kept for its steady-state speed-up can still leave the run slower than
+plain PyTorch, once its one-off, the slower arms of trials not kept and later compiles are paid.
+:func:`whole_run` sets those against what the kept changes saved.
+"""
+
+from __future__ import annotations
+
+import math
+
+# One-offs a unit pays after its trial (new input shapes compiled, compile workers stopped at exit):
+# on top of the trial's record.
+LATER_ONE_OFFS = ("later_compiles_s", "compile_workers_at_exit_s")
+
+
+def spread(record) -> float | None:
+    """The spread of a trial's speed-up (a fraction), from its arms' spreads; None where the record
+    has none."""
+    with_, without = record.get("spread_with"), record.get("spread_without")
+    if with_ is None or without is None:
+        return None
+    return math.hypot(with_, without)
+
+
+def _noise_ms(record) -> float | None:
+    """The noise of a trial's per-step difference (ms), from its arms' spreads; None where unknown."""
+    with_, without = record.get("spread_with"), record.get("spread_without")
+    if with_ is None or without is None:
+        return None
+    return math.hypot(record["ms_per_step_with"] * with_, record["ms_per_step_without"] * without)
+
+
+def effect(record, steps: int):
+    """What a kept trial's change did over the whole run: the step time before and with it, and
+    the seconds it saved net of its one-off, from the trial's start to the run's end; None where
+    the change was not timed against the step without it (on from the start, or remembered).
+    ``noise_s``: the saving's noise over the same steps (None where unknown); ``claimed``: whether
+    the saving is beyond it (always where the noise is unknown)."""
+    if record is None or record["decision"] != "kept":
+        return None
+    without_steps = sum(count for arm, count in record.get("arms", ()) if arm == "without")
+    steps_with = max(0, steps - record["started_at_step"] - without_steps)
+    saved = (record["ms_per_step_without"] - record["ms_per_step_with"]) / 1000 * steps_with - record["one_off_s"]
+    noise_ms = _noise_ms(record)
+    noise_s = round(noise_ms / 1000 * steps_with, 3) if noise_ms is not None else None
+    return {
+        "ms_per_step_without": record["ms_per_step_without"],
+        "ms_per_step_with": record["ms_per_step_with"],
+        "speedup": record["speedup"],
+        "spread": _rounded(spread(record)),
+        "one_off_s": record["one_off_s"],
+        "steps_with": steps_with,
+        "saved_s": round(saved, 3),
+        "noise_s": noise_s,
+        "claimed": noise_s is None or abs(saved) > noise_s,
+    }
+
+
+def trial_cost_s(record) -> float:
+    """What a trial not kept cost the run: its one-off and its "with" steps beyond the step without."""
+    with_steps = sum(count for arm, count in record.get("arms", ()) if arm == "with")
+    extra = (record["ms_per_step_with"] - record["ms_per_step_without"]) / 1000 * with_steps
+    return round(record["one_off_s"] + extra, 3)
+
+
+def effect_of_part(update_ms, ms_per_step, steps: int):
+    """A change timed on its own part of the step (a fused optimizer's update against torch's
+    unfused one, on the same steps): the step without it is the step with it plus the difference."""
+    if not update_ms or not ms_per_step:
+        return None
+    difference = update_ms["unfused"] - update_ms["fused"]
+    without = round(ms_per_step + difference, 3)
+    return {
+        "ms_per_step_without": without,
+        "ms_per_step_with": ms_per_step,
+        "speedup": round(without / ms_per_step, 3),
+        "spread": None,
+        "one_off_s": 0.0,
+        "steps_with": steps,
+        "saved_s": round(difference / 1000 * steps, 3),
+        "noise_s": None,
+        "claimed": True,
+        "timed": f"the update alone in {update_ms['steps']} steps: {update_ms['unfused']} -> {update_ms['fused']} ms",
+    }
+
+
+def whole_run(changed: list, trials: list, units: list, seconds) -> dict:
+    """The run against plain PyTorch, autogaudi's own cost included: ``cost_s`` what autogaudi paid
+    that plain would not (the trials' one-offs, the "with" arms of trials not kept beyond their "without",
+    later one-offs), ``saved_s`` what the
+    kept changes saved net of their one-offs, ``net_s`` the two together (None where a change was not
+    timed against the step without it: plain's time is not known then), ``noise_s`` its noise (None
+    where unknown), and ``plain_s``, the steps' time plain would have taken, where ``net_s`` is
+    known."""
+    decided = [record for record in trials if "check" not in record]
+    one_offs = sum(record["one_off_s"] for record in decided)
+    arms = sum(trial_cost_s(record) - record["one_off_s"] for record in decided if record["decision"] != "kept")
+    later = sum(row.get("figures", {}).get(name) or 0.0 for row in units for name in LATER_ONE_OFFS)
+    cost = one_offs + arms + later
+    effects = [change["effect"] for change in changed]
+    timed = all(effect is not None for effect in effects)
+    # the kept changes' savings before their one-offs, which cost_s holds
+    gross = sum(effect["saved_s"] + effect["one_off_s"] for effect in effects if effect is not None)
+    net = gross - cost if timed else None
+    noises = [effect["noise_s"] for effect in effects if effect is not None]
+    noise = round(sum(noises), 3) if timed and all(n is not None for n in noises) and noises else None
+    return {
+        "cost_s": round(cost, 3),
+        "one_offs_s": round(one_offs + later, 3),
+        "trial_arms_s": round(arms, 3),
+        "saved_s": round(gross, 3),
+        "net_s": round(net, 3) if net is not None else None,
+        "noise_s": noise,
+        "claimed": net is not None and (noise is None or abs(net) > noise),
+        "plain_s": round(seconds + net, 3) if net is not None and seconds is not None else None,
+    }
+
+
+def _rounded(fraction):
+    return round(fraction, 3) if fraction is not None else None
