@@ -253,11 +253,12 @@ def format_steps(steps: dict) -> str:
     return text
 
 
-def format_results(numerics: list) -> str:
+def format_results(numerics: list, changed: set) -> str:
     """Whether the run's numbers can differ from plain PyTorch's, and through which unit; a unit
-    whose change was not kept is named for the steps it was on in, not as having changed the run."""
-    kept = [row for row in numerics if row["kept"]]
-    tried = [row for row in numerics if not row["kept"]]
+    whose change was not kept (not in ``changed``: put back, its trial rejected) is named for the
+    steps it was on in, not as having changed the run."""
+    kept = [row for row in numerics if row["unit"] in changed]
+    tried = [row for row in numerics if row["unit"] not in changed]
     parts = [f"{row['unit']} ({', '.join(row['how'])}, {format_size(row['measured'])})" for row in kept]
     parts += [
         f"{row['unit']}'s timed steps only ({', '.join(row['how'])}; not kept, the rest ran as plain)" for row in tried

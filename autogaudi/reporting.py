@@ -119,14 +119,7 @@ class Report:
     def numerics(self) -> list:
         """The units whose work in this run can have made its numbers differ from plain PyTorch's, and how."""
         return [
-            {
-                "unit": row["name"],
-                "how": row["numerics"],
-                "measured": row.get("numerics_measured"),
-                # False: the unit's change was not kept (put back, a trial rejected); only the steps
-                # it was on in can differ
-                "kept": bool(row.get("changes")),
-            }
+            {"unit": row["name"], "how": row["numerics"], "measured": row.get("numerics_measured")}
             for row in self.units
             if row.get("numerics")
         ]
@@ -226,7 +219,8 @@ class Report:
             "forced",
             [f"{row['unit']}: {row['reason'] or 'changed nothing'}" for row in summary["forced_off"]],
         )
-        lines.append(f"  results  {format_results(self.numerics())}")
+        changed = {row["name"] for row in self.units if row.get("changes")}
+        lines.append(f"  results  {format_results(self.numerics(), changed)}")
         if (self.memory or {}).get("matters"):
             lines.append(f"  memory   {format_memory(self.memory)}")
         tried = [
