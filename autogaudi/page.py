@@ -14,6 +14,9 @@ import html
 import json
 import statistics
 
+from autogaudi.report_effects import spread
+from autogaudi.report_text import format_speedup
+
 WIDTH, HEIGHT = 960, 300
 LEFT, RIGHT, TOP, BOTTOM = 60, 20, 20, 40
 # step-time outliers (one-offs: a compile) beyond this many medians are drawn at the top edge, so the
@@ -174,9 +177,8 @@ def _marks(data: dict) -> list:
     ]
     for record in data["trials"]:
         end = record.get("started_at_step", 0) + record["steps"]
-        marks.append(
-            (end, f"{record['candidate']}: {record['decision']} ({record.get('speedup', record.get('ratio'))}x)")
-        )
+        figure = format_speedup(record.get("speedup", record.get("ratio")), spread(record))
+        marks.append((end, f"{record['candidate']}: {record['decision']} ({figure})"))
     settled = data["steps"].get("decisions_settled_at_step")
     if settled:
         marks.append((settled, "every decision made"))

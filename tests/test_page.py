@@ -124,3 +124,14 @@ def test_the_first_step_and_evaluations_are_on_the_chart():
     assert (0, 1, page.ARM_COLOURS["first"]) in [span[:3] for span in page._spans(data, 4)]
     assert [step for step, _ in page._marks(data)] == [2]
     assert f'fill="{page.ARM_COLOURS["first"]}"' in page.chart(data)
+
+
+def test_a_trials_mark_carries_its_spread_where_measured():
+    from autogaudi import page
+
+    record = {"candidate": "graph_capture", "decision": "kept", "speedup": 1.09, "steps": 21, "started_at_step": 3}
+    data = {"steps": {}, "trials": [record, {**record, "spread_with": 0.03, "spread_without": 0.04}]}
+    assert {words for _, words in page._marks(data)} == {
+        "graph_capture: kept (1.09x)",
+        "graph_capture: kept (1.09x ±5%)",
+    }
