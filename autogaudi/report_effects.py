@@ -88,6 +88,8 @@ def effect_of_part(update_ms, ms_per_step, steps: int):
         "saved_s": round(difference / 1000 * steps, 3),
         "noise_s": None,
         "claimed": True,
+        # its timed steps ran torch's unfused update too, on copies: autogaudi's cost, not the change's
+        "measuring_s": round(update_ms["unfused"] / 1000 * update_ms["steps"], 3),
         "timed": f"the update alone in {update_ms['steps']} steps: {update_ms['unfused']} -> {update_ms['fused']} ms",
     }
 
@@ -95,7 +97,7 @@ def effect_of_part(update_ms, ms_per_step, steps: int):
 def whole_run(changed: list, trials: list, units: list, seconds) -> dict:
     """The run against plain PyTorch, autogaudi's own cost included: ``cost_s`` what autogaudi paid
     that plain would not (the trials' one-offs, the "with" arms of trials not kept beyond their "without",
-    later one-offs), ``saved_s`` what the
+    later one-offs, a change's own measuring steps), ``saved_s`` what the
     kept changes saved net of their one-offs, ``net_s`` the two together (None where a change was not
     timed against the step without it: plain's time is not known then), ``noise_s`` its noise (None
     where unknown), and ``plain_s``, the steps' time plain would have taken, where ``net_s`` is
@@ -104,8 +106,9 @@ def whole_run(changed: list, trials: list, units: list, seconds) -> dict:
     one_offs = sum(record["one_off_s"] for record in decided)
     arms = sum(trial_cost_s(record) - record["one_off_s"] for record in decided if record["decision"] != "kept")
     later = sum(row.get("figures", {}).get(name) or 0.0 for row in units for name in LATER_ONE_OFFS)
-    cost = one_offs + arms + later
     effects = [change["effect"] for change in changed]
+    measuring = sum(effect.get("measuring_s", 0.0) for effect in effects if effect is not None)
+    cost = one_offs + arms + later + measuring
     timed = all(effect is not None for effect in effects)
     # the kept changes' savings before their one-offs, which cost_s holds
     gross = sum(effect["saved_s"] + effect["one_off_s"] for effect in effects if effect is not None)
@@ -116,6 +119,7 @@ def whole_run(changed: list, trials: list, units: list, seconds) -> dict:
         "cost_s": round(cost, 3),
         "one_offs_s": round(one_offs + later, 3),
         "trial_arms_s": round(arms, 3),
+        "measuring_s": round(measuring, 3),
         "saved_s": round(gross, 3),
         "net_s": round(net, 3) if net is not None else None,
         "noise_s": noise,

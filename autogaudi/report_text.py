@@ -65,10 +65,9 @@ def format_whole_run(whole: dict, changed: list) -> str:
         return ""
     text = ""
     if whole["cost_s"]:
-        text = (
-            f"autogaudi's own cost {whole['cost_s']} s (one-offs {whole['one_offs_s']} s, "
-            f"trials' arms {whole['trial_arms_s']} s); "
-        )
+        parts = (("one-offs", "one_offs_s"), ("trials' arms", "trial_arms_s"), ("measuring", "measuring_s"))
+        detail = ", ".join(f"{words} {whole[key]} s" for words, key in parts if whole[key])
+        text = f"autogaudi's own cost {whole['cost_s']} s ({detail}); "
     if whole["net_s"] is None:
         untimed = ", ".join(change["unit"] for change in changed if change["effect"] is None)
         return text + f"against plain: not known ({untimed} not timed without it)"

@@ -314,3 +314,13 @@ def test_evaluation_passes_counted_only_in_the_first_steps_say_so_with_the_count
     run = line(bare_report(steps=steps), "run")
     assert "30 evaluation forward passes counted in the first 10 steps, none after" in run
     assert run.count("evaluation forward passes") == 1
+
+
+def test_a_change_timed_on_its_own_part_counts_its_measuring_steps_as_autogaudis_cost():
+    """A fused optimizer's timed steps also ran torch's unfused update on copies: 4 of 3 ms."""
+    row = {**kept_row("fused_optimizer"), "figures": {"update_ms": {"unfused": 3.0, "fused": 1.0, "steps": 4}}}
+    report = bare_report(units=[row], steps={"steps": 100, "steps_per_s": 100.0})
+    whole = summary_of(report)["whole_run"]
+    assert (whole["measuring_s"], whole["cost_s"]) == (0.012, 0.012)
+    assert whole["net_s"] == pytest.approx(0.002 * 100 - 0.012)
+    assert "measuring 0.012 s" in line(report, "run")
