@@ -276,6 +276,9 @@ class Report:
         lines.append(f"  results  {f'may differ from plain: {differ}' if differ else 'identical to plain'}")
         if (self.memory or {}).get("matters"):
             lines.append(f"  memory   {_format_memory(self.memory)}")
+        from autogaudi.backends.hpu_signals import short_lines  # the backends load torch: only once a run reports
+
+        lines += short_lines(backend)
         tried = [
             f"{tried['unit']}: {tried['speedup']}x in its trial, not kept; the trial cost {tried['cost_s']} s"
             for tried in summary["tried"]

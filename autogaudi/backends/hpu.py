@@ -18,6 +18,7 @@ import sys
 import torch
 
 from autogaudi.backends.base import Backend, MemoryStats, compile_calls
+from autogaudi.backends.hpu_signals import HpuSignals
 
 # torch.optim arguments the Gaudi fused optimizers do not have, with the value that means "unused".
 _UNSUPPORTED_UNLESS = {
@@ -67,6 +68,18 @@ class HpuBackend(Backend):
         self._core = core
         self._hpu = hpu
         self.is_lazy = lazy
+        self.signals = None  # HpuSignals while a session watches this backend
+
+    def describe(self) -> dict:
+        described = super().describe()
+        if self.signals is not None:
+            described["signals"] = self.signals.as_dict()
+        return described
+
+    def watch_signals(self, session):
+        # The bridge's own counts (hpu-api.md, Metrics and diagnostics): fallbacks and compilations.
+        self.signals = HpuSignals(importlib.import_module("habana_frameworks.torch.hpu.metrics"), session)
+        return self.signals.stop
 
     def fast_bf16(self) -> bool:
         return True  # the MME's native type (Gaudi performance guide: bf16 autocast)
