@@ -7,7 +7,9 @@ fallbacks only under ``LOG_LEVEL_PT_FALLBACK=1``). The bridge counts them itself
 ``FallbackOps`` {op: count}, ``graph_compilation`` with ``TotalNumber`` and ``TotalTime`` in µs);
 this module reads those counts at each training step's end and keeps what changed in that step. The
 input shapes are the DataLoader batch the step trained on (what the model call was given): a graph
-compiled after warm-up on a batch shaped unlike the warm-up's names its cause.
+compiled after warm-up on a batch shaped unlike the warm-up's names its cause. Compilations in a step
+where one of autogaudi's trials ran (a graph capture on trial compiles its graphs) are counted apart:
+they are autogaudi's, not the script's.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from autogaudi.reasons import Reason
 
 # code -> text: what the report says of each signal (the JSON carries code and params, as a unit's).
 REASONS = {
-    "cpu_fallback": "{op} ran on the CPU {count}x in {steps} step(s) after warm-up{where}: each run is a "
+    "cpu_fallback": "{op} ran on the CPU {count}x in {steps} step(s) after warm-up (script line: {line}): each run is a "
     "round trip to the host; use a dtype the device supports (float32 or bfloat16, not float64) or an op "
     "it has (the bridge lists them with LOG_LEVEL_PT_FALLBACK=1 ENABLE_CONSOLE=true)",
     "recompiled_short_batch": "{count} graph compilation(s) after warm-up on a shorter batch {shapes} (warm-up: "
@@ -79,6 +81,8 @@ class HpuSignals:
         self.fallback_ops: dict = {}  # op -> {"count", "steps", "first_step", "where"}, after warm-up
         self.compiled_steps: list = []  # {"step", "compilations", "micros", "shapes"} after warm-up
         self.compilations = 0  # after warm-up
+        self.trial_compilations = 0  # after warm-up, in steps where one of autogaudi's trials ran (its captures)
+        self._trial_at_start = False  # whether a trial was running when the step under way began
         self.warmup_shapes = None  # the last batch's shapes during warm-up
         self._batch_shapes = None  # the shapes of the batch the step under way trained on
         self._last = self._read()
@@ -116,6 +120,8 @@ class HpuSignals:
         self.steps_read += 1
         step = self._session.steps.steps
         compiled = now["compilations"] - before["compilations"]
+        running = self._session.trials.current is not None
+        trial, self._trial_at_start = self._trial_at_start or running, running
         if step <= self._session.options.warmup_steps:
             self.warmup["cpu_fallbacks"] += now["fallbacks"] - before["fallbacks"]
             self.warmup["compilations"] += compiled
@@ -129,7 +135,9 @@ class HpuSignals:
                 )
                 seen["count"] += ran
                 seen["steps"] += 1
-        if compiled > 0:
+        if compiled > 0 and trial:
+            self.trial_compilations += compiled
+        elif compiled > 0:
             self.compilations += compiled
             if len(self.compiled_steps) < _KEPT_STEPS:
                 self.compiled_steps.append(
@@ -151,7 +159,7 @@ class HpuSignals:
                 op=op,
                 count=seen["count"],
                 steps=seen["steps"],
-                where=f" (called at {seen['where']})" if seen["where"] else "",
+                line=seen["where"] or "not found",
             )
             for op, seen in sorted(self.fallback_ops.items(), key=lambda item: -item[1]["count"])
         ]
@@ -182,6 +190,7 @@ class HpuSignals:
             "warmup_shapes": self.warmup_shapes,
             "cpu_fallback_ops": {op: dict(seen) for op, seen in self.fallback_ops.items()},
             "compilations_after_warmup": self.compilations,
+            "compilations_in_trials": self.trial_compilations,
             "compiled_steps": [dict(record) for record in self.compiled_steps],
             "findings": [{"code": r.code, "params": dict(r.params), "text": r.text} for r in self.findings()],
             "failure": self.failure,

@@ -3,11 +3,13 @@ and graph compilations injected into its metrics reach the short report and the 
 
 import json
 import sys
+from types import SimpleNamespace
 
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import autogaudi
+from autogaudi.backends import hpu_signals
 
 WARMUP = 3  # the default warmup_steps
 
@@ -118,3 +120,26 @@ def test_other_backends_have_no_signals():
         assert "signals" not in train_cpu
     finally:
         autogaudi.disable()
+
+
+def test_compilations_while_a_trial_runs_are_autogaudis_not_the_scripts(hpu_double):
+    def inject(step, metrics):
+        trials = autogaudi.runtime._STATE.session.trials
+        trials.current = SimpleNamespace(unit=None) if step == 4 else None  # a trial over step 5 only
+        if step == 4:
+            metrics.inject_compilation()  # what a graph capture on trial compiles
+
+    _, report, signals = run(hpu_double, steps=6, inject=inject)
+    assert (signals["compilations_in_trials"], signals["compilations_after_warmup"]) == (1, 0)
+    assert signals["findings"] == [] and "gaudi:" not in report.format()
+
+
+def test_a_fallback_names_the_scripts_line_that_calls_the_op(hpu_double, tmp_path, monkeypatch):
+    script = tmp_path / "train.py"
+    script.write_text("import torch\n# torch.nonzero(x) in a comment\nkept = torch.nonzero(mask)\n")
+    monkeypatch.setattr(hpu_signals, "script_path", lambda: str(script))
+    _, report, signals = run(
+        hpu_double, steps=5, inject=lambda step, metrics: metrics.inject_cpu_fallback("aten::nonzero")
+    )
+    assert signals["cpu_fallback_ops"]["aten::nonzero"]["where"] == "train.py:3"
+    assert signals["findings"][0]["params"]["line"] == "train.py:3"
