@@ -25,8 +25,8 @@ from autogaudi.reasons import Reason
 
 # code -> text: what the report says of each signal (the JSON carries code and params, as a unit's).
 REASONS = {
-    "cpu_fallback": "{op} ran on the CPU {count}x in {steps} step(s) after warm-up (script line: {line}): each run is a "
-    "round trip to the host; use a dtype the device supports (float32 or bfloat16, not float64) or an op "
+    "cpu_fallback": "{op} ran on the CPU {count}x in {steps} step(s) after warm-up (script line: {line}): "
+    "each run is a round trip to the host; use a dtype the device supports (float32 or bfloat16, not float64) or an op "
     "it has (the bridge lists them with LOG_LEVEL_PT_FALLBACK=1 ENABLE_CONSOLE=true)",
     "recompiled_short_batch": "{count} graph compilation(s) after warm-up on a shorter batch {shapes} (warm-up: "
     "{warmup_shapes}): keep the last batch whole (DataLoader drop_last=True, or autogaudi's static_last_batch)",
