@@ -13,7 +13,7 @@ from autogaudi.runtime import active_options, disable, enable, is_enabled, repor
 def doctor(script: str, *args: str, steps: int = 20, module: bool = False):
     """Diagnose ``script`` (a path, or a module name with ``module=True``) run with ``args`` for at
     most ``steps`` optimizer steps in this process, observing only; returns a
-    :class:`~autogaudi.diagnosis.findings.Diagnosis` (``.findings``, ``.format()``, ``.as_dict()``).
+    :class:`~autogaudi.diagnosis.result.Diagnosis` (``.findings``, ``.format()``, ``.as_dict()``).
     ``sys.argv``, ``__main__`` and ``sys.path[0]`` are restored afterwards. See ``python -m autogaudi doctor``."""
     from autogaudi.diagnosis.command import diagnose
 

@@ -223,6 +223,9 @@ class Report:
         lines.append(f"  results  {format_results(self.numerics(), changed)}")
         if (self.memory or {}).get("matters"):
             lines.append(f"  memory   {format_memory(self.memory)}")
+        from autogaudi.backends.hpu_signals import short_lines  # the backends load torch: only once a run reports
+
+        lines += short_lines(backend)
         tried = [
             f"{tried['unit']}: {format_speedup(tried['speedup'], tried['spread'])} in its trial, not kept; "
             f"the trial cost {tried['cost_s']} s"

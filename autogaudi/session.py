@@ -97,6 +97,9 @@ class Session:
                 self.cache_notes.append(note("decisions_not_remembered", error=error))
         self.steps = TrainingSteps(self.backend, self.options, self.events, guard=self)
         self.steps.install()
+        stop_signals = self.backend.watch_signals(self)
+        if stop_signals is not None:
+            self._scope.add(stop_signals)
         # The session hears the first backward before any unit (a step mark after it, an extra one before it)
         self.events.rank(self, -1)
         self._scope.add(self.events.on(Event.BEFORE_BACKWARD, self, self.placement.observe_backward).remove)

@@ -82,6 +82,11 @@ class Backend:
     def device_name(self) -> str:
         raise NotImplementedError
 
+    def watch_signals(self, session):
+        """Start reading the device's own run-time counts for the report (the Gaudi bridge's metrics);
+        the undo, or None where the backend has none."""
+        return None
+
     def mark_step(self) -> None:
         """Flush queued work (HPU lazy mode); nothing to do on eager backends."""
 

@@ -18,6 +18,7 @@ import sys
 import torch
 
 from autogaudi.backends.base import Backend, MemoryStats, compile_calls
+from autogaudi.backends.hpu_signals import HpuSignals
 
 # torch.optim arguments the Gaudi fused optimizers do not have, with the value that means "unused".
 _UNSUPPORTED_UNLESS = {
@@ -40,6 +41,41 @@ def _fused_name(name: str, hyperparameters: dict):
         decoupled = name == "AdamW" or hyperparameters.get("decoupled_weight_decay", False)
         return "FusedAdamW" if decoupled or hyperparameters.get("weight_decay", 0) == 0 else None
     return {"SGD": "FusedSGD"}.get(name)
+
+
+def fused_optimizer_refusal(name: str, hyperparameters: dict):
+    """Why torch.optim's ``name`` with these hyperparameters has no hpex fused optimizer to run as,
+    or None where it has one (the fused_optimizer unit and the doctor ask)."""
+    fused_name = _fused_name(name, hyperparameters)
+    if fused_name is None:
+        detail = " with L2 weight decay (it decays like AdamW)" if name == "Adam" else ""
+        return f"no Gaudi fused optimizer for {name}{detail}"
+    unsupported = [
+        f"{argument}={hyperparameters[argument]!r}"
+        for argument, unused in _UNSUPPORTED_UNLESS.items()
+        if hyperparameters.get(argument, unused) != unused
+    ]
+    if unsupported:
+        return f"{fused_name} has no {', '.join(unsupported)}"
+    return None
+
+
+def graph_blocker(module):
+    """(code, params) of what keeps ModuleCacher from capturing ``module``, or None. ModuleCacher
+    (bridge 1.19, hpu/graphs.py) calls the model by keyword, so it asserts on a forward with *args
+    or positional-only parameters; a replay runs the recorded graph, not Python, so module hooks (an
+    activation logger, a pruning mask) would silently stop."""
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.VAR_POSITIONAL)
+    if any(p.kind in kinds for p in inspect.signature(module.forward).parameters.values()):
+        return "positional_forward", {"model": type(module).__name__}
+    hooked = [
+        type(sub).__name__
+        for sub in module.modules()
+        if sub._forward_hooks or sub._forward_pre_hooks or sub._backward_hooks or sub._backward_pre_hooks
+    ]
+    if hooked or _global_module_hooks():
+        return "module_hooks", {"where": ", ".join(sorted(set(hooked))) or "all modules (global hooks)"}
+    return None
 
 
 def _global_module_hooks() -> bool:
@@ -67,6 +103,18 @@ class HpuBackend(Backend):
         self._core = core
         self._hpu = hpu
         self.is_lazy = lazy
+        self.signals = None  # HpuSignals while a session watches this backend
+
+    def describe(self) -> dict:
+        described = super().describe()
+        if self.signals is not None:
+            described["signals"] = self.signals.as_dict()
+        return described
+
+    def watch_signals(self, session):
+        # The bridge's own counts (hpu-api.md, Metrics and diagnostics): fallbacks and compilations.
+        self.signals = HpuSignals(importlib.import_module("habana_frameworks.torch.hpu.metrics"), session)
+        return self.signals.stop
 
     def fast_bf16(self) -> bool:
         return True  # the MME's native type (Gaudi performance guide: bf16 autocast)
@@ -100,20 +148,7 @@ class HpuBackend(Backend):
     def graph_refusal(self, module):
         if not self.is_lazy:
             return None
-        # ModuleCacher (bridge 1.19, hpu/graphs.py) calls the model by keyword, so it asserts on a
-        # forward with *args or positional-only parameters; a replay runs the recorded graph, not
-        # Python, so module hooks (an activation logger, a pruning mask) would silently stop.
-        kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.VAR_POSITIONAL)
-        if any(p.kind in kinds for p in inspect.signature(module.forward).parameters.values()):
-            return "positional_forward", {"model": type(module).__name__}
-        hooked = [
-            type(sub).__name__
-            for sub in module.modules()
-            if sub._forward_hooks or sub._forward_pre_hooks or sub._backward_hooks or sub._backward_pre_hooks
-        ]
-        if hooked or _global_module_hooks():
-            return "module_hooks", {"where": ", ".join(sorted(set(hooked))) or "all modules (global hooks)"}
-        return None
+        return graph_blocker(module)
 
     def graph_forward(self, module, exact_random: bool = False, static_outputs: bool = True, max_graphs: int = 10):
         if self.is_lazy:
@@ -150,19 +185,7 @@ class HpuBackend(Backend):
         return False
 
     def fused_optimizer_refusal(self, optimizer_class, hyperparameters: dict):
-        name = optimizer_class.__name__
-        fused_name = _fused_name(name, hyperparameters)
-        if fused_name is None:
-            detail = " with L2 weight decay (it decays like AdamW)" if name == "Adam" else ""
-            return f"no Gaudi fused optimizer for {name}{detail}"
-        unsupported = [
-            f"{argument}={hyperparameters[argument]!r}"
-            for argument, unused in _UNSUPPORTED_UNLESS.items()
-            if hyperparameters.get(argument, unused) != unused
-        ]
-        if unsupported:
-            return f"{fused_name} has no {', '.join(unsupported)}"
-        return None
+        return fused_optimizer_refusal(optimizer_class.__name__, hyperparameters)
 
     def fused_optimizer(self, optimizer_class, params, hyperparameters: dict):
         if self.fused_optimizer_refusal(optimizer_class, hyperparameters):

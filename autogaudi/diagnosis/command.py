@@ -86,10 +86,11 @@ def diagnose(target: str, args: list, steps: int, is_module: bool = False):
     os.environ.pop("AUTOGAUDI", None)
     import torch  # noqa: F401  (the observer hooks torch before the script runs)
 
-    from autogaudi.diagnosis.findings import Diagnosis
     from autogaudi.diagnosis.observer import Observer, StopDiagnosis
+    from autogaudi.diagnosis.result import Diagnosis
 
     observer = Observer(steps)
+    observer.script = None if is_module else os.path.abspath(target)
     saved = sys.argv[:], sys.modules.get("__main__"), sys.path[0] if sys.path else None
     observer.install()
     status = 0

@@ -12,12 +12,11 @@ from collections import Counter, defaultdict
 import torch
 
 from autogaudi import step_memory
-from autogaudi._paths import short_location
 from autogaudi.diagnosis import gaudi_facts as facts
-from autogaudi.diagnosis import memory_fit
+from autogaudi.diagnosis import memory_fit, source_findings
+from autogaudi.diagnosis.finding import SEVERITIES, Finding
 
 SCHEMA = "autogaudi.doctor/1"
-SEVERITIES = ("high", "medium", "low")
 KINDS = (
     "host_sync",
     "graph_blocker",
@@ -30,6 +29,9 @@ KINDS = (
     "tile_size",
     "mixed_precision",
     "memory",
+    "cuda_call",
+    "unfused_optimizer",
+    "manual_attention",
 )
 _READS = {
     "item": "`.item()`",
@@ -40,34 +42,6 @@ _READS = {
     "numpy": "`.numpy()`",
     "print": "printing a tensor",
 }
-
-
-class Finding:
-    __slots__ = ("kind", "severity", "title", "location", "evidence", "why", "fix", "fixed_by", "score")
-
-    def __init__(self, kind, severity, title, location, evidence, why, fix, fixed_by=None, score=0.0):
-        self.kind = kind
-        self.severity = severity
-        self.title = title
-        self.location = location  # (file, line) or None
-        self.evidence = evidence
-        self.why = why
-        self.fix = fix
-        self.fixed_by = fixed_by  # the autogaudi unit that fixes it automatically, if any
-        self.score = score
-
-    def as_dict(self) -> dict:
-        where = {"file": self.location[0], "line": self.location[1]} if self.location else None
-        return {
-            "kind": self.kind,
-            "severity": self.severity,
-            "title": self.title,
-            "location": where,
-            "evidence": self.evidence,
-            "why": self.why,
-            "fix": self.fix,
-            "fixed_by_unit": self.fixed_by,
-        }
 
 
 def _per_step(observer, counts_by_step: Counter) -> float:
@@ -109,7 +83,7 @@ def host_reads(observer) -> list:
                 "high",
                 f"data-dependent control flow in forward: {_READS[kind]}",
                 location,
-                {"reads_per_step": rate, "read": kind},
+                {"reads_per_step": rate, "read": kind, "blocker": "host_read"},
                 "a graph (HPU graphs, torch.compile) is captured once and replayed; a Python decision on a "
                 "device value inside forward cannot be captured: ModuleCacher requires no data-dependent "
                 "control flow, torch.compile breaks the graph there",
@@ -460,92 +434,10 @@ RULES = (
     tile_sizes,
     mixed_precision,
     memory,
+    *source_findings.RULES,
 )
 
 
 def judge(observer) -> list:
     findings = [finding for rule in RULES for finding in rule(observer)]
     return sorted(findings, key=lambda f: (SEVERITIES.index(f.severity), -f.score))
-
-
-class Diagnosis:
-    """The doctor's result: findings (ranked), the figures behind them, and how the run went."""
-
-    def __init__(self, script: str, steps_requested: int, observer, outcome: str):
-        self.script = script
-        self.steps_requested = steps_requested
-        self.steps_run = observer.steps
-        self.outcome = outcome  # "stopped", "finished" or "raised"
-        self.device = _device_of(observer)
-        step = observer.step_seconds()
-        self.figures = {
-            "step_ms": round(step * 1000, 3) if step else None,
-            "steps_measured": len(observer.measured_steps),
-        }
-        self.findings = judge(observer)
-        self.figures["memory"] = memory_projection(observer)
-
-    def kinds(self) -> set:
-        return {finding.kind for finding in self.findings}
-
-    def as_dict(self) -> dict:
-        return {
-            "schema": SCHEMA,
-            "script": self.script,
-            "steps_requested": self.steps_requested,
-            "steps_run": self.steps_run,
-            "outcome": self.outcome,
-            "device": self.device,
-            "figures": self.figures,
-            "facts_retrieved": facts.RETRIEVED,
-            "findings": [finding.as_dict() for finding in self.findings],
-        }
-
-    def format(self) -> str:
-        ending = {
-            "stopped": "then stopped",
-            "finished": "the script ended first",
-            "raised": "the script raised (traceback above)",
-        }[self.outcome]
-        lines = [
-            f"autogaudi doctor: {self.script}: {self.steps_run} of {self.steps_requested} training "
-            f"steps observed on {self.device} ({ending}); nothing was changed or optimized"
-        ]
-        if self.steps_run == 0:
-            lines.append("  no optimizer step was seen: is this a training script?")
-        projected = self.figures["memory"]
-        if projected:
-            fits = ", ".join(
-                f"{name} {row['largest_batch'] if row['largest_batch'] is not None else 'any'}"
-                + (
-                    f" ({row['largest_batch_checkpointed']} checkpointed)"
-                    if "largest_batch_checkpointed" in row
-                    else ""
-                )
-                for name, row in projected["devices"].items()
-            )
-            lines.append(
-                f"  memory: step peak {projected['peak_bytes'] / 1e6:.1f} MB at batch {projected['batch']} "
-                f"(+{projected['per_sample_bytes'] / 1e6:.2f} MB a sample); largest batch that fits: {fits}"
-            )
-        if not self.findings:
-            lines.append("  no findings: nothing here that is known to be slow on Gaudi")
-        for number, finding in enumerate(self.findings, 1):
-            where = f" at {short_location(finding.location)}" if finding.location else ""
-            lines.append(f"{number:>3}. [{finding.severity}] {finding.kind}{where}: {finding.title}")
-            lines.append(f"     evidence: {_evidence(finding.evidence)}")
-            lines.append(f"     why: {finding.why}")
-            fixed = f" (autogaudi fixes it automatically: {finding.fixed_by})" if finding.fixed_by else ""
-            lines.append(f"     fix: {finding.fix}{fixed}")
-        return "\n".join(lines) + "\n"
-
-
-def _device_of(observer) -> str:
-    for model in observer.models.values():
-        for parameter in model.parameters():
-            return parameter.device.type
-    return "cpu"
-
-
-def _evidence(evidence: dict) -> str:
-    return "; ".join(f"{key}={value}" for key, value in evidence.items() if key != "facts")

@@ -92,6 +92,7 @@ class _OpWatcher(TorchDispatchMode):
 class Observer:
     def __init__(self, steps: int):
         self.max_steps = steps
+        self.script = None  # the script's file, where the doctor runs one (not ``-m module``)
         self.steps = 0
         self.step_clocks: list = []  # the step clock at each optimizer step's end
         self.waited = Counter()  # step -> seconds waiting for DataLoader batches

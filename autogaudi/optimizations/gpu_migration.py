@@ -39,6 +39,13 @@ TOOLKIT = "habana_frameworks.torch.gpu_migration"
 VARIABLE = "PT_HPU_GPU_MIGRATION"
 # What in a script's source says it targets CUDA.
 CUDA_USE = re.compile(r"""\.cuda\(|\btorch\.cuda\.|["']cuda(:\d+)?["']""")
+# What the toolkit maps, as the docs below list it: what a script uses -> what it runs as.
+MAPPED = {
+    "torch.cuda": "torch.hpu's call of the same name",
+    "cuda device": "hpu ('cuda' device arguments, .cuda(), .to('cuda'))",
+    "apex": "Apex on hpu, with limitations",
+    "pynvml": "pynvml answered for the Gaudi device",
+}
 # CUDA-bound libraries outside what the toolkit maps. The docs (docs.habana.ai, "GPU Migration
 # Toolkit", latest as read 2026-11-26, software 1.19-1.23) list what it maps: torch.cuda, torch calls
 # with GPU arguments, Apex (with limitations) and pynvml; these are CUDA kernels of their own, which

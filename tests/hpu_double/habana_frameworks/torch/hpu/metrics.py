@@ -4,12 +4,19 @@ import contextlib
 import hashlib
 import os
 
+from habana_frameworks.torch import _calls
+
 _METRICS = {
     "graph_compilation": {"TotalNumber": 0, "TotalTime": 0, "AvgTime": 0},
     "cpu_fallback": {"TotalNumber": 0, "FallbackOps": {}},
     "memory_defragmentation": {"TotalNumber": 0, "TotalTime": 0},
     "recipe_cache": {"TotalHit": 0, "TotalMiss": 0},
 }
+
+
+# Not bridge API: every read of a metric, in order ((call, name)), kept apart from _calls.CALLS so
+# that the call sequences other tests assert on stay the bridge's device work.
+READS = []
 
 
 class _Metric:
@@ -19,10 +26,13 @@ class _Metric:
         self.name = name
 
     def stats(self):
-        return list(_METRICS[self.name].items())
+        READS.append(("stats", self.name))
+        # copies: a caller keeping the list must not see later counts (the bridge builds a new list)
+        return [(tag, dict(value) if isinstance(value, dict) else value) for tag, value in _METRICS[self.name].items()]
 
 
 def metric_global(name):
+    READS.append(("metric_global", name))
     return _Metric(name)
 
 
@@ -53,3 +63,19 @@ def _count_compilation(micros, key):
     stats["TotalNumber"] += 1
     stats["TotalTime"] += micros
     stats["AvgTime"] = stats["TotalTime"] / stats["TotalNumber"]
+
+
+def inject_cpu_fallback(op, count=1):
+    """Not bridge API: count ``count`` runs of ``op`` (an aten name, "aten::nonzero") on the CPU, as
+    the bridge does for an op or dtype the device lacks; the double itself never falls back."""
+    stats = _METRICS["cpu_fallback"]
+    stats["TotalNumber"] += count
+    stats["FallbackOps"][op] = stats["FallbackOps"].get(op, 0) + count
+    _calls.record("inject_cpu_fallback", op=op, count=count)
+
+
+def inject_compilation(micros=1000, key=None):
+    """Not bridge API: one graph compilation as the bridge would count it (a new shape in lazy mode,
+    outside any HPU graph the double captures), recipe cache included."""
+    _calls.record("inject_compilation", micros=micros)
+    _count_compilation(micros, key if key is not None else ("injected", _METRICS["graph_compilation"]["TotalNumber"]))
