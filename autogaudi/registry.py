@@ -49,7 +49,7 @@ UNITS: tuple[UnitInfo, ...] = (
     UnitInfo(
         "fused_optimizer",
         "Adam/AdamW/SGD run as one fused kernel per step (HPU: hpex fused optimizers; else fused=True)",
-        "autogaudi.optimizations.fused_optimizer:FusedOptimizer",
+        "autogaudi.optimizations.fused_optimizer.unit:FusedOptimizer",
     ),
     UnitInfo(
         "fused_clip_norm",
@@ -87,7 +87,7 @@ UNITS: tuple[UnitInfo, ...] = (
     UnitInfo(
         "loader_workers",
         "DataLoader worker processes for loaders measured to starve the step, from the batch after the measured ones",
-        "autogaudi.optimizations.loader_workers:LoaderWorkers",
+        "autogaudi.optimizations.loader_workers.unit:LoaderWorkers",
     ),
     UnitInfo(
         "pin_memory",
