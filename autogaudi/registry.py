@@ -65,7 +65,7 @@ UNITS: tuple[UnitInfo, ...] = (
         "mixed_precision",
         "opt-in with --precision: bf16 or fp16 (loss-scaled) autocast of the training model's forward, or CUDA "
         "TF32, used only after it matched float32 on the run's own steps, watched for NaN/Inf and loss spikes",
-        "autogaudi.optimizations.mixed_precision:MixedPrecision",
+        "autogaudi.optimizations.mixed_precision.unit:MixedPrecision",
     ),
     UnitInfo(
         "activation_checkpointing",
