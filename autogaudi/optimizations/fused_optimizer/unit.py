@@ -24,15 +24,12 @@ parameter difference goes to the report: the script's tensors are not touched.
 
 Speed: where the host waits for each op (CPU), the two updates are timed on those copies, in the
 fused steps after the first (which allocates the state in both) until each has ``TIMED_STEPS``
-samples, or ``SETTLED_AFTER`` where the two sets do not overlap (each timed step costs a copy and
-a second update). The fused update stays only where it is faster by the trials' rule (:func:`autogaudi.trials.faster`,
-on the medians, a tie put back) and where its gain is worth the rounding it adds: at least
-``MATERIAL_SHARE`` of the training step and beyond the two arms' spread
-(:func:`~autogaudi.optimizations.fused_optimizer.update_times.gain_not_material`); else the
-optimizer goes back to the script's own kernels from its next step on, its ``step`` counters in the
-unfused format. Then no more copies are made. Where the
-host runs ahead of the device, timing would take a synchronisation the run would not have: the
-fused update stays untimed.
+samples, or ``SETTLED_AFTER`` where the two sets do not overlap (each timed step costs a copy and a
+second update). The fused update stays only where the trials' rule finds it faster on the medians
+and its gain is worth the rounding it adds (:mod:`.update_times`); else the optimizer goes back to
+the script's own kernels from its next step on, its ``step`` counters in the unfused format. Then no
+more copies are made. Where the host runs ahead of the device, timing would take a synchronisation
+the run would not have: the fused update stays untimed.
 
 Checkpoints and copies stay plain PyTorch both ways: ``state_dict()``, ``deepcopy`` and pickles carry
 the user's own ``fused`` value and torch's per-parameter tensor ``step`` (on HPU taken from the group
