@@ -30,6 +30,10 @@ class _Parts:
         self.written = False
         self.previous_env = None  # the owner's: what ENV said before it was set here
         self.at_fork_registered = False
+        # the runtime's, given at start (this module imports nothing of autogaudi's): the session a
+        # forked child inherited, and the report written at a process's exit
+        self.fork_session = None
+        self.report_at_exit = None
 
 
 _PARTS = _Parts()
@@ -40,10 +44,13 @@ def _is_rank() -> bool:
     return "RANK" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ
 
 
-def start() -> None:
+def start(fork_session, report_at_exit) -> None:
     """At a session's start: a process started below a run writes its part into the run's folder;
-    any other process (the run's first, a rank) makes a folder for the processes it starts."""
+    any other process (the run's first, a rank) makes a folder for the processes it starts.
+    ``fork_session()`` gives a forked child the session it inherited; ``report_at_exit`` writes its
+    part when ``multiprocessing`` ends it."""
     parts = _PARTS
+    parts.fork_session, parts.report_at_exit = fork_session, report_at_exit
     named = os.environ.get(ENV)
     if named and not _is_rank() and parts.folder is None:
         parts.folder, parts.owner, parts.started_by = named, False, "spawn"
@@ -117,13 +124,11 @@ def _forked() -> None:
     """In a forked child of a process with a folder: it is a child now, with its parent's session.
     ``multiprocessing`` ends a forked child with ``os._exit``: its exit function (which runs its
     finalizers) is where the part is written then."""
-    from autogaudi import runtime
-
     parts = _PARTS
     if parts.folder is None:
         return
     parts.owner, parts.started_by, parts.written, parts.previous_env = False, "fork", False, None
-    session = runtime.fork_session()
+    session = parts.fork_session()
     figures = session.steps.figures() if session is not None else {}
     parts.inherited = {key: figures.get(key, 0) for key in COUNTS}
     util = sys.modules.get("multiprocessing.util")
@@ -131,12 +136,10 @@ def _forked() -> None:
         util.register_after_fork(parts, _finalize_at_multiprocessing_exit)
 
 
-def _finalize_at_multiprocessing_exit(_parts) -> None:
+def _finalize_at_multiprocessing_exit(parts) -> None:
     from multiprocessing import util
 
-    from autogaudi import runtime
-
-    util.Finalize(None, runtime.report_at_exit, exitpriority=0)
+    util.Finalize(None, parts.report_at_exit, exitpriority=0)
 
 
 def write_part(session) -> None:

@@ -49,7 +49,7 @@ UNITS: tuple[UnitInfo, ...] = (
     UnitInfo(
         "fused_optimizer",
         "Adam/AdamW/SGD run as one fused kernel per step (HPU: hpex fused optimizers; else fused=True)",
-        "autogaudi.optimizations.fused_optimizer:FusedOptimizer",
+        "autogaudi.optimizations.fused_optimizer.unit:FusedOptimizer",
     ),
     UnitInfo(
         "fused_clip_norm",
@@ -65,7 +65,7 @@ UNITS: tuple[UnitInfo, ...] = (
         "mixed_precision",
         "opt-in with --precision: bf16 or fp16 (loss-scaled) autocast of the training model's forward, or CUDA "
         "TF32, used only after it matched float32 on the run's own steps, watched for NaN/Inf and loss spikes",
-        "autogaudi.optimizations.mixed_precision:MixedPrecision",
+        "autogaudi.optimizations.mixed_precision.unit:MixedPrecision",
     ),
     UnitInfo(
         "activation_checkpointing",
@@ -87,7 +87,7 @@ UNITS: tuple[UnitInfo, ...] = (
     UnitInfo(
         "loader_workers",
         "DataLoader worker processes for loaders measured to starve the step, from the batch after the measured ones",
-        "autogaudi.optimizations.loader_workers:LoaderWorkers",
+        "autogaudi.optimizations.loader_workers.unit:LoaderWorkers",
     ),
     UnitInfo(
         "pin_memory",

@@ -136,7 +136,7 @@ def _on_torch_imported(_torch_module) -> None:
 
             session = Session(_STATE.options, tuple(_STATE.sources))
             session.start()
-            children.start()
+            children.start(fork_session, report_at_exit)
         except Exception as error:
             sys.stderr.write(f"autogaudi: could not start, running plain PyTorch: {error!r}\n")
             return

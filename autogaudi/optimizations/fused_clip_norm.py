@@ -58,6 +58,7 @@ class FusedClipNormUnit(Unit):
         self._signature = inspect.signature(original)
         self._clippers = {}  # (parameter ids, max_norm) -> (parameters, clip)
         self.figures.update(fused_calls=0, torch_calls=0)
+        self._rounding_measured = False  # at the first fused call
         for owner in (torch.nn.utils, torch.nn.utils.clip_grad):
             if owner.clip_grad_norm_ is original:
                 self.wrap(owner, "clip_grad_norm_", self._clip)
@@ -76,10 +77,11 @@ class FusedClipNormUnit(Unit):
             self.figures["torch_calls"] += 1
             return wrapped(**call)
         # measured at the first fused call, before the fused op scales the gradients in place
-        reference = None if "numerics_measured" in self.figures else torch_total_norm(parameters)
+        reference = None if self._rounding_measured else torch_total_norm(parameters)
         total = self._clipper(parameters, float(call["max_norm"]))(parameters)
         self.figures["fused_calls"] += 1
         if reference is not None:
+            self._rounding_measured = True
             self.figures["numerics_measured"] = numerics.measured(
                 numerics.largest_relative_difference([total], [reference]),
                 of="total norm",

@@ -80,6 +80,15 @@ def backend(request, hpu_double):
     return request.param
 
 
+@pytest.fixture
+def untimed(monkeypatch):
+    """The fused update is not timed: a test about what stays fused does not hang on how the real
+    clock of a loaded machine weighs the update against the step."""
+    from autogaudi.optimizations.fused_optimizer import unit as fused_optimizer
+
+    monkeypatch.setattr(fused_optimizer.FusedOptimizer, "_times_this_step", lambda unit, optimizer: None)
+
+
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_losses_match_plain_pytorch_over_50_steps(backend, name):
     plain, plain_net, _ = train(OPTIMIZERS[name], scheduler=True)
@@ -236,7 +245,7 @@ def resume(make_optimizer, checkpoint, rng):
 
 
 @pytest.mark.parametrize("name", ["adamw", "adam", "sgd_momentum", "per_group"])
-def test_checkpoints_continue_training_exactly_across_plain_and_autogaudi(backend, name):
+def test_checkpoints_continue_training_exactly_across_plain_and_autogaudi(backend, name, untimed):
     make = OPTIMIZERS[name]
     close = tolerance(backend, name)
     net = model()
@@ -526,14 +535,13 @@ def test_fsdp2_dtensor_parameters_fuse_under_adamw_not_under_sgd(process_group):
     torch.testing.assert_close(losses, plain, **TOLERANCE)
 
 
-def test_the_first_fused_steps_are_measured_against_torchs_unfused_step_on_copies(monkeypatch):
+def test_the_first_fused_steps_are_measured_against_torchs_unfused_step_on_copies(monkeypatch, untimed):
     """The rounding the report gives: each of the first steps beside torch's own unfused step from
     the same state, on copies. Measuring changes nothing: the parameters are those of a run whose
     steps are not measured, bit for bit."""
-    from autogaudi.optimizations import fused_optimizer
+    from autogaudi.optimizations.fused_optimizer import unit as fused_optimizer
 
     monkeypatch.setattr(fused_optimizer, "MEASURED_STEPS", 0)
-    monkeypatch.setattr(fused_optimizer.FusedOptimizer, "_times_this_step", lambda unit, optimizer: None)  # untimed
     enable("cpu")
     _, unmeasured, _ = train(OPTIMIZERS["adamw"], steps=6)
     assert "numerics_measured" not in autogaudi.report().unit("fused_optimizer")["figures"]
@@ -571,7 +579,7 @@ def test_parameters_other_processes_update_are_neither_compared_nor_timed_and_st
 def test_with_several_ranks_the_update_is_not_timed_so_no_rank_decides_alone(monkeypatch):
     """Each rank timing its own update could put one back and keep another fused: DDP's replicas
     would then be updated by different kernels and drift apart."""
-    from autogaudi.optimizations import fused_optimizer
+    from autogaudi.optimizations.fused_optimizer import unit as fused_optimizer
 
     monkeypatch.setattr(fused_optimizer, "several_ranks", lambda: True)
     enable("cpu")
@@ -635,7 +643,7 @@ def test_the_update_is_timed_against_torchs_and_the_report_gives_its_effect(monk
     """On a backend whose host waits for each op, the fused steps after the first time the update
     alone: torch's unfused update on the copies (here 2 ms on the test's clock) against the fused
     one (no time); once decided (sets this far apart: after SETTLED_AFTER each), no more copies are made."""
-    from autogaudi.optimizations import fused_optimizer
+    from autogaudi.optimizations.fused_optimizer import unit as fused_optimizer
 
     timed_updates(monkeypatch, step_clock, fused_ms=[0.0], unfused_ms=2.0)
     copies = counted_copies(monkeypatch)
@@ -672,7 +680,7 @@ def test_the_update_is_timed_against_torchs_and_the_report_gives_its_effect(monk
 def test_the_fused_update_is_kept_only_where_the_trials_rule_finds_it_faster(
     monkeypatch, step_clock, fused_ms, put_back, early
 ):
-    from autogaudi.optimizations import fused_optimizer
+    from autogaudi.optimizations.fused_optimizer import unit as fused_optimizer
 
     timed_updates(monkeypatch, step_clock, fused_ms=fused_ms, unfused_ms=1.0)
     enable("cpu")
@@ -688,11 +696,61 @@ def test_the_fused_update_is_kept_only_where_the_trials_rule_finds_it_faster(
     assert row["reason_code"] == ("fused_slower" if put_back else "torch_fused")
 
 
+# A unit that changes the run's numbers keeps them changed only for a gain that matters: the fused
+# update must save at least MATERIAL_SHARE (1%) of the training step, and more than the two arms'
+# spread (their median absolute deviations added). The step's own work is the test's clock, moved per step.
+@pytest.mark.parametrize(
+    "fused_ms, step_ms, kept",
+    [
+        ([0.96], 0.0, True),  # 0.04 ms saved of a ~2 ms step: 2%
+        ([0.96], 1000.0, False),  # 0.04 ms saved of a 1 s step: far under 1%
+        ([0.5], 40.0, True),  # 0.5 ms of a ~41.5 ms step: above 1%
+        ([0.5], 60.0, False),  # 0.5 ms of a ~61.5 ms step: under 1%
+        ([0.5, 1.2], 0.0, False),  # faster on the medians (0.85 ms), but by less than the fused arm's spread
+    ],
+)
+def test_a_faster_fused_update_is_kept_only_where_its_gain_is_material_to_the_step(
+    monkeypatch, step_clock, fused_ms, step_ms, kept
+):
+    from autogaudi.optimizations.fused_optimizer import unit as fused_optimizer
+
+    timed_updates(monkeypatch, step_clock, fused_ms=fused_ms, unfused_ms=1.0)
+    enable("cpu")
+    calls = counting(monkeypatch, "_fused_adamw_")
+    net = model()
+    optimizer = OPTIMIZERS["adamw"](net)
+    steps = 1 + fused_optimizer.TIMED_STEPS + 3
+    for _ in range(steps):
+        step_clock.advance(step_ms / 1000)
+        net(torch.randn(8, 10)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    row = autogaudi.report().unit("fused_optimizer")
+    assert row["figures"]["optimizers_fused"] == (1 if kept else 0)
+    assert row["reason_code"] == ("torch_fused" if kept else "gain_not_material")
+    assert [code for code, _ in said(row)] == ([] if kept else ["gain_not_material"])
+    assert (len(calls) == steps) == kept  # put back: its later steps run torch's unfused kernels
+    assert row["numerics"] == ["rounding"]  # its timed steps ran fused either way
+
+
+def test_gain_not_material_weighs_the_medians_gain_against_the_step_and_the_spread():
+    from autogaudi.optimizations.fused_optimizer.update_times import UpdateTimes, gain_not_material
+
+    times = UpdateTimes(unfused=[0.010] * 4, fused=[0.008] * 4)  # 2 ms saved, no spread
+    assert gain_not_material(times, step_s=0.2) is None  # 1% of the step exactly
+    assert gain_not_material(times, step_s=0.21)["gain"] == 2.0  # under 1%
+    assert gain_not_material(times, step_s=None) is not None  # no step measured: not shown material
+    noisy = UpdateTimes(unfused=[0.010, 0.013, 0.010, 0.013], fused=[0.008, 0.011, 0.008, 0.011])
+    assert gain_not_material(noisy, step_s=0.05)["spread"] == 3.0  # 2 ms saved, 1.5 + 1.5 ms spread
+    outliers = UpdateTimes(unfused=[0.010] * 4, fused=[0.008, 0.008, 0.008, 0.5])  # one preempted
+    assert gain_not_material(outliers, step_s=0.05) is None
+
+
 def test_update_times_are_apart_only_where_the_rule_says_the_same_of_every_pair():
     """Generated: wherever ``apart`` holds, the rule on the medians says what it says of every fused
     update against every unfused one."""
     from autogaudi import trials
-    from autogaudi.optimizations.fused_optimizer import UpdateTimes
+    from autogaudi.optimizations.fused_optimizer.update_times import UpdateTimes
 
     generator = torch.Generator().manual_seed(0)
     seen = {True: 0, False: 0}
@@ -710,7 +768,7 @@ def test_update_times_are_apart_only_where_the_rule_says_the_same_of_every_pair(
 def test_the_runs_steady_state_starts_once_the_update_is_decided(monkeypatch, step_clock):
     """A decision that changes the run's steps (and whose timed steps make copies): no trial and no
     census step times the steps the update is timed in; the run settles once both are done."""
-    from autogaudi.optimizations import fused_optimizer
+    from autogaudi.optimizations.fused_optimizer import unit as fused_optimizer
 
     timed_updates(monkeypatch, step_clock, fused_ms=[0.0], unfused_ms=2.0)
     autogaudi.enable(device="cpu", only="step_profiler,fused_optimizer", warmup_steps=1)
@@ -741,7 +799,7 @@ def test_an_optimizer_put_back_continues_as_the_script_built_it_bitwise(monkeypa
     where torch's unfused Adam/AdamW keeps them (the CPU, the default float dtype; the fused kernel's are
     float32), and from then on its steps are those of a plain optimizer loaded from the same state,
     bit for bit. The report keeps the measured figures, the rounding of the steps it was fused."""
-    from autogaudi.optimizations import fused_optimizer
+    from autogaudi.optimizations.fused_optimizer import unit as fused_optimizer
 
     previous = torch.get_default_dtype()
     torch.set_default_dtype(default_dtype)
@@ -796,7 +854,7 @@ def test_an_optimizer_put_back_continues_as_the_script_built_it_bitwise(monkeypa
 def test_where_the_host_runs_ahead_the_update_is_not_timed(hpu_double, monkeypatch):
     """The HPU double queues ahead of the device: timing would need a synchronisation. The fused
     update stays, and only the first steps' rounding takes copies."""
-    from autogaudi.optimizations import fused_optimizer
+    from autogaudi.optimizations.fused_optimizer import unit as fused_optimizer
 
     hpu_double(lazy=True)
     copies = counted_copies(monkeypatch)

@@ -18,12 +18,11 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler
 
 import autogaudi
 from autogaudi._frames import is_own
-from autogaudi.optimizations.loader_workers import (
+from autogaudi.optimizations.loader_workers.loader_state import Phase, Timing
+from autogaudi.optimizations.loader_workers.unit import (
     CLEARLY_INPUT_BOUND,
     EARLY_BATCHES,
     MEASURED_BATCHES,
-    Phase,
-    _Timing,
     measured_enough,
 )
 from tests.helpers import said
@@ -150,7 +149,7 @@ def test_a_run_that_never_reaches_a_second_epoch_gets_workers_in_its_first(step_
     [(90, EARLY_BATCHES), (81, EARLY_BATCHES), (79, MEASURED_BATCHES), (55, MEASURED_BATCHES), (10, MEASURED_BATCHES)],
 )
 def test_a_clearly_starved_loader_is_decided_early_and_a_borderline_one_measured_in_full(waiting_ms, batches_to_decide):
-    timing = _Timing()
+    timing = Timing()
     for batches in range(1, MEASURED_BATCHES + 1):  # noqa: B007 (read after the loop)
         timing.add(waiting_ms / 1000, (100 - waiting_ms) / 1000)
         if measured_enough(timing, Phase.MEASURING):
@@ -236,7 +235,7 @@ def test_a_starving_loader_the_script_configured_gets_advice_not_a_change(step_c
     """ResNet-18 with the script's -j 4 on 16 cores waited for data 68% of each step: autogaudi keeps
     the script's num_workers and says what it measured and what to try (not where the script already
     asked for more workers than the machine's budget)."""
-    from autogaudi.optimizations.loader_workers import worker_budget
+    from autogaudi.optimizations.loader_workers.unit import worker_budget
 
     autogaudi.enable(device="cpu", only="step_profiler,loader_workers")
     loader = DataLoader(Slow(clock=step_clock), batch_size=8, num_workers=chosen)
@@ -257,7 +256,7 @@ def test_a_starving_loader_the_script_configured_gets_advice_not_a_change(step_c
 def test_a_starving_iterable_dataset_stays_in_process_with_advice_on_sharding(step_clock):
     """Workers over an IterableDataset each replay the whole stream unless it shards itself, which
     only the dataset can do: autogaudi keeps it in-process and says how to make workers safe."""
-    from autogaudi.optimizations.loader_workers import worker_budget
+    from autogaudi.optimizations.loader_workers.unit import worker_budget
 
     class SlowStream(IterableDataset):
         def __iter__(self):
@@ -281,7 +280,7 @@ def test_forced_a_starving_loader_the_script_configured_is_measured_and_raised(s
     dataset draws no random numbers; the note says what differs where it would). Starving by fixture:
     the script's own worker builds its batches where the step clock does not move, and on real time
     a machine at load 5 slowed this tiny step to 40 ms, as long as the worker's wait."""
-    from autogaudi.optimizations.loader_workers import worker_budget
+    from autogaudi.optimizations.loader_workers.unit import worker_budget
 
     make = lambda: DataLoader(Slow(), batch_size=8, shuffle=True, num_workers=chosen)  # noqa: E731
     plain_losses, plain_seen, plain_workers, _ = train(make)
@@ -304,11 +303,11 @@ def test_forced_a_starving_loader_the_script_configured_is_measured_and_raised(s
 def starving(monkeypatch):
     """Every measured loader counts as starving the step: what happens next does not hang on how
     loaded this machine is."""
-    from autogaudi.optimizations import loader_workers
+    from autogaudi.optimizations.loader_workers import unit
 
-    monkeypatch.setattr(loader_workers, "INPUT_BOUND", 0.0)
-    monkeypatch.setattr(loader_workers, "CLEARLY_INPUT_BOUND", 0.0)  # decided after the short window
-    monkeypatch.setattr(loader_workers, "MEASURED_BATCHES", 10**6)  # and never re-timed, so never put back
+    monkeypatch.setattr(unit, "INPUT_BOUND", 0.0)
+    monkeypatch.setattr(unit, "CLEARLY_INPUT_BOUND", 0.0)  # decided after the short window
+    monkeypatch.setattr(unit, "MEASURED_BATCHES", 10**6)  # and never re-timed, so never put back
 
 
 def test_an_unguarded_spawn_script_stays_in_process_instead_of_hanging(tmp_path):
@@ -343,7 +342,7 @@ def test_an_unguarded_spawn_script_stays_in_process_instead_of_hanging(tmp_path)
     ids=["guarded", "try-import", "set-start-method", "argparse", "argv", "else-branch", "syntax-error"],
 )
 def test_a_main_is_safe_to_rerun_in_a_worker_only_when_it_only_defines_and_imports(tmp_path, source, safe):
-    from autogaudi.optimizations.loader_workers import main_reruns_safely
+    from autogaudi.optimizations.loader_workers.safety import main_reruns_safely
 
     script = tmp_path / "script.py"
     script.write_text(source)
@@ -451,10 +450,10 @@ def test_workers_that_die_or_stall_hand_the_epoch_back_with_the_same_batches(sta
     loaded machine starts them, their death is found before it passes."""
     from torch.utils.data import _utils
 
-    from autogaudi.optimizations import loader_workers
+    from autogaudi.optimizations.loader_workers import worker_iterator
 
     if how == "stall":
-        monkeypatch.setattr(loader_workers, "START_BOUND_S", 1.0)
+        monkeypatch.setattr(worker_iterator, "START_BOUND_S", 1.0)
     monkeypatch.setattr(_utils, "MP_STATUS_CHECK_INTERVAL", 0.2)  # how often a dead worker is looked for
     make = lambda: DataLoader(DiesInWorkers(how), batch_size=8, shuffle=True)  # noqa: E731
     plain_losses, plain_seen, _, _ = train(make, epochs=2)
@@ -471,7 +470,7 @@ def test_workers_that_die_or_stall_hand_the_epoch_back_with_the_same_batches(sta
 
 
 def test_the_script_reads_and_sets_its_own_thread_count_while_workers_take_cores(starving):
-    from autogaudi.optimizations.loader_workers import worker_budget
+    from autogaudi.optimizations.loader_workers.unit import worker_budget
 
     script_threads = torch.get_num_threads()
     only_loader_workers()
@@ -503,7 +502,7 @@ def _cut_run(delay):
 
 
 def test_the_thread_cut_is_measured_on_a_copy_of_the_profiled_model_and_leaves_the_run_as_it_was(starving, monkeypatch):
-    from autogaudi.optimizations.loader_workers import LoaderWorkers, worker_budget
+    from autogaudi.optimizations.loader_workers.unit import LoaderWorkers, worker_budget
 
     if worker_budget()[1] >= torch.get_num_threads():
         pytest.skip("no thread cut on this machine")
@@ -518,7 +517,7 @@ def test_the_thread_cut_is_measured_on_a_copy_of_the_profiled_model_and_leaves_t
 
 
 def test_without_a_training_model_the_thread_cut_is_not_measured(starving):
-    from autogaudi.optimizations.loader_workers import worker_budget
+    from autogaudi.optimizations.loader_workers.unit import worker_budget
 
     if worker_budget()[1] >= torch.get_num_threads():
         pytest.skip("no thread cut on this machine")

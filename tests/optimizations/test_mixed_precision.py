@@ -13,7 +13,9 @@ from torch import nn
 import autogaudi
 from autogaudi import numerics, session
 from autogaudi.model_call import Layer, holder
-from autogaudi.optimizations import mixed_precision
+from autogaudi.optimizations.mixed_precision import guard, loss_scale
+from autogaudi.optimizations.mixed_precision import unit as mixed_precision
+from autogaudi.optimizations.mixed_precision.loss_scale import INIT_SCALE
 from tests.optimizations.test_step_profiler import STEPS
 
 UNITS = "step_profiler,mixed_precision"
@@ -62,8 +64,8 @@ def test_bf16_is_checked_against_float32_then_used_and_trains_alike():
     assert (row()["status"], row()["reason_code"]) == ("applied", "on"), row()
     figures = row()["figures"]
     assert figures["guard_checks"] == mixed_precision.GUARD_CHECKS
-    assert figures["guard_output_error"] < mixed_precision.BOUNDS["output_error"]
-    assert figures["guard_grad_cosine"] > mixed_precision.BOUNDS["grad_cosine"]
+    assert figures["guard_output_error"] < guard.BOUNDS["output_error"]
+    assert figures["guard_grad_cosine"] > guard.BOUNDS["grad_cosine"]
     measured = row()["numerics_measured"]  # the report says by how much the outputs moved
     assert measured["max_rel_diff"] == pytest.approx(figures["guard_output_error"], rel=1e-2)
     assert measured["steps"] == mixed_precision.GUARD_CHECKS
@@ -86,7 +88,7 @@ def test_bf16_is_checked_against_float32_then_used_and_trains_alike():
 
 
 def test_beyond_the_bounds_it_is_not_used_and_the_run_is_plain_to_the_bit(monkeypatch):
-    monkeypatch.setitem(mixed_precision.BOUNDS, "output_error", 0.0)
+    monkeypatch.setitem(guard.BOUNDS, "output_error", 0.0)
     plain, _, _ = train(model(), STEPS + 20)
     autogaudi.enable(device="cpu", only=UNITS, precision="bf16")
     net = model()
@@ -286,8 +288,8 @@ def test_fp16_is_checked_then_used_with_loss_scaling_the_script_does_not_see(los
     assert (row()["status"], row()["reason_code"]) == ("applied", "on"), row()
     assert "with loss scaling" in row()["changes"][0]
     figures = row()["figures"]
-    assert figures["guard_grad_cosine"] > mixed_precision.BOUNDS["grad_cosine"]
-    assert (figures["loss_scale"], figures["skipped_steps"]) == (mixed_precision.INIT_SCALE, 0)
+    assert figures["guard_grad_cosine"] > guard.BOUNDS["grad_cosine"]
+    assert (figures["loss_scale"], figures["skipped_steps"]) == (INIT_SCALE, 0)
     first = first_fp16_step(run)
     assert run["dtypes"][-1] == torch.float16
     assert run["losses"][:first] == plain["losses"][:first]  # float32, bit for bit, until fp16 is on
@@ -320,7 +322,7 @@ def test_an_overflowing_fp16_step_is_skipped_and_the_scale_halves():
     assert torch.equal(run["params"][overflow_at], run["params"][overflow_at - 1])
     assert run["states"][overflow_at] == run["states"][overflow_at - 1]  # AdamW's state untouched too
     assert not torch.equal(run["params"][overflow_at + 1], run["params"][overflow_at])  # and training goes on
-    assert (row()["figures"]["loss_scale"], row()["figures"]["skipped_steps"]) == (mixed_precision.INIT_SCALE / 2, 1)
+    assert (row()["figures"]["loss_scale"], row()["figures"]["skipped_steps"]) == (INIT_SCALE / 2, 1)
 
 
 def test_fp16_gives_up_after_steps_that_overflow_at_every_scale():
@@ -371,18 +373,18 @@ def test_loss_scaling_functions_scale_unscale_exactly_and_follow_gradscalers_rul
     before = [g.clone() for g in grads]
     grouped = {torch.device("cpu"): grads}
     scale = torch.tensor(2.0**16)
-    mixed_precision.scale_gradients(grouped, scale)
+    loss_scale.scale_gradients(grouped, scale)
     assert torch.equal(grads[0], before[0] * 2.0**16)
-    mixed_precision.unscale_gradients(grouped, scale)
+    loss_scale.unscale_gradients(grouped, scale)
     assert all(torch.equal(g, b) for g, b in zip(grads, before))  # a power of two: exact both ways
-    assert mixed_precision.non_finite(grouped, "cpu").item() == 0.0
+    assert loss_scale.non_finite(grouped, "cpu").item() == 0.0
     grads[1][2] = float("inf")
-    assert mixed_precision.non_finite(grouped, "cpu").item() == 1.0
+    assert loss_scale.non_finite(grouped, "cpu").item() == 1.0
     tracker = torch.zeros((), dtype=torch.int32)
-    mixed_precision.update_scale(scale, tracker, torch.ones(()), interval=2)
+    loss_scale.update_scale(scale, tracker, torch.ones(()), interval=2)
     assert scale.item() == 2.0**15  # an overflow halves it
     for _ in range(2):
-        mixed_precision.update_scale(scale, tracker, torch.zeros(()), interval=2)
+        loss_scale.update_scale(scale, tracker, torch.zeros(()), interval=2)
     assert scale.item() == 2.0**16  # two clean steps in a row double it
 
 

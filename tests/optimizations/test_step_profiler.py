@@ -201,7 +201,8 @@ def test_a_forced_unit_a_trial_or_several_ranks_take_the_census_one_off_at_once(
 def test_the_census_waits_for_another_units_timing_but_not_for_an_optimizer_that_stopped_stepping(step_clock):
     """The census starts once fused_optimizer's update is decided; an optimizer stepped twice and then
     never again (its update never decided) holds it back no more than MEASURING_WAIT_STEPS."""
-    from autogaudi.optimizations import fused_optimizer, step_profiler
+    from autogaudi.optimizations import step_profiler
+    from autogaudi.optimizations.fused_optimizer import unit as fused_optimizer
 
     autogaudi.enable(device="cpu", only="step_profiler,fused_optimizer")
     model = Timed(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3)), host=0.010)

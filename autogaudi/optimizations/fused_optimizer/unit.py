@@ -8,21 +8,14 @@ How, per backend:
 - CUDA and CPU: the user's optimizer is built exactly as written, and each of its steps sets
   ``fused=True`` in its groups for the time of the update (torch's own kernel). Outside a step the
   object is the script's, so ``state_dict()``, ``copy.deepcopy`` and pickles carry its settings.
-- HPU: the user's ``torch.optim`` object is built as written and keeps every user-visible aspect
-  (type, ``param_groups``, ``state``, schedulers, ``add_param_group``); its ``step`` runs an hpex
-  fused optimizer that shares that state and mirrors each of the user's groups in a group of its
-  own (its extra settings added, empty groups left out), with every hyperparameter passed
-  explicitly (FusedAdamW's own defaults, eps 1e-6 and weight_decay 0.0, differ from torch's). The
-  mirrors persist from step to step: the bridge's FusedAdamW counts steps in its group
-  (``group["step"]``), and a mirror rebuilt each step made every step its first (a constant
-  learning rate of sqrt(1-beta2)/(1-beta1) times the user's). The user's step hooks fire once.
+- HPU: the user's ``torch.optim`` object is built as written and keeps every user-visible aspect;
+  its ``step`` runs an hpex fused optimizer that shares its state and mirrors its groups
+  (:mod:`~autogaudi.optimizations.fused_optimizer.hpu_format` says how). The user's step hooks fire once.
 
-torch refuses some tensors only inside the fused step (sparse gradients, complex or integer
-parameters, other devices, DTensors under SGD), after building the optimizer without complaint: they
-are checked before each update (after the closure, whose gradients count) and at construction, and
-such an optimizer runs torch's own unfused step from then on. If the fused step raises anyway, the
-group it raised on (torch checks a group before updating it) and the groups after it run unfused,
-its counters put back, and the optimizer stays unfused.
+torch refuses some tensors only inside the fused step: they are checked before each update and at
+construction, and such an optimizer runs torch's own unfused step from then on
+(:mod:`~autogaudi.optimizations.fused_optimizer.kernels` says how a fused step that raises anyway
+finishes unfused).
 
 Numerics: one fused update rounds otherwise than torch's per-op one. In the run's first
 ``MEASURED_STEPS`` fused steps torch's own unfused step runs beside it on copies of the parameters,
@@ -31,12 +24,12 @@ parameter difference goes to the report: the script's tensors are not touched.
 
 Speed: where the host waits for each op (CPU), the two updates are timed on those copies, in the
 fused steps after the first (which allocates the state in both) until each has ``TIMED_STEPS``
-samples, or ``SETTLED_AFTER`` where the two sets do not overlap (each timed step costs a copy and
-a second update). The fused update stays only where it is faster by the trials' rule (:func:`autogaudi.trials.faster`,
-on the medians, a tie put back); else the optimizer goes back to the script's own kernels from its
-next step on, its ``step`` counters in the unfused format. Then no more copies are made. Where the
-host runs ahead of the device, timing would take a synchronisation the run would not have: the
-fused update stays untimed.
+samples, or ``SETTLED_AFTER`` where the two sets do not overlap (each timed step costs a copy and a
+second update). The fused update stays only where the trials' rule finds it faster on the medians
+and its gain is worth the rounding it adds (:mod:`.update_times`); else the optimizer goes back to
+the script's own kernels from its next step on, its ``step`` counters in the unfused format. Then no
+more copies are made. Where the host runs ahead of the device, timing would take a synchronisation
+the run would not have: the fused update stays untimed.
 
 Checkpoints and copies stay plain PyTorch both ways: ``state_dict()``, ``deepcopy`` and pickles carry
 the user's own ``fused`` value and torch's per-parameter tensor ``step`` (on HPU taken from the group
@@ -50,20 +43,32 @@ own step, its state in torch's format.
 from __future__ import annotations
 
 import collections
-import contextlib
-import dataclasses
 import functools
-import inspect
 import statistics
-import sys
 import weakref
 
 import torch
-from torch.optim.optimizer import _foreach_supported_types, _get_scalar_dtype
-from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from autogaudi import numerics, steps, trials
 from autogaudi.events import Event
+from autogaudi.optimizations.fused_optimizer.hpu_format import (
+    group_steps,
+    int_steps,
+    mirror_groups,
+    raw_step,
+    torch_format_checkpoint,
+    torch_format_state,
+    torch_format_steps,
+)
+from autogaudi.optimizations.fused_optimizer.kernels import (
+    fused_format_steps,
+    step_group_by_group,
+    unfusable_tensor,
+    unfused_format_steps,
+    user_hyperparameters,
+)
+from autogaudi.optimizations.fused_optimizer.reasons import REASONS
+from autogaudi.optimizations.fused_optimizer.update_times import UpdateTimes, gain_not_material, update_ms
 from autogaudi.ranks import several_ranks
 from autogaudi.unit import ROUNDING, Unit
 
@@ -81,143 +86,9 @@ TIMED_STEPS = 2 * trials.BLOCK * trials.ROUNDS
 SETTLED_AFTER = 4
 
 
-def user_hyperparameters(optimizer_class, args, kwargs) -> dict:
-    """Every hyperparameter the user's constructor call means, defaults included."""
-    bound = inspect.signature(optimizer_class.__init__).bind(None, *args, **kwargs)
-    bound.apply_defaults()
-    values = dict(bound.arguments)
-    for name in ("self", "params"):
-        values.pop(name, None)
-    return values
-
-
-def unfusable_tensor(optimizer, dtensor_refused_by=None):
-    """``(code, values)`` for the first tensor of ``optimizer`` its fused kernel would refuse at the
-    step (torch's own criteria: ``_default_to_fused_or_foreach`` and the kernels' checks), or None."""
-    devices = _get_fused_kernels_supported_devices()
-    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            if dtensor is not None and isinstance(param, dtensor):
-                if dtensor_refused_by:
-                    return "dtensor_parameters", {"kernel": dtensor_refused_by}
-            elif type(param) not in _foreach_supported_types:
-                return "parameter_type", {"type": type(param).__name__}
-            if param.device.type not in devices:
-                return "parameter_device", {"device": param.device.type, "devices": "/".join(devices)}
-            if not torch.is_floating_point(param):
-                return "parameter_dtype", {"dtype": str(param.dtype)}
-            if param.grad is not None and param.grad.layout is not torch.strided:
-                return "sparse_gradients", {"layout": str(param.grad.layout)}
-    return None
-
-
-@contextlib.contextmanager
-def _fused_flag(group):
-    """``fused=True`` in ``group`` for the time of torch's step, where the script left it unset."""
-    if group.get("fused") is not None:
-        yield
-        return
-    group["fused"] = True
-    try:
-        yield
-    finally:
-        group["fused"] = None
-
-
-def _step_counters(optimizer, group) -> dict:
-    """Adam's ``step`` counter of each of ``group``'s parameters that has one, with its version."""
-    counters = {}
-    for param in group["params"]:
-        step = optimizer.state.get(param, {}).get("step")
-        if torch.is_tensor(step):
-            counters[id(param)] = (step, step._version)
-    return counters
-
-
-def _rewind(optimizer, group, counters) -> None:
-    """Put back the counters a fused step that raised had advanced: it counts before its kernel
-    runs (and takes one back itself on a step GradScaler skips), the unfused step counts again."""
-    for param in group["params"]:
-        step = optimizer.state.get(param, {}).get("step")
-        if torch.is_tensor(step):
-            before, version = counters.get(id(param), (None, 0))  # a counter created in this step: 0
-            if step._version != (version if before is step else 0):
-                step.sub_(1)
-
-
-def _fused_format_steps(optimizer) -> None:
-    """Adam's per-parameter ``step`` where the fused kernel wants it, float32 on the parameter's
-    device: torch puts it there when it loads a checkpoint into a fused optimizer, and this one's
-    groups say the script's ``fused`` (a plain checkpoint keeps it on the CPU)."""
-    for param, state in optimizer.state.items():
-        step = state.get("step")
-        if torch.is_tensor(step):
-            state["step"] = step.to(dtype=torch.float32, device=param.device)
-
-
-def _unfused_format_steps(optimizer) -> None:
-    """Adam's per-parameter ``step`` where torch's unfused step keeps it (its ``_init_group``): on the
-    CPU unless the group is capturable, in the default float dtype, as a run never fused has it."""
-    for group in optimizer.param_groups:
-        dtype = _get_scalar_dtype(is_fused=group.get("fused"))
-        for param in group["params"]:
-            state = optimizer.state.get(param, {})
-            step = state.get("step")
-            if torch.is_tensor(step):
-                state["step"] = step.to(dtype=dtype, device=param.device if group.get("capturable") else "cpu")
-
-
-@dataclasses.dataclass
-class UpdateTimes:
-    """One optimizer's updates timed (seconds): torch's unfused one on the copies, the fused one."""
-
-    unfused: list = dataclasses.field(default_factory=list)
-    fused: list = dataclasses.field(default_factory=list)
-    decided: bool = False
-
-    def apart(self) -> bool:
-        """Whether the trials' rule says the same of every fused update against every unfused one:
-        the medians can then only say it too."""
-        return trials.faster(max(self.fused), min(self.unfused)) or not trials.faster(
-            min(self.fused), max(self.unfused)
-        )
-
-
-def _raw_step(optimizer):
-    """The optimizer class's ``step`` without torch's hook layer (``profile_hook_step``)."""
-    step = type(optimizer).step
-    return getattr(step, "__wrapped__", step)
-
-
 class FusedOptimizer(Unit):
     numerics = (ROUNDING,)  # one fused update rounds otherwise than torch's per-op one (measured on CPU)
-    reasons = {
-        "torch_fused": "torch fused=True kernels",
-        "hpex": "hpex fused optimizers",
-        # why one optimizer runs unfused (figure kernel_refusals, and the notes)
-        "parameter_type": "a parameter is a {type}, which the fused kernel does not take",
-        "parameter_device": "a parameter is on {device}; the fused kernel runs on {devices}",
-        "parameter_dtype": "a parameter is {dtype}; the fused kernel takes floating-point tensors only",
-        "dtensor_parameters": "its parameters are DTensors (FSDP2), which {kernel} does not take",
-        "sparse_gradients": "a gradient is sparse ({layout}), which the fused kernel does not take",
-        "fused_step_raised": "the fused step raised {error!r}",
-        # notes: an optimizer left unfused, why (the code above in refusal, where the kernel refused)
-        "optimizer_kept": "{optimizer} kept as is: {why}",
-        "optimizer_unfused": "{optimizer} runs unfused from its next step on: {why}",
-        # the fused update timed slower than torch's unfused one (note; the unit's reason once none is fused)
-        "fused_slower": "fused update measured slower: put back ({optimizer}: {fused} ms against {unfused} ms "
-        "unfused, medians of {steps} updates)",
-        "not_timed_several_ranks": "the fused update kept untimed: with several ranks each would decide on its own "
-        "timings, and replicas updated by different kernels would drift apart",
-        # notes: the rounding the fused update adds was not measured (the report says "not measured")
-        "rounding_not_measured_memory": "rounding not measured: a copy of {optimizer}'s parameters, gradients "
-        "and state ({gb:.2f} GB) would take more than {share:.0%} of the memory free",
-        "rounding_not_measured_dtensor": "rounding not measured: {optimizer}'s parameters are DTensors, whose "
-        "comparison would be a collective",
-        "rounding_not_measured_shared": "rounding not measured: {optimizer}'s parameters are in shared memory, "
-        "where other processes may update them during the step (Hogwild)",
-    }
+    reasons = REASONS
     changed_figure = ("optimizers_fused", "{} optimizer(s) run as one fused kernel per step")
     targets = tuple(f"torch.optim.{cls.__name__}.__init__" for cls in FUSABLE)
     acts_on = (
@@ -227,6 +98,10 @@ class FusedOptimizer(Unit):
 
     def apply(self) -> None:
         self.figures.update(optimizers_fused=0, optimizers_kept=0)
+        self._fused_count = 0  # optimizers fused now
+        self._put_back_count = 0  # optimizers timed and put back (their timed steps ran fused)
+        self._step_seconds = collections.deque(maxlen=TIMED_STEPS)  # the training steps while timing
+        self._last_step_end = None
         self._native = self.backend.name != "hpu"
         # CUDA/CPU: user's optimizer -> the state dict whose steps are in the fused kernel's format
         self._fused = weakref.WeakKeyDictionary()
@@ -269,7 +144,7 @@ class FusedOptimizer(Unit):
         elif self._native:
             self._fused[instance] = None
             self._route_steps(owner)
-            self.figures["optimizers_fused"] += 1
+            self._count_fused(+1)
             self.because("torch_fused")
         else:
             self._attach_hpu_delegate(owner, instance, hyperparameters)
@@ -323,18 +198,22 @@ class FusedOptimizer(Unit):
             del self._fused[optimizer]
         elif not self._hand_back(optimizer):
             return False
-        _unfused_format_steps(optimizer)
-        self.figures["optimizers_fused"] -= 1
+        unfused_format_steps(optimizer)
+        self._count_fused(-1)
         self._decided_in_step = True  # it was perhaps still timed
         return True
 
+    def _count_fused(self, change: int) -> None:
+        self._fused_count += change
+        self.figures["optimizers_fused"] = self._fused_count
+
     def numerics_in_run(self) -> tuple:
         # An optimizer put back ran fused in its timed steps: their rounding is in the run.
-        return self.numerics_on(self.backend) if self.changes() or self.figures.get("optimizers_put_back") else ()
+        return self.numerics_on(self.backend) if self._fused_count or self._put_back_count else ()
 
     def watching(self) -> bool:
         # With none fused: waiting for an optimizer, unless one was timed and put back (decided).
-        return not self.figures.get("optimizers_put_back")
+        return not self._put_back_count
 
     def deciding(self) -> bool:
         # A fused optimizer still timed may yet be put back; its timed steps also make copies.
@@ -432,26 +311,36 @@ class FusedOptimizer(Unit):
         times.decided = True
         fused, unfused = statistics.median(times.fused), statistics.median(times.unfused)
         if not trials.faster(fused, unfused):
-            self._put_back(optimizer, fused, unfused, len(times.fused))
+            self._put_back(optimizer, "fused_slower", fused=fused, unfused=unfused, steps=len(times.fused))
+        elif (why := gain_not_material(times, self._step_s())) is not None:
+            self._put_back(optimizer, "gain_not_material", **why)
         self._decided_in_step = True
 
-    def _put_back(self, optimizer, fused: float, unfused: float, steps: int) -> None:
-        """``optimizer`` back to the script's own kernels from its next step on, as measured slower."""
+    def _step_s(self):
+        """The median training step measured while the updates were timed, or None."""
+        return statistics.median(self._step_seconds) if self._step_seconds else None
+
+    def _put_back(self, optimizer, code: str, **values) -> None:
+        """``optimizer`` back to the script's own kernels from its next step on, for ``code``: measured
+        slower, or a gain too small to be worth its rounding."""
         if not self._stop_fusing(optimizer):
             return
-        self.figures["optimizers_put_back"] = self.figures.get("optimizers_put_back", 0) + 1
-        said = dict(
-            optimizer=type(optimizer).__name__,
-            fused=round(1000 * fused, 3),
-            unfused=round(1000 * unfused, 3),
-            steps=steps,
-        )
-        self.note("fused_slower", **said)
-        if not self.figures["optimizers_fused"]:
-            self.because("fused_slower", **said)
+        self._put_back_count += 1
+        self.figures["optimizers_put_back"] = self._put_back_count
+        if code == "fused_slower":
+            values.update(fused=round(1000 * values["fused"], 3), unfused=round(1000 * values["unfused"], 3))
+        said = dict(optimizer=type(optimizer).__name__, **values)
+        self.note(code, **said)
+        if not self._fused_count:
+            self.because(code, **said)
 
     def _step_ended(self, _optimizer) -> None:
-        """A decision made in a step counts once the step is over: the run's steady state starts after it."""
+        """A decision made in a step counts once the step is over: the run's steady state starts after
+        it. While an update is timed, the step's own time is kept: the gain is weighed against it."""
+        now = steps.clock()
+        if self._last_step_end is not None and self.deciding():
+            self._step_seconds.append(now - self._last_step_end)
+        self._last_step_end = now
         if self._decided_in_step:
             self._decided_in_step = False
             self.session.check_settled()
@@ -463,13 +352,7 @@ class FusedOptimizer(Unit):
         timed = [times for optimizer, times in self._times.items() if self._still_fused(optimizer) and times.fused]
         if not timed:
             return
-        fused = [seconds for times in timed for seconds in times.fused]
-        unfused = [seconds for times in timed for seconds in times.unfused]
-        self.figures["update_ms"] = {
-            "unfused": round(1000 * statistics.median(unfused), 3),
-            "fused": round(1000 * statistics.median(fused), 3),
-            "steps": len(fused),
-        }
+        self.figures["update_ms"] = update_ms(timed)
 
     # How far the fused update is from torch's own -------------------------------------------------
 
@@ -527,26 +410,13 @@ class FusedOptimizer(Unit):
         run unfused with the groups after it, the groups before it being done. Outside the step the
         groups hold the script's value, so state_dict(), copies and pickles are the script's."""
         if self._fused[optimizer] is not optimizer.state:  # new, or replaced by load_state_dict()
-            _fused_format_steps(optimizer)
+            fused_format_steps(optimizer)
             self._fused[optimizer] = optimizer.state
-        step = self._raw_steps[type(optimizer)]
-        groups = optimizer.param_groups
-        try:
-            for index, group in enumerate(groups):
-                optimizer.param_groups = [group]
-                counters = _step_counters(optimizer, group)
-                try:
-                    with _fused_flag(group):
-                        step(optimizer)
-                except Exception as error:
-                    _rewind(optimizer, group, counters)
-                    optimizer.param_groups = groups  # every group's counters to the unfused format
-                    self._unfuse(optimizer, self.reason_for("fused_step_raised", error=error))
-                    optimizer.param_groups = groups[index:]
-                    step(optimizer)  # plain PyTorch's step for the rest: its errors are its own
-                    return
-        finally:
-            optimizer.param_groups = groups
+        step_group_by_group(
+            optimizer,
+            self._raw_steps[type(optimizer)],
+            lambda error: self._unfuse(optimizer, self.reason_for("fused_step_raised", error=error)),
+        )
 
     # HPU: an hpex optimizer behind the user's torch.optim object --------------------------------
 
@@ -565,11 +435,11 @@ class FusedOptimizer(Unit):
         handles = (
             self.hook(
                 instance.register_state_dict_post_hook,
-                functools.partial(_torch_format_checkpoint, steps=self._group_steps),
+                functools.partial(torch_format_checkpoint, steps=self._group_steps),
             ),
-            self.hook(instance.register_load_state_dict_post_hook, _int_steps),
+            self.hook(instance.register_load_state_dict_post_hook, int_steps),
         )
-        _int_steps(instance)
+        int_steps(instance)
         self._delegates[instance] = (delegate, handles)
         self._route_steps(owner)
         if not self._getstate_wrapped:
@@ -577,7 +447,7 @@ class FusedOptimizer(Unit):
             # counters), which a plain torch.optim object steps on correctly.
             self._getstate_wrapped = True
             self.wrap(torch.optim.Optimizer, "__getstate__", self._torch_format_getstate)
-        self.figures["optimizers_fused"] += 1
+        self._count_fused(+1)
 
     def _share_groups(self, instance, delegate) -> None:
         """Point the hpex optimizer at the user's state (``load_state_dict`` replaces that dict) and
@@ -585,35 +455,21 @@ class FusedOptimizer(Unit):
         (a scheduler's lr) plus its own settings and counters, kept across steps. A new group (or
         one ``load_state_dict`` rebuilt) starts its counter from its parameters' saved steps."""
         delegate.state = instance.state
-        extra = self._extra_settings[type(instance)]
         known = self._mirrors.setdefault(instance, {})
-        mirrors = {}
-        for group in instance.param_groups:
-            if not group["params"]:
-                continue
-            kept, mirror = known.get(id(group), (None, None))
-            if kept is not group:  # a new group, or one whose id was reused
-                mirror = {**extra, **_saved_step(group, instance.state)}
-            mirror.update(group)
-            mirrors[id(group)] = (group, mirror)
-        self._mirrors[instance] = mirrors
+        extra = self._extra_settings[type(instance)]
+        mirrors = self._mirrors[instance] = mirror_groups(instance.param_groups, instance.state, extra, known)
         delegate.param_groups = [mirror for _, mirror in mirrors.values()]
 
     def _group_steps(self, optimizer) -> dict:
         """The step count of each parameter, from its group's counter (the bridge keeps no other)."""
-        return {
-            id(param): mirror["step"]
-            for _, mirror in self._mirrors.get(optimizer, {}).values()
-            if "step" in mirror
-            for param in mirror["params"]
-        }
+        return group_steps(self._mirrors.get(optimizer, {}))
 
     def _delegate_step(self, optimizer) -> None:
         done = False
         with self.fail_open():
             delegate = self._delegates[optimizer][0]
             self._share_groups(optimizer, delegate)  # add_param_group / load_state_dict may have run
-            _raw_step(delegate)(delegate)
+            raw_step(delegate)(delegate)
             done = True
         if not done:  # the unit was reverted and the state handed back: take torch's own step
             self._raw_steps[type(optimizer)](optimizer)
@@ -622,12 +478,7 @@ class FusedOptimizer(Unit):
         state = wrapped(*args, **kwargs)
         if instance not in self._delegates:
             return state
-        steps = self._group_steps(instance)
-        per_param = {
-            param: {**values, "step": _torch_step(steps.get(id(param), values["step"]))} if "step" in values else values
-            for param, values in state["state"].items()
-        }
-        return {**state, "state": collections.defaultdict(dict, per_param)}
+        return torch_format_state(state, self._group_steps(instance))
 
     def _hand_back(self, optimizer) -> bool:
         """Give an hpex-stepped optimizer back to torch: its state in torch's format, no hook of ours
@@ -635,10 +486,7 @@ class FusedOptimizer(Unit):
         delegate = self._delegates.pop(optimizer, None)
         if delegate is None:
             return False
-        steps = self._group_steps(optimizer)
-        for param, state in optimizer.state.items():
-            if "step" in state:
-                state["step"] = _torch_step(steps.get(id(param), state["step"]))
+        torch_format_steps(optimizer, self._group_steps(optimizer))
         for handle in delegate[1]:
             handle.remove()
         self._mirrors.pop(optimizer, None)
@@ -647,39 +495,3 @@ class FusedOptimizer(Unit):
     def _hand_state_back_to_torch(self) -> None:
         for optimizer in list(self._delegates):
             self._hand_back(optimizer)
-
-
-def _int_steps(optimizer) -> None:
-    """The hpex optimizers keep ``step`` as a Python int (torch: a float32 tensor)."""
-    for state in optimizer.state.values():
-        if torch.is_tensor(state.get("step")):
-            state["step"] = int(state["step"].item())
-
-
-def _torch_step(step):
-    """torch keeps ``step`` as a float32 tensor; the hpex optimizers keep a Python int."""
-    return torch.tensor(float(step)) if isinstance(step, int) else step
-
-
-def _saved_step(group, state) -> dict:
-    """``{"step": n}`` for a group whose parameters carry a saved step (a loaded checkpoint), else {}."""
-    saved = [int(state[param]["step"]) for param in group["params"] if "step" in state.get(param, {})]
-    return {"step": max(saved)} if saved and max(saved) > 0 else {}
-
-
-def _torch_format_checkpoint(optimizer, state_dict, steps):
-    """Torch's checkpoint format: each parameter's ``step`` a tensor, counted by its group. Copies:
-    the per-parameter dicts in ``state_dict()`` are the live state the fused kernel uses."""
-    indexed = {
-        index: param
-        for group, saved in zip(optimizer.param_groups, state_dict["param_groups"])
-        for index, param in zip(saved["params"], group["params"])
-    }
-    group_steps = steps(optimizer)
-    state = {
-        index: {**values, "step": _torch_step(group_steps.get(id(indexed.get(index)), values["step"]))}
-        if "step" in values
-        else values
-        for index, values in state_dict["state"].items()
-    }
-    return {**state_dict, "state": state}

@@ -27,10 +27,7 @@ docs/units/mixed_precision.md.
 
 from __future__ import annotations
 
-import collections
-import collections.abc
 import contextlib
-import functools
 import math
 import statistics
 import time
@@ -42,108 +39,22 @@ from autogaudi.candidate import Candidate, DecidesCandidate
 from autogaudi.engines import fsdp2_managed
 from autogaudi.events import Event
 from autogaudi.model_call import Layer, compiled_by_the_script
+from autogaudi.optimizations.mixed_precision.guard import (
+    Guard,
+    autocast_call,
+    within_bounds,
+)
+from autogaudi.optimizations.mixed_precision.loss_scale import SKIPS_IN_A_ROW, LossScale
 from autogaudi.optimizations.step_profiler import FP32_MATRIX_SHARE
 from autogaudi.options import PRECISIONS
 from autogaudi.unit import PRECISION
 
 GUARD_CHECKS = 3  # forward/backward pairs compared before a precision is used
 GUARD_PATIENCE = 30  # backward passes the guard waits for them; after that the precision is not used
-# How far the candidate may be from float32 on the same step: relative error of the outputs; loss
-# change to first order (sum of dL/dout * output change) relative to the loss; gradient norm ratio;
-# cosine between the gradients. bf16 keeps 8 significant bits (relative step 0.4%).
-BOUNDS = {"output_error": 0.05, "loss_change": 0.02, "grad_norm_ratio": (0.9, 1.1), "grad_cosine": 0.99}
 WATCH_EVERY = 10  # backward passes between host reads of the watched losses
 SPIKE = 4.0  # a loss this many times the median of the run's recent losses is a spike
-LOW_PRECISION = (torch.bfloat16, torch.float16)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-# fp16 loss scaling, torch.amp.GradScaler's defaults: the first scale, clean optimizer steps before it
-# doubles (it halves on an overflow); and when fp16 gives up: optimizer steps skipped in a row
-INIT_SCALE, GROWTH_INTERVAL, SKIPS_IN_A_ROW = 2.0**16, 2000, 8
 GUARD_SCALES = (2.0**16, 2.0**12, 2.0**8, 2.0**4, 1.0)  # the fp16 shadow step's loss scales, until finite
-
-
-def to_float32(value):
-    """``value`` with its bf16/fp16 tensors as float32, through tuples, lists and mappings (a Hugging
-    Face ``ModelOutput`` is updated in place, keeping its type)."""
-    if isinstance(value, torch.Tensor):
-        return value.float() if value.dtype in LOW_PRECISION else value
-    if isinstance(value, tuple):
-        items = [to_float32(item) for item in value]
-        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
-    if isinstance(value, list):
-        return [to_float32(item) for item in value]
-    if isinstance(value, collections.abc.MutableMapping):
-        for key in list(value):
-            value[key] = to_float32(value[key])
-    return value
-
-
-def _tensors(value) -> list:
-    """The tensors in an output, in a fixed order."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for item in value for t in _tensors(item)]
-    if isinstance(value, collections.abc.Mapping):
-        return [t for key in value for t in _tensors(value[key])]
-    return []
-
-
-def autocast_call(call, args, kwargs, device_type: str, dtype):
-    """``call(*args, **kwargs)`` under autocast to ``dtype``, its outputs handed back in float32."""
-    with torch.autocast(device_type, dtype=dtype):
-        output = call(*args, **kwargs)
-    return to_float32(output)
-
-
-def _grads_by_device(parameters) -> dict:
-    """The dense gradients of ``parameters``, grouped by device (torch's foreach kernels take one)."""
-    grouped = collections.defaultdict(list)
-    for parameter in parameters:
-        grad = parameter.grad
-        if grad is not None and not grad.is_sparse:
-            grouped[grad.device].append(grad)
-    return grouped
-
-
-def _closure_step(args, kwargs) -> bool:
-    """Whether an optimizer step was given a closure (torch's step hooks see ``args`` with the
-    optimizer first)."""
-    return len(args) > 1 and args[1] is not None or kwargs.get("closure") is not None
-
-
-def scale_gradients(grouped: dict, scale: torch.Tensor) -> None:
-    """Multiply gradients (grouped by device, :func:`_grads_by_device`) by ``scale`` in place: those
-    that earlier backward passes left, before a scaled one accumulates into them."""
-    for device, grads in grouped.items():
-        torch._foreach_mul_(grads, scale.to(device))
-
-
-def unscale_gradients(grouped: dict, scale: torch.Tensor) -> None:
-    """Divide gradients (grouped by device) by ``scale`` in place, with GradScaler's kernel; exact
-    where the scale is a power of two."""
-    inverse = scale.double().reciprocal().float()
-    for device, grads in grouped.items():
-        found = torch.zeros((), device=device)
-        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inverse.to(device))
-
-
-def non_finite(grouped: dict, device) -> torch.Tensor:
-    """1.0 where any of the gradients (grouped by device) holds an inf or NaN, else 0.0: a tensor on
-    ``device``, so that checking costs no host read of its own."""
-    found = torch.zeros((), device=device)
-    one = torch.ones((), device=device)
-    for grads_device, grads in grouped.items():
-        found_here = torch.zeros((), device=grads_device)
-        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_here, one.to(grads_device))
-        found += found_here.to(device)
-    return found
-
-
-def update_scale(scale: torch.Tensor, growth_tracker: torch.Tensor, found: torch.Tensor, interval: int) -> None:
-    """GradScaler's rule, in place on the device: the scale halves where ``found`` (an overflow),
-    and doubles after ``interval`` clean steps in a row (``growth_tracker`` counts them)."""
-    torch._amp_update_scale_(scale, growth_tracker, found, 2.0, 0.5, interval)
 
 
 def chosen_precision(asked: str, has_bf16: bool) -> str:
@@ -152,105 +63,6 @@ def chosen_precision(asked: str, has_bf16: bool) -> str:
     if asked != "auto":
         return asked
     return "bf16" if has_bf16 else "fp16"
-
-
-class LossScale:
-    """fp16's dynamic loss scaling, by ``torch.amp.GradScaler``'s rule and with its kernels, around
-    the script's own backward passes, so that ``.grad`` holds true gradients whenever the script can
-    look (its clipping, gradient logging and accumulation see what a float32 run would):
-
-    - before a backward: a hook on each backpropagated tensor multiplies the gradient entering the
-      graph by the scale, and gradients left by earlier backward passes (accumulation) are multiplied
-      by it too; after: every gradient is divided by it. Exact, as the scale is a power of two;
-    - before each optimizer step (the step watcher's, from torch's global step hooks): its gradients
-      are checked for inf/NaN;
-      where found the step is skipped (the gradients are set aside while it runs: torch's optimizers
-      leave a parameter without a gradient untouched, its state included, and they are put back
-      after) and the scale halves; after ``GROWTH_INTERVAL`` clean steps it doubles. A step given a
-      closure (LBFGS) computes its gradients inside and is not skipped.
-
-    ``parameters()``: every parameter whose gradient a scaled backward may write (the training model's
-    and the optimizers'); ``active()``: whether fp16 is on; ``gave_up(skipped)``: called after
-    ``SKIPS_IN_A_ROW`` skipped steps in a row."""
-
-    def __init__(self, parameters, device, active, gave_up):
-        self._parameters = parameters
-        self._active = active
-        self._gave_up = gave_up
-        self.scale = torch.full((), INIT_SCALE, dtype=torch.float32, device=device)
-        self._growth_tracker = torch.zeros((), dtype=torch.int32, device=device)
-        self._hooks: list = []
-        self._scaled: dict = {}  # device -> gradients multiplied before the backward now running
-        self._set_aside: list = []  # (parameter, gradient) while a skipped step runs
-        self.skipped = 0
-        self._skipped_in_a_row = 0
-
-    def before_backward(self, tensors) -> None:
-        if not self._active():
-            return
-        tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors or ())
-        self._scaled = _grads_by_device(self._parameters())
-        scale_gradients(self._scaled, self.scale)
-        roots = {id(t): t for t in tensors if isinstance(t, torch.Tensor) and t.requires_grad}  # each once
-        self._hooks = [self._hook(root.register_hook, self._scale_gradient) for root in roots.values()]
-
-    def _scale_gradient(self, grad):
-        return (grad * self.scale.to(grad.device)).to(grad.dtype)
-
-    def after_backward(self) -> None:
-        if not (self._hooks or self._scaled):
-            return
-        self._unscale(_grads_by_device(self._parameters()))
-
-    def _unscale(self, grouped: dict) -> None:
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks, self._scaled = [], {}
-        unscale_gradients(grouped, self.scale)
-
-    def before_step(self, optimizer, args, kwargs) -> None:
-        if not self._active() or _closure_step(args, kwargs):
-            return
-        parameters = [p for group in optimizer.param_groups for p in group["params"]]
-        found = non_finite(_grads_by_device(parameters), self.scale.device)
-        update_scale(self.scale, self._growth_tracker, found, GROWTH_INTERVAL)
-        if not found.item():
-            self._skipped_in_a_row = 0
-            return
-        self.skipped += 1
-        self._skipped_in_a_row += 1
-        self._set_aside = [(p, p.grad) for p in parameters if p.grad is not None]
-        for parameter, _ in self._set_aside:
-            parameter.grad = None
-
-    def after_step(self, _optimizer) -> None:
-        self._restore()
-        if self._skipped_in_a_row >= SKIPS_IN_A_ROW:
-            self._skipped_in_a_row = 0
-            self._gave_up(self.skipped)
-
-    def _restore(self) -> None:
-        for parameter, grad in self._set_aside:
-            parameter.grad = grad
-        self._set_aside = []
-
-    def close(self) -> None:
-        """Stop without leaving a gradient scaled or set aside (fp16 switched off between a backward's
-        start and end, or during a skipped step)."""
-        if self._hooks or self._scaled:
-            self._unscale(self._scaled)
-        self._restore()
-
-    def install(self, unit, scope) -> None:
-        """Listen through ``unit`` to the session's backward passes and optimizer steps until
-        ``scope`` closes (the session's dispatcher, not torch's hook tables: a listener removed while
-        torch runs a step's hooks would change the table torch is iterating)."""
-        self._hook = functools.partial(unit.hook, scope=scope)  # the tensor hooks, through the core's guard
-        unit.on(Event.BEFORE_BACKWARD, self.before_backward, scope)
-        unit.on(Event.AFTER_BACKWARD, self.after_backward, scope)
-        unit.on(Event.BEFORE_OPTIMIZER_STEP, self.before_step, scope)
-        unit.on(Event.OPTIMIZER_STEP, self.after_step, scope)
-        scope.add(self.close)
 
 
 def set_tf32(on: bool) -> tuple:
@@ -273,109 +85,6 @@ def tf32(on: bool):
         yield
     finally:
         restore_tf32(before)
-
-
-def compare(reference, candidate, output_grads, loss: float) -> dict:
-    """The guard's figures for one step: ``reference`` and ``candidate`` are (output tensors,
-    gradient vector) of the float32 and the candidate run of the same step."""
-    (ref_out, ref_grad), (cand_out, cand_grad) = reference, candidate
-    ref_flat = torch.cat([t.detach().float().reshape(-1) for t in ref_out])
-    cand_flat = torch.cat([t.detach().float().reshape(-1) for t in cand_out])
-    grads = torch.cat([g.float().reshape(-1) for g in output_grads])
-    ref_norm, cand_norm = ref_grad.norm().item(), cand_grad.norm().item()
-    return {
-        "output_error": (cand_flat - ref_flat).norm().item() / max(ref_flat.norm().item(), 1e-12),
-        "loss_change": abs(torch.dot(grads, cand_flat - ref_flat).item()) / max(abs(loss), 1e-12),
-        "grad_norm_ratio": cand_norm / max(ref_norm, 1e-12),
-        "grad_cosine": torch.nn.functional.cosine_similarity(ref_grad, cand_grad, dim=0).item(),
-    }
-
-
-def within_bounds(figures: dict) -> list:
-    """The figures outside ``BOUNDS`` (names), [] when the step agrees."""
-    low, high = BOUNDS["grad_norm_ratio"]
-    out = [name for name in ("output_error", "loss_change") if not figures[name] <= BOUNDS[name]]
-    if not low <= figures["grad_norm_ratio"] <= high:
-        out.append("grad_norm_ratio")
-    if not figures["grad_cosine"] >= BOUNDS["grad_cosine"]:
-        out.append("grad_cosine")
-    return out
-
-
-class _Guard:
-    """Shadow runs of the user's training forwards on a copy of the model, once their backward has
-    given the gradient of the user's loss at the output. ``scales``: the loss scales the candidate's
-    backward tries in turn until its gradients are finite (fp16's loss scaling; (1.0,) elsewhere);
-    ``unseen``: the session's context for backward passes that are not the user's."""
-
-    def __init__(self, model, precision_context, reference_context, device_type, scales, unseen):
-        self.copy = numerics.plain_copy(model)
-        self.model = model
-        self.precision_context = precision_context
-        self.reference_context = reference_context
-        self.scales = scales
-        self.unseen = unseen
-        # the random generators a dropout in the forward may draw from: the CPU's, and the device's
-        self.device_type = device_type
-        self.devices = numerics.random_devices(model, device_type)
-        self.backward_passes = 0
-        self.pending: list = []  # (inputs, random state, output tensors, their gradients) per forward
-        self.loss = None
-        self.figures: list = []
-        self.seconds = 0.0
-
-    def before_forward(self, args, kwargs) -> None:
-        detached = (
-            [a.detach().clone() if isinstance(a, torch.Tensor) else a for a in args],
-            {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()},
-        )
-        self.pending.append([detached, numerics.random_state(self.devices, self.device_type), None, None])
-
-    def after_forward(self, output) -> list:
-        """The forward's output tensors, each with the hook that keeps the gradient it gets."""
-        record = self.pending[-1]
-        outputs = [t for t in _tensors(output) if t.requires_grad and t.is_floating_point()]
-        record[2] = outputs
-        record[3] = [None] * len(outputs)
-        return [(tensor, self._keeper(record, index)) for index, tensor in enumerate(outputs)]
-
-    @staticmethod
-    def _keeper(record, index):
-        def keep(grad):
-            record[3][index] = grad.detach().clone()
-
-        return keep
-
-    def check(self) -> None:
-        """After a backward: compare every forward whose outputs the loss reached. An output it did
-        not reach (hidden states returned beside the logits) has a zero gradient."""
-        started = time.perf_counter()
-        self.backward_passes += 1
-        done, self.pending = self.pending, []
-        for inputs, state, outputs, grads in done:
-            if not outputs or all(g is None for g in grads):
-                continue
-            grads = [torch.zeros_like(o) if g is None else g for g, o in zip(grads, outputs)]
-            numerics.sync_copy(self.copy, self.model)
-            with self.unseen():
-                reference = self._shadow(inputs, state, grads, self.reference_context)
-                for scale in self.scales:
-                    candidate = self._shadow(inputs, state, grads, self.precision_context, scale)
-                    if torch.isfinite(candidate[1]).all():
-                        break
-            self.figures.append(compare(reference, candidate, grads, self.loss if self.loss is not None else 1.0))
-        self.seconds += time.perf_counter() - started
-
-    def _shadow(self, inputs, state, grads, context, scale=1.0):
-        args, kwargs = inputs
-        with numerics.forked_random(self.devices, self.device_type, state):
-            self.copy.zero_grad(set_to_none=True)
-            with context():
-                output = self.copy(*args, **kwargs)
-            outputs = [t for t in _tensors(to_float32(output)) if t.requires_grad and t.is_floating_point()]
-            torch.autograd.backward(outputs, [grad * scale for grad in grads])
-        params = [p.grad.reshape(-1) / scale for p in self.copy.parameters() if p.grad is not None]
-        return outputs, torch.cat(params).float() if params else torch.zeros(1)
 
 
 class MixedPrecision(DecidesCandidate):
@@ -516,7 +225,7 @@ class MixedPrecision(DecidesCandidate):
         scales = GUARD_SCALES if self._precision == "fp16" else (1.0,)
         started = time.perf_counter()
         try:
-            guard = _Guard(profile.model, candidate, reference, device_type, scales, self.session.steps.unseen)
+            guard = Guard(profile.model, candidate, reference, device_type, scales, self.session.steps.unseen)
         except Exception as error:  # a model deepcopy refuses (an open file, a lock)
             self.candidate.refuse(self.reason_for("no_copy", error=repr(error)))
             return

@@ -1,0 +1,66 @@
+"""An optimizer's updates timed both ways, fused and torch's unfused, and what they say: whether the
+two sets are apart by the trials' rule, and whether the fused update's gain is worth the rounding it
+adds to the run's numbers."""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+
+from autogaudi import trials
+
+# The share of the training step the fused update must save to be kept: a unit that changes the run's
+# numbers does so only for a gain that matters to the run.
+MATERIAL_SHARE = 0.01
+
+
+@dataclasses.dataclass
+class UpdateTimes:
+    """One optimizer's updates timed (seconds): torch's unfused one on the copies, the fused one."""
+
+    unfused: list = dataclasses.field(default_factory=list)
+    fused: list = dataclasses.field(default_factory=list)
+    decided: bool = False
+
+    def apart(self) -> bool:
+        """Whether the trials' rule says the same of every fused update against every unfused one:
+        the medians can then only say it too."""
+        return trials.faster(max(self.fused), min(self.unfused)) or not trials.faster(
+            min(self.fused), max(self.unfused)
+        )
+
+
+def spread(seconds: list) -> float:
+    """How far an arm's times stray from their median (the median absolute deviation): outliers in
+    fewer than half of them (a preemption) do not move it."""
+    middle = statistics.median(seconds)
+    return statistics.median(abs(value - middle) for value in seconds)
+
+
+def gain_not_material(times: UpdateTimes, step_s) -> dict | None:
+    """Why the fused update's gain (the medians' difference) is not worth its rounding, as a reason's
+    values, or None where it is: it must save at least MATERIAL_SHARE of the step (``step_s``, the
+    median training step measured meanwhile; None where no step was measured) and exceed the two
+    arms' spread."""
+    gain = statistics.median(times.unfused) - statistics.median(times.fused)
+    noise = spread(times.fused) + spread(times.unfused)
+    if step_s is not None and gain >= MATERIAL_SHARE * step_s and gain > noise:
+        return None
+    return {
+        "gain": round(1000 * gain, 3),
+        "step": None if step_s is None else round(1000 * step_s, 3),
+        "share": MATERIAL_SHARE,
+        "spread": round(1000 * noise, 3),
+    }
+
+
+def update_ms(timed: list) -> dict:
+    """The ``update_ms`` figure of the optimizers ``timed`` (their UpdateTimes): the medians of their
+    fused and unfused updates, in ms, and how many fused ones were timed."""
+    fused = [seconds for times in timed for seconds in times.fused]
+    unfused = [seconds for times in timed for seconds in times.unfused]
+    return {
+        "unfused": round(1000 * statistics.median(unfused), 3),
+        "fused": round(1000 * statistics.median(fused), 3),
+        "steps": len(fused),
+    }

@@ -1,0 +1,51 @@
+"""What the unit knows of one loader it may tune: its phase, and the batches timed in each window."""
+
+from __future__ import annotations
+
+import enum
+import weakref
+
+
+class Phase(enum.Enum):
+    MEASURING = "measuring"  # in-process, timed
+    NEXT_EPOCH = "next epoch"  # raised in place; the running epoch keeps the script's workers
+    CHECKING = "checking"  # tuned, timed again
+    DONE = "done"
+
+
+class Timing:
+    """Waiting vs computing for one loader over a window of batches."""
+
+    def __init__(self):
+        self.batches = 0
+        self.waited = 0.0
+        self.computed = 0.0
+
+    def add(self, waited: float, computed: float) -> None:
+        self.batches += 1
+        self.waited += waited
+        self.computed += computed
+
+    @property
+    def input_bound(self) -> float:
+        return self.waited / max(self.waited + self.computed, 1e-12)
+
+    @property
+    def ms_per_batch(self) -> float:
+        return 1000 * (self.waited + self.computed) / max(self.batches, 1)
+
+
+class LoaderState:
+    """One loader the unit measures, held weakly, and what tuning it changed."""
+
+    def __init__(self, loader):
+        self.loader = weakref.ref(loader)  # the script owns the loader; this must not keep it alive
+        # MEASURING -> [NEXT_EPOCH (raised in place, from its next epoch)] -> CHECKING -> DONE
+        self.phase = Phase.MEASURING
+        self.windows = {Phase.MEASURING: Timing(), Phase.CHECKING: Timing()}
+        self.epoch_batches = 0
+        self.last_end = None
+        self.before = None  # (random state, dataset state) before a measured batch
+        self.getitem_changes = None  # (reason code, values) once a measured __getitem__ changed state
+        self.scope = None  # what tuning this loader changed, while tuned
+        self.workers = 0

@@ -1,0 +1,456 @@
+"""DataLoader worker processes, switched on only for a loader measured to starve the training step,
+and only where workers give the batches, the numbers and the state the plain run has.
+
+Why: with ``num_workers=0`` (the default) the training loop itself builds every batch, so the
+device (or the compute threads) idle while ``__getitem__`` runs. Workers build batches in parallel.
+But workers also cost: on a 2-core machine one worker was measured slower than none, and a compute-
+bound step loses from the cores the workers take. So nothing is assumed: during the first epoch,
+after two warm-up batches, autogaudi times 16 batches (6 when waiting already holds 80%) — time
+waiting for the batch vs time between batches — and only when waiting is at least half of it does it
+tune that loader at once: ``num_workers`` from the machine (physical cores per local rank, less one
+for the main process, at least 2), ``prefetch_factor=2``, and the main process's intra-op threads
+cut to the cores the workers leave free. The loader itself is not changed: from the batch after the
+measured ones, and from each later epoch's second batch, the script's in-process iterator is routed
+to a worker iterator fed from that epoch's own sampler iterator (:func:`workers_for_rest_of_epoch`),
+so ``loader.num_workers`` and ``torch.get_num_threads()`` read what the script set. The next 16
+batches are timed again, worker start-up included; if they did not come faster the loader goes back
+in-process and the report says so.
+
+Faithfulness: batches and their order are the same (the sampler still runs in the main process),
+and the seed the worker iterator draws is undone, so the random stream is the plain run's. Workers
+are not persistent on purpose: a DataLoader draws one seed from the global RNG per epoch either way,
+while persistent workers would skip those draws from epoch 2 on (measured: 3e-2 loss drift). Kept
+in-process, each with a reason code: a ``__getitem__`` that draws from the global RNGs or changes the
+dataset's own attributes (counts, caches: workers would change copies), a dataset that holds a
+random generator (each worker would copy it), and, under the spawn and forkserver start methods,
+a ``__main__`` that does more than define and import at top level (each worker re-runs it) or a
+dataset that does not pickle. Workers that fail anyway, or keep a batch past a bound, are shut down
+and the batches they had not yielded are built in-process, as plain PyTorch builds them.
+Also left alone: loaders whose script chose ``num_workers`` (the report recommends a number when the
+step starves; ``--force loader_workers`` measures and raises it — a loader with workers of its own
+is raised in place from its next epoch, so the script reads the raised number, which the reason
+code says), DataLoader subclasses, and iterable datasets (each worker would replay the whole stream
+unless it shards itself).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import weakref
+
+import psutil
+import torch
+from torch.utils.data import IterableDataset
+
+from autogaudi import steps
+from autogaudi.events import Event
+from autogaudi.model_call import Layer, compiled_by_the_script
+from autogaudi.optimizations.loader_workers.loader_state import LoaderState, Phase, Timing
+from autogaudi.optimizations.loader_workers.safety import (
+    changed_attribute,
+    instance_state,
+    random_state,
+    same_random_state,
+    why_not_workers,
+)
+from autogaudi.optimizations.loader_workers.thread_cut import ThreadCut, with_threads
+from autogaudi.optimizations.loader_workers.worker_iterator import (
+    give_up_all,
+    in_process,
+    workers_for_rest_of_epoch,
+)
+from autogaudi.steps import loader_arguments
+from autogaudi.unit import RANDOM, ROUNDING, Unit
+
+WARMUP_BATCHES = 2
+MEASURED_BATCHES = 16
+INPUT_BOUND = 0.5  # the share of each step spent waiting for data above which workers are tried
+# A loader this starved after EARLY_BATCHES is tuned at once: the 10 batches more that a borderline
+# loader is timed for would only cost it (the re-timed window still puts back workers that lose).
+EARLY_BATCHES, CLEARLY_INPUT_BOUND = 6, 0.8
+# Bounds on each batch workers build after their first (whose bound, start-up included, is
+# worker_iterator.START_BOUND_S): BATCH_BOUND_FACTOR times the in-process wait measured, at least
+# BATCH_BOUND_S. Past a bound the batch is built in-process, as the plain run builds it.
+BATCH_BOUND_S, BATCH_BOUND_FACTOR = 10.0, 100
+
+
+def worker_budget():
+    """(workers, main-process threads) for this machine and this process's share of it."""
+    cores = psutil.cpu_count(logical=False) or os.cpu_count() or 1
+    per_rank = max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    workers = max(2, min(8, per_rank - 1))
+    return workers, max(1, per_rank - workers)
+
+
+def measured_enough(timing: Timing, phase: Phase) -> bool:
+    """Whether a window has timed enough batches to decide on: all of them, except before tuning
+    when waiting for data already dominates."""
+    if phase is Phase.MEASURING and timing.batches >= EARLY_BATCHES and timing.input_bound >= CLEARLY_INPUT_BOUND:
+        return True
+    return timing.batches >= MEASURED_BATCHES
+
+
+def set_attributes(scope, owner, **values) -> None:
+    """Set attributes on a user's object; ``scope`` puts back each one that still holds what was set."""
+    before = {name: getattr(owner, name) for name in values}
+    for name, value in values.items():
+        setattr(owner, name, value)
+    owner = weakref.ref(owner)
+
+    def undo():
+        target = owner()
+        for name, value in before.items():
+            if target is not None and getattr(target, name) == values[name]:
+                setattr(target, name, value)
+
+    scope.add(undo)
+
+
+# A loader's own outcome and the unit's, where it differs (the unit's says "all")
+_UNIT_REASON = {"not_starved": "none_starved", "no_faster": "workers_no_faster"}
+
+
+class LoaderWorkers(Unit):
+    # Workers draw from streams of their own, and the intra-op threads it cuts sum some CPU kernels in
+    # another order (measured: a float32 sum of 2**20 values differs between 1 and 2 threads)
+    numerics = (ROUNDING, RANDOM)
+    exact_when = "the dataset draws no random numbers and the steps run no multi-threaded CPU reduction"
+    reasons = {
+        "measuring": "measuring each loader's first epoch",
+        "none_starved": "measured: no loader starves the step, all kept in-process",
+        "workers_no_faster": "measured: workers were tried and were no faster, all kept in-process",
+        "workers": "{workers} workers for input-bound loaders (in-process ones: from the next batch)",
+        "workers_raised": "{workers} workers for input-bound loaders; a loader whose script chose num_workers was "
+        "raised in place (--force), and the script reads the raised number",
+        "not_starved": "kept in-process: waiting for data is {share} of a step (workers are tried from {threshold})",
+        "no_faster": "workers measured no faster ({after:.2f} vs {before:.2f} ms per batch, worker start-up "
+        "included): put back in-process",
+        "draws_global_random": "kept in-process: its __getitem__ draws from the global random generators, "
+        "which worker processes would replace by their own",
+        "mutates_state": "kept in-process: its __getitem__ changes the dataset's attribute {attribute!r}, which "
+        "workers would change in their copies only",
+        "holds_generator": "kept in-process: the dataset holds a random generator ({kind}), which each worker "
+        "would copy and draw the same numbers from",
+        "main_reruns": "kept in-process: under the {method} start method each worker re-runs {file}, which does "
+        'more than define and import outside `if __name__ == "__main__":`',
+        "not_picklable": "kept in-process: under the {method} start method workers get the dataset pickled, "
+        "and that fails: {error}",
+        "threads_cut": "while workers build the batches the main process computes with {threads} intra-op "
+        "thread(s), not the script's {script}: CPU kernels that split a sum across threads add in another order "
+        "(rounding: measured on the training model's next forward, where one is found)",
+        "threads_cut_no_model": "the thread cut's rounding not measured: no training model found (the step profiler "
+        "finds it) when the cut began",
+        "threads_cut_script_compiles": "the thread cut's rounding not measured: the script compiles the training "
+        "model, whose call it owns",
+        "workers_failed": "workers failed ({error}); the loader went back in-process, its batches built there",
+        "script_chose_workers": "a loader whose script chose num_workers is kept as is",
+        "iterable_dataset": "iterable datasets are kept in-process: each worker would replay the whole stream",
+        "forced_measured": "--force loader_workers: a loader whose script chose num_workers={chosen} is measured "
+        "too; if raised, its workers' random streams differ from the plain run's (same distribution)",
+        "shard_iterable": "the step waits for data {share:.0%} of the time and an IterableDataset feeds it "
+        "in-process; workers would each replay the whole stream unless the dataset splits it by "
+        "torch.utils.data.get_worker_info() (id, num_workers): if yours does, try num_workers={workers}",
+        "more_workers": "the step waits for data {share:.0%} of the time and the script chose num_workers={chosen}; "
+        "this machine has {cores} cores for {ranks} local rank(s): try num_workers={workers}, or --force "
+        "loader_workers to have it measured and raised (worker random streams then differ from this run's, same "
+        "distribution)",
+    }
+    changed_figure = ("loaders_tuned", "{} DataLoader(s) given worker processes")
+    targets = ("torch.get_num_threads", "torch.set_num_threads")
+    acts_on = ("DataLoader construction, epochs and batch fetches (the session's step watcher)",)
+
+    def apply(self) -> None:
+        self.figures.update(loaders_tuned=0, loaders_kept=0)
+        self._tuned = 0  # loaders with workers now
+        self._ever_tuned = False  # a loader had workers (their steps ran with the threads cut)
+        self._loaders = weakref.WeakKeyDictionary()  # DataLoader -> LoaderState, for loaders it may tune
+        self._iterators = weakref.WeakKeyDictionary()  # iterator -> LoaderState
+        self._starting = None  # the LoaderState whose next iterator is being created
+        self._threads = ThreadCut()
+        self._threads.install(self.scope)
+        self.on(Event.LOADER_BUILT, self._consider)
+        self.on(Event.EPOCH_START, self._new_epoch)
+        self.on(Event.BEFORE_BATCH, self._before_batch)
+        self.on(Event.BATCH_FETCHED, self._after_batch)
+        self._script_workers: list = []  # num_workers of the loaders whose script chose it
+        self._iterable_loaders = 0  # in-process loaders over an IterableDataset (never tuned)
+        self.on(Event.STEP_PROFILED, self._advise)  # advice, where a step profiler runs
+        self._measuring = None  # the scope of the layer that measures the cut, once
+        self._cut_waiting = None  # the loader whose cut's measurement waits for the step profiler
+        self._model = None  # the training model, weakly, once the step profiler found it
+        self.on(Event.STEP_PROFILED, self._found_model)
+        self.because("measuring")
+
+    def numerics_in_run(self) -> tuple:
+        # Workers that ran and were put back (no faster) ran their checked batches with the threads cut.
+        return self.numerics_on(self.backend) if self._ever_tuned else ()
+
+    def watching(self) -> bool:
+        # no loader yet, or one still being timed; not once every loader it saw is decided
+        return not self._loaders or any(state.phase is not Phase.DONE for state in self._loaders.values())
+
+    def _kept(self, code: str, **values) -> None:
+        self.figures["loaders_kept"] += 1
+        self.note(code, **values)
+
+    def _keep(self, state, code: str, **values) -> None:
+        """Keep a measured loader in-process (or put it back) for ``code``; the unit says so while no
+        loader has workers."""
+        state.phase = Phase.DONE
+        self._kept(code, **values)
+        kept = self.figures.setdefault("kept_because", {})
+        kept[code] = kept.get(code, 0) + 1
+        if not self._tuned:
+            if code in _UNIT_REASON:
+                self.because(_UNIT_REASON[code])
+            else:
+                self.because(code, **values)
+
+    def _consider(self, loader, args, kwargs):
+        given = loader_arguments(loader, args, kwargs)
+        if given is None:
+            return None
+        dataset, chosen = given.get("dataset"), given.get("num_workers")
+        # --force loader_workers: a script's num_workers below the budget is measured and may be raised.
+        raisable = (
+            self.name in self.options.force
+            and chosen is not None
+            and chosen < worker_budget()[0]
+            and not given.get("persistent_workers", False)  # their iterator, and its workers, are reused
+            and not isinstance(dataset, IterableDataset)
+        )
+        if chosen is not None and not raisable:
+            self._kept("script_chose_workers")
+            self._script_workers.append(chosen)
+        elif isinstance(dataset, IterableDataset):
+            self._kept("iterable_dataset")
+            self._iterable_loaders += 1
+        else:
+            self._loaders[loader] = LoaderState(loader)
+            if raisable:
+                self.note("forced_measured", chosen=chosen)
+        return None
+
+    def _advise(self, profile) -> None:
+        """A step that waits for data from a loader autogaudi may not tune: a script-chosen num_workers
+        (worker random streams would differ) or an IterableDataset (only the dataset knows how to
+        split its stream); what was measured and what to try is said."""
+        if profile.bound != "input":
+            return
+        workers, _threads = worker_budget()
+        share = profile.measured.input_wait_fraction
+        if self._iterable_loaders:
+            self.recommend(
+                "shard_iterable",
+                share=share,
+                workers=workers,
+                do=f"num_workers={workers} with a dataset that splits its stream by get_worker_info()",
+                saves=share,
+                saves_basis="measured",
+            )
+        if not self._script_workers:
+            return
+        chosen = max(self._script_workers)
+        if chosen >= workers:
+            return
+        cores = psutil.cpu_count(logical=False) or os.cpu_count() or 1
+        ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        self.recommend(
+            "more_workers",
+            share=share,
+            chosen=chosen,
+            cores=cores,
+            ranks=ranks,
+            workers=workers,
+            do=f"num_workers={workers} instead of the script's {chosen} (or --force loader_workers)",
+            saves=share,
+            saves_basis="measured",
+        )
+
+    def _new_epoch(self, loader) -> None:
+        state = self._loaders.get(loader)
+        if state is not None:
+            # Checking a tuned loader counts from the moment its workers are started, so their
+            # start-up (a fresh interpreter each under spawn) weighs against them.
+            state.epoch_batches = 0
+            if state.phase is Phase.NEXT_EPOCH:
+                state.phase = Phase.CHECKING
+            state.last_end = steps.clock() if state.phase is Phase.CHECKING else None
+        self._starting = state
+
+    def _state(self, iterator):
+        state = self._iterators.get(iterator)
+        if state is None and self._starting is not None:
+            state = self._iterators[iterator] = self._starting
+            self._starting = None
+        return state
+
+    def _before_batch(self, iterator) -> None:
+        state = self._state(iterator)
+        if state is not None and state.phase is Phase.MEASURING and state.epoch_batches >= WARMUP_BATCHES:
+            state.before = (random_state(), instance_state(iterator._dataset))
+
+    def _after_batch(self, iterator, _batch, waited: float) -> None:
+        state = self._state(iterator)
+        if state is None:
+            return
+        now = steps.clock()
+        timed = state.phase in (Phase.MEASURING, Phase.CHECKING)
+        if timed:
+            window = state.windows[state.phase]
+            # Before tuning, the first batches of an epoch are not measured: the sampler draws its seed
+            # there and the time since the previous epoch's last batch is not a training step.
+            if state.last_end is not None and (state.phase is Phase.CHECKING or state.epoch_batches >= WARMUP_BATCHES):
+                window.add(waited, now - waited - state.last_end)
+                if state.phase is Phase.MEASURING:
+                    self._check_getitem(state, iterator._dataset)
+            state.last_end = now
+        state.epoch_batches += 1
+        if timed and measured_enough(window, state.phase):
+            self._decide(state, iterator)
+        if state.epoch_batches == 1 and state.scope is not None and in_process(iterator):
+            # a tuned loader's later epoch: its first batch was built here, the rest by workers
+            self._start_workers(state, iterator, state.loader())
+
+    def _check_getitem(self, state, dataset) -> None:
+        """Whether the measured batch's ``__getitem__`` changed what workers would not give back:
+        the global random streams (workers draw from their own) or the dataset's own attributes."""
+        if state.before is None or state.getitem_changes is not None:
+            return
+        random_before, dataset_before = state.before
+        attribute = changed_attribute(dataset_before, instance_state(dataset))
+        if not same_random_state(random_before, random_state()):
+            state.getitem_changes = ("draws_global_random", {})
+        elif attribute is not None:
+            state.getitem_changes = ("mutates_state", {"attribute": attribute})
+
+    def _decide(self, state, iterator) -> None:
+        loader = state.loader()
+        before, after = state.windows[Phase.MEASURING], state.windows[Phase.CHECKING]
+        if state.phase is Phase.MEASURING:
+            state.phase = Phase.DONE
+            self.figures["input_bound_fraction"] = round(before.input_bound, 3)
+            self.figures["ms_per_batch_before"] = round(before.ms_per_batch, 3)
+            if state.getitem_changes is not None:
+                self._keep(state, state.getitem_changes[0], **state.getitem_changes[1])
+            elif before.input_bound < INPUT_BOUND:
+                self._keep(state, "not_starved", share=f"{before.input_bound:.0%}", threshold=f"{INPUT_BOUND:.0%}")
+            elif loader is None:
+                return
+            elif (why := why_not_workers(loader)) is not None:  # checked before any worker starts
+                self._keep(state, why[0], **why[1])
+            else:
+                self._tune(loader, state, iterator)
+        else:
+            state.phase = Phase.DONE
+            self.figures["ms_per_batch_after"] = round(after.ms_per_batch, 3)
+            if after.ms_per_batch >= before.ms_per_batch:
+                self._untune(state)
+                self._keep(state, "no_faster", after=after.ms_per_batch, before=before.ms_per_batch)
+
+    def _tune(self, loader, state, iterator) -> None:
+        workers, threads = worker_budget()
+        measured = state.windows[Phase.MEASURING]
+        state.workers = workers
+        state.bound_s = max(BATCH_BOUND_S, BATCH_BOUND_FACTOR * measured.waited / max(measured.batches, 1))
+        state.scope = self.scope.child()
+        state.sources = weakref.WeakSet()  # the worker iterators of its epochs
+        state.scope.add(lambda: give_up_all(state.sources))
+        script_threads = self._threads.script_threads()
+        self._threads.hold(state, threads, state.scope)
+        if torch._C.get_num_threads() < script_threads:
+            self.note("threads_cut", threads=torch._C.get_num_threads(), script=script_threads)
+            self._measure_cut(state)
+        self._tuned += 1
+        self._ever_tuned = True
+        self.figures.update(loaders_tuned=self._tuned, workers=workers, main_threads=torch._C.get_num_threads())
+        self.moment("workers", workers=workers)
+        # timed on from the last measured batch, or from the next epoch's start: the workers' start-up
+        # counts against them
+        if in_process(iterator):
+            state.phase = Phase.CHECKING
+            self.because("workers", workers=workers)
+            if self._start_workers(state, iterator, loader):
+                self.figures["workers_from_batch"] = state.epoch_batches + 1
+        else:  # the script's own workers: raised in place, from the next epoch
+            set_attributes(state.scope, loader, num_workers=workers, prefetch_factor=loader.prefetch_factor or 2)
+            state.phase = Phase.NEXT_EPOCH
+            self.because("workers_raised", workers=workers)
+
+    def _found_model(self, profile) -> None:
+        if profile.model is not None:
+            self._model = weakref.ref(profile.model)
+        waiting, self._cut_waiting = self._cut_waiting, None
+        if waiting is not None and waiting.scope is not None:  # its cut still on
+            self._measure_cut(waiting)
+
+    def _measure_cut(self, state) -> None:
+        """The thread cut's rounding, once, where it first applies: on the training model's next
+        training call, its output with the cut thread count against the script's, both on a copy
+        from the same generator state (:func:`autogaudi.numerics.forward_difference`)."""
+        if self._measuring is not None:  # measured once, where the cut first applies
+            return
+        model = self._model() if self._model is not None else None
+        if model is None and self._model is None and self.session.unit("step_profiler") is not None:
+            self._cut_waiting = state  # the step profiler has not named the model yet
+            return
+        if model is None:
+            self.note("threads_cut_no_model")
+            return
+        if compiled_by_the_script(model):
+            self.note("threads_cut_script_compiles")
+            return
+        self._measuring = state.scope.child()
+        self.hold(model, Layer.MEASURE, functools.partial(self._measured_call, model), self._measuring)
+
+    def _measured_call(self, model, call, args, kwargs):
+        if not (model.training and torch.is_grad_enabled()):
+            return call(*args, **kwargs)
+        self.close_scope(self._measuring)
+        cut, script = torch._C.get_num_threads(), self._threads.script_threads()
+        self.measure_numerics(
+            model,
+            args,
+            kwargs,
+            of="outputs",
+            against=f"the script's {script} intra-op threads, on a copy",
+            around=with_threads(cut),
+            reference=with_threads(script),
+        )
+        return call(*args, **kwargs)
+
+    def _start_workers(self, state, iterator, loader) -> bool:
+        """Route the rest of the epoch of ``iterator`` to workers; False where they did not start (the
+        loader goes back in-process, the epoch goes on there with every batch)."""
+
+        def failed(error):
+            with self.fail_open():
+                self._workers_failed(state, error)
+
+        try:
+            source = workers_for_rest_of_epoch(iterator, loader, state.workers, state.bound_s, failed)
+        except Exception as error:
+            self._workers_failed(state, error)
+            return False
+        state.sources.add(source)
+        self.session.steps.route_batches(iterator, source)
+        return True
+
+    def _workers_failed(self, state, error) -> None:
+        if state.scope is None:
+            return
+        self._untune(state)
+        first_line = str(error).strip().splitlines()[:1]
+        self._keep(state, "workers_failed", error=": ".join([type(error).__name__, *first_line]))
+
+    def _untune(self, state) -> None:
+        """Put the loader back in-process: its workers, routes and thread cut undone."""
+        if state.scope is None:
+            return
+        scope, state.scope = state.scope, None
+        self.close_scope(scope)
+        self.moment("in_process")
+        self._tuned -= 1
+        self.figures["loaders_tuned"] = self._tuned
+        self.figures["main_threads"] = torch._C.get_num_threads()
