@@ -6,9 +6,10 @@ optimizer counted by its backward passes, accumulation) are the part that is eas
 hard to test through torch's patches. Here each rule is a method call and its answer a count, so a
 table of sequences checks them (tests/test_step_count.py).
 
-The watch tells it what happened (:meth:`backward`, :meth:`own_backward`, :meth:`optimizer_step`);
-each of those returns how many training steps ended with it (0, 1, or the passes counted after the
-fact once a loop turns out to have no optimizer).
+The watch tells it what happened (:meth:`backward`, :meth:`own_backward`, :meth:`optimizer_stepped` then
+:meth:`paced_by`);
+those that can end steps return how many ended (0, 1, or the passes counted after the fact once a
+loop turns out to have no optimizer).
 """
 
 from __future__ import annotations
@@ -78,11 +79,15 @@ class StepCount:
         self._since_cleared %= self.per_step
         return self._ended(done)
 
-    def optimizer_step(self, optimizer) -> int:
-        """``optimizer`` (any object a weak reference can name) stepped. Returns the training steps it
-        ended: 1 where it paces the loop (the first to step, or one that stepped ``REPACE_AFTER``
-        times in a row without the pacer), else 0."""
+    def optimizer_stepped(self) -> None:
+        """An optimizer stepped: counted before the step's listeners hear it, which still see the
+        training step it may end as running (:meth:`paced_by` ends it after them)."""
         self.optimizer_steps += 1
+
+    def paced_by(self, optimizer) -> int:
+        """The step of ``optimizer`` (any object a weak reference can name), once heard: returns the
+        training steps it ended, 1 where it paces the loop (the first to step, or one that stepped
+        ``REPACE_AFTER`` times in a row without the pacer), else 0."""
         pacer = self._pacer() if self._pacer is not None else None
         if pacer is optimizer:
             self._others_in_a_row = 0

@@ -259,9 +259,10 @@ class TrainingSteps:
     def _after_optimizer_step(self, optimizer, args, kwargs) -> None:
         if self._step_frames:
             self._step_frames.pop()
-        ended = self.count.optimizer_step(optimizer)
+        self.count.optimizer_stepped()
         self.optimizers.add(optimizer)
         self.events.emit(Event.OPTIMIZER_STEP, optimizer)
+        ended = self.count.paced_by(optimizer)
         if ended:
             self._steps_ended(optimizer, ended)
 

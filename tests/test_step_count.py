@@ -34,7 +34,8 @@ def test_a_sequence_makes_its_steps(name):
     count, optimizers, ended = StepCount(), {A: Optimizer(), B: Optimizer()}, 0
     for event in sequence:
         if event in optimizers:
-            ended += count.optimizer_step(optimizers[event])
+            count.optimizer_stepped()
+            ended += count.paced_by(optimizers[event])
         elif event == "o":
             count.own_backward()
         else:
