@@ -161,9 +161,11 @@ class Session:
     def _before_bridge(self) -> None:
         """What must happen before the Gaudi bridge loads: Intel's GPU migration is switched on then
         or not at all (the gpu_migration unit). Fail-open: a problem here leaves the script as written."""
-        if self.options.unit_switched_off("gpu_migration") or importlib.util.find_spec("habana_frameworks") is None:
-            return  # without the bridge there is no Gaudi to migrate to: the unit's module is not imported
+        if self.options.unit_switched_off("gpu_migration"):
+            return
         try:
+            if importlib.util.find_spec("habana_frameworks") is None:
+                return  # no bridge, no Gaudi to migrate to: the unit's module is not imported
             from autogaudi.optimizations import gpu_migration
 
             self.migration = gpu_migration.switch_on_before_bridge(self.options)
