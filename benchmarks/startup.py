@@ -10,8 +10,8 @@ Two measures, each over ``--rounds`` fresh processes after one warm-up:
   median, minimum and maximum of the pairs' differences. On a busy machine the runs' own spread
   (importing torch and its compiler: seconds) hides a difference of tens of milliseconds.
 - *parts*: in one process that imported torch first (so what torch imports itself is not counted),
-  the milliseconds of importing the launcher's modules, of starting the session, and of the exit
-  report: autogaudi's own work, short enough to read on a busy machine.
+  the wall and CPU milliseconds of importing the launcher's modules, of starting the session, and of
+  the exit report: autogaudi's own work, short enough to read on a busy machine (its CPU time best).
 
 One cache folder serves every autogaudi run, as a user's own runs share theirs. Both run with the
 bytecode of autogaudi's modules as Python last wrote it: where ``PYTHONDONTWRITEBYTECODE`` is set and
@@ -47,21 +47,22 @@ PARTS = """\
 import json, sys, time
 import torch  # first: the modules torch imports itself are not autogaudi's cost
 
-clock = time.perf_counter
-start = clock()
+marks = [(time.perf_counter(), time.process_time())]
 import autogaudi.launcher  # noqa: E402,F401  (what `python -m autogaudi` imports before the script)
 from autogaudi import runtime  # noqa: E402
 
-imported = clock()
+marks.append((time.perf_counter(), time.process_time()))
 runtime.enable_with_source({"quiet": True}, "launcher")  # torch is in: the session starts now
-started = clock()
+marks.append((time.perf_counter(), time.process_time()))
 exec(compile(open(sys.argv[1]).read(), sys.argv[1], "exec"), {"__name__": "__main__"})
-stepped = clock()
+marks.append((time.perf_counter(), time.process_time()))
 runtime.report_at_exit()
-reported = clock()
+marks.append((time.perf_counter(), time.process_time()))
 runtime.disable()
-print(json.dumps({"import_ms": 1000 * (imported - start), "start_ms": 1000 * (started - imported),
-                  "report_ms": 1000 * (reported - stepped)}))
+parts = {"import": marks[1], "start": marks[2], "report": marks[4]}
+before = {"import": marks[0], "start": marks[1], "report": marks[3]}
+print(json.dumps({f"{name}_{kind}_ms": 1000 * (parts[name][index] - before[name][index])
+                  for name in parts for index, kind in enumerate(("wall", "cpu"))}))
 """
 
 
@@ -108,8 +109,9 @@ def measure(rounds: int, python: str) -> dict:
             if round_:
                 parts.append(json.loads(result.stdout.splitlines()[-1]))
     figures = {"parts": {name: spread([run[name] for run in parts]) for name in parts[0]}}
-    total = [sum(run.values()) for run in parts]
-    figures["parts"]["total_ms"] = {**spread(total), "by_round": total}
+    for kind in ("wall", "cpu"):
+        total = [sum(value for name, value in run.items() if f"_{kind}_" in name) for run in parts]
+        figures["parts"][f"total_{kind}_ms"] = {**spread(total), "by_round": total}
     for index, figure in enumerate(("wall_ms", "cpu_ms")):
         added = [ours[index] - plain[index] for ours, plain in zip(runs["autogaudi"], runs["plain"])]
         figures[figure] = {
