@@ -15,7 +15,7 @@ def doctor(script: str, *args: str, steps: int = 20, module: bool = False):
     most ``steps`` optimizer steps in this process, observing only; returns a
     :class:`~autogaudi.diagnosis.result.Diagnosis` (``.findings``, ``.format()``, ``.as_dict()``).
     ``sys.argv``, ``__main__`` and ``sys.path[0]`` are restored afterwards. See ``python -m autogaudi doctor``."""
-    from autogaudi.diagnosis.command import diagnose
+    from autogaudi.diagnosis.command import diagnose  # here: the doctor loads only when called
 
     return diagnose(script, list(args), steps=steps, is_module=module)[0]
 

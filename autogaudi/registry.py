@@ -7,19 +7,38 @@ list here, free of torch imports, lets option validation and ``--help`` run befo
 
 from __future__ import annotations
 
+ALL_BACKENDS = ("hpu", "cuda", "cpu")
+
+# The units that cannot act on every backend: where they can, and why not elsewhere (the report's
+# words). Known here so the session never imports a unit where it cannot act: its module costs
+# start-up, and may need that backend's libraries. Each unit class says the same in ``backends`` and
+# ``why_not_elsewhere``, which a test holds equal to this.
+ACTS_ONLY_ON = {
+    "gpu_migration": (("hpu",), "the toolkit maps CUDA calls onto a Gaudi only"),
+    "step_marks": (("hpu",), ""),
+    "pipelining_fwd_bwd": (("hpu",), ""),
+    "fused_clip_norm": (("hpu",), "torch's clip_grad_norm_ already runs its foreach kernels there"),
+    "fused_sdpa": (("hpu",), "torch already dispatches this op to its fused kernels there"),
+    "static_last_batch": (("hpu",), "shapes only need to be static under graph capture, which is not on"),
+    "pin_memory": (("hpu", "cuda"), "pinning does nothing without a device to copy to"),
+    "non_blocking_copy": (("hpu", "cuda"), "a CPU-only run makes no host-to-device copies"),
+}
+
 
 class UnitInfo:
-    """A unit's name, one-line summary, ``"package.module:Class"``, and whether it is opt-in
-    (off unless named in ``--force``, for units with a cost the user must accept). A plain class,
-    not a NamedTuple: importing ``typing`` would cost every ``AUTOGAUDI=1`` process ~8 ms."""
+    """A unit's name, one-line summary, ``"package.module:Class"``, whether it is opt-in (off
+    unless named in ``--force``, for units with a cost the user must accept), and the backends it
+    can act on (:data:`ACTS_ONLY_ON`). A plain class, not a NamedTuple: importing ``typing`` would
+    cost every ``AUTOGAUDI=1`` process ~8 ms."""
 
-    __slots__ = ("name", "summary", "module", "opt_in")
+    __slots__ = ("name", "summary", "module", "opt_in", "backends", "why_not_elsewhere")
 
     def __init__(self, name: str, summary: str, module: str, opt_in: bool = False):
         self.name = name
         self.summary = summary
         self.module = module
         self.opt_in = opt_in
+        self.backends, self.why_not_elsewhere = ACTS_ONLY_ON.get(name, (ALL_BACKENDS, ""))
 
 
 UNITS: tuple[UnitInfo, ...] = (

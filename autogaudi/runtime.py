@@ -101,7 +101,7 @@ def report():
     ``print(autogaudi.report())`` shows the table; ``.as_dict()`` gives the JSON form. Before torch
     is imported there is nothing to report yet and the result says so.
     """
-    from autogaudi.reporting import Report
+    from autogaudi.reporting import Report  # here: an AUTOGAUDI=1 process that never asks skips it
 
     with _STATE.lock:
         session = _STATE.session or _STATE.last_session

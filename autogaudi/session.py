@@ -24,7 +24,6 @@ from autogaudi.children import gathered as gathered_children
 from autogaudi.events import Dispatcher, Event
 from autogaudi.guard import run_guarded
 from autogaudi.memory import Memory
-from autogaudi.page import render as render_page
 from autogaudi.placement import Placement
 from autogaudi.ranks import gather_from_ranks, is_rank_zero, several_ranks
 from autogaudi.reasons import Reason
@@ -129,6 +128,11 @@ class Session:
         if switched_off:
             row.set(SKIPPED, switched_off)
             return None
+        if self.backend.name not in info.backends:  # not imported: its code cannot act here
+            why = f": {info.why_not_elsewhere}" if info.why_not_elsewhere else ""
+            backends = "/".join(info.backends)
+            row.set(SKIPPED, Reason("other_backend", backends=backends, backend=self.backend.name, why=why))
+            return None
         try:
             module_name, class_name = info.module.split(":")
             row.unit = getattr(importlib.import_module(module_name), class_name)(self, info)
@@ -163,6 +167,8 @@ class Session:
         if self.options.unit_switched_off("gpu_migration"):
             return
         try:
+            if importlib.util.find_spec("habana_frameworks") is None:
+                return  # no bridge, no Gaudi to migrate to: the unit's module is not imported
             from autogaudi.optimizations import gpu_migration
 
             self.migration = gpu_migration.switch_on_before_bridge(self.options)
@@ -403,12 +409,18 @@ class Session:
                 self.cache_notes.append(note("not_evicted", error=error))
         if not (explicit or self.steps.trained) or not is_rank_zero():
             return
+        if self.options.quiet and not self.options.report:  # nobody reads it: not built
+            return
         report = self.report()
         not_written = None
         if self.options.report:
             try:
-                page = self.options.report.lower().endswith(".html")
-                report_file.write(self.options.report, render_page(report) if page else report.to_json())
+                if self.options.report.lower().endswith(".html"):
+                    from autogaudi.page import render  # here: the page's module is loaded only for a page
+
+                    report_file.write(self.options.report, render(report))
+                else:
+                    report_file.write(self.options.report, report.to_json())
             except Exception as error:  # a full disk, a folder gone: the short report still arrives
                 not_written = f"autogaudi: the report file {self.options.report} was not written: {error!r}\n"
         if not self.options.quiet or not_written:

@@ -6,7 +6,7 @@ import os
 import pytest
 
 from autogaudi import __version__
-from autogaudi.launcher import split_command_line
+from autogaudi.launcher import VALUE_FLAGS, split_command_line
 from tests.helpers import SCRIPTS, TESTS, clean_env, run_python
 
 
@@ -148,20 +148,20 @@ def test_an_abbreviated_option_is_refused_by_name(command, abbreviation):
 
 
 def test_our_flags_stop_at_the_script_name():
-    assert split_command_line(["--quiet", "train.py", "--quiet", "-m", "x"]) == (
+    assert split_command_line(["--quiet", "train.py", "--quiet", "-m", "x"], VALUE_FLAGS) == (
         ["--quiet"],
         "train.py",
         ["--quiet", "-m", "x"],
         False,
     )
-    assert split_command_line(["--device", "cpu", "-m", "pkg.mod", "--device", "hpu"]) == (
+    assert split_command_line(["--device", "cpu", "-m", "pkg.mod", "--device", "hpu"], VALUE_FLAGS) == (
         ["--device", "cpu"],
         "pkg.mod",
         ["--device", "hpu"],
         True,
     )
-    assert split_command_line(["-mpkg", "a"]) == ([], "pkg", ["a"], True)
-    assert split_command_line(["--", "-weird.py", "a"]) == ([], "-weird.py", ["a"], False)
+    assert split_command_line(["-mpkg", "a"], VALUE_FLAGS) == ([], "pkg", ["a"], True)
+    assert split_command_line(["--", "-weird.py", "a"], VALUE_FLAGS) == ([], "-weird.py", ["a"], False)
 
 
 def test_cli_options_reach_child_processes(tmp_path):

@@ -15,8 +15,9 @@ import json
 import os
 import sys
 
-from autogaudi import launcher, runtime
+from autogaudi import runtime
 from autogaudi.diagnosis.findings import KINDS
+from autogaudi.main_script import run_as_main, split_command_line
 
 PROG = "python -m autogaudi doctor"
 DEFAULT_STEPS = 20
@@ -60,7 +61,7 @@ def _parse_fail_on(parser, text: str) -> set:
 
 
 def main(argv: list) -> int:
-    ours, target, target_args, is_module = launcher.split_command_line(argv, VALUE_FLAGS)
+    ours, target, target_args, is_module = split_command_line(argv, VALUE_FLAGS)
     parser = build_parser()
     args = parser.parse_args(ours)
     if target is None:
@@ -96,7 +97,7 @@ def diagnose(target: str, args: list, steps: int, is_module: bool = False):
     status = 0
     try:
         with observer.watcher:
-            status = launcher.run_as_main(target, args, is_module, stopped_by=(StopDiagnosis,))
+            status = run_as_main(target, args, is_module, stopped_by=(StopDiagnosis,))
     except SystemExit as exit_:
         status = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
     finally:

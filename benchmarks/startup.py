@@ -1,0 +1,149 @@
+"""What autogaudi's start and report add to a short run: one training step of a tiny model.
+
+    python benchmarks/startup.py [--rounds 10] [--out benchmarks/results/startup-<machine>.json]
+
+Two measures, each over ``--rounds`` fresh processes after one warm-up:
+
+- *whole*: ``python -m autogaudi --quiet one_step.py`` against ``python one_step.py`` in
+  interleaved pairs (the order alternating each round, so a machine getting slower or faster
+  weighs on both alike): each one's median wall and CPU (user + system) milliseconds, and the
+  median, minimum and maximum of the pairs' differences. On a busy machine the runs' own spread
+  (importing torch and its compiler: seconds) hides a difference of tens of milliseconds.
+- *parts*: in one process that imported torch first (so what torch imports itself is not counted),
+  the wall and CPU milliseconds of importing the launcher's modules, of starting the session, and of
+  the exit report: autogaudi's own work, short enough to read on a busy machine (its CPU time best).
+
+One cache folder serves every autogaudi run, as a user's own runs share theirs. Both run with the
+bytecode of autogaudi's modules as Python last wrote it: where ``PYTHONDONTWRITEBYTECODE`` is set and
+nothing was compiled, each run compiles every module again (``python -m compileall autogaudi`` first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+ONE_STEP = """\
+import torch
+
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+loss = model(torch.randn(4, 8)).pow(2).mean()
+loss.backward()
+optimizer.step()
+optimizer.zero_grad()
+"""
+
+PARTS = """\
+import json, sys, time
+import torch  # first: the modules torch imports itself are not autogaudi's cost
+
+marks = [(time.perf_counter(), time.process_time())]
+import autogaudi.launcher  # noqa: E402,F401  (what `python -m autogaudi` imports before the script)
+from autogaudi import runtime  # noqa: E402
+
+marks.append((time.perf_counter(), time.process_time()))
+runtime.enable_with_source({"quiet": True}, "launcher")  # torch is in: the session starts now
+marks.append((time.perf_counter(), time.process_time()))
+exec(compile(open(sys.argv[1]).read(), sys.argv[1], "exec"), {"__name__": "__main__"})
+marks.append((time.perf_counter(), time.process_time()))
+runtime.report_at_exit()
+marks.append((time.perf_counter(), time.process_time()))
+runtime.disable()
+parts = {"import": marks[1], "start": marks[2], "report": marks[4]}
+before = {"import": marks[0], "start": marks[1], "report": marks[3]}
+print(json.dumps({f"{name}_{kind}_ms": 1000 * (parts[name][index] - before[name][index])
+                  for name in parts for index, kind in enumerate(("wall", "cpu"))}))
+"""
+
+
+def timed(command: list, env: dict) -> tuple:
+    """(wall ms, CPU ms) of one run of ``command``, which must exit 0."""
+    start = time.perf_counter()
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(process.pid, 0)
+    wall = time.perf_counter() - start
+    process.returncode = os.waitstatus_to_exitcode(status)
+    stderr = process.stderr.read().decode(errors="replace")
+    process.stderr.close()
+    if process.returncode != 0:
+        sys.exit(f"{' '.join(command)} failed ({process.returncode}):\n{stderr[-4000:]}")
+    return wall * 1000, (usage.ru_utime + usage.ru_stime) * 1000
+
+
+def spread(values: list) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def measure(rounds: int, python: str) -> dict:
+    with tempfile.TemporaryDirectory(prefix="autogaudi-startup-") as folder:
+        script = Path(folder) / "one_step.py"
+        script.write_text(ONE_STEP)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("AUTOGAUDI")}
+        env["AUTOGAUDI_CACHE_DIR"] = str(Path(folder) / "cache")
+        commands = {
+            "autogaudi": [python, "-m", "autogaudi", "--quiet", str(script)],
+            "plain": [python, str(script)],
+        }
+        runs = {name: [] for name in commands}
+        for round_ in range(rounds + 1):
+            order = list(commands) if round_ % 2 else list(reversed(commands))
+            results = {name: timed(commands[name], env) for name in order}
+            if round_:  # the first pair warms the disk cache and fills autogaudi's cache folder
+                for name, figures in results.items():
+                    runs[name].append(figures)
+        parts = []
+        for round_ in range(rounds + 1):
+            result = subprocess.run([python, "-c", PARTS, str(script)], env=env, capture_output=True, text=True)
+            if result.returncode != 0:
+                sys.exit(f"the parts probe failed ({result.returncode}):\n{result.stderr[-4000:]}")
+            if round_:
+                parts.append(json.loads(result.stdout.splitlines()[-1]))
+    figures = {"parts": {name: spread([run[name] for run in parts]) for name in parts[0]}}
+    for kind in ("wall", "cpu"):
+        total = [sum(value for name, value in run.items() if f"_{kind}_" in name) for run in parts]
+        figures["parts"][f"total_{kind}_ms"] = {**spread(total), "by_round": total}
+    for index, figure in enumerate(("wall_ms", "cpu_ms")):
+        added = [ours[index] - plain[index] for ours, plain in zip(runs["autogaudi"], runs["plain"])]
+        figures[figure] = {
+            "autogaudi": spread([run[index] for run in runs["autogaudi"]]),
+            "plain": spread([run[index] for run in runs["plain"]]),
+            "added": spread(added),
+            "added_by_round": added,
+        }
+    return figures
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=10, help="interleaved pairs counted (default 10)")
+    parser.add_argument("--python", default=sys.executable, help="the interpreter both commands run under")
+    parser.add_argument("--out", type=Path, help="also write the figures as JSON here")
+    args = parser.parse_args()
+    figures = measure(args.rounds, args.python)
+    print(
+        f"parts, median (min-max) ms over {args.rounds} processes: "
+        + ", ".join(f"{name} {v['median']:.1f} ({v['min']:.1f}-{v['max']:.1f})" for name, v in figures["parts"].items())
+    )
+    for figure in ("wall_ms", "cpu_ms"):
+        parts = figures[figure]
+        line = ", ".join(
+            f"{name} {parts[name]['median']:.1f} ({parts[name]['min']:.1f}-{parts[name]['max']:.1f})"
+            for name in ("autogaudi", "plain", "added")
+        )
+        print(f"{figure}: median (min-max) over {args.rounds} pairs: {line}")
+    if args.out:
+        args.out.write_text(json.dumps({"rounds": args.rounds, **figures}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""What starting autogaudi loads: only the units that can act here, nothing for a feature not asked for.
+
+Every module imported at start is time a short run pays for nothing (docs/benchmarks.md, start-up).
+Each check runs in a fresh process and reads its ``sys.modules``.
+"""
+
+import importlib
+import json
+
+from autogaudi.registry import UNITS
+from tests.helpers import clean_env, run_python
+
+ENABLED_ON_CPU = r"""
+import json, sys
+import torch
+import autogaudi
+autogaudi.enable(device="cpu", quiet=True, disable=sys.argv[1])
+rows = autogaudi.report().as_dict()["units"]
+print(json.dumps({"modules": sorted(sys.modules), "rows": {row["name"]: row for row in rows}}))
+"""
+
+
+def started_on_cpu(tmp_path, disable=""):
+    env = clean_env(AUTOGAUDI_NO_CACHE="0", AUTOGAUDI_CACHE_DIR=tmp_path / "cache")
+    result = run_python("-c", ENABLED_ON_CPU, disable, env=env)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.splitlines()[-1])
+
+
+def unit_module(info) -> str:
+    return info.module.split(":")[0]
+
+
+def test_a_cpu_start_loads_no_unit_that_cannot_act_there_and_no_page_doctor_or_compiler(tmp_path):
+    seen = started_on_cpu(tmp_path)
+    modules = set(seen["modules"])
+    elsewhere = [info for info in UNITS if "cpu" not in info.backends]
+    opt_in = [info for info in UNITS if info.opt_in]
+    assert elsewhere and opt_in
+    assert not {unit_module(info) for info in elsewhere + opt_in} & modules
+    assert not {name for name in modules if name == "autogaudi.page" or name.startswith("autogaudi.diagnosis")}
+    assert "torch._dynamo" not in modules and "torch._inductor" not in modules
+    # every unit still has its row, those not loaded for their backend with the code a loaded one gives
+    assert set(seen["rows"]) == {info.name for info in UNITS}
+    for info in set(elsewhere) - set(opt_in):
+        row = seen["rows"][info.name]
+        assert (row["status"], row["reason_code"], row["reason_params"]["backend"]) == (
+            "skipped",
+            "other_backend",
+            "cpu",
+        )
+    loaded = [info for info in UNITS if "cpu" in info.backends and not info.opt_in]
+    assert {unit_module(info) for info in loaded} <= modules
+
+
+def test_a_disabled_unit_is_not_imported(tmp_path):
+    seen = started_on_cpu(tmp_path, disable="loader_workers")
+    assert "autogaudi.optimizations.loader_workers" not in seen["modules"]
+    assert seen["rows"]["loader_workers"]["reason_code"] == "switched_off"
+
+
+def test_the_registry_says_where_each_unit_acts_as_its_class_does():
+    for info in UNITS:
+        module, name = info.module.split(":")
+        unit_class = getattr(importlib.import_module(module), name)
+        assert (info.backends, info.why_not_elsewhere) == (unit_class.backends, unit_class.why_not_elsewhere), info.name
+
+
+def test_the_launcher_and_the_doctor_do_not_import_each_other():
+    watched = ("autogaudi.launcher", "autogaudi.diagnosis", "torch")
+
+    def loads(module):
+        return run_python("-c", f"import sys, {module}; print(sorted(n for n in {watched!r} if n in sys.modules))")
+
+    launcher, doctor = loads("autogaudi.launcher"), loads("autogaudi.diagnosis.command")
+    assert launcher.returncode == 0 and doctor.returncode == 0, launcher.stderr + doctor.stderr
+    assert launcher.stdout.strip() == "['autogaudi.launcher']"  # neither the doctor nor torch before the script
+    assert "autogaudi.launcher" not in doctor.stdout
