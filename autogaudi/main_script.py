@@ -177,3 +177,9 @@ def _load_module_main(name: str):
     return code, _new_main(
         __file__=spec.origin, __loader__=spec.loader, __spec__=spec, __package__=spec.parent, __cached__=spec.cached
     )
+
+
+def script_path():
+    """The running script's file (``__main__``), or None (``python -c``, an interactive session)."""
+    path = getattr(sys.modules.get("__main__"), "__file__", None)
+    return path if path and path.endswith(".py") and os.path.isfile(path) else None

@@ -11,8 +11,7 @@ ALL_BACKENDS = ("hpu", "cuda", "cpu")
 
 # The units that cannot act on every backend: where they can, and why not elsewhere (the report's
 # words). Known here so the session never imports a unit where it cannot act: its module costs
-# start-up, and may need that backend's libraries. Each unit class says the same in ``backends`` and
-# ``why_not_elsewhere``, which a test holds equal to this.
+# start-up, and may need that backend's libraries. A unit reads its own from here.
 ACTS_ONLY_ON = {
     "gpu_migration": (("hpu",), "the toolkit maps CUDA calls onto a Gaudi only"),
     "step_marks": (("hpu",), ""),

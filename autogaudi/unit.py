@@ -26,7 +26,6 @@ from autogaudi.guard import guarded, guarded_method_call
 from autogaudi.options import OPTIONS_BY_NAME
 from autogaudi.reasons import Reason
 
-ALL_BACKENDS = ("hpu", "cuda", "cpu")
 # How a unit can make a run's numbers differ from plain PyTorch's on the same machine (losses,
 # parameters, gradients, random draws; docs/numerics.md), as the report and --exact's reason say it.
 ROUNDING, RANDOM, PRECISION, DATA = "rounding", "random", "precision", "data"
@@ -126,8 +125,8 @@ class Unit:
     Subclasses set ``targets`` (the dotted ``owner.attribute`` paths the unit itself patches, for the
     report and the generated contract test: each is wrapped while the unit is on where it applies and
     the very original object after revert), ``acts_on`` (what they change on the user's own objects
-    or through the session's step watcher, in words), and
-    ``backends`` (where they can apply), may refine :meth:`skip_reason`, and implement
+    or through the session's step watcher, in words; where they can apply is the registry's
+    ``ACTS_ONLY_ON``), may refine :meth:`skip_reason`, and implement
     :meth:`apply`. ``self.figures`` collects what the unit measured, for the report. ``reasons`` maps
     each code the unit can give (:meth:`because`) to its text; the core's codes come on top.
     """
@@ -137,9 +136,7 @@ class Unit:
     requires: tuple = ()  # units that must be in force for this one to apply; the session starts them first
     # units that, where they are on, start (and so hear each event) before this one; not required
     after: tuple = ()
-    backends: tuple = ALL_BACKENDS
     min_torch: tuple = (2, 4)  # the oldest torch whose APIs the unit relies on
-    why_not_elsewhere = ""  # why the other backends do not need it, for the report
     # (figure, text): the figure that counts what the unit changed in the run, and how the report's
     # headline says it ("{}" is the count). Units that only measure leave it empty.
     changed_figure: tuple = ()
@@ -161,6 +158,9 @@ class Unit:
         self.session = session
         self.name = info.name
         self.summary = info.summary
+        # where it can apply, and why the other backends do not need it: the registry's, which the
+        # session reads before it imports a unit
+        self.backends, self.why_not_elsewhere = info.backends, info.why_not_elsewhere
         self.reason = None  # a Reason: why it applied the way it did, for the report (see because())
         self.figures: dict = {}
         self.notes: list = []

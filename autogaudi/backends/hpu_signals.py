@@ -20,7 +20,7 @@ import re
 import torch
 
 from autogaudi.events import Event
-from autogaudi.optimizations.gpu_migration import script_path
+from autogaudi.main_script import script_path
 from autogaudi.reasons import Reason
 
 # code -> text: what the report says of each signal (the JSON carries code and params, as a unit's).

@@ -49,9 +49,7 @@ class FusedClipNormUnit(Unit):
     reasons = {"hpex": "hpex FusedClipNorm"}
     changed_figure = ("fused_calls", "{} clip_grad_norm_ calls through FusedClipNorm")
     targets = ("torch.nn.utils.clip_grad_norm_", "torch.nn.utils.clip_grad.clip_grad_norm_")
-    backends = ("hpu",)
     acts_for_device = True
-    why_not_elsewhere = "torch's clip_grad_norm_ already runs its foreach kernels there"
 
     def apply(self) -> None:
         original = torch.nn.utils.clip_grad.clip_grad_norm_

@@ -69,9 +69,7 @@ class FusedSdpa(Unit):
     }
     changed_figure = ("fused_calls", "{} attention calls through FusedSDPA")
     targets = ("torch.nn.functional.scaled_dot_product_attention",)
-    backends = ("hpu",)
     acts_for_device = True
-    why_not_elsewhere = "torch already dispatches this op to its fused kernels there"
 
     def apply(self) -> None:
         self._fused = self.backend.fused_sdpa()

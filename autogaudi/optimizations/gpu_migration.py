@@ -33,6 +33,7 @@ import sys
 
 import torch
 
+from autogaudi.main_script import script_path
 from autogaudi.unit import ROUNDING, Unit
 
 TOOLKIT = "habana_frameworks.torch.gpu_migration"
@@ -59,12 +60,6 @@ NOT_MAPPED = {
     "torch.utils.cpp_extension": "a CUDA extension built by the script",
 }
 _MAX_FILES = 32  # the script and at most this many of its own modules are read
-
-
-def script_path():
-    """The running script's file (``__main__``), or None (``python -c``, an interactive session)."""
-    path = getattr(sys.modules.get("__main__"), "__file__", None)
-    return path if path and path.endswith(".py") and os.path.isfile(path) else None
 
 
 def _imported_names(tree) -> list:
@@ -185,8 +180,6 @@ class GpuMigration(Unit):
     changed_figure = ("mapped_calls", "{} CUDA calls mapped to hpu by Intel's GPU migration")
     targets = ("torch.cuda.is_available",)
     acts_on = ("PT_HPU_GPU_MIGRATION, set before the Gaudi bridge loads (the session, before its backend probe)",)
-    backends = ("hpu",)
-    why_not_elsewhere = "the toolkit maps CUDA calls onto a Gaudi only"
     states = ("watching", "failed", "disabled")
 
     def apply(self) -> None:

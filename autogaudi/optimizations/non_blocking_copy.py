@@ -40,9 +40,7 @@ class NonBlockingCopy(Unit):
     changed_figure = ("non_blocking_copies", "{} host-to-device copies made non-blocking")
     targets = ("torch.Tensor.to",)
     acts_on = ("CUDA: torch.Tensor.cuda",)
-    backends = ("hpu", "cuda")
     acts_for_device = True
-    why_not_elsewhere = "a CPU-only run makes no host-to-device copies"
 
     def apply(self) -> None:
         self.figures["non_blocking_copies"] = 0

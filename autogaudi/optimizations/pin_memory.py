@@ -27,9 +27,7 @@ class PinMemory(Unit):
     reasons = {"pinned": "pinned for {device}"}
     changed_figure = ("loaders_pinned", "{} DataLoader(s) pinning memory")
     acts_on = ("DataLoader construction (the session's step watcher)",)
-    backends = ("hpu", "cuda")
     acts_for_device = True
-    why_not_elsewhere = "pinning does nothing without a device to copy to"
 
     def apply(self) -> None:
         self.figures["loaders_pinned"] = 0

@@ -62,9 +62,7 @@ class StaticLastBatch(Unit):
     }
     changed_figure = ("loaders_padded", "{} DataLoader(s) padded to whole batches")
     acts_on = ("DataLoader construction (the session's step watcher)",)
-    backends = ("hpu",)
     acts_for_device = True
-    why_not_elsewhere = "shapes only need to be static under graph capture, which is not on"
 
     def skip_reason(self):
         reason = super().skip_reason()

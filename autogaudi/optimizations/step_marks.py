@@ -29,7 +29,6 @@ class LazyModeUnit(Unit):
 
     reasons = {"hpu_eager": "HPU eager mode (PT_HPU_LAZY_MODE=0) runs ops as issued; there is nothing to mark"}
 
-    backends = ("hpu",)
     acts_for_device = True
 
     def skip_reason(self):
