@@ -142,3 +142,15 @@ def test_a_bridge_loaded_before_autogaudi_leaves_the_toolkit_off_and_the_cuda_ch
     assert [advice["code"] for advice in migration["recommendations"]] == ["set_variable"]
     for name in DEVICE_UNITS:
         assert units[name]["reason_code"] == "model_not_on_device", name
+
+
+def test_a_package_found_through_pythonpath_is_read_as_the_users_own(tmp_path, monkeypatch):
+    """minGPT's layout: ``PYTHONPATH=. python projects/adder/adder.py``, CUDA asked for in the package."""
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "trainer.py").write_text("device = 'cuda'\n")
+    (tmp_path / "projects").mkdir()
+    (tmp_path / "projects" / "train.py").write_text("from pkg.trainer import device\n")
+    assert read_script(str(tmp_path / "projects" / "train.py"))["cuda"] == []
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    assert read_script(str(tmp_path / "projects" / "train.py"))["cuda"] == ["../pkg/trainer.py:1"]
