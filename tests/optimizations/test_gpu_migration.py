@@ -69,6 +69,17 @@ def test_a_cuda_script_trains_on_hpu_through_intels_migration_under_the_defaults
         assert units[name]["reason_code"] != "model_not_on_device"
 
 
+@pytest.mark.parametrize("style", ["examples", "dot"])
+def test_every_parameter_and_every_batch_is_recorded_on_hpu_and_none_without_migration(tmp_path, style):
+    _, result = run(tmp_path, "cuda_train.py", STYLE=style, PLACEMENT="1")
+    counts = dict(line.split(" on hpu ") for line in result.stdout.splitlines() if " on hpu " in line)
+    assert counts.keys() == {"parameters", "batches"}
+    assert all(hpu == total for hpu, _, total in (count.split() for count in counts.values())), counts
+    assert counts["batches"] == "28 of 28"  # 7 batches of inputs and targets, two epochs
+    _, result = run(tmp_path, "cuda_train.py", "--disable", "gpu_migration", STYLE=style, PLACEMENT="1")
+    assert "parameters on hpu 0 of" in result.stdout and "batches on hpu 0 of 28" in result.stdout
+
+
 def test_the_migrated_run_computes_what_the_script_computes_on_the_host(tmp_path):
     """The double's device is the CPU: the mapped run (its padding off, which changes the batches)
     ends on plain's loss, up to the fused kernels' rounding."""
