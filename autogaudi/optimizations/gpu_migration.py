@@ -72,10 +72,11 @@ def _imported_names(tree) -> list:
 
 
 def _own_folders(folder: str) -> list:
-    """Where the user's own modules are found: the script's folder, then ``PYTHONPATH``'s entries
-    (a project run as ``PYTHONPATH=. python projects/x/train.py`` imports its package from there)."""
-    extra = [os.path.abspath(entry) for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry]
-    return [folder, *extra]
+    """Where the user's own modules are found: the script's folder, then the ``PYTHONPATH`` entries
+    the script lives under (a project run as ``PYTHONPATH=. python projects/x/train.py`` imports its
+    package from its root; other entries hold libraries, not the user's code)."""
+    entries = [os.path.abspath(entry) for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry]
+    return [folder, *(entry for entry in entries if folder.startswith(entry + os.sep))]
 
 
 def _local_file(folders: list, name: str):

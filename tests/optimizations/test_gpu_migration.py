@@ -165,3 +165,9 @@ def test_a_package_found_through_pythonpath_is_read_as_the_users_own(tmp_path, m
     assert read_script(str(tmp_path / "projects" / "train.py"))["cuda"] == []
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     assert read_script(str(tmp_path / "projects" / "train.py"))["cuda"] == ["../pkg/trainer.py:1"]
+    # a PYTHONPATH entry the script is not under holds libraries, not the user's code
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "library.py").write_text("device = 'cuda'\n")
+    (tmp_path / "projects" / "uses_library.py").write_text("import library\n")
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path / 'lib'}:{tmp_path / 'projects'}")
+    assert read_script(str(tmp_path / "projects" / "uses_library.py"))["cuda"] == []
