@@ -16,7 +16,9 @@ torchrun and every rank runs under autogaudi):
   by measurement, driven on any machine;
 - ``exact``: ``--exact``, only the units that leave the numbers bitwise plain's: results and
   checkpoint values must equal plain's exactly;
-- on request (``--variants``): ``precision bf16``, ``fp16``, ``tf32`` and ``auto`` (``--precision``).
+- on request (``--variants``): ``hpu double``, the defaults with the HPU test double as the bridge
+  (``tests/hpu_double``, placement recorded; not a Gaudi): the report must place the model on hpu;
+  ``precision bf16``, ``fp16``, ``tf32`` and ``auto`` (``--precision``).
 
 Per case and variant it records the exit code (must equal plain's), the result line (the manifest's
 regex, last match; its numbers compared with plain's, see :func:`compare_results`), the wall time
@@ -51,12 +53,16 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 DEFAULT_CORPUS = REPO.parent / "shared" / "corpus"
 DIST_CORPUS = HERE / "corpus_dist"
+HPU_DOUBLE = REPO / "tests" / "hpu_double"
 
 VARIANTS = {
     "plain": [],
     "autogaudi": ["-m", "autogaudi"],
     "capture forced": ["-m", "autogaudi", "--force", "graph_capture,channels_last", "--no-trials"],
     "exact": ["-m", "autogaudi", "--exact"],
+    # The defaults with the HPU test double (tests/hpu_double) as the bridge, its placement recorded:
+    # where a Gaudi is out of reach, whether a CUDA- or CPU-written case ends up with its model on hpu.
+    "hpu double": ["-m", "autogaudi"],
     # On request only (--variants): mixed precision changes numerics by design.
     "precision bf16": ["-m", "autogaudi", "--precision", "bf16"],
     "precision auto": ["-m", "autogaudi", "--precision", "auto"],
@@ -70,7 +76,13 @@ DEFAULT_VARIANTS = ("plain", "autogaudi", "capture forced", "exact")
 # same training, compared loosely (25%), and the table says so.
 # Below float32 (bf16 keeps 8 significant bits, fp16 11, tf32's matmuls 11): a different trajectory
 # too, held to 25% like forced capture.
-TOLERANCE = {"plain": 0.0, "autogaudi": 0.05, "capture forced": 0.25, "exact": 0.0}  # exact: bitwise
+TOLERANCE = {
+    "plain": 0.0,
+    "autogaudi": 0.05,
+    "capture forced": 0.25,
+    "exact": 0.0,
+    "hpu double": 0.05,
+}  # exact: bitwise
 TOLERANCE.update((variant, 0.25) for variant in VARIANTS if variant.startswith("precision "))
 # Cases whose results and checkpoint values cannot be compared with another run's, and why.
 NOT_COMPARED = {
@@ -179,6 +191,9 @@ def clean_env(case: dict, variant: str) -> dict:
     env["PYTHONUNBUFFERED"] = "1"
     if VARIANTS[variant]:
         env["PYTHONPATH"] = os.pathsep.join(part for part in (env.get("PYTHONPATH"), str(REPO)) if part)
+    if variant == "hpu double":
+        env["PYTHONPATH"] = os.pathsep.join((str(HPU_DOUBLE), env["PYTHONPATH"]))
+        env["HPU_DOUBLE_PLACEMENT"] = "recorded"
     return env
 
 
@@ -348,6 +363,8 @@ def verdict(case: dict, variant: str, plain: dict, mine: dict) -> dict:
     same, why = compare_results(case, variant, plain["result"], mine["result"])
     if not same:
         problems["differs"].append(why)
+    if variant == "hpu double":
+        problems["differs"] += off_the_double(mine.get("report") or {})
     missing = sorted(set(plain["files"]) - set(mine["files"]))
     if missing:
         problems["crashed" if mine["exit_code"] else "differs"].append(f"files plain wrote are missing: {missing}")
@@ -372,6 +389,17 @@ def verdict(case: dict, variant: str, plain: dict, mine: dict) -> dict:
         "why": [text for found in problems.values() for text in found] or [why],
         "time_ratio": round(ratio, 3),
     }
+
+
+def off_the_double(report: dict) -> list:
+    """Why the model is not on the double's hpu where it should be: a script that asks for CUDA is
+    migrated there; one written for the CPU stays on the host, as written (gpu_migration's
+    ``script_not_cuda``), with the device units stepping aside."""
+    placement = report.get("backend", {}).get("placement", {})
+    migration = {unit["name"]: unit for unit in report.get("units", [])}.get("gpu_migration", {})
+    if placement.get("on_device") or migration.get("reason_code") == "script_not_cuda":
+        return []
+    return [f"the model's parameters on {placement.get('device', 'an unknown device')}, not hpu"]
 
 
 def run_variant_again_after_teardown_abort(case: dict, variant: str, scratch: Path, timeout: float) -> dict:
@@ -441,6 +469,13 @@ def what_autogaudi_did(report) -> str:
             parts.append(f"{unit['name']}: {unit['reason']}"[:160])
         elif unit["status"] == "failed":
             parts.append(f"{unit['name']} FAILED: {unit['reason']}"[:200])
+    placement = report.get("backend", {}).get("placement")
+    if placement and "hpu" in report.get("backend", {}).get("name", ""):
+        migration = report["backend"].get("migration")
+        parts.append(
+            f"parameters on {placement['device']} at {placement['at']}"
+            + (f", asked for {migration['asked_for']}" if migration else ", not migrated")
+        )
     for trial in report.get("trials", []):
         parts.append(
             f"trial {trial['candidate']}: {trial.get('speedup')}x, one-off {trial.get('one_off_s')} s, "

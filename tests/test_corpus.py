@@ -105,6 +105,25 @@ def test_forced_capture_is_compared_more_loosely_and_unseeded_cases_not_at_all()
     assert corpus.verdict(unseeded, "autogaudi", run(), run(result="loss 9.0"))["verdict"] == "same"
 
 
+def on_the_double(device, migration="mapped") -> dict:
+    """A run under the double whose report places the model on ``device``."""
+    units = [{"name": "gpu_migration", "reason_code": migration}]
+    report = {"backend": {"name": "hpu", "placement": {"device": device, "on_device": device == "hpu"}}, "units": units}
+    return {**run(), "report": report}
+
+
+def test_on_the_double_a_cuda_case_left_on_the_host_differs_and_a_cpu_written_one_may_stay_there():
+    corpus = load_corpus()
+    assert corpus.verdict(CASE, "hpu double", run(), on_the_double("hpu"))["verdict"] == "same"
+    assert corpus.verdict(CASE, "hpu double", run(), on_the_double("cpu"))["verdict"] == "differs"
+    assert corpus.verdict(CASE, "hpu double", run(), on_the_double("cpu", "script_not_cuda"))["verdict"] == "same"
+    # only this variant runs with the double and its recorded placement on the path
+    env = corpus.clean_env({}, "hpu double")
+    assert env["PYTHONPATH"].split(":")[0] == str(corpus.HPU_DOUBLE)
+    assert env["HPU_DOUBLE_PLACEMENT"] == "recorded"
+    assert "HPU_DOUBLE_PLACEMENT" not in corpus.clean_env({}, "autogaudi")
+
+
 def run_corpus(tmp_path, *args, timeout):
     """benchmarks/corpus.py with ``args``, its scratch and results in ``tmp_path``: (the process, the results)."""
     out = tmp_path / "corpus.json"
@@ -236,3 +255,19 @@ def test_a_set_up_that_ends_in_gloos_teardown_abort_runs_again_and_other_failure
     with pytest.raises(subprocess.CalledProcessError):
         corpus.run_setup(case, tmp_path)
     assert len(calls) == 3
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not CPU_CASES, reason=NO_CORPUS)
+def test_a_cuda_written_case_trains_on_the_doubles_hpu_with_plains_losses(tmp_path, monkeypatch):
+    """minGPT's adder (``'cuda' if torch.cuda.is_available()`` in its package) under the defaults with
+    the HPU double: migrated, its parameters on hpu, its loss plain's on the CPU within tolerance."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    corpus = load_corpus()
+    case = next(case for case in CPU_CASES if case["name"] == "mingpt-adder")
+    row = corpus.run_case(case, ["plain", "hpu double"], tmp_path, corpus.log, 600)
+    mine = row["runs"]["hpu double"]
+    assert mine["verdict"] in ("same", "slower"), (mine["why"], mine["output_tail"][-2000:])
+    backend = mine["report"]["backend"]
+    assert backend["placement"]["on_device"] is True and backend["placement"]["device"] == "hpu"
+    assert backend["migration"] == {**backend["migration"], "asked_for": "cuda", "ran_on": "hpu"}

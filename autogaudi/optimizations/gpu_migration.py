@@ -73,19 +73,30 @@ def _imported_names(tree) -> list:
     return names
 
 
-def _local_file(folder: str, name: str):
-    base = os.path.join(folder, *name.split("."))
-    for candidate in (base + ".py", os.path.join(base, "__init__.py")):
-        if os.path.isfile(candidate):
-            return candidate
+def _own_folders(folder: str) -> list:
+    """Where the user's own modules are found: the script's folder, then the ``PYTHONPATH`` entries
+    the script lives under (a project run as ``PYTHONPATH=. python projects/x/train.py`` imports its
+    package from its root; other entries hold libraries, not the user's code)."""
+    entries = [os.path.abspath(entry) for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry]
+    return [folder, *(entry for entry in entries if folder.startswith(entry + os.sep))]
+
+
+def _local_file(folders: list, name: str):
+    for folder in folders:
+        base = os.path.join(folder, *name.split("."))
+        for candidate in (base + ".py", os.path.join(base, "__init__.py")):
+            if os.path.isfile(candidate):
+                return candidate
     return None
 
 
 def read_script(path: str) -> dict:
-    """What the script and its own modules (those of its folder it imports, transitively) show:
+    """What the script and its own modules (those of its folder or ``PYTHONPATH`` it imports,
+    transitively) show:
     ``cuda`` (``file:line`` of the first uses of CUDA, at most 3) and ``not_mapped`` (library ->
     ``file:line`` of its first import), read before the script runs."""
     folder = os.path.dirname(os.path.abspath(path))
+    folders = _own_folders(folder)
     pending, seen = [os.path.abspath(path)], set()
     found = {"cuda": [], "not_mapped": {}}
     while pending and len(seen) < _MAX_FILES:
@@ -110,7 +121,7 @@ def read_script(path: str) -> dict:
                     if library:
                         found["not_mapped"].setdefault(library, f"{where}:{node.lineno}")
         for name in _imported_names(tree):
-            local = _local_file(folder, name)
+            local = _local_file(folders, name)
             if local is not None:
                 pending.append(local)
     return found

@@ -69,6 +69,17 @@ def test_a_cuda_script_trains_on_hpu_through_intels_migration_under_the_defaults
         assert units[name]["reason_code"] != "model_not_on_device"
 
 
+@pytest.mark.parametrize("style", ["examples", "dot"])
+def test_every_parameter_and_every_batch_is_recorded_on_hpu_and_none_without_migration(tmp_path, style):
+    _, result = run(tmp_path, "cuda_train.py", STYLE=style, PLACEMENT="1")
+    counts = dict(line.split(" on hpu ") for line in result.stdout.splitlines() if " on hpu " in line)
+    assert counts.keys() == {"parameters", "batches"}
+    assert all(hpu == total for hpu, _, total in (count.split() for count in counts.values())), counts
+    assert counts["batches"] == "28 of 28"  # 7 batches of inputs and targets, two epochs
+    _, result = run(tmp_path, "cuda_train.py", "--disable", "gpu_migration", STYLE=style, PLACEMENT="1")
+    assert "parameters on hpu 0 of" in result.stdout and "batches on hpu 0 of 28" in result.stdout
+
+
 def test_the_migrated_run_computes_what_the_script_computes_on_the_host(tmp_path):
     """The double's device is the CPU: the mapped run (its padding off, which changes the batches)
     ends on plain's loss, up to the fused kernels' rounding."""
@@ -142,3 +153,21 @@ def test_a_bridge_loaded_before_autogaudi_leaves_the_toolkit_off_and_the_cuda_ch
     assert [advice["code"] for advice in migration["recommendations"]] == ["set_variable"]
     for name in DEVICE_UNITS:
         assert units[name]["reason_code"] == "model_not_on_device", name
+
+
+def test_a_package_found_through_pythonpath_is_read_as_the_users_own(tmp_path, monkeypatch):
+    """minGPT's layout: ``PYTHONPATH=. python projects/adder/adder.py``, CUDA asked for in the package."""
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "trainer.py").write_text("device = 'cuda'\n")
+    (tmp_path / "projects").mkdir()
+    (tmp_path / "projects" / "train.py").write_text("from pkg.trainer import device\n")
+    assert read_script(str(tmp_path / "projects" / "train.py"))["cuda"] == []
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    assert read_script(str(tmp_path / "projects" / "train.py"))["cuda"] == ["../pkg/trainer.py:1"]
+    # a PYTHONPATH entry the script is not under holds libraries, not the user's code
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "library.py").write_text("device = 'cuda'\n")
+    (tmp_path / "projects" / "uses_library.py").write_text("import library\n")
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path / 'lib'}:{tmp_path / 'projects'}")
+    assert read_script(str(tmp_path / "projects" / "uses_library.py"))["cuda"] == []

@@ -3,7 +3,8 @@ way (``"cuda" if torch.cuda.is_available() else "cpu"``), STYLE=dot calls ``.cud
 (guarded the same way, so it also runs where nothing maps it). IMPORT_BRIDGE_FIRST=1 loads the Gaudi
 bridge before torch, as a script of Gaudi's own would. Its model
 and helpers live in a local module (cuda_pkg/net.py), as scripts split them. Prints where the model's
-parameters are and the final loss."""
+parameters are and the final loss; with PLACEMENT=1, how many parameters and batches autogaudi's
+placement probe (the double's record) saw on hpu."""
 
 import os
 
@@ -15,6 +16,7 @@ from cuda_pkg.net import Net, seeded
 from torch.utils.data import DataLoader, TensorDataset
 
 STYLE = os.environ.get("STYLE", "examples")
+placed = {"parameters": [], "batches": []}
 seeded(0)
 data = TensorDataset(torch.randn(50, 4), torch.randn(50, 1))  # 50 % 8: a short last batch
 loader = DataLoader(data, batch_size=8, shuffle=False)
@@ -33,10 +35,16 @@ for _epoch in range(2):
             inputs, targets = inputs.cuda(), targets.cuda()
         elif device is not None:
             inputs, targets = inputs.to(device), targets.to(device)
+        placed["batches"] += [inputs, targets]
         loss = torch.nn.functional.mse_loss(model(inputs), targets)
         optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
 print(f"model on {next(model.parameters()).device}")
+if os.environ.get("PLACEMENT") == "1":
+    from autogaudi.placement import device_type_of
+
+    for kind, tensors in {**placed, "parameters": list(model.parameters())}.items():
+        print(f"{kind} on hpu {sum(device_type_of(t) == 'hpu' for t in tensors)} of {len(tensors)}")
 print(f"loss {loss.item():.8f}")
