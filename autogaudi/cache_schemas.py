@@ -51,10 +51,13 @@ PROFILE = {
     **STAMP,
 }
 TRIAL = {
-    "decision": OneOf("kept", "rejected"),
-    "speedup": NUMBER,
-    "ms_per_step_with": NUMBER,
+    # "stopped": its one-off passed the estimate's high end before the arms were timed
+    "decision": OneOf("kept", "rejected", "stopped"),
+    "speedup": Maybe(NUMBER),
+    "ms_per_step_with": Maybe(NUMBER),
     "ms_per_step_without": NUMBER,
+    "one_off_limit_s": Maybe(NUMBER),
+    "load": Maybe(NUMBER),
     **STAMP,
 }
 SCHEMAS = {
@@ -85,6 +88,7 @@ SCHEMAS = {
         "warm": Maybe(bool),
         "tier": Maybe(OneOf("whole", "regional", "replay")),
         "predicted_s": Maybe(NUMBER),
+        "load": Maybe(NUMBER),
         "date": Maybe(str),
     },
     "one_offs": {"records": list},  # each record checked alone: a bad one is dropped, not all

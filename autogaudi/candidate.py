@@ -121,7 +121,7 @@ class Candidate:
     def try_(self, profile=None, **trial) -> None:
         """Set up (where not yet) and switch on: at once where ``--force``d, with ``--no-trials``
         or where no trial is needed, else through a trial (``trial``: :class:`Trial`'s
-        ``not_before_step``)."""
+        ``not_before_step`` and ``one_off_limit_s``)."""
         self.set_up(profile or self.profile)
         unit = self.unit
         forced = unit.name in unit.options.force
@@ -137,31 +137,38 @@ class Candidate:
         self._because("trial")
 
     def follow(self, record: dict, profile=None) -> None:
-        """Take a remembered trial's decision without the trial (set up and on where it was kept),
-        then check this run's steps against the time that trial measured for the arm followed;
-        where they differ, :attr:`try_again`."""
+        """Take a remembered trial's decision without the trial. A rejection (or a trial stopped for
+        its one-off) holds: nothing is set up, and no later step starts that trial again. A keep is
+        set up and on, then this run's steps are checked against the time that trial measured with
+        it; only where they clearly contradict it, :attr:`try_again`."""
         keep = record["decision"] == "kept"
         unit = self.unit
         self.profile = profile or self.profile
-        if keep:
-            self.set_up(profile or self.profile)
-            self._set_up_figures_reported()
-            self._keep()
-        else:
-            self._close()
-        self.state = State.FOLLOWING
-        unit.figures.update(speedup=record["speedup"], remembered_from_run=record["run"])
+        unit.figures["remembered_from_run"] = record["run"]
+        if record["decision"] == "stopped":
+            unit.because("remembered_stopped", limit=record["one_off_limit_s"], **origin(record))
+            self.release()
+            return
+        unit.figures["speedup"] = record["speedup"]
         unit.because("remembered", decision=record["decision"], speedup=record["speedup"], **origin(record))
+        if not keep:
+            self.release()
+            return
+        self.set_up(profile or self.profile)
+        self._set_up_figures_reported()
+        self._keep()
+        self.state = State.FOLLOWING
 
         def checked(matches: bool, check: dict) -> None:
             unit.figures["remembered_check"] = check["decision"]
             if not matches:
                 self.try_again()
             elif self.state is State.FOLLOWING:
-                self.state = State.ON if keep else State.RELEASED
+                self.state = State.ON
 
-        expected_s = record["ms_per_step_with" if keep else "ms_per_step_without"] / 1000
-        unit.session.trials.submit(Check(unit, unit.name, keep, expected_s, checked, warmup=WARMUP))
+        expected_s = record["ms_per_step_with"] / 1000
+        load_then = record.get("load", 1.0)
+        unit.session.trials.submit(Check(unit, unit.name, expected_s, checked, warmup=WARMUP, load_then=load_then))
 
     def release(self, code: str | None = None, **params) -> None:
         """Not kept (or no longer): switch off and undo everything set up; ``code``: the reason."""
@@ -198,6 +205,11 @@ class Candidate:
 
     def _trial_decided(self, keep: bool, record: dict) -> None:
         unit = self.unit
+        if record["decision"] == "stopped":
+            unit.because("one_off_overran", spent=record["one_off_s"], limit=record["one_off_limit_s"])
+            self._close()
+            self.state = State.RELEASED
+            return
         unit.figures["speedup"] = record["speedup"]
         if self._decided is not None:
             self._decided(keep, record)

@@ -11,7 +11,9 @@ of the model's graph times a rate of this machine:
   blocks plus one block's share;
 - *rate*: seconds per unit of size, learned from the one-offs measured on this machine (backend,
   device, torch) and kept in the cache, pulled towards the backend's prior (a pseudo-observation
-  of weight ``PRIOR_WEIGHT``) so that one odd run moves it only part of the way. A warm compile
+  of weight ``PRIOR_WEIGHT``) so that one odd run moves it only part of the way; each measurement
+  is divided by the load it ran under, and an estimate multiplied by the load now
+  (:mod:`autogaudi.machine_load`): a busy machine compiles slower. A warm compile
   cache has a rate of its own (a second run compiled for 0.10-0.17x of the first's one-off).
 
 The uncertainty is the geometric spread of the measured ratios (the prior's ``PRIOR_SPREAD`` until
@@ -33,6 +35,7 @@ import os
 
 import torch
 
+from autogaudi import machine_load
 from autogaudi.cache import COMPILE, ONE_OFFS, SCHEMAS, distrust, now, problem, read_bytes, read_json, sha256
 from autogaudi.memory import digest, model_structure, script_identity
 
@@ -130,7 +133,7 @@ def learned_rate(records: list, prior: float, warm: bool, replay: bool = False) 
     or for a replay tier's capture (``replay``: measured apart, it generates no code)."""
     prior = prior * (WARM_FACTOR if warm else 1.0)
     logs = [
-        math.log(r["actual_s"] / r["size"])
+        math.log(r["actual_s"] / r.get("load", 1.0) / r["size"])
         for r in records
         if bool(r.get("warm")) == warm
         and (r.get("tier") == "replay") == replay
@@ -154,16 +157,19 @@ def estimate(traits: dict, records: list, backend, warm: bool = False, tier: str
     rate, spread, measured = learned_rate(records, prior, warm, replay)
     # warm or not: importing the compiler alone is 1-2 s
     floor = backend.least_replay_one_off_s if replay else backend.least_capture_one_off_s
-    seconds = max(floor, rate * graph)
+    load = machine_load.slowdown()  # the learned rate is an idle machine's: the others' share is added
+    seconds = max(floor, rate * graph) * load
     if measured:
         basis = f"{measured} one-off(s) measured on this machine, {traits['ops_per_step']} ops per step"
     else:
         basis = f"{backend.name}'s prior, {traits['ops_per_step']} ops per step"
     if warm:
         basis += ", compile cache warm"
+    if load > 1:
+        basis += f", {load}x for the machine's load"
     return {
         "seconds": round(seconds, 3),
-        "low_s": round(max(floor, seconds / spread), 3),
+        "low_s": round(max(floor * load, seconds / spread), 3),
         "high_s": round(seconds * spread, 3),
         "basis": basis,
         "measured": measured,
@@ -181,6 +187,7 @@ def record_of(predicted: dict, actual_s: float) -> dict:
         "tier": predicted["tier"],
         "predicted_s": predicted["seconds"],
         "actual_s": round(actual_s, 3),
+        "load": machine_load.slowdown(),  # what the machine's load made it cost: the rate learned is an idle one's
     }
 
 

@@ -29,6 +29,10 @@ CORE = {
     "no_training_model": "no module owning the optimizer's parameters was called in the profiled step",
     "remembered": "{decision}, as its trial decided in run {run} on {date} ({speedup}x) with the same script, model "
     "and inputs; this run's step time is checked against that trial's",
+    "remembered_stopped": "not tried: its trial in run {run} on {date} with the same script, model and inputs was "
+    "stopped when its one-off passed {limit} s, the high end of its estimate",
+    "one_off_overran": "stopped: its one-off reached {spent} s, past the high end of its estimate ({limit} s); "
+    "released, nothing more paid for it",
     # notes of a unit whose effect on the numbers was to be measured on a copy (Unit.measure_numerics)
     "numerics_not_measured_memory": "its effect on the numbers not measured: a copy of {model} would take more "
     "than {share:.0%} of the memory free",

@@ -8,6 +8,8 @@ list here, free of torch imports, lets option validation and ``--help`` run befo
 from __future__ import annotations
 
 ALL_BACKENDS = ("hpu", "cuda", "cpu")
+# The unit that profiles the step, whose profile other units act on (session.profiler).
+PROFILER = "step_profiler"
 
 # The units that cannot act on every backend: where they can, and why not elsewhere (the report's
 # words). Known here so the session never imports a unit where it cannot act: its module costs
@@ -59,7 +61,7 @@ UNITS: tuple[UnitInfo, ...] = (
         opt_in=True,
     ),
     UnitInfo(
-        "step_profiler",
+        PROFILER,
         "classifies the run host-, device-, communication- or input-bound from a sampled window of steps, "
         "for the report and other units",
         "autogaudi.optimizations.step_profiler:StepProfiler",

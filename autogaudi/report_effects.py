@@ -67,6 +67,8 @@ def effect(record, steps: int):
 def trial_cost_s(record) -> float:
     """What a trial not kept cost the run: its one-off and its "with" steps beyond the step without."""
     with_steps = sum(count for arm, count in record.get("arms", ()) if arm == "with")
+    if not with_steps:  # stopped in its warm-up: the one-off is all it cost
+        return round(record["one_off_s"], 3)
     extra = (record["ms_per_step_with"] - record["ms_per_step_without"]) / 1000 * with_steps
     return round(record["one_off_s"] + extra, 3)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 
 from autogaudi._version import __version__
+from autogaudi.registry import PROFILER
 from autogaudi.report_effects import effect, effect_of_part, spread, trial_cost_s, whole_run
 from autogaudi.report_rows import APPLIED, FAILED, NOT_NEEDED, SKIPPED, WATCHING, UnitRow
 from autogaudi.report_text import (
@@ -159,7 +160,7 @@ class Report:
                     "cost_s": trial_cost_s(record),
                 }
                 for record in effects.values()
-                if record["decision"] == "rejected"
+                if record["decision"] in ("rejected", "stopped")
             ],
             "unfinished": [row["name"] for row in self.units if row.get("reason_code") == "trial_running"],
             "forced_off": self.forced_off(),
@@ -227,8 +228,12 @@ class Report:
 
         lines += short_lines(backend)
         tried = [
-            f"{tried['unit']}: {format_speedup(tried['speedup'], tried['spread'])} in its trial, not kept; "
-            f"the trial cost {tried['cost_s']} s"
+            (
+                f"{tried['unit']}: {format_speedup(tried['speedup'], tried['spread'])} in its trial, not kept"
+                if tried["speedup"] is not None
+                else f"{tried['unit']}: stopped in its warm-up, its one-off past the estimate's high end"
+            )
+            + f"; the trial cost {tried['cost_s']} s"
             for tried in summary["tried"]
         ]
         tried += [
@@ -257,7 +262,7 @@ class Report:
 
     def _profile_reason(self) -> str:
         """What bounds the step, where the step profiler classified it."""
-        row = next((row for row in self.units if row["name"] == "step_profiler"), None)
+        row = next((row for row in self.units if row["name"] == PROFILER), None)
         bound = row["figures"].get("bound") if row is not None else None
         return f"the step is {bound}-bound (--verbose: by how much)" if bound else ""
 

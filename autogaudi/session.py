@@ -27,7 +27,7 @@ from autogaudi.memory import Memory
 from autogaudi.placement import Placement
 from autogaudi.ranks import gather_from_ranks, is_rank_zero, several_ranks
 from autogaudi.reasons import Reason
-from autogaudi.registry import UNITS
+from autogaudi.registry import PROFILER, UNITS
 from autogaudi.reporting import APPLIED, FAILED, SKIPPED, Report, UnitRow
 from autogaudi.step_memory import StepMemory
 from autogaudi.steps import TrainingSteps
@@ -219,8 +219,8 @@ class Session:
         """Every decision made: the step is profiled (or no profiler runs), no trial is pending and no
         unit is still checking (:meth:`Unit.deciding`). From here on the run's steps are its steady
         state; what autogaudi changed stays as it is unless a unit fails or a guard switches it off."""
-        profiler = self.unit("step_profiler")
-        profiling = profiler is not None and profiler in self.applied and profiler.profile is None
+        profiler = self.profiler
+        profiling = profiler is not None and profiler.profile is None
         return not profiling and self.trials.idle and not any(unit.deciding() for unit in self.applied)
 
     def measuring_units(self) -> list:
@@ -288,8 +288,7 @@ class Session:
     def remember(self) -> None:
         """Write what this run decided (rank 0), for a later run with the same set-up, model and inputs:
         the step profile and each unit's last trial, except those of units that failed."""
-        profiler = self.unit("step_profiler")
-        profile = profiler.profile if profiler is not None and profiler in self.applied else None
+        profile = self.profiler.profile if self.profiler is not None else None
         if self.memory is None or profile is None:
             return
         trials = {
@@ -301,6 +300,13 @@ class Session:
             self.memory.remember(profile, trials)
         except Exception as error:
             self.cache_notes.append(note("decisions_not_written", error=error))
+
+    @property
+    def profiler(self):
+        """The step profiler where it is in force (its ``profile``, once published, is what the units
+        that act on the profile read), else None."""
+        profiler = self.rows[PROFILER].unit
+        return profiler if profiler is not None and profiler in self.applied else None
 
     def unit(self, name: str):
         """The live unit called ``name`` (applied or not yet decided), or None."""

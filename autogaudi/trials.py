@@ -9,9 +9,11 @@ the decision to a trial: its ``switch(on)`` is flipped between real training ste
 reported apart, together with what the unit spent setting the candidate up (importing the compiler).
 The candidate is kept only when its median step is at least ``MARGIN`` faster than the "without"
 arm, read as the faster of two figures: the off steps between on steps, and a block of off steps
-timed before the candidate was ever switched on. The second guards against an "off" arm slowed by
-what the "on" arm left behind (on an H100 a trial timed "without" at 22 ms per step where the plain
-script ran 15 ms, overstating the gain 2.8x against a real 1.6x).
+timed before the candidate was ever switched on (an "off" arm can be slowed by what the "on" arm
+left behind); and only where that gain is more than the two arms' spread together (on a busy
+machine steps stray, and a gain inside their spread is not one). A trial whose one-off runs past
+the high end of its estimate (a compile the load or the model made far dearer than predicted) is
+stopped there and not kept: no further one-off is paid for it.
 
 Faithfulness: trial steps are the user's real steps, each batch seen exactly once; both arms compute
 the same math (the units that use trials change only how it is executed, up to float reassociation).
@@ -28,20 +30,43 @@ from __future__ import annotations
 import statistics
 import time
 
+from autogaudi import machine_load
 from autogaudi.events import Event
-from autogaudi.ranks import rank_zero_choice
+from autogaudi.ranks import rank_zero_choice, several_ranks
 
 BLOCK = 3  # steps per block
 ROUNDS = 2  # each round is on, off, off, on
 WARMUP = 3  # "on" steps before measuring (compile, CUDA-graph warm-up and recording)
 MARGIN = 0.03  # the candidate must be this much faster to be kept
-CHECK_TOLERANCE = 1.25  # a remembered step time still holds while this run's is within this factor of it
+# a remembered step time still holds while this run's is within this factor of it, widened by this
+# run's own spread and by the load then and now
+CHECK_TOLERANCE = 1.25
 
 
 def faster(with_s: float, without_s: float) -> bool:
-    """The trials' rule: a candidate is kept only where it is at least ``MARGIN`` faster (a tie, or
-    a gain within noise, keeps the script as written)."""
+    """The trials' rule on two figures: a candidate is kept only where it is at least ``MARGIN``
+    faster (a tie keeps the script as written)."""
     return with_s <= without_s * (1 - MARGIN)
+
+
+def spread(seconds: list) -> float:
+    """How far times stray from their median (the median absolute deviation): outliers in fewer than
+    half of them (a preemption) do not move it."""
+    middle = statistics.median(seconds)
+    return statistics.median(abs(value - middle) for value in seconds)
+
+
+def relative_spread(seconds: list) -> float:
+    """:func:`spread` as a fraction of the median (0 where the median is)."""
+    middle = statistics.median(seconds)
+    return round(spread(seconds) / middle, 4) if middle else 0.0
+
+
+def clearly_faster(with_times: list, without_times: list) -> bool:
+    """The trials' rule on two arms: :func:`faster` on their medians, by more than the arms' spread
+    together (a gain within the noise of a busy machine keeps the script as written)."""
+    with_s, without_s = statistics.median(with_times), statistics.median(without_times)
+    return faster(with_s, without_s) and without_s - with_s > spread(with_times) + spread(without_times)
 
 
 def clock() -> float:
@@ -54,13 +79,25 @@ class Trial:
 
     words = ("rejected", "kept")  # the record's decision, for False and True
 
-    def __init__(self, unit, candidate: str, switch, decided, set_up_s: float = 0.0, not_before_step: int = 0):
+    def __init__(
+        self,
+        unit,
+        candidate: str,
+        switch,
+        decided,
+        set_up_s: float = 0.0,
+        not_before_step: int = 0,
+        one_off_limit_s=None,
+    ):
         self.unit = unit
         self.candidate = candidate
         self.switch = switch
         self.decided = decided
         self.set_up_s = set_up_s  # what setting the candidate up took, outside the user's steps
         self.not_before_step = not_before_step  # the training step from which it may start
+        # the high end of the one-off's estimate: stopped beyond it (None or 0: an estimate that says nothing)
+        self.one_off_limit_s = one_off_limit_s
+        self.overran = False
         self.schedule = (
             [False] * BLOCK
             + [True] * WARMUP
@@ -87,7 +124,7 @@ class Trial:
         """The schedule as runs of [arm, steps], the arm ``with``, ``without`` or ``warm-up`` (the
         first "with" steps, which absorb the one-off): what the report's chart shades."""
         runs: list = []
-        for position, on in enumerate(self.schedule):
+        for position, on in enumerate(self.schedule[: self.position]):
             arm = self._arm(position, on)
             if runs and runs[-1][0] == arm:
                 runs[-1][1] += 1
@@ -102,15 +139,28 @@ class Trial:
 
     @property
     def finished(self) -> bool:
-        return self.position >= len(self.schedule)
+        return self.position >= len(self.schedule) or self.overran
+
+    def check_one_off(self) -> None:
+        """In warm-up: stop where the one-off paid so far (set-up, and warm-up beyond the steps timed
+        before it) is past the estimate's high end."""
+        warm = self.position - BLOCK
+        # not across ranks: each would stop at a step of its own, and their trials' steps must agree
+        if not self.one_off_limit_s or not 0 < warm <= WARMUP or several_ranks():
+            return
+        so_far = self.set_up_s + self.warmup_seconds - warm * statistics.median(self.before)
+        self.overran = so_far > self.one_off_limit_s
 
     def outcome(self) -> tuple:
         """(keep, record) from the medians; the one-off cost is what warm-up took beyond steady steps.
         The record's ``decision`` is the runner's to write: on a distributed run rank 0's counts."""
+        if self.overran:
+            return False, self._overran_record()
         on, interleaved = statistics.median(self.times[True]), statistics.median(self.times[False])
         before = statistics.median(self.before)
+        without = self.times[False] if interleaved <= before else self.before
         off = min(interleaved, before)
-        keep = faster(on, off)
+        keep = clearly_faster(self.times[True], without)
         one_off = self.set_up_s + max(0.0, self.warmup_seconds - WARMUP * on)
         record = {
             "candidate": self.candidate,
@@ -118,33 +168,54 @@ class Trial:
             "ms_per_step_without": round(1000 * off, 3),
             "ms_per_step_without_interleaved": round(1000 * interleaved, 3),
             "ms_per_step_before_trial": round(1000 * before, 3),
+            "spread_with": relative_spread(self.times[True]),
+            "spread_without": relative_spread(without),
             "speedup": round(off / on, 3),
             "one_off_s": round(one_off, 3),
             "set_up_s": round(self.set_up_s, 3),
             "steps": len(self.schedule),
+            "load": machine_load.slowdown(),
         }
         if keep and one_off > 0:
             record["pays_back_after_steps"] = round(one_off / (off - on))
         return keep, record
 
+    def _overran_record(self) -> dict:
+        """The record of a trial stopped in its warm-up: what the one-off cost until then, no speeds."""
+        before = statistics.median(self.before)
+        return {
+            "candidate": self.candidate,
+            "stopped": "one_off_overran",
+            "one_off_s": round(self.set_up_s + self.warmup_seconds - (self.position - BLOCK) * before, 3),
+            "one_off_limit_s": round(self.one_off_limit_s, 3),
+            "ms_per_step_without": round(1000 * before, 3),
+            "speedup": None,
+            "set_up_s": round(self.set_up_s, 3),
+            "steps": self.position,
+            "load": machine_load.slowdown(),
+        }
+
 
 class Check(Trial):
-    """A remembered decision, checked on this run: the unit already follows it (``keep``); after
-    ``warmup`` steps (a remembered capture's compile; early steps' noise) ``2 * BLOCK`` steps are
-    timed, and their median is set against the step time the deciding trial measured for the arm.
-    ``decided(matches, record)``: where it differs, the unit tries again."""
+    """A remembered kept decision, checked on this run: the unit already follows it; after ``warmup``
+    steps (a remembered capture's compile; early steps' noise) ``2 * BLOCK`` steps are timed, and
+    their median is set against the step time the deciding trial measured with the candidate.
+    ``decided(matches, record)``: only where this run clearly contradicts it (beyond
+    ``CHECK_TOLERANCE``, widened by this run's spread and by the load then and now) does the unit
+    try again."""
 
     words = ("differs", "matches")
 
-    def __init__(self, unit, candidate: str, keep: bool, expected_s: float, decided, warmup: int):
+    def __init__(self, unit, candidate: str, expected_s: float, decided, warmup: int, load_then: float = 1.0):
         super().__init__(unit, candidate, switch=lambda _on: None, decided=decided)
         self.expected_s = expected_s
+        self.load_then = load_then
         self.warmup = warmup
-        self.schedule = [keep] * (warmup + 2 * BLOCK)
+        self.schedule = [True] * (warmup + 2 * BLOCK)
         self.steady: list = []
 
     def _arm(self, position: int, on: bool) -> str:
-        return "warm-up" if position < self.warmup else ("with" if on else "without")
+        return "warm-up" if position < self.warmup else "with"
 
     def record(self, seconds: float) -> None:
         if self.position < self.warmup:
@@ -155,14 +226,20 @@ class Check(Trial):
 
     def outcome(self) -> tuple:
         measured = statistics.median(self.steady)
-        ratio = measured / self.expected_s
-        return 1 / CHECK_TOLERANCE <= ratio <= CHECK_TOLERANCE, {
+        load_now = machine_load.slowdown()
+        expected = self.expected_s * load_now / self.load_then
+        tolerance = CHECK_TOLERANCE * (1 + 2 * relative_spread(self.steady))
+        ratio = measured / expected
+        return 1 / tolerance <= ratio <= tolerance, {
             "candidate": self.candidate,
             "check": "remembered",
-            "arm": "with" if self.schedule[0] else "without",
+            "arm": "with",
             "ms_per_step": round(1000 * measured, 3),
             "ms_per_step_remembered": round(1000 * self.expected_s, 3),
+            "load": load_now,
+            "load_remembered": self.load_then,
             "ratio": round(ratio, 3),
+            "tolerance": round(tolerance, 3),
             "steps": len(self.schedule),
         }
 
@@ -225,6 +302,7 @@ class TrialRunner:
     def _after_step(self, _optimizer) -> None:
         trial = self.current
         trial.record(clock() - self.last_clock)
+        trial.check_one_off()
         if not trial.finished:
             upcoming = trial.schedule[trial.position]
             if upcoming != trial.schedule[trial.position - 1]:
@@ -234,7 +312,7 @@ class TrialRunner:
             return
         keep, record = trial.outcome()
         keep = bool(rank_zero_choice(keep))
-        record["decision"] = trial.words[keep]
+        record["decision"] = "stopped" if trial.overran else trial.words[keep]
         record["started_at_step"] = trial.started_at_step
         record["arms"] = trial.arms()
         self.records.append(record)

@@ -25,6 +25,7 @@ from autogaudi.events import Event
 from autogaudi.guard import guarded, guarded_method_call
 from autogaudi.options import OPTIONS_BY_NAME
 from autogaudi.reasons import Reason
+from autogaudi.registry import PROFILER
 
 # How a unit can make a run's numbers differ from plain PyTorch's on the same machine (losses,
 # parameters, gradients, random draws; docs/numerics.md), as the report and --exact's reason say it.
@@ -343,11 +344,11 @@ class ActsOnProfile(Unit):
     """Base of the units that act once the step is profiled (on the training model it finds) and
     switch on at once or through a trial (:mod:`autogaudi.candidate`)."""
 
-    requires = ("step_profiler",)
+    requires = (PROFILER,)
     states = ("watching", "in_use", "trial", "kept", "rejected", "failed", "disabled")
 
     def watching(self) -> bool:
-        profiled = self.session.unit("step_profiler").profile is not None
+        profiled = self.session.profiler.profile is not None
         return not profiled or self.session.trials.pending(self) or self.deciding()
 
     def trial_named(self) -> str:

@@ -61,8 +61,7 @@ def test_a_second_run_follows_the_first_runs_profile_and_trial_without_measuring
     assert "ops_per_step" in unit(second, "step_profiler")["figures"]
     # No census step ran: the profile was published at the first step after warm-up and identification.
     assert unit(second, "step_profiler")["figures"]["profiled_at_step"] == 4
-    (check,) = second["trials"]  # a check that matches is all there is: no trial of its own
-    assert check["check"] == "remembered" and check["arm"] == "without" and check["decision"] == "matches"
+    assert second["trials"] == []  # a remembered rejection holds: no trial, no check of it
     row = unit(second, "channels_last")  # the unit says whose decision it follows
     assert row["reason_code"] == "remembered"
     assert row["reason_params"]["decision"] == "rejected" and row["reason_params"]["run"] == 1
@@ -83,9 +82,21 @@ def test_a_remembered_kept_decision_is_applied_without_a_trial(tmp_path):
     assert row["status"] == "applied" and "run 1's trial" in row["changes"][0]
 
 
-def test_a_step_time_that_differs_from_the_remembered_one_starts_a_trial(tmp_path):
+def test_a_rejection_holds_whatever_this_runs_steps_take(tmp_path):
+    """A warm cache starts no trial the first run rejected, even where the steps are far from those
+    remembered (a busy machine): trying again would cost what the first trial cost, for nothing."""
     run(tmp_path, "first", "--trial", "channels_last")
     rewrite_entry(tmp_path, lambda entry: entry["trials"]["channels_last"].update(ms_per_step_without=1e-4))
+    second, _ = run(tmp_path, "second", "--trial", "channels_last")
+    assert second["trials"] == []
+    assert unit(second, "channels_last")["reason_code"] == "remembered"
+
+
+def test_a_kept_decision_clearly_contradicted_by_this_runs_steps_is_tried_again(tmp_path):
+    run(tmp_path, "first", "--trial", "channels_last")
+    rewrite_entry(
+        tmp_path, lambda entry: entry["trials"]["channels_last"].update(decision="kept", ms_per_step_with=1e-4)
+    )
     second, _ = run(tmp_path, "second", "--trial", "channels_last")
     check, trial = second["trials"]
     assert check["decision"] == "differs" and check["ratio"] > 100
@@ -152,9 +163,8 @@ def test_precision_auto_remembers_its_speed_trial_and_still_guards_every_run(tmp
     (trial,) = [record for record in first["trials"] if record["candidate"] == "mixed_precision"]
     assert trial["decision"] == "rejected"
     second, _ = run(tmp_path, "second", *focus, steps=90)
-    (check,) = second["trials"]
-    assert check["candidate"] == "mixed_precision" and check["check"] == "remembered"
-    assert check["decision"] == "matches" and unit(second, "mixed_precision")["reason_params"]["run"] == 1
+    assert second["trials"] == []  # the rejection holds, unchecked
+    assert unit(second, "mixed_precision")["reason_params"]["run"] == 1
     assert "guard_s" not in unit(second, "mixed_precision")["figures"]  # rejected: nothing was set up
     rewrite_entry(tmp_path, lambda entry: entry["trials"]["mixed_precision"].update(decision="kept"))
     third, _ = run(tmp_path, "third", *focus, steps=90)

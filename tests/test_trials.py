@@ -3,7 +3,7 @@ apart, runs every step exactly once, and leaves the candidate in the state it de
 
 import pytest
 
-from autogaudi import trials
+from autogaudi import machine_load, trials
 from autogaudi.events import Dispatcher, Event
 from autogaudi.timeline import Timeline
 
@@ -35,9 +35,10 @@ class FakeUnit:
         raise error
 
 
-def run_trial(clock, on_seconds, off_seconds, one_off=0.0, off_after_on=None, **trial):
+def run_trial(clock, on_seconds, off_seconds, one_off=0.0, off_after_on=None, jitter=0.0, **trial):
     """The user's loop around one trial; ``off_after_on``: what an "off" step takes once the
-    candidate has been on (an arm slowed by what the other left behind)."""
+    candidate has been on (an arm slowed by what the other left behind); ``jitter``: what steps
+    add and take in turn (+, -, 0), each arm alike."""
     steps, state, decisions, ran = FakeSteps(), {"on": False, "switches": 0, "was_on": False}, [], []
 
     def switch(on):
@@ -54,10 +55,11 @@ def run_trial(clock, on_seconds, off_seconds, one_off=0.0, off_after_on=None, **
         if state["on"] and not compiled:
             clock.advance(one_off)
             compiled = True
+        stray = (jitter, -jitter, 0.0)[len(ran) % 3]
         if state["on"]:
-            clock.advance(on_seconds)
+            clock.advance(on_seconds + stray)
         else:
-            clock.advance(off_after_on if state["was_on"] and off_after_on else off_seconds)
+            clock.advance((off_after_on if state["was_on"] and off_after_on else off_seconds) + stray)
         ran.append(state["on"])
         steps.end_step()
     return state, decisions, ran, runner
@@ -141,21 +143,34 @@ def test_trials_run_one_after_another(trial_clock):
     assert [record["candidate"] for record in runner.records] == ["first", "second"]
 
 
-def run_check(clock, step_seconds, expected_s, keep=True):
-    """A remembered decision followed at a known step time, checked against ``expected_s``."""
+def run_check(clock, step_seconds, expected_s, load_then=1.0, jitter=()):
+    """A remembered keep followed at a known step time, checked against ``expected_s``; ``jitter``:
+    what each steady step adds to ``step_seconds`` in turn."""
     steps, decisions, ran = FakeSteps(), [], 0
     runner = trials.TrialRunner(steps, steps.events)
     runner.submit(
-        trials.Check(FakeUnit(), "fake", keep, expected_s, lambda ok, record: decisions.append((ok, record)), warmup=2)
+        trials.Check(
+            FakeUnit(), "fake", expected_s, lambda ok, record: decisions.append((ok, record)), 2, load_then=load_then
+        )
     )
     while steps.listening:
-        clock.advance(0.05 if ran < 2 else step_seconds)  # the warm-up steps (a compile) are slow
+        steady = ran - 2
+        extra = jitter[steady % len(jitter)] if jitter and steady >= 0 else 0.0
+        clock.advance(0.05 if ran < 2 else step_seconds + extra)  # the warm-up steps (a compile) are slow
         ran += 1
         steps.end_step()
     return decisions, ran, runner
 
 
-def test_a_check_matches_a_step_time_near_the_remembered_one_after_its_warm_up(trial_clock):
+@pytest.fixture
+def idle_machine(monkeypatch):
+    """The machine's load as the test sets it (``idle_machine(2.0)``), idle until then."""
+    load = {"now": 1.0}
+    monkeypatch.setattr(machine_load, "slowdown", lambda: load["now"])
+    return lambda value: load.update(now=value)
+
+
+def test_a_check_matches_a_step_time_near_the_remembered_one_after_its_warm_up(trial_clock, idle_machine):
     ((matches, record),) = run_check(trial_clock, 0.004, expected_s=0.0042)[0]
     assert matches and record["decision"] == "matches" and record["check"] == "remembered"
     assert record["arm"] == "with" and record["steps"] == 2 + 2 * trials.BLOCK
@@ -163,11 +178,60 @@ def test_a_check_matches_a_step_time_near_the_remembered_one_after_its_warm_up(t
 
 
 @pytest.mark.parametrize("step_seconds", [0.002, 0.012])
-def test_a_check_differs_from_a_step_time_a_quarter_off_either_way(trial_clock, step_seconds):
-    decisions, ran, runner = run_check(trial_clock, step_seconds, expected_s=0.006, keep=False)
+def test_a_check_differs_from_steady_steps_a_quarter_off_either_way(trial_clock, idle_machine, step_seconds):
+    decisions, ran, runner = run_check(trial_clock, step_seconds, expected_s=0.006)
     ((matches, record),) = decisions
-    assert not matches and record["decision"] == "differs" and record["arm"] == "without"
+    assert not matches and record["decision"] == "differs"
     assert ran == 2 + 2 * trials.BLOCK and runner.idle and runner.records == [record]
+
+
+def test_a_check_on_a_busier_machine_expects_its_steps_slower_by_the_load(trial_clock, idle_machine):
+    """Twice the load then: steps twice as long are what the remembered decision predicts, not a
+    contradiction; on the same load they are one."""
+    idle_machine(2.0)
+    ((matches, record),) = run_check(trial_clock, 0.012, expected_s=0.006)[0]
+    assert matches and record["load"] == 2.0 and record["load_remembered"] == 1.0
+    ((matches, _),) = run_check(trial_clock, 0.012, expected_s=0.006, load_then=2.0)[0]
+    assert not matches
+
+
+def test_a_check_whose_steps_stray_widens_its_tolerance_by_their_spread(trial_clock, idle_machine):
+    """Steady steps straying by half their median either way: 1.5x the remembered time is within it."""
+    jitter = (0.0, 0.0045, -0.0045, 0.0045, -0.0045, 0.0)
+    ((matches, record),) = run_check(trial_clock, 0.009, expected_s=0.006, jitter=jitter)[0]
+    assert matches and record["tolerance"] > 1.5
+    ((matches, _),) = run_check(trial_clock, 0.009, expected_s=0.006)[0]
+    assert not matches  # the same median, steady: a contradiction
+
+
+@pytest.mark.parametrize("jitter, kept", [(0.0, True), (0.004, False)])
+def test_a_gain_within_the_arms_spread_is_not_kept(trial_clock, jitter, kept):
+    """Medians 20% apart (past MARGIN); steps that stray by more than that either way (a busy
+    machine) leave the script as written, steady ones keep the candidate."""
+    state, decisions, _ran, _runner = run_trial(trial_clock, on_seconds=0.008, off_seconds=0.010, jitter=jitter)
+    ((keep, record),) = decisions
+    assert keep is kept and state["on"] is kept
+    assert record["speedup"] == pytest.approx(1.25, rel=0.01)
+    assert (record["spread_with"] > 0.3) is not kept
+
+
+def test_a_trial_whose_one_off_passes_its_estimates_high_end_is_stopped_in_warm_up(trial_clock, idle_machine):
+    state, decisions, ran, runner = run_trial(
+        trial_clock, on_seconds=0.002, off_seconds=0.006, one_off=5.0, one_off_limit_s=2.0
+    )
+    ((keep, record),) = decisions
+    assert not keep and not state["on"] and record["decision"] == "stopped"
+    assert record["stopped"] == "one_off_overran" and record["one_off_s"] == pytest.approx(5.0, abs=0.01)
+    assert ran == [False] * trials.BLOCK + [True]  # stopped after the step that paid it, nothing more
+    assert record["arms"] == [["without", trials.BLOCK], ["warm-up", 1]] and runner.idle
+
+
+def test_a_one_off_within_its_estimate_runs_the_whole_trial(trial_clock):
+    _state, decisions, ran, _runner = run_trial(
+        trial_clock, on_seconds=0.002, off_seconds=0.006, one_off=1.0, one_off_limit_s=2.0
+    )
+    ((keep, record),) = decisions
+    assert keep and record["decision"] == "kept" and len(ran) == record["steps"]
 
 
 def test_no_trial_starts_while_a_unit_measures_inside_the_steps(trial_clock):

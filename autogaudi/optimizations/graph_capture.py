@@ -244,7 +244,7 @@ class GraphCapture(DecidesCandidate):
         does not lift it: a replay of the other branch changes what the model computes."""
         if not self.backend.graphs_replay_recorded_branches:
             return None
-        found = forward_reading(model, read_sites(self.session.unit("step_profiler")))
+        found = forward_reading(model, read_sites(self.session.profiler))
         if found is None:
             return None
         module, site = found
@@ -276,14 +276,19 @@ class GraphCapture(DecidesCandidate):
             self.figures["trial_waits_for_step"] = start_at_step
             self.because("trial_waits", step=start_at_step, **self._estimate_params(profile))
             return
-        self.candidate.try_(profile, not_before_step=start_at_step)
+        self._try(profile, start_at_step)
+
+    def _try(self, profile, start_at_step: int) -> None:
+        """A trial, stopped where the capture's one-off runs past its estimate's high end."""
+        high = self._estimate_one_off(profile)["high_s"]
+        self.candidate.try_(profile, not_before_step=start_at_step, one_off_limit_s=high)
 
     def _when_due(self, profile, start_at_step: int) -> None:
         refusal = self._refusal(profile, any_bound=False)  # the script may have compiled it meanwhile
         if refusal:
             self.candidate.refuse(refusal)
         else:
-            self.candidate.try_(profile, not_before_step=start_at_step)
+            self._try(profile, start_at_step)
 
     def _set_up(self, _scope) -> dict:
         """The candidate's set-up: capture, timed (a trial's record, or the figures, bring it)."""

@@ -416,7 +416,8 @@ def test_host_bound_plain_loop_gets_a_compile_trial_once_it_could_pay_and_trains
     saved_per_step_s = profile["ms_per_step"] / 1000 * (1 - profile["compute_fraction"])
     assert waited_for == math.ceil(0.15 / saved_per_step_s) == 150
     (trial,) = report.trials
-    assert trial["candidate"] == "graph_capture" and trial["decision"] in ("kept", "rejected")
+    # the real compile may run past the given estimate's high end: then the trial stops in its warm-up
+    assert trial["candidate"] == "graph_capture" and trial["decision"] in ("kept", "rejected", "stopped")
     assert trial["started_at_step"] == waited_for
     assert trial["set_up_s"] > 0 and trial["one_off_s"] > trial["set_up_s"]  # compiler import, then compiling
     torch.testing.assert_close(losses, plain, rtol=1e-4, atol=1e-5)  # same math, float reassociation only

@@ -30,20 +30,13 @@ class UpdateTimes:
         )
 
 
-def spread(seconds: list) -> float:
-    """How far an arm's times stray from their median (the median absolute deviation): outliers in
-    fewer than half of them (a preemption) do not move it."""
-    middle = statistics.median(seconds)
-    return statistics.median(abs(value - middle) for value in seconds)
-
-
 def gain_not_material(times: UpdateTimes, step_s) -> dict | None:
     """Why the fused update's gain (the medians' difference) is not worth its rounding, as a reason's
     values, or None where it is: it must save at least MATERIAL_SHARE of the step (``step_s``, the
     median training step measured meanwhile; None where no step was measured) and exceed the two
     arms' spread."""
     gain = statistics.median(times.unfused) - statistics.median(times.fused)
-    noise = spread(times.fused) + spread(times.unfused)
+    noise = trials.spread(times.fused) + trials.spread(times.unfused)
     if step_s is not None and gain >= MATERIAL_SHARE * step_s and gain > noise:
         return None
     return {

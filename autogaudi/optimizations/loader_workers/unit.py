@@ -392,7 +392,7 @@ class LoaderWorkers(Unit):
         if self._measuring is not None:  # measured once, where the cut first applies
             return
         model = self._model() if self._model is not None else None
-        if model is None and self._model is None and self.session.unit("step_profiler") is not None:
+        if model is None and self._model is None and self.session.profiler is not None:
             self._cut_waiting = state  # the step profiler has not named the model yet
             return
         if model is None:
