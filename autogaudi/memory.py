@@ -19,6 +19,7 @@ up and writes; every rank follows its answer.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -67,21 +68,31 @@ class Memory:
         self.cache = cache
         self.notes: list = []  # what was ignored, as the cache's notes (autogaudi.cache.NOTES)
         self.script = script_identity()
-        setup = {
-            "format": FORMAT,
-            "script": self.script,
-            "backend": backend.name,
-            "device": backend.device_name(),
-            "torch": torch.__version__,
-            "autogaudi": __version__,
-            "options": {name: value for name, value in options.as_dict().items() if name not in NOT_DECIDING},
-        }
-        self.setup = json.loads(json.dumps(setup, default=str))  # as an entry holds it (lists, not tuples)
-        self.folder = os.path.join(cache.root, DECISIONS, digest(self.setup))
+        self._backend = backend
+        self._options = {name: value for name, value in options.as_dict().items() if name not in NOT_DECIDING}
         self.recalled = None  # the entry this run follows, once found
         self._path = None  # the entry this run writes
         self._model = None  # the training model's class name (the model itself may be gone by exit)
         self._written = None
+
+    @functools.cached_property
+    def setup(self) -> dict:
+        """What a decision depends on besides the model: the script, backend, device, versions and
+        options. Built at first use, not at start (the device's name costs a library's import)."""
+        setup = {
+            "format": FORMAT,
+            "script": self.script,
+            "backend": self._backend.name,
+            "device": self._backend.device_name(),
+            "torch": torch.__version__,
+            "autogaudi": __version__,
+            "options": self._options,
+        }
+        return json.loads(json.dumps(setup, default=str))  # as an entry holds it (lists, not tuples)
+
+    @property
+    def folder(self) -> str:
+        return os.path.join(self.cache.root, DECISIONS, digest(self.setup))
 
     def has_entries(self) -> bool:
         """Whether earlier runs with this set-up left entries (rank 0's answer on every rank)."""

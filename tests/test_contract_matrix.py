@@ -68,7 +68,7 @@ def unit_class(info):
 
 
 def on_hpu(info) -> bool:
-    return "cpu" not in unit_class(info).backends
+    return "cpu" not in info.backends
 
 
 def under_ddp(info) -> bool:

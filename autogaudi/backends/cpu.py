@@ -7,8 +7,7 @@ import platform
 import resource
 import threading
 
-import psutil
-
+from autogaudi import machine_load
 from autogaudi.backends.base import Backend, MemoryStats
 
 
@@ -24,7 +23,7 @@ class CpuBackend(Backend):
     region_compile_options = {"cpp_wrapper": True, "compile_threads": 1}
 
     def device_name(self) -> str:
-        cores = psutil.cpu_count(logical=False) or psutil.cpu_count()
+        cores = machine_load.physical_cores()
         return f"{platform.machine() or 'cpu'} CPU, {cores} cores"
 
     def graph_forward(self, module, exact_random: bool = False, static_outputs: bool = True):
@@ -36,6 +35,8 @@ class CpuBackend(Backend):
         return super().graph_blocks(exact_random)
 
     def memory_stats(self):
+        import psutil
+
         resident = psutil.Process().memory_info().rss
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
         return MemoryStats(resident, max(resident, peak), psutil.virtual_memory().total)

@@ -132,11 +132,11 @@ class ActivationCheckpointing(Unit):
         self._first.close()
         self._model = weakref.ref(module)
         self._inputs = input_shapes(args, {})
+        if memory.budget is None:  # no device whose memory could run out: nothing remembered, no layer
+            return
         remembered = self.session.memory.recall_memory(module, self._inputs) if self.session.memory else None
         if remembered is not None and not self._held:
             self._recall(module, remembered)
-        if memory.budget is None:  # no device whose memory could run out: no layer on every call
-            return
         if compiled_by_the_script(module) or isinstance(module, torch.nn.parallel.DistributedDataParallel):
             self.note("not_rescuable", model=type(module).__name__)
             return

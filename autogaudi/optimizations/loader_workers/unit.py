@@ -39,11 +39,10 @@ import functools
 import os
 import weakref
 
-import psutil
 import torch
 from torch.utils.data import IterableDataset
 
-from autogaudi import steps
+from autogaudi import machine_load, steps
 from autogaudi.events import Event
 from autogaudi.model_call import Layer, compiled_by_the_script
 from autogaudi.optimizations.loader_workers.loader_state import LoaderState, Phase, Timing
@@ -77,7 +76,7 @@ BATCH_BOUND_S, BATCH_BOUND_FACTOR = 10.0, 100
 
 def worker_budget():
     """(workers, main-process threads) for this machine and this process's share of it."""
-    cores = psutil.cpu_count(logical=False) or os.cpu_count() or 1
+    cores = machine_load.physical_cores()
     per_rank = max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     workers = max(2, min(8, per_rank - 1))
     return workers, max(1, per_rank - workers)
@@ -254,7 +253,7 @@ class LoaderWorkers(Unit):
         chosen = max(self._script_workers)
         if chosen >= workers:
             return
-        cores = psutil.cpu_count(logical=False) or os.cpu_count() or 1
+        cores = machine_load.physical_cores()
         ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         self.recommend(
             "more_workers",
