@@ -97,7 +97,7 @@ UNITS: tuple[UnitInfo, ...] = (
         "graph_capture",
         "host-bound runs: the training model replays captured graphs (HPU graphs, CUDA graphs, torch.compile), "
         "if a trial finds it faster",
-        "autogaudi.optimizations.graph_capture:GraphCapture",
+        "autogaudi.optimizations.graph_capture.unit:GraphCapture",
     ),
     UnitInfo(
         "channels_last",

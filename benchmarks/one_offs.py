@@ -44,7 +44,7 @@ import corpus  # noqa: E402
 import run as suite  # noqa: E402
 import second_run  # noqa: E402
 
-from autogaudi.optimizations.graph_capture import ONE_OFF_PARTS  # noqa: E402
+from autogaudi.optimizations.graph_capture.unit import ONE_OFF_PARTS  # noqa: E402
 
 QUICK = ["--steps", "30", "--warmup", "10"]
 WORKLOADS = {"w3": "cnn.py", "rl": "rl_policy.py"}

@@ -35,7 +35,7 @@ sys.path.insert(0, str(HERE))
 import corpus  # noqa: E402
 import run as suite  # noqa: E402
 
-from autogaudi.optimizations.graph_capture import ONE_OFF_PARTS  # noqa: E402
+from autogaudi.optimizations.graph_capture.unit import ONE_OFF_PARTS  # noqa: E402
 
 
 def graph_capture_row(report: dict) -> dict:

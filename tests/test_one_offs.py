@@ -15,7 +15,7 @@ from torch import nn
 from autogaudi import one_offs
 from autogaudi.backends.cpu import CpuBackend
 from autogaudi.cache import Cache
-from autogaudi.optimizations import graph_capture
+from autogaudi.optimizations.graph_capture import unit as graph_capture
 from tests.helpers import CORRUPTIONS, corrupt
 
 

@@ -19,9 +19,10 @@ from torch import nn
 import autogaudi
 from autogaudi import numerics
 from autogaudi.backends.cpu import CpuBackend
-from autogaudi.optimizations import graph_capture as graph_capture_module
 from autogaudi.optimizations import step_profiler
-from autogaudi.optimizations.graph_capture import GraphCapture
+from autogaudi.optimizations.graph_capture import captured_call, host_reads
+from autogaudi.optimizations.graph_capture import unit as graph_capture_unit
+from autogaudi.optimizations.graph_capture.unit import GraphCapture
 from tests.optimizations.test_step_profiler import STEPS, Timed, endless, train
 
 
@@ -291,8 +292,8 @@ def test_a_read_is_found_in_the_forward_of_the_sub_module_that_makes_it():
     line = inspect.getsourcelines(Branching)[1] + BRANCH_LINE
     path = os.path.abspath(inspect.getsourcefile(Branching))
     model = BranchingInside()
-    assert graph_capture_module.forward_reading(model, [(path, line)]) == (model.block, (path, line))
-    assert graph_capture_module.forward_reading(model, [(path, inspect.getsourcelines(losses_of)[1] + 3)]) is None
+    assert host_reads.forward_reading(model, [(path, line)]) == (model.block, (path, line))
+    assert host_reads.forward_reading(model, [(path, inspect.getsourcelines(losses_of)[1] + 3)]) is None
 
 
 def test_hpu_capture_leaves_no_cacher_attribute_and_the_model_saves_as_a_plain_one(hpu_double):
@@ -680,7 +681,8 @@ def test_the_one_off_runs_to_the_end_of_the_step_the_first_compile_started_in(mo
     from autogaudi.backends import base
 
     clock = _Clock()
-    monkeypatch.setattr(graph_capture_module, "time", clock)
+    monkeypatch.setattr(graph_capture_unit, "time", clock)
+    monkeypatch.setattr(captured_call, "time", clock)
 
     def graph_forward(backend, module, **_options):
         compiled = base.compile_calls(module, backend="eager")
@@ -695,9 +697,7 @@ def test_the_one_off_runs_to_the_end_of_the_step_the_first_compile_started_in(mo
 
     monkeypatch.setattr(CpuBackend, "graph_forward", graph_forward)
     learned = []
-    monkeypatch.setattr(
-        graph_capture_module.one_offs, "remember", lambda cache, backend, record: learned.append(record)
-    )
+    monkeypatch.setattr(captured_call.one_offs, "remember", lambda cache, backend, record: learned.append(record))
     autogaudi.enable(device="cpu", only="step_profiler,graph_capture", force="graph_capture")
     losses_of(LazyBackward(), batches())
     figures = row()["figures"]
@@ -729,7 +729,7 @@ def test_the_compile_is_saved_for_the_next_run_once_its_backward_is_built_too(mo
         return True
 
     monkeypatch.setattr(CpuBackend, "graph_forward", graph_forward)
-    monkeypatch.setattr(graph_capture_module.one_offs, "save_artifacts", save_artifacts)
+    monkeypatch.setattr(captured_call.one_offs, "save_artifacts", save_artifacts)
     autogaudi.enable(device="cpu", only="step_profiler,graph_capture", force="graph_capture")
     losses_of(mlp(), batches())
     assert backwards_at["saved"] == backwards_at["compiled"] + 1
@@ -740,7 +740,8 @@ def test_a_later_input_shapes_compile_runs_to_the_end_of_its_step_too(monkeypatc
     from autogaudi.backends import base
 
     clock = _Clock()
-    monkeypatch.setattr(graph_capture_module, "time", clock)
+    monkeypatch.setattr(graph_capture_unit, "time", clock)
+    monkeypatch.setattr(captured_call, "time", clock)
 
     def graph_forward(backend, module, **_options):
         compiled, seen = base.compile_calls(module, backend="eager"), set()
