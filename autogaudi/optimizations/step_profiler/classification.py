@@ -88,6 +88,6 @@ def census_figures(clean: list, censuses: list) -> tuple:
     if any(collective_s is not None for _ops, _busy, collective_s, _unfutured in censuses):
         figures.collective_wait_fraction = round(min(collective_share, 1.0), 3)
     unfutured = statistics.median(unfutured for *_, unfutured in censuses)
-    if unfutured:  # their waits are measured up to the next op only (_Census._completion)
+    if unfutured:  # their waits are measured up to the next op only (census._Census._completion)
         figures.collectives_without_future_per_step = unfutured
     return figures, (waiting, busy_share, collective_share)
