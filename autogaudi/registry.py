@@ -64,7 +64,7 @@ UNITS: tuple[UnitInfo, ...] = (
         PROFILER,
         "classifies the run host-, device-, communication- or input-bound from a sampled window of steps, "
         "for the report and other units",
-        "autogaudi.optimizations.step_profiler:StepProfiler",
+        "autogaudi.optimizations.step_profiler.unit:StepProfiler",
     ),
     UnitInfo(
         "fused_optimizer",

@@ -88,5 +88,5 @@ def step_clock(monkeypatch):
     for compute). The thread's CPU time moves with it: the thread is never off the CPU."""
     clock = SimulatedClock()
     monkeypatch.setattr(steps, "clock", clock)
-    monkeypatch.setattr(step_profiler, "thread_clock", clock)
+    monkeypatch.setattr(step_profiler.census, "thread_clock", clock)
     return clock

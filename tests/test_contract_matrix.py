@@ -296,7 +296,12 @@ def check_dropped_objects_die() -> None:
 def decided_trials(monkeypatch, trial_clock):
     """Trials decided as the state says (``set(keep)``), each step one tick of the test's clock, and
     short: one step per block and round, one profiled pair (the states are the same, the steps fewer)."""
-    for module, name in ((trials, "BLOCK"), (trials, "ROUNDS"), (trials, "WARMUP"), (step_profiler, "PAIRS")):
+    for module, name in (
+        (trials, "BLOCK"),
+        (trials, "ROUNDS"),
+        (trials, "WARMUP"),
+        (step_profiler.classification, "PAIRS"),
+    ):
         monkeypatch.setattr(module, name, 1)
     real_outcome = trials.Trial.outcome
     wanted = {}

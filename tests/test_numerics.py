@@ -101,7 +101,9 @@ def test_a_host_bound_mlp_with_dropout_under_the_defaults_names_its_capture_tria
     changed random draws and rounding, measured with the masks in it."""
     from autogaudi.optimizations import step_profiler
 
-    monkeypatch.setattr(step_profiler, "classify", lambda *a, **k: ("host", "read as host-bound by the test"))
+    monkeypatch.setattr(
+        step_profiler.classification, "classify", lambda *a, **k: ("host", "read as host-bound by the test")
+    )
     monkeypatch.setattr(CpuBackend, "least_capture_one_off_s", 0.0)
     monkeypatch.setattr(CpuBackend, "capture_one_off_rate_s", 1e-12)  # no one-off to wait for
 

@@ -124,7 +124,9 @@ def collectable(run) -> None:
 
 
 def read_as(monkeypatch, bound):
-    monkeypatch.setattr(step_profiler, "classify", lambda *a, **k: (bound, f"read as {bound}-bound by the test"))
+    monkeypatch.setattr(
+        step_profiler.classification, "classify", lambda *a, **k: (bound, f"read as {bound}-bound by the test")
+    )
 
 
 @pytest.mark.parametrize(
@@ -375,7 +377,7 @@ def test_a_census_that_fails_to_start_leaves_no_hook_or_mode(monkeypatch):
     def broken(self, repeats=100):
         raise RuntimeError("injected: calibration failed")
 
-    monkeypatch.setattr(step_profiler._Census, "calibrate", broken)
+    monkeypatch.setattr(step_profiler.census._Census, "calibrate", broken)
     autogaudi.enable(device="cpu", only="step_profiler")
     train(mlp(), batches(), STEPS)
     assert unit_row("step_profiler")["status"] == "failed"

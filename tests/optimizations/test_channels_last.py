@@ -95,7 +95,9 @@ def test_no_trial_on_an_input_bound_step(monkeypatch):
     """Both arms would time mostly the wait for data (0.42x read on an input-bound ResNet-18)."""
     from autogaudi.optimizations import step_profiler
 
-    monkeypatch.setattr(step_profiler, "classify", lambda *a, **k: ("input", "waiting for data 70% of each step"))
+    monkeypatch.setattr(
+        step_profiler.classification, "classify", lambda *a, **k: ("input", "waiting for data 70% of each step")
+    )
     autogaudi.enable(device="cpu", only="step_profiler,channels_last")
     train(cnn(), STEPS + 10)
     assert autogaudi.report().trials == []

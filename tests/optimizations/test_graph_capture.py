@@ -324,7 +324,9 @@ def test_a_rejected_hpu_capture_lets_go_of_the_cacher_and_its_graphs(
     from autogaudi.backends.hpu import HpuBackend
     from autogaudi.optimizations import step_profiler
 
-    monkeypatch.setattr(step_profiler, "classify", lambda *a, **k: ("host", "read as host-bound by the test"))
+    monkeypatch.setattr(
+        step_profiler.classification, "classify", lambda *a, **k: ("host", "read as host-bound by the test")
+    )
     capture_one_off(HpuBackend, 0.0)
     monkeypatch.setattr(trials, "MARGIN", 0.0)
     replay = graphs.ModuleCacher._replay
@@ -404,8 +406,10 @@ def test_host_bound_plain_loop_gets_a_compile_trial_once_it_could_pay_and_trains
         figures, shares = measured(clean, censuses)
         return dataclasses.replace(figures, ms_per_step=2.0, compute_fraction=0.5), shares
 
-    monkeypatch.setattr(step_profiler, "census_figures", given)
-    monkeypatch.setattr(step_profiler, "classify", lambda *a, **k: ("host", "read as host-bound by the test"))
+    monkeypatch.setattr(step_profiler.classification, "census_figures", given)
+    monkeypatch.setattr(
+        step_profiler.classification, "classify", lambda *a, **k: ("host", "read as host-bound by the test")
+    )
     steps = STEPS + 200
     plain = losses_of(tiny(), data(), steps=steps)
     autogaudi.enable(device="cpu", only="step_profiler,graph_capture")

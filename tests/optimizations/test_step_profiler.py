@@ -165,7 +165,7 @@ def test_a_census_with_a_one_off_waits_until_the_run_can_carry_it(step_clock, mo
     from autogaudi.optimizations import step_profiler
 
     monkeypatch.setattr(CpuBackend, "census_one_off_s", 1.0)
-    monkeypatch.setattr(step_profiler, "remaining_steps", lambda: steps_left and (steps_left, "test"))
+    monkeypatch.setattr(step_profiler.unit, "remaining_steps", lambda: steps_left and (steps_left, "test"))
     autogaudi.enable(device="cpu", only="step_profiler")
     model = Timed(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3)), host=0.5)
     batches = small_batches()
@@ -189,8 +189,8 @@ def test_a_forced_unit_a_trial_or_several_ranks_take_the_census_one_off_at_once(
 
     monkeypatch.setattr(CpuBackend, "census_one_off_s", 1.0)
     several = asked.pop("ranks", 1) > 1
-    monkeypatch.setattr(step_profiler, "several_ranks", lambda: several)
-    monkeypatch.setattr(step_profiler, "rank_zero_choice", lambda value: value)
+    monkeypatch.setattr(step_profiler.unit, "several_ranks", lambda: several)
+    monkeypatch.setattr(step_profiler.unit, "rank_zero_choice", lambda value: value)
     autogaudi.enable(device="cpu", only="step_profiler,graph_capture,channels_last", **asked)
     model = Timed(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3)), host=0.5)
     train(model, small_batches(), steps=STEPS)
@@ -527,7 +527,7 @@ if sys.argv[1] == "compiled":
     import torch._dynamo  # what any torch.compile of the script's does
 kinds = []
 real = step_profiler.new_census
-step_profiler.new_census = lambda: kinds.append(type(real()).__name__) or real()
+step_profiler.census.new_census = lambda: kinds.append(type(real()).__name__) or real()
 model = torch.nn.Linear(8, 2)
 for _ in range(40):  # parameters updated by hand: torch.optim's constructor would import dynamo itself
     model(torch.randn(4, 8)).sum().backward()
