@@ -62,6 +62,10 @@ TAG_TEXT = (
 OWN = (*LAYOUT, LOCK, TAG)  # what an autogaudi cache holds at its root
 RECIPE_CACHE = "PT_HPU_RECIPE_CACHE_CONFIG"  # the Gaudi bridge's recipe disk cache, read when it loads
 FOLDER_MODE = 0o700
+WRITING = ".writing-"  # a write in progress (write_atomically's temporary), renamed over its target when done
+# A temporary older than this is a killed process's leftover, evicted like any file; a younger one is
+# another process's write in progress, which eviction must not pull from under it.
+WRITING_STALE_S = 3600
 TRUST_FLAG = "--cache-trust-shared"
 
 # What the report's cache notes can say: code -> text (the codes are what scripts and tests read).
@@ -272,8 +276,13 @@ class Cache:
         if not _has_tag(self.root):
             return []
         deleted = []
+        stale = time.time() - WRITING_STALE_S
         with self.locked():
-            files = sorted(self.files())
+            files = sorted(
+                (mtime, size, path)
+                for mtime, size, path in self.files()
+                if not (os.path.basename(path).startswith(WRITING) and mtime > stale)
+            )
             total = sum(size for _mtime, size, _path in files)
             for _mtime, size, path in files:
                 if total <= self.max_bytes:
@@ -332,7 +341,7 @@ def write_atomically(path: str, data: bytes, folder: str | None = None, before_r
     """Write ``data`` to a temporary file beside ``path`` and rename it over ``path``: a reader sees
     the old file or the new one, never half of one. ``before_replace(temporary)`` may check or
     finish the temporary file first (what raises there leaves ``path`` as it was)."""
-    descriptor, temporary = tempfile.mkstemp(dir=folder or os.path.dirname(path), prefix=".writing-")
+    descriptor, temporary = tempfile.mkstemp(dir=folder or os.path.dirname(path), prefix=WRITING)
     try:
         with os.fdopen(descriptor, "wb") as handle:
             handle.write(data)

@@ -32,6 +32,22 @@ def test_eviction_deletes_the_files_modified_longest_ago_until_under_the_limit(t
     assert sorted(path.name for path in (tmp_path / "decisions").iterdir()) == ["middle.json", "newest.json"]
 
 
+def test_eviction_leaves_another_processs_write_in_progress_and_clears_a_killed_ones(tmp_path):
+    """A write's temporary, made before newer files (its process was descheduled on a busy machine),
+    is not pulled from under it; one an hour old is a leftover, evicted like any file."""
+    cache = Cache(str(tmp_path), max_bytes=1500)
+    cache.claim()
+    folder = tmp_path / "decisions"
+    folder.mkdir(exist_ok=True)
+    for name, age in ((".writing-live", 50), (".writing-dead", 2 * 3600), ("older.json", 40), ("newer.json", 0)):
+        path = folder / name
+        path.write_text("x" * 1000)
+        os.utime(path, (time.time() - age, time.time() - age))
+    deleted = {os.path.basename(path) for path in cache.evict()}
+    assert deleted == {".writing-dead", "older.json"}
+    assert sorted(path.name for path in folder.iterdir()) == [".writing-live", "newer.json"]
+
+
 def test_a_write_replaces_the_entry_whole_and_leaves_no_temporary_file(tmp_path):
     cache = Cache(str(tmp_path), max_bytes=10**6)
     path = str(tmp_path / "decisions" / "setup" / "entry.json")
