@@ -98,6 +98,7 @@ class Trial:
         # the high end of the one-off's estimate: stopped beyond it (None or 0: an estimate that says nothing)
         self.one_off_limit_s = one_off_limit_s
         self.overran = False
+        self.one_off_so_far = 0.0  # in warm-up, where a limit is set: what the one-off has cost until now
         self.schedule = (
             [False] * BLOCK
             + [True] * WARMUP
@@ -148,8 +149,8 @@ class Trial:
         # not across ranks: each would stop at a step of its own, and their trials' steps must agree
         if not self.one_off_limit_s or not 0 < warm <= WARMUP or several_ranks():
             return
-        so_far = self.set_up_s + self.warmup_seconds - warm * statistics.median(self.before)
-        self.overran = so_far > self.one_off_limit_s
+        self.one_off_so_far = self.set_up_s + self.warmup_seconds - warm * statistics.median(self.before)
+        self.overran = self.one_off_so_far > self.one_off_limit_s
 
     def outcome(self) -> tuple:
         """(keep, record) from the medians; the one-off cost is what warm-up took beyond steady steps.
@@ -182,13 +183,12 @@ class Trial:
 
     def _overran_record(self) -> dict:
         """The record of a trial stopped in its warm-up: what the one-off cost until then, no speeds."""
-        before = statistics.median(self.before)
         return {
             "candidate": self.candidate,
             "stopped": "one_off_overran",
-            "one_off_s": round(self.set_up_s + self.warmup_seconds - (self.position - BLOCK) * before, 3),
+            "one_off_s": round(self.one_off_so_far, 3),
             "one_off_limit_s": round(self.one_off_limit_s, 3),
-            "ms_per_step_without": round(1000 * before, 3),
+            "ms_per_step_without": round(1000 * statistics.median(self.before), 3),
             "speedup": None,
             "set_up_s": round(self.set_up_s, 3),
             "steps": self.position,
