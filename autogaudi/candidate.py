@@ -206,9 +206,7 @@ class Candidate:
     def _trial_decided(self, keep: bool, record: dict) -> None:
         unit = self.unit
         if record["decision"] == "stopped":
-            unit.because("one_off_overran", spent=record["one_off_s"], limit=record["one_off_limit_s"])
-            self._close()
-            self.state = State.RELEASED
+            self.release("one_off_overran", spent=record["one_off_s"], limit=record["one_off_limit_s"])
             return
         unit.figures["speedup"] = record["speedup"]
         if self._decided is not None:

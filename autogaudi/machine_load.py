@@ -34,5 +34,4 @@ def slowdown() -> float:
         runnable = os.getloadavg()[0]
     except (AttributeError, OSError):
         return 1.0
-    others = max(0.0, runnable - 1.0)  # this process counts itself once it runs
-    return round(max(1.0, (others + 1.0) / usable_cores()), 2)
+    return round(max(1.0, runnable / usable_cores()), 2)  # this process is one of the runnable
