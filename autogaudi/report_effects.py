@@ -96,10 +96,11 @@ def effect_of_part(update_ms, ms_per_step, steps: int):
     }
 
 
-def whole_run(changed: list, trials: list, units: list, seconds) -> dict:
+def whole_run(changed: list, trials: list, units: list, seconds, memory_s: float = 0.0) -> dict:
     """The run against plain PyTorch, autogaudi's own cost included: ``cost_s`` what autogaudi paid
     that plain would not (the trials' one-offs, the "with" arms of trials not kept beyond their "without",
-    later one-offs, a change's own measuring steps), ``saved_s`` what the
+    later one-offs, a change's own measuring steps, ``memory_s``: the step's memory forecast and
+    tracked step), ``saved_s`` what the
     kept changes saved net of their one-offs, ``net_s`` the two together (None where a change was not
     timed against the step without it: plain's time is not known then), ``noise_s`` its noise (None
     where unknown), and ``plain_s``, the steps' time plain would have taken, where ``net_s`` is
@@ -109,7 +110,7 @@ def whole_run(changed: list, trials: list, units: list, seconds) -> dict:
     arms = sum(trial_cost_s(record) - record["one_off_s"] for record in decided if record["decision"] != "kept")
     later = sum(row.get("figures", {}).get(name) or 0.0 for row in units for name in LATER_ONE_OFFS)
     effects = [change["effect"] for change in changed]
-    measuring = sum(effect.get("measuring_s", 0.0) for effect in effects if effect is not None)
+    measuring = memory_s + sum(effect.get("measuring_s", 0.0) for effect in effects if effect is not None)
     cost = one_offs + arms + later + measuring
     timed = all(effect is not None for effect in effects)
     # the kept changes' savings before their one-offs, which cost_s holds

@@ -150,7 +150,9 @@ class Report:
             "steps": steps,
             "seconds": seconds,
             "ms_per_step": ms_per_step,
-            "whole_run": whole_run(changed, self.trials, self.units, seconds),
+            "whole_run": whole_run(
+                changed, self.trials, self.units, seconds, (self.memory or {}).get("measuring_s", 0.0)
+            ),
             "changed": changed,
             "tried": [
                 {

@@ -12,15 +12,18 @@ files every tensor a step creates under one of those parts):
 * *measured*, on the run's second training step (the first with optimizer state), the real one.
 
 What it costs: one fake step pair once (about a second for a 4-block GPT on the 2-core CPU) and one
-tracked real step, so it runs only where it serves: where a budget is known (``--memory-limit``, or
-an accelerator's capacity). The watcher owns its code inside the user's calls through the core's
-guard: where it raises, it goes silent and the run goes on.
+tracked real step, so it runs only where it serves: where ``--memory-limit`` asks for it, or where an
+accelerator's capacity is the budget and the model's own state could come near it (on a lent H100 it
+ran on every run and added 1-2 s to small scripts that use a thousandth of the device). Its seconds
+are autogaudi's cost in the report's whole-run line. The watcher owns its code inside the user's
+calls through the core's guard: where it raises, it goes silent and the run goes on.
 """
 
 from __future__ import annotations
 
 import copy
 import gc
+import time
 import types
 import weakref
 
@@ -48,6 +51,12 @@ _PART_OF = {
 CAPACITY_SHARE = 0.9
 MATTERS_AT = 0.8  # the short report shows memory once a step's peak reaches this share of the budget
 MEASURED_STEP = 1  # the training step measured (0-based): the first with the optimizer's state
+# Without --memory-limit, a step is forecast only where the model's own state could take this share
+# of the device's budget: parameters, gradients and two optimizer moments (Adam's, the most a common
+# optimizer keeps) plus the batch. Below it, activations would have to be several times the whole
+# state to run out, and the out-of-memory rescue is there for that case.
+FORECAST_FROM = 0.25
+STATE_COPIES = 4
 
 
 def budget_bytes(options, backend):
@@ -76,6 +85,14 @@ def parts_of(snapshot: dict) -> dict:
 
 def peak_of(snapshot: dict) -> int:
     return sum(per_type.get("Total", 0) for per_type in snapshot.values())
+
+
+def state_bytes(model, args) -> int:
+    """An upper bound of what the model's training state and the batch hold: :data:`STATE_COPIES`
+    copies of the parameters and buffers, and the batch's tensors. No forward runs."""
+    held = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    batch = sum(t.numel() * t.element_size() for t in _flat(list(args)) if isinstance(t, torch.Tensor))
+    return STATE_COPIES * held + batch
 
 
 def optimizer_of(model):
@@ -301,13 +318,17 @@ class StepMemory:
         self.budget = None
         self.enforced = False  # whether the device itself holds the process to --memory-limit
         self.failure = None
-        # off (no budget), waiting, forecast, measuring, measured, not_measured, not_forecast, failed
+        # off (no budget), waiting, forecast, measuring, measured, not_measured, not_forecast,
+        # far_below (the state is far below the device's budget: neither forecast nor measured), failed
         self.state = "off"
         self.forecast = None  # the forecast of the step as it runs (after any unit changed it)
         self.forecast_plain = None  # the first forecast, of the step as the script wrote it
         self.why_not = None  # what stopped the forecast, as text
         self.why_not_measured = None  # what stopped the measurement, as text
         self.measured = None  # (peak, parts) of the real step
+        self.seconds = 0.0  # the forecasts' and the tracked step's time: autogaudi's cost
+        self.state_bytes = None  # the bound of the model's state and batch (:func:`state_bytes`)
+        self._tracking_since = None
         self._model = None
         self._optimizer = None
         self._tracker = None
@@ -365,6 +386,13 @@ class StepMemory:
 
         if compiled_by_the_script(model) or isinstance(model, torch.nn.parallel.DistributedDataParallel):
             self.state, self.why_not = "not_forecast", f"{type(model).__name__} is compiled or distributed"
+            self.session.events.emit(Event.MEMORY_FORECAST, model, args, self)
+            return
+        self.state_bytes = state_bytes(model, args)
+        if not self.session.options.memory_limit and self.state_bytes < FORECAST_FROM * self.budget:
+            self.state = "far_below"
+            self._scope.close()  # no tracked step either: the device's own peak counter is the report's
+            self.session.events.emit(Event.MEMORY_FORECAST, model, args, self)
             return
         optimizer = optimizer_of(model)
         self._optimizer = weakref.ref(optimizer) if optimizer is not None else None
@@ -374,6 +402,7 @@ class StepMemory:
             self.forecast = self.forecast_plain = self.again(model, args)
         except Exception as error:  # a forward fake tensors cannot run: measured only
             self.state, self.why_not = "not_forecast", repr(error)
+            self.session.events.emit(Event.MEMORY_FORECAST, model, args, self)
             return
         self.state = "forecast"
         self.session.events.emit(Event.MEMORY_FORECAST, model, args, self)
@@ -383,11 +412,13 @@ class StepMemory:
         checkpointed; ``watch``: the submodules whose kept and output bytes it reports."""
         optimizer = self._optimizer() if self._optimizer is not None else None
         self._forecasting = True  # the copy's calls are no training model's
+        began = time.perf_counter()
         try:
             with self.session.steps.unseen():
                 return predict(model, optimizer, args, {}, checkpointed=checkpointed, watch=watch)
         finally:
             self._forecasting = False
+            self.seconds += time.perf_counter() - began
 
     def _around_call(self, call, args, kwargs):
         """The training model's call: the measured step's first one runs inside the tracker, which
@@ -403,6 +434,7 @@ class StepMemory:
         optimizer = self._optimizer() if self._optimizer is not None else None
         tracker = _step_tracker()
         tracker.track_external(model, *([optimizer] if optimizer is not None else []))
+        self._tracking_since = time.perf_counter()
         tracker.__enter__()
         self._tracker = tracker
         self._optimizer_steps_at_start = self.session.steps.optimizer_steps
@@ -423,6 +455,8 @@ class StepMemory:
         tracker, self._tracker = self._tracker, None
         if tracker is not None:
             tracker.__exit__(None, None, None)
+            # the tracked step whole: an upper bound of what tracking added (one plain step's time over)
+            self.seconds += time.perf_counter() - self._tracking_since
 
     def report(self) -> dict:
         """The report's ``memory`` part: bytes, and None for what was not forecast or measured."""
@@ -443,4 +477,6 @@ class StepMemory:
             "not_measured": self.why_not_measured,
             "failure": self.failure,
             "matters": matters,
+            "state_bytes": self.state_bytes,
+            "measuring_s": round(self.seconds, 3),
         }

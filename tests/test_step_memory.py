@@ -194,3 +194,38 @@ def test_an_evaluation_between_steps_neither_starts_nor_spoils_the_measured_step
     memory = memory_section()
     assert memory["state"] == "measured" and memory["not_measured"] is None
     assert abs(memory["predicted_peak_bytes"] - memory["peak_bytes"]) <= 0.1 * memory["peak_bytes"]
+
+
+def params_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def test_far_below_the_devices_capacity_nothing_is_forecast_or_tracked(monkeypatch):
+    """An accelerator's capacity as the budget (no --memory-limit): a model whose whole state is a
+    sliver of it pays neither the forecast nor a tracked step."""
+    plain, _ = train()
+    monkeypatch.setattr(step_memory, "budget_bytes", lambda options, backend: GB)
+    autogaudi.enable(device="cpu", only="activation_checkpointing")
+    losses, model = train()
+    memory = memory_section()
+    assert memory["state"] == "far_below"
+    assert memory["predicted_peak_bytes"] is None and memory["peak_bytes"] is None
+    assert memory["measuring_s"] == 0.0
+    assert 4 * params_bytes(model) <= memory["state_bytes"] < step_memory.FORECAST_FROM * GB
+    assert autogaudi.report().unit("activation_checkpointing")["reason_code"] == "far_below"
+    assert model_call.holder(model, model_call.Layer.TRACK) is None
+    assert losses == plain
+
+
+def test_near_the_devices_capacity_the_step_is_forecast_and_its_cost_counted(monkeypatch):
+    plain, model = train()
+    capacity = 10 * params_bytes(model)  # the state bound (4x the parameters) over FORECAST_FROM of it
+    monkeypatch.setattr(step_memory, "budget_bytes", lambda options, backend: capacity)
+    autogaudi.enable(device="cpu", only="activation_checkpointing")
+    losses, _ = train()
+    report = autogaudi.report().as_dict()
+    assert report["memory"]["state"] == "measured" and report["memory"]["predicted_peak_bytes"] > 0
+    assert report["memory"]["measuring_s"] > 0
+    whole = report["summary"]["whole_run"]
+    assert whole["measuring_s"] >= report["memory"]["measuring_s"] and whole["cost_s"] >= whole["measuring_s"]
+    assert losses == plain

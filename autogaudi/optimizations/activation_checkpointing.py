@@ -69,6 +69,8 @@ class ActivationCheckpointing(Unit):
         "waiting_for_forecast": "waiting for the forecast of the training model's first step",
         "not_forecast": "the step could not be forecast on fake tensors ({why}); nothing changed",
         "fits": "the step's forecast peak {peak} fits the budget {budget}",
+        "far_below": "the model's state and batch ({state}) are far below the device's budget {budget}: not "
+        "forecast",
         "no_blocks": "the step's forecast peak {peak} exceeds the budget {budget}, and {model} has no repeated "
         "blocks (a ModuleList or Sequential of one class) to checkpoint",
         "blocks_held": "the step's forecast peak {peak} exceeds the budget {budget}; {held} holds a layer of "
@@ -254,6 +256,12 @@ class ActivationCheckpointing(Unit):
     def _forecast(self, model, args, memory) -> None:
         self._decided = True
         forecast, budget = memory.forecast, memory.budget
+        if memory.state == "far_below":
+            self.because("far_below", state=_mb(memory.state_bytes), budget=_mb(budget))
+            return
+        if forecast is None:
+            self.because("not_forecast", why=memory.why_not)
+            return
         sizes = {"peak": _mb(forecast.peak), "budget": _mb(budget)}
         if forecast.peak <= budget:
             self.because("fits", **sizes)
