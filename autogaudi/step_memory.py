@@ -13,9 +13,9 @@ files every tensor a step creates under one of those parts):
 
 What it costs: one fake step pair once (about a second for a 4-block GPT on the 2-core CPU) and one
 tracked real step, so it runs only where it serves: where ``--memory-limit`` asks for it, or where an
-accelerator's capacity is the budget and the model's own state could come near it (on a lent H100 it
-ran on every run and added 1-2 s to small scripts that use a thousandth of the device). Its seconds
-are autogaudi's cost in the report's whole-run line. The watcher owns its code inside the user's
+accelerator's capacity is the budget and the model's own state could come near it (else every run on
+a GPU would pay it for a device it uses a sliver of). Its seconds are autogaudi's cost in the
+report's whole-run line. The watcher owns its code inside the user's
 calls through the core's guard: where it raises, it goes silent and the run goes on.
 """
 
