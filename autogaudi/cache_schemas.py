@@ -44,7 +44,7 @@ FIGURES = {
 }
 STAMP = {"run": int, "date": str}
 PROFILE = {
-    "bound": OneOf("input", "host", "communication", "device"),
+    "bound": OneOf("input", "host", "communication", "device", "unclear"),
     "why": str,
     "figures": FIGURES,
     "calls_per_step": int,

@@ -69,8 +69,7 @@ class ActivationCheckpointing(Unit):
         "waiting_for_forecast": "waiting for the forecast of the training model's first step",
         "not_forecast": "the step could not be forecast on fake tensors ({why}); nothing changed",
         "fits": "the step's forecast peak {peak} fits the budget {budget}",
-        "far_below": "the model's state and batch ({state}) are far below the device's budget {budget}: not "
-        "forecast",
+        "far_below": "the model's state and batch ({state}) are far below the device's budget {budget}: not forecast",
         "no_blocks": "the step's forecast peak {peak} exceeds the budget {budget}, and {model} has no repeated "
         "blocks (a ModuleList or Sequential of one class) to checkpoint",
         "blocks_held": "the step's forecast peak {peak} exceeds the budget {budget}; {held} holds a layer of "

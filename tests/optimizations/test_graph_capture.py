@@ -402,8 +402,8 @@ def test_host_bound_plain_loop_gets_a_compile_trial_once_it_could_pay_and_trains
     # with a host-bound profile of 2 ms steps, half of each saved by a capture: it waits for step 150.
     measured = step_profiler.census_figures
 
-    def given(clean, censuses):
-        figures, shares = measured(clean, censuses)
+    def given(clean, censuses, busy_machine):
+        figures, shares = measured(clean, censuses, busy_machine)
         return dataclasses.replace(figures, ms_per_step=2.0, compute_fraction=0.5), shares
 
     monkeypatch.setattr(step_profiler.classification, "census_figures", given)

@@ -64,7 +64,7 @@ class GraphCapture(CapturedCall, DecidesCandidate):
         "too_short": "not tried: {steps} steps left ({source}) could save at most {most:.2f} s, less than the "
         "{estimate:.1f} s (likely {low:.1f}-{high:.1f} s) a capture of {model} is estimated to cost on {backend} "
         "({basis})",
-        "not_host_bound": "not captured: the run is {bound}-bound ({why})",
+        "not_host_bound": "not captured: the step profile reads {bound} ({why})",
         "compiled_by_script": "stepped aside: the script (or its framework) already compiles the model with "
         "torch.compile",
         "fsdp2": "not captured: FSDP2 shards this model, gathering its parameters in hooks around each block; "

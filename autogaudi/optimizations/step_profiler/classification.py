@@ -5,7 +5,9 @@ Input-bound when waiting for data is at least half of a step; else host-bound wh
 waits for collectives together take less than half of a step (the rest is Python, dispatch and
 launch overhead: what graph capture removes); otherwise communication-bound when the collectives
 hold more of it than the ops, else device-bound. Each census step is set against its own neighbour
-and the median pair decides (why: docs/units/step_profiler.md).
+and the median pair decides (why: docs/units/step_profiler.md). A median within the pairs' own noise
+of the host-bound line is *unclear*: there identical runs read one side or the other by chance (a
+busy machine's scheduling), and a unit that needs a host-bound step takes it as not.
 """
 
 from __future__ import annotations
@@ -19,6 +21,15 @@ PAIRS = 5
 DECIDING_PAIRS = PAIRS // 2 + 1
 INPUT_BOUND = 0.5
 HOST_BOUND = 0.5
+# The noise band around HOST_BOUND: the pairs' spread (half the range of their shares: of five
+# pairs, steadier than their median deviation, which reads near zero by chance where a busy machine
+# shifts every pair alike), at least MIN_BAND (a quiet machine's census still varies by a few
+# percent) and at most MAX_BAND (so that pairs beyond it settle the census early whatever the others
+# would read). On a busy machine (more runnable processes than cores) the band is MAX_BAND: five pairs
+# cannot show noise that shifts them all alike. Tried on generated runs (tests): no flip between
+# identical runs with 2-5% noise per pair on a quiet machine, nor with 2-15% on a busy one.
+MIN_BAND = 0.05
+MAX_BAND = 0.15
 
 
 def _share(fraction: float) -> str:
@@ -26,13 +37,24 @@ def _share(fraction: float) -> str:
     return "all" if fraction >= 1 else f"{fraction:.0%}"
 
 
-def classify(waiting: float, busy: float, collective: float = 0.0) -> tuple:
-    """(``"input"`` / ``"host"`` / ``"communication"`` / ``"device"``, why) for the fractions of a
-    step spent waiting for data, computing ops and waiting for collectives (gradient all-reduce)."""
+def noise_band(spread: float) -> float:
+    return min(max(MIN_BAND, spread), MAX_BAND)
+
+
+def classify(waiting: float, busy: float, collective: float = 0.0, spread: float = 0.0) -> tuple:
+    """(``"input"`` / ``"host"`` / ``"communication"`` / ``"device"`` / ``"unclear"``, why) for the
+    fractions of a step spent waiting for data, computing ops and waiting for collectives (gradient
+    all-reduce); ``spread``: how far the census pairs' shares stray from their median."""
     if waiting >= INPUT_BOUND:
         return "input", f"waiting for data {waiting:.0%} of each step"
     compute = f"ops compute {_share(busy)}"
     held = f" and collectives hold {_share(collective)}" if collective else ""
+    band = noise_band(spread)
+    if abs(busy + collective - HOST_BOUND) < band:
+        return "unclear", (
+            f"{compute}{held} of each step, within {band:.0%} of the host-bound line ({HOST_BOUND:.0%}), "
+            "the census's own noise: neither host- nor device-bound"
+        )
     if busy + collective < HOST_BOUND:
         return "host", f"{compute}{held} of each step; issuing the ops (Python, dispatch) takes the rest"
     if collective > busy:
@@ -58,20 +80,24 @@ def waiting_share(clean: list) -> float:
 
 def settled(clean: list, censuses: list) -> bool:
     """Whether the pairs measured so far already decide what all ``PAIRS`` would: the median pair by
-    its share decides, so once ``DECIDING_PAIRS`` (a majority) read alike, on the same side of the
-    host-bound line, the pairs still to come cannot move the median across it. (The input share is
-    then a total over fewer clean steps, and device against communication, where a single process
-    runs collectives at all, is read on the pairs taken.)"""
+    its share decides, so once ``DECIDING_PAIRS`` (a majority) read alike beyond the widest noise
+    band, on the same side of the host-bound line, the pairs still to come cannot move the median
+    across it or into the band. (The input share is then a total over fewer clean steps, and device
+    against communication, where a single process runs collectives at all, is read on the pairs
+    taken.)"""
     if len(censuses) < DECIDING_PAIRS:
         return False
     waiting = waiting_share(clean)
-    return len({classify(waiting, busy, collective)[0] for _, busy, collective in pair_shares(clean, censuses)}) == 1
+    pairs = pair_shares(clean, censuses)
+    read = {classify(waiting, busy, collective, MAX_BAND)[0] for _, busy, collective in pairs}
+    return len(read) == 1 and read != {"unclear"}
 
 
-def census_figures(clean: list, censuses: list) -> tuple:
-    """The step's figures, and the (input wait, ops computing, collective wait) shares of a step that
-    :func:`classify` reads, from the clean steps' (seconds, seconds waiting for data) and the census
-    steps' (ops, busy seconds, collective wait seconds or None, collectives without a future)."""
+def census_figures(clean: list, censuses: list, busy_machine: bool = False) -> tuple:
+    """The step's figures, and the (input wait, ops computing, collective wait) shares of a step with
+    the pairs' spread, which :func:`classify` reads, from the clean steps' (seconds, seconds waiting
+    for data) and the census steps' (ops, busy seconds, collective wait seconds or None, collectives
+    without a future); ``busy_machine``: the pairs' spread taken as :data:`MAX_BAND`."""
     step_s = statistics.median(seconds for seconds, _waited in clean)
     waiting = waiting_share(clean)
     # The median pair by its sum decides (an odd number of pairs: PAIRS, or DECIDING_PAIRS).
@@ -90,4 +116,5 @@ def census_figures(clean: list, censuses: list) -> tuple:
     unfutured = statistics.median(unfutured for *_, unfutured in censuses)
     if unfutured:  # their waits are measured up to the next op only (census._Census._completion)
         figures.collectives_without_future_per_step = unfutured
-    return figures, (waiting, busy_share, collective_share)
+    spread = MAX_BAND if busy_machine else (pairs[-1][0] - pairs[0][0]) / 2
+    return figures, (waiting, busy_share, collective_share, spread)

@@ -21,7 +21,7 @@ from collections import Counter
 
 import torch
 
-from autogaudi import steps
+from autogaudi import machine_load, steps
 from autogaudi._paths import short_location
 from autogaudi.events import Event
 from autogaudi.memory import origin
@@ -51,6 +51,7 @@ class StepProfiler(Unit):
         "remembered_profile": "{bound}-bound, as measured in run {run} on {date} with the same script, model "
         "and inputs: {why}",
         **{f"{bound}_bound": f"{bound}-bound: {{why}}" for bound in ("input", "host", "communication", "device")},
+        "unclear_bound": "{why}",
         "follows_rank_zero": "this rank measured {bound}-bound ({why}); every rank follows rank 0",
         "hpu_lazy_device_time": "HPU lazy: the device time is the wait in synchronize() after mark_step, which also "
         "drains the host's graph building; a host-bound run can read device-bound",
@@ -169,7 +170,8 @@ class StepProfiler(Unit):
             self._census_step.abandon()
 
     def _finish_census(self, optimizer) -> None:
-        figures, shares = classification.census_figures(self._clean, self._censuses)
+        busy_machine = machine_load.slowdown() > 1
+        figures, shares = classification.census_figures(self._clean, self._censuses, busy_machine)
         measured = classification.classify(*shares)
         bound, why = rank_zero_choice(measured)
         if bound != measured[0]:
