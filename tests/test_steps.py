@@ -42,7 +42,7 @@ def test_a_loop_that_updates_its_parameters_by_hand_is_profiled():
     # the passes before the counting mode was known count too, once it is
     assert figures["steps"] == iterations and figures["optimizer_steps"] == 0
     row = autogaudi.report().unit("step_profiler")
-    assert row["figures"]["bound"] in ("host", "device") and row["figures"]["model"] == "Sequential", row
+    assert row["figures"]["bound"] in ("host", "device", "unclear") and row["figures"]["model"] == "Sequential", row
     assert figures["backward_passes_per_step"] == 1
 
 
