@@ -33,12 +33,12 @@ class UpdateTimes:
 def gain_not_material(times: UpdateTimes, step_s) -> dict | None:
     """Why the fused update's gain (the medians' difference) is not worth its rounding, as a reason's
     values, or None where it is: it must save at least MATERIAL_SHARE of the step (``step_s``, the
-    median training step measured meanwhile; None where no step was measured) and exceed the two
-    arms' spread."""
+    median training step measured meanwhile; None where no step was measured) and be clearly faster
+    by the trials' rule (beyond the two arms' spread)."""
     gain = statistics.median(times.unfused) - statistics.median(times.fused)
-    noise = trials.spread(times.fused) + trials.spread(times.unfused)
-    if step_s is not None and gain >= MATERIAL_SHARE * step_s and gain > noise:
+    if step_s is not None and gain >= MATERIAL_SHARE * step_s and trials.clearly_faster(times.fused, times.unfused):
         return None
+    noise = trials.spread(times.fused) + trials.spread(times.unfused)
     return {
         "gain": round(1000 * gain, 3),
         "step": None if step_s is None else round(1000 * step_s, 3),
