@@ -123,6 +123,7 @@ def test_no_cache_writes_nothing(tmp_path, no_cache):
         assert report["cache"]["dir"] == str(home / ".cache" / "autogaudi")
 
 
+@pytest.mark.slow
 def test_torch_compile_caches_are_kept_in_the_cache_and_a_second_run_compiles_from_them(tmp_path):
     options = ("--cache-dir", tmp_path / "cache", "--force", "graph_capture")
     first = run_conv(tmp_path, *options, name="first")

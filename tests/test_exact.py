@@ -78,6 +78,7 @@ def test_a_seeded_rl_loop_under_exact_is_the_plain_run_bit_for_bit():
     assert numbers(run_python("-m", "autogaudi", "--exact", "--quiet", RL_LOOP)) == plain
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("options", [[], ["--disable", "fused_optimizer"]], ids=["defaults", "unfused"])
 def test_by_default_the_rl_loop_is_the_plain_run_unless_the_report_names_what_changed_its_numbers(tmp_path, options):
     plain = numbers(run_python(RL_LOOP))

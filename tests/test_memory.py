@@ -172,6 +172,7 @@ def test_precision_auto_remembers_its_speed_trial_and_still_guards_every_run(tmp
     assert "guard_s" in unit(third, "mixed_precision")["figures"]  # kept: numerics checked again first
 
 
+@pytest.mark.slow
 def test_a_remembered_kept_capture_is_set_up_at_once_and_compiles_from_the_cache(tmp_path):
     focus = ("--trial", "graph_capture", "--disable", "channels_last")
     first, _ = run(tmp_path, "first", *focus)

@@ -310,6 +310,7 @@ def starving(monkeypatch):
     monkeypatch.setattr(unit, "MEASURED_BATCHES", 10**6)  # and never re-timed, so never put back
 
 
+@pytest.mark.slow
 def test_an_unguarded_spawn_script_stays_in_process_instead_of_hanging(tmp_path):
     """Its workers would re-run the script and die at its top-level set_start_method, and starting
     them blocks on a pipe nobody drains: it is kept in-process, checked before any worker starts."""

@@ -77,6 +77,7 @@ def _run(tmp_path, *launcher, **env):
     return result, (json.loads(report.read_text()) if launcher and report.exists() else None)
 
 
+@pytest.mark.slow
 def test_out_of_memory_in_the_backward_ends_as_plain_and_the_next_run_checkpoints_from_its_first_step(tmp_path):
     cache = dict(AUTOGAUDI_NO_CACHE="0", AUTOGAUDI_CACHE_DIR=tmp_path / "cache", AUTOGAUDI_MEMORY_LIMIT=str(ROOMY))
     plain, _ = _run(tmp_path, OOM_AT="3", OOM_WHERE="backward")
