@@ -30,6 +30,7 @@ from autogaudi.reasons import Reason
 from autogaudi.registry import PROFILER, UNITS
 from autogaudi.reporting import APPLIED, FAILED, SKIPPED, Report, UnitRow
 from autogaudi.step_memory import StepMemory
+from autogaudi.step_windows import StepWindows
 from autogaudi.steps import TrainingSteps
 from autogaudi.trials import TrialRunner
 from autogaudi.unit import Scope, warn
@@ -105,12 +106,8 @@ class Session:
         self.step_memory = StepMemory(self)  # before the units: its forecast comes before their first call
         self.step_memory.install()
         self._scope.add(self.step_memory.uninstall)
-        self.trials = TrialRunner(
-            self.steps,
-            self.events,
-            on_idle=self.check_settled,
-            measuring=lambda: bool(self.measuring_units()),
-        )
+        self.windows = StepWindows(self.steps)  # who measures the steps now: trials, timings, the census
+        self.trials = TrialRunner(self.steps, self.events, self.windows, on_idle=self.check_settled)
         if torch.distributed.is_available():
             self._scope.wrap(torch.distributed, "destroy_process_group", self._before_destroy)
         self.active = True
@@ -222,11 +219,6 @@ class Session:
         profiler = self.profiler
         profiling = profiler is not None and profiler.profile is None
         return not profiling and self.trials.idle and not any(unit.deciding() for unit in self.applied)
-
-    def measuring_units(self) -> list:
-        """The units in force doing work of their own inside the steps to measure something: trials
-        and the step profile's census wait for them."""
-        return [unit for unit in self.applied if unit.measuring_steps()]
 
     def check_settled(self) -> None:
         """Called when a decision may have been made: the profile published, a trial or check decided."""

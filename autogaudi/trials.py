@@ -33,6 +33,7 @@ import time
 from autogaudi import machine_load
 from autogaudi.events import Event
 from autogaudi.ranks import rank_zero_choice, several_ranks
+from autogaudi.step_windows import StepWindows
 
 BLOCK = 3  # steps per block
 ROUNDS = 2  # each round is on, off, off, on
@@ -247,13 +248,15 @@ class Check(Trial):
 class TrialRunner:
     """Runs the session's trials one after another at optimizer-step boundaries."""
 
-    def __init__(self, steps, events, on_idle=lambda: None, measuring=lambda: False):
+    name = "trials"  # as the step windows name their holder
+
+    def __init__(self, steps, events, windows=None, on_idle=lambda: None):
         self.steps = steps
         self.events = events
         self.on_idle = on_idle  # called whenever the last queued trial is decided or cancelled
-        # Whether a unit is measuring something inside the steps (work of its own in them): no trial
-        # or check starts meanwhile, since that work would be in one arm's times only.
-        self.measuring = measuring
+        # A trial or check starts once it can hold the steps: another measurement's work in them would
+        # be in one arm's times only.
+        self.windows = windows if windows is not None else StepWindows(steps)
         self.queue: list = []
         self.current = None
         self._running = None  # the handle of the running trial's step listener
@@ -268,11 +271,13 @@ class TrialRunner:
             self._start_next()
 
     def _start_next(self) -> None:
-        """Start the first queued trial whose step has come, once no unit is measuring inside the
-        steps; with none ready, look again after every step (a waiting trial's unit owns that
-        listener until some trial starts)."""
-        ready = [] if self.measuring() else [t for t in self.queue if t.not_before_step <= self.steps.steps]
-        self.current = ready[0] if ready else None
+        """Start the first queued trial whose step has come, once the runner holds the steps; with
+        none ready, look again after every step (a waiting trial's unit owns that listener until some
+        trial starts)."""
+        ready = [t for t in self.queue if t.not_before_step <= self.steps.steps]
+        self.current = ready[0] if ready and self.windows.take(self) else None
+        if self.current is None:
+            self.windows.release(self)
         if self.current is not None:
             self.queue.remove(self.current)
             self.current.started_at_step = self.steps.steps
@@ -286,7 +291,7 @@ class TrialRunner:
             self.on_idle()
 
     def _look_again(self, _optimizer) -> None:
-        if not self.measuring() and any(trial.not_before_step <= self.steps.steps for trial in self.queue):
+        if any(trial.not_before_step <= self.steps.steps for trial in self.queue) and self.windows.take(self):
             self._stop_waiting()
             self._start_next()
 
@@ -301,6 +306,7 @@ class TrialRunner:
 
     def _after_step(self, _optimizer) -> None:
         trial = self.current
+        self.windows.take(self)  # still measuring: the hold stays fresh
         trial.record(clock() - self.last_clock)
         trial.check_one_off()
         if not trial.finished:

@@ -246,11 +246,6 @@ class Unit:
         guard checking); the run's steady state starts once no unit is. Units that have one say so."""
         return False
 
-    def measuring_steps(self) -> bool:
-        """Whether the unit is doing work of its own inside the training steps to measure something
-        (an update run twice, on copies): trials and checks wait, as it would weigh on one arm only."""
-        return False
-
     def revert(self) -> None:
         self.close_scope(self.scope)
 

@@ -3,7 +3,7 @@ apart, runs every step exactly once, and leaves the candidate in the state it de
 
 import pytest
 
-from autogaudi import machine_load, trials
+from autogaudi import machine_load, step_windows, trials
 from autogaudi.events import Dispatcher, Event
 from autogaudi.timeline import Timeline
 
@@ -234,14 +234,30 @@ def test_a_one_off_within_its_estimate_runs_the_whole_trial(trial_clock):
     assert keep and record["decision"] == "kept" and len(ran) == record["steps"]
 
 
-def test_no_trial_starts_while_a_unit_measures_inside_the_steps(trial_clock):
-    """A unit's own work in the steps (fused_optimizer timing an update twice) would weigh on one arm."""
+def test_no_trial_starts_while_another_measurement_holds_the_steps(trial_clock):
+    """A unit's own work in the steps (fused_optimizer timing an update twice) would weigh on one arm:
+    the trial starts at the step after its hold is released."""
     steps, started = FakeSteps(), []
-    measuring = {"steps_left": 4}
-    runner = trials.TrialRunner(steps, steps.events, measuring=lambda: measuring["steps_left"] > 0)
+    windows, timing = step_windows.StepWindows(steps), FakeUnit()
+    assert windows.take(timing)
+    runner = trials.TrialRunner(steps, steps.events, windows)
     runner.submit(trials.Trial(FakeUnit(), "fake", lambda on: started.append(steps.steps), lambda keep, record: None))
-    assert not started and steps.listening
-    while not started:
-        measuring["steps_left"] -= 1
+    assert not started and steps.listening and windows.holder is timing
+    while steps.steps < 4:
+        assert windows.take(timing) and not started  # the holder measures in each of its steps
         steps.end_step()
-    assert started == [4]
+    windows.release(timing)
+    steps.end_step()
+    assert started == [5] and windows.holder is runner
+
+
+def test_a_hold_not_refreshed_for_stale_steps_is_lost_to_the_next_asker():
+    """An optimizer timed until it stopped stepping must not hold every other measurement back."""
+    steps = FakeSteps()
+    windows, stopped, asker = step_windows.StepWindows(steps), FakeUnit(), FakeUnit()
+    assert windows.take(stopped)
+    for _ in range(step_windows.STALE_STEPS - 1):
+        steps.end_step()
+        assert not windows.take(asker)
+    steps.end_step()
+    assert windows.take(asker) and windows.holder is asker

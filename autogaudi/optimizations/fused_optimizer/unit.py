@@ -120,6 +120,7 @@ class FusedOptimizer(Unit):
             self.wrap(optimizer_class, "__init__", functools.partial(self._init, optimizer_class))
         self.on_revert(self._hand_state_back_to_torch)
         self.on_revert(self._fused.clear)
+        self.on_revert(functools.partial(self.session.windows.release, self))
         self.because("torch_fused" if self._native else "hpex")
 
     def _init(self, owner, wrapped, instance, args, kwargs):
@@ -219,11 +220,6 @@ class FusedOptimizer(Unit):
         # A fused optimizer still timed may yet be put back; its timed steps also make copies.
         return any(not times.decided for optimizer, times in self._times.items() if self._still_fused(optimizer))
 
-    def measuring_steps(self) -> bool:
-        # The timed steps run torch's unfused update too, on copies: a step timed by a trial meanwhile
-        # (a remembered capture's check read w1's steps 1.73x slow) would count that.
-        return self.deciding()
-
     # Each step of an optimizer it fused --------------------------------------------------------
 
     def _route_steps(self, owner) -> None:
@@ -291,9 +287,15 @@ class FusedOptimizer(Unit):
             self._times[optimizer] = UpdateTimes(decided=several_ranks())
             if self._times[optimizer].decided:
                 self.note("not_timed_several_ranks")
+            else:  # timed from the next step: the steps are held from this one
+                self.session.windows.take(self)
             return None
         times = self._times[optimizer]
-        return None if times.decided else times
+        # The timed steps run torch's unfused update too, on copies: they hold the steps' windows, so
+        # that no trial times them meanwhile (a remembered capture's check read w1's steps 1.73x slow).
+        if times.decided or not self.session.windows.take(self):
+            return None
+        return times
 
     def _timed_unfused_step(self, optimizer, times) -> None:
         started = steps.clock()
@@ -309,6 +311,8 @@ class FusedOptimizer(Unit):
         if timed < TIMED_STEPS and not (timed >= SETTLED_AFTER and times.apart()):
             return
         times.decided = True
+        if not self.deciding():
+            self.session.windows.release(self)
         fused, unfused = statistics.median(times.fused), statistics.median(times.unfused)
         if not trials.faster(fused, unfused):
             self._put_back(optimizer, "fused_slower", fused=fused, unfused=unfused, steps=len(times.fused))

@@ -18,12 +18,11 @@ from autogaudi.optimizations.step_profiler.classification import (
 )
 from autogaudi.optimizations.step_profiler.profile import StepFigures, StepProfile
 from autogaudi.optimizations.step_profiler.training_model import input_shapes
-from autogaudi.optimizations.step_profiler.unit import FP32_MATRIX_SHARE, MEASURING_WAIT_STEPS, StepProfiler
+from autogaudi.optimizations.step_profiler.unit import FP32_MATRIX_SHARE, StepProfiler
 
 __all__ = [
     "DECIDING_PAIRS",
     "FP32_MATRIX_SHARE",
-    "MEASURING_WAIT_STEPS",
     "PAIRS",
     "StepFigures",
     "StepProfile",

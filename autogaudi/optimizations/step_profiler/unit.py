@@ -35,7 +35,6 @@ from autogaudi.unit import ROUNDING, Unit
 
 # The most training steps after warm-up the census waits for another unit's timing: an optimizer that
 # steps every step is decided within 13 of its own; one that stopped stepping would be waited for forever.
-MEASURING_WAIT_STEPS = 16
 # The most of a run the census's one-off (the backend's ``census_one_off_s``) may cost: it starts once
 # the run so far, with the steps a framework says are left, is long enough to carry it.
 CENSUS_ONE_OFF_SHARE = 0.05
@@ -110,6 +109,7 @@ class StepProfiler(Unit):
             return
         if self._done == 0 and (self._census_waits() or self._others_measuring()):
             return
+        self.session.windows.take(self)  # the census's steps: held from its first to its last
         done, self._done = self._done, self._done + 1
         if done % 2:
             self._clean.append((steps.clock() - self._step_began, self._waited))
@@ -155,17 +155,18 @@ class StepProfiler(Unit):
         return True
 
     def _others_measuring(self) -> bool:
-        """Whether another unit times work of its own inside the steps (fused_optimizer's update
-        against torch's, on copies): a census step would count that work as the step's, and its
-        dispatch mode would slow what the unit times. The census starts after it."""
-        if self.session.steps.steps >= self.options.warmup_steps + MEASURING_WAIT_STEPS:
+        """Whether another measurement holds the steps (fused_optimizer's update timed against
+        torch's, on copies; a trial): a census step would count that work as the step's, and its
+        dispatch mode would slow what the other times. The census starts after it."""
+        windows = self.session.windows
+        if windows.take(self):
             return False
-        measuring = [unit.name for unit in self.session.measuring_units()]
-        if measuring and self.reason.code != "others_measuring":
-            self.because("others_measuring", units=", ".join(measuring))
-        return bool(measuring)
+        if self.reason.code != "others_measuring":
+            self.because("others_measuring", units=windows.holder_name())
+        return True
 
     def _abandon_census(self) -> None:
+        self.session.windows.release(self)
         if self._census_step is not None:
             self._census_step.abandon()
 
@@ -196,6 +197,7 @@ class StepProfiler(Unit):
         self._publish()
 
     def _publish(self) -> None:
+        self.session.windows.release(self)
         self._roots, self._calls = [], []  # hold none of the user's objects
         self.moment("profiled", bound=self.profile.bound)
         self.close_scope(self._listening)  # classified once: no more work on every step and batch
