@@ -249,15 +249,3 @@ def test_no_trial_starts_while_another_measurement_holds_the_steps(trial_clock):
     windows.release(timing)
     steps.end_step()
     assert started == [5] and windows.holder is runner
-
-
-def test_a_hold_not_refreshed_for_stale_steps_is_lost_to_the_next_asker():
-    """An optimizer timed until it stopped stepping must not hold every other measurement back."""
-    steps = FakeSteps()
-    windows, stopped, asker = step_windows.StepWindows(steps), FakeUnit(), FakeUnit()
-    assert windows.take(stopped)
-    for _ in range(step_windows.STALE_STEPS - 1):
-        steps.end_step()
-        assert not windows.take(asker)
-    steps.end_step()
-    assert windows.take(asker) and windows.holder is asker

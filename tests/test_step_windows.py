@@ -1,0 +1,27 @@
+"""The steps' measurement windows: one holder at a time, refreshed by measuring, lost when stale."""
+
+from autogaudi import step_windows
+from tests.test_trials import FakeSteps, FakeUnit
+
+
+def test_one_holder_at_a_time_until_it_releases():
+    steps = FakeSteps()
+    windows, first, second = step_windows.StepWindows(steps), FakeUnit(), FakeUnit()
+    assert windows.take(first) and windows.take(first)  # taking again refreshes
+    assert not windows.take(second) and windows.holder is first
+    windows.release(second)  # only the holder releases
+    assert windows.holder is first
+    windows.release(first)
+    assert windows.take(second) and windows.holder is second
+
+
+def test_a_hold_not_refreshed_for_stale_steps_is_lost_to_the_next_asker():
+    """An optimizer timed until it stopped stepping must not hold every other measurement back."""
+    steps = FakeSteps()
+    windows, stopped, asker = step_windows.StepWindows(steps), FakeUnit(), FakeUnit()
+    assert windows.take(stopped)
+    for _ in range(step_windows.STALE_STEPS - 1):
+        steps.end_step()
+        assert not windows.take(asker)
+    steps.end_step()
+    assert windows.take(asker) and windows.holder is asker
