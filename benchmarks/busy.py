@@ -111,6 +111,7 @@ def run_case(case: dict, scratch: Path, timeout: float, log) -> dict:
         "name": case["name"],
         "plain_s": [runs["plain"]["seconds"], runs["plain again"]["seconds"]],
         "results_same": len({runs[name]["result"] for name in runs}) == 1,
+        "results": {name: runs[name]["result"] for name in runs},  # which run differed, where one did
         "exit_codes": {name: runs[name]["exit_code"] for name in runs},
     }
     for name, found in (("first", first), ("warm", warm)):
