@@ -92,5 +92,7 @@ def test_a_cpu_start_defers_what_only_a_measurement_a_loader_or_the_report_needs
         "resource",  # the CPU's peak memory: for the report
         "autogaudi.optimizations.loader_workers.safety",  # once a DataLoader is iterated
         "autogaudi.optimizations.loader_workers.worker_iterator",
+        "autogaudi.backends.hpu",  # where the Gaudi bridge is installed
+        "autogaudi.backends.hpu_signals",
     }
     assert not deferred & modules
