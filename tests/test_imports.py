@@ -92,6 +92,7 @@ def test_a_cpu_start_defers_what_only_a_measurement_a_loader_or_the_report_needs
         "resource",  # the CPU's peak memory: for the report
         "autogaudi.optimizations.loader_workers.safety",  # once a DataLoader is iterated
         "autogaudi.optimizations.loader_workers.worker_iterator",
+        "autogaudi.step_memory",  # where a step has a budget: --memory-limit, or an accelerator
         "autogaudi.backends.hpu",  # where the Gaudi bridge is installed
         "autogaudi.backends.hpu_signals",
     }
