@@ -6,7 +6,6 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
-import sysconfig
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -28,6 +27,8 @@ def bootstrap_dir() -> str:
 
 @functools.cache
 def _library_dirs() -> tuple:
+    import sysconfig  # here: the launcher imports this module, and only a frame search needs it
+
     # located, not imported: the launcher imports this module before torch is wanted
     packages = (os.path.dirname(importlib.util.find_spec(name).origin) for name in ("torch", "wrapt"))
     return (

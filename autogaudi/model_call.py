@@ -21,6 +21,8 @@ import enum
 import sys
 import weakref
 
+import torch
+
 from autogaudi.guard import guarded_call
 from autogaudi.reasons import Reason
 
@@ -113,6 +115,11 @@ def hold(owner, model, layer: Layer, around):
         return None
 
     return undo
+
+
+def trains(module) -> bool:
+    """Whether a call of ``module`` now may be a training step's: gradients on and trainable parameters."""
+    return torch.is_grad_enabled() and any(p.requires_grad for p in module.parameters())
 
 
 def compiled_by_the_script(module) -> bool:

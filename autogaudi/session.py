@@ -29,7 +29,6 @@ from autogaudi.ranks import gather_from_ranks, is_rank_zero, several_ranks
 from autogaudi.reasons import Reason
 from autogaudi.registry import PROFILER, UNITS
 from autogaudi.reporting import APPLIED, FAILED, SKIPPED, Report, UnitRow
-from autogaudi.step_memory import StepMemory
 from autogaudi.step_windows import StepWindows
 from autogaudi.steps import TrainingSteps
 from autogaudi.trials import TrialRunner
@@ -85,6 +84,7 @@ class Session:
         self.cache_notes: list = []  # autogaudi.cache.note()s: why the cache was not used, or not all of it
         self.placement = Placement(self)  # where the training model is (autogaudi.placement)
         self.migration = None  # what gpu_migration decided before the bridge loaded (its module)
+        self.step_memory = None  # the step memory watcher (autogaudi.step_memory), where a budget is possible
 
     def start(self) -> None:
         self._open_cache()  # before the backend's probe loads the Gaudi bridge, which reads its recipe cache setting
@@ -103,9 +103,12 @@ class Session:
         # The session hears the first backward before any unit (a step mark after it, an extra one before it)
         self.events.rank(self, -1)
         self._scope.add(self.events.on(Event.BEFORE_BACKWARD, self, self.placement.observe_backward).remove)
-        self.step_memory = StepMemory(self)  # before the units: its forecast comes before their first call
-        self.step_memory.install()
-        self._scope.add(self.step_memory.uninstall)
+        if budget_possible(self.options, self.backend):
+            from autogaudi.step_memory import StepMemory
+
+            self.step_memory = StepMemory(self)  # before the units: its forecast comes before their first call
+            self.step_memory.install()
+            self._scope.add(self.step_memory.uninstall)
         self.windows = StepWindows(self.steps)  # who measures the steps now: trials, timings, the census
         self.trials = TrialRunner(self.steps, self.events, self.windows, on_idle=self.check_settled)
         if torch.distributed.is_available():
@@ -349,7 +352,12 @@ class Session:
 
     def report(self) -> Report:
         stats = self.backend.memory_stats()
-        memory = {**(stats.as_dict() if stats else {}), **self.step_memory.report()}
+        watcher = self.step_memory
+        if watcher is None:
+            from autogaudi.step_memory import StepMemory
+
+            watcher = StepMemory(self)  # never installed: it reports what a watcher with no budget does
+        memory = {**(stats.as_dict() if stats else {}), **watcher.report()}
         return Report(
             torch_version=torch.__version__,
             enabled_by=self.sources,
@@ -424,6 +432,13 @@ class Session:
         if not self.options.quiet or not_written:
             sys.stderr.write(report.format() + (not_written or ""))
             sys.stderr.flush()
+
+
+def budget_possible(options, backend) -> bool:
+    """Whether a step can have a memory budget (:func:`autogaudi.step_memory.budget_bytes`):
+    ``--memory-limit``, or an accelerator's capacity. Where not (the CPU without a limit), the step
+    memory watcher could not act: it is neither made nor its module loaded."""
+    return backend.name != "cpu" or bool(options.memory_limit)
 
 
 def where_raised(error: BaseException) -> str:

@@ -14,8 +14,9 @@ loop turns out to have no optimizer).
 
 from __future__ import annotations
 
-import statistics
 import weakref
+
+from autogaudi.trials import median
 
 NO_OPTIMIZER_AFTER = 16  # backward passes with no optimizer step before backward passes count as steps
 REPACE_AFTER = 8  # steps of another optimizer in a row, the pacer silent, before it paces instead
@@ -74,7 +75,7 @@ class StepCount:
         clearings seen so far (1 where none were seen); the passes so far are counted now, as the
         steps they made."""
         self.counted_by = BY_BACKWARD
-        self.per_step = max(1, round(statistics.median(self._cycles))) if self._cycles else 1
+        self.per_step = max(1, round(median(self._cycles))) if self._cycles else 1
         done = len(self._cycles) + self._since_cleared // self.per_step
         self._since_cleared %= self.per_step
         return self._ended(done)

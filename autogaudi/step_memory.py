@@ -31,7 +31,7 @@ import torch
 
 from autogaudi import module_hooks
 from autogaudi.events import Event
-from autogaudi.model_call import Layer
+from autogaudi.model_call import Layer, trains
 from autogaudi.unit import Scope
 
 GB = 1024**3
@@ -344,7 +344,7 @@ class StepMemory:
     def is_training_call(self, module) -> bool:
         """Whether a call of ``module`` may be the training model's: gradients on, trainable
         parameters, and not a forecast's call on a fake copy."""
-        return not self._forecasting and torch.is_grad_enabled() and any(p.requires_grad for p in module.parameters())
+        return not self._forecasting and trains(module)
 
     def failed_at_run_time(self, error: Exception) -> None:
         if self.failure is None:

@@ -27,7 +27,6 @@ others when a process group is up, so every rank runs the same code path.
 
 from __future__ import annotations
 
-import statistics
 import time
 
 from autogaudi import machine_load
@@ -44,6 +43,14 @@ MARGIN = 0.03  # the candidate must be this much faster to be kept
 CHECK_TOLERANCE = 1.25
 
 
+def median(values) -> float:
+    """``statistics.median``. The module is imported at the first median, not at start: it loads
+    ``fractions`` and ``decimal``, which a run that measures nothing would pay for at every start."""
+    import statistics
+
+    return statistics.median(values)
+
+
 def faster(with_s: float, without_s: float) -> bool:
     """The trials' rule on two figures: a candidate is kept only where it is at least ``MARGIN``
     faster (a tie keeps the script as written)."""
@@ -53,20 +60,20 @@ def faster(with_s: float, without_s: float) -> bool:
 def spread(seconds: list) -> float:
     """How far times stray from their median (the median absolute deviation): outliers in fewer than
     half of them (a preemption) do not move it."""
-    middle = statistics.median(seconds)
-    return statistics.median(abs(value - middle) for value in seconds)
+    middle = median(seconds)
+    return median(abs(value - middle) for value in seconds)
 
 
 def relative_spread(seconds: list) -> float:
     """:func:`spread` as a fraction of the median (0 where the median is)."""
-    middle = statistics.median(seconds)
+    middle = median(seconds)
     return round(spread(seconds) / middle, 4) if middle else 0.0
 
 
 def clearly_faster(with_times: list, without_times: list) -> bool:
     """The trials' rule on two arms: :func:`faster` on their medians, by more than the arms' spread
     together (a gain within the noise of a busy machine keeps the script as written)."""
-    with_s, without_s = statistics.median(with_times), statistics.median(without_times)
+    with_s, without_s = median(with_times), median(without_times)
     return faster(with_s, without_s) and without_s - with_s > spread(with_times) + spread(without_times)
 
 
@@ -150,7 +157,7 @@ class Trial:
         # not across ranks: each would stop at a step of its own, and their trials' steps must agree
         if not self.one_off_limit_s or not 0 < warm <= WARMUP or several_ranks():
             return
-        self.one_off_so_far = self.set_up_s + self.warmup_seconds - warm * statistics.median(self.before)
+        self.one_off_so_far = self.set_up_s + self.warmup_seconds - warm * median(self.before)
         self.overran = self.one_off_so_far > self.one_off_limit_s
 
     def outcome(self) -> tuple:
@@ -158,8 +165,8 @@ class Trial:
         The record's ``decision`` is the runner's to write: on a distributed run rank 0's counts."""
         if self.overran:
             return False, self._overran_record()
-        on, interleaved = statistics.median(self.times[True]), statistics.median(self.times[False])
-        before = statistics.median(self.before)
+        on, interleaved = median(self.times[True]), median(self.times[False])
+        before = median(self.before)
         without = self.times[False] if interleaved <= before else self.before
         off = min(interleaved, before)
         keep = clearly_faster(self.times[True], without)
@@ -189,7 +196,7 @@ class Trial:
             "stopped": "one_off_overran",
             "one_off_s": round(self.one_off_so_far, 3),
             "one_off_limit_s": round(self.one_off_limit_s, 3),
-            "ms_per_step_without": round(1000 * statistics.median(self.before), 3),
+            "ms_per_step_without": round(1000 * median(self.before), 3),
             "speedup": None,
             "set_up_s": round(self.set_up_s, 3),
             "steps": self.position,
@@ -226,7 +233,7 @@ class Check(Trial):
         self.position += 1
 
     def outcome(self) -> tuple:
-        measured = statistics.median(self.steady)
+        measured = median(self.steady)
         load_now = machine_load.slowdown()
         expected = self.expected_s * load_now / self.load_then
         tolerance = CHECK_TOLERANCE * (1 + 2 * relative_spread(self.steady))

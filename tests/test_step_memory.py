@@ -4,7 +4,7 @@ the second step, only where a budget is known; the run's numbers and step counts
 import torch
 
 import autogaudi
-from autogaudi import model_call, runtime, step_memory
+from autogaudi import model_call, runtime, session, step_memory
 from autogaudi.backends.base import GB
 from tests.gpt_model import TinyGPT, train
 
@@ -204,6 +204,7 @@ def test_far_below_the_devices_capacity_nothing_is_forecast_or_tracked(monkeypat
     """An accelerator's capacity as the budget (no --memory-limit): a model whose whole state is a
     sliver of it pays neither the forecast nor a tracked step."""
     plain, _ = train()
+    monkeypatch.setattr(session, "budget_possible", lambda options, backend: True)  # as on an accelerator
     monkeypatch.setattr(step_memory, "budget_bytes", lambda options, backend: GB)
     autogaudi.enable(device="cpu", only="activation_checkpointing")
     losses, model = train()
@@ -220,6 +221,7 @@ def test_far_below_the_devices_capacity_nothing_is_forecast_or_tracked(monkeypat
 def test_near_the_devices_capacity_the_step_is_forecast_and_its_cost_counted(monkeypatch):
     plain, model = train()
     capacity = 10 * params_bytes(model)  # the state bound (4x the parameters) over FORECAST_FROM of it
+    monkeypatch.setattr(session, "budget_possible", lambda options, backend: True)
     monkeypatch.setattr(step_memory, "budget_bytes", lambda options, backend: capacity)
     autogaudi.enable(device="cpu", only="activation_checkpointing")
     losses, _ = train()

@@ -2,12 +2,25 @@
 
 from __future__ import annotations
 
-from autogaudi.backends import cpu, cuda, hpu
-from autogaudi.backends.base import Backend, MemoryStats
+import importlib.util
+
+from autogaudi.backends import cpu, cuda
+from autogaudi.backends.base import NO_BRIDGE, Backend, MemoryStats
 
 __all__ = ["Backend", "MemoryStats", "select"]
 
-PROBES = {"hpu": hpu.probe, "cuda": cuda.probe, "cpu": cpu.probe}
+
+def _hpu_probe():
+    """:func:`autogaudi.backends.hpu.probe`, its module (and its signals') imported only where the
+    Gaudi bridge is installed: without it the answer is known, and a start need not load them."""
+    if importlib.util.find_spec("habana_frameworks") is None:
+        return NO_BRIDGE
+    from autogaudi.backends import hpu
+
+    return hpu.probe()
+
+
+PROBES = {"hpu": _hpu_probe, "cuda": cuda.probe, "cpu": cpu.probe}
 
 
 def select(device: str) -> Backend:

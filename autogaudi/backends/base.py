@@ -8,6 +8,8 @@ import time
 import torch
 
 GB = 1024**3
+# The HPU probe's answer where the Gaudi bridge is not installed.
+NO_BRIDGE = "habana_frameworks.torch is not installed (it comes with Intel's Gaudi software)"
 
 
 class MemoryStats:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import platform
-import resource
 import threading
 
 from autogaudi import machine_load
@@ -35,6 +34,8 @@ class CpuBackend(Backend):
         return super().graph_blocks(exact_random)
 
     def memory_stats(self):
+        import resource  # here, as psutil: read for the report only, never at start
+
         import psutil
 
         resident = psutil.Process().memory_info().rss

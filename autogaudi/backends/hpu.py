@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-from autogaudi.backends.base import Backend, MemoryStats, compile_calls
+from autogaudi.backends.base import NO_BRIDGE, Backend, MemoryStats, compile_calls
 from autogaudi.backends.hpu_signals import HpuSignals
 
 # torch.optim arguments the Gaudi fused optimizers do not have, with the value that means "unused".
@@ -208,7 +208,7 @@ class HpuBackend(Backend):
 def probe():
     """An HpuBackend if the Gaudi bridge is installed and sees a device, else the reason not."""
     if importlib.util.find_spec("habana_frameworks") is None:
-        return "habana_frameworks.torch is not installed (it comes with Intel's Gaudi software)"
+        return NO_BRIDGE
     core = importlib.import_module("habana_frameworks.torch.core")  # registers torch.hpu
     hpu = importlib.import_module("habana_frameworks.torch.hpu")
     if not hpu.is_available():

@@ -31,7 +31,7 @@ from torch.utils.checkpoint import checkpoint
 
 from autogaudi import module_hooks, out_of_memory
 from autogaudi.events import Event
-from autogaudi.model_call import Layer, compiled_by_the_script, route_of
+from autogaudi.model_call import Layer, compiled_by_the_script, route_of, trains
 from autogaudi.steps import clock
 from autogaudi.unit import Unit
 
@@ -108,7 +108,7 @@ class ActivationCheckpointing(Unit):
         self._first = self.scope.child()
         self._first.hook(module_hooks.register_forward_pre_hook, self._called)
         self.on_revert(self._forget)
-        if self.session.step_memory.budget is None:
+        if self.session.step_memory is None or self.session.step_memory.budget is None:
             self._decided = True
             self.because("no_budget")
             return
@@ -124,7 +124,7 @@ class ActivationCheckpointing(Unit):
         copy): the training model. Its blocks are checkpointed now where an earlier run ran out of
         memory; its later calls run through the rescue layer."""
         memory = self.session.step_memory
-        if not memory.is_training_call(module):
+        if not (memory.is_training_call(module) if memory is not None else trains(module)):
             return
         import weakref
 
@@ -133,7 +133,7 @@ class ActivationCheckpointing(Unit):
         self._first.close()
         self._model = weakref.ref(module)
         self._inputs = input_shapes(args, {})
-        if memory.budget is None:  # no device whose memory could run out: nothing remembered, no layer
+        if memory is None or memory.budget is None:  # no memory that could run out: nothing remembered, no layer
             return
         remembered = self.session.memory.recall_memory(module, self._inputs) if self.session.memory else None
         if remembered is not None and not self._held:

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import statistics
 import weakref
 
 import torch
@@ -313,7 +312,7 @@ class FusedOptimizer(Unit):
         times.decided = True
         if not self.deciding():
             self.session.windows.release(self)
-        fused, unfused = statistics.median(times.fused), statistics.median(times.unfused)
+        fused, unfused = trials.median(times.fused), trials.median(times.unfused)
         if not trials.faster(fused, unfused):
             self._put_back(optimizer, "fused_slower", fused=fused, unfused=unfused, steps=len(times.fused))
         elif (why := gain_not_material(times, self._step_s())) is not None:
@@ -322,7 +321,7 @@ class FusedOptimizer(Unit):
 
     def _step_s(self):
         """The median training step measured while the updates were timed, or None."""
-        return statistics.median(self._step_seconds) if self._step_seconds else None
+        return trials.median(self._step_seconds) if self._step_seconds else None
 
     def _put_back(self, optimizer, code: str, **values) -> None:
         """``optimizer`` back to the script's own kernels from its next step on, for ``code``: measured

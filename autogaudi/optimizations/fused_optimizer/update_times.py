@@ -4,9 +4,6 @@ adds to the run's numbers."""
 
 from __future__ import annotations
 
-import dataclasses
-import statistics
-
 from autogaudi import trials
 
 # The share of the training step the fused update must save to be kept: a unit that changes the run's
@@ -14,13 +11,15 @@ from autogaudi import trials
 MATERIAL_SHARE = 0.01
 
 
-@dataclasses.dataclass
 class UpdateTimes:
-    """One optimizer's updates timed (seconds): torch's unfused one on the copies, the fused one."""
+    """One optimizer's updates timed (seconds): torch's unfused one on the copies, the fused one.
+    A plain class, not a dataclass: the unit imports it at start, where making a dataclass costs more
+    than the rest of its module."""
 
-    unfused: list = dataclasses.field(default_factory=list)
-    fused: list = dataclasses.field(default_factory=list)
-    decided: bool = False
+    def __init__(self, unfused=None, fused=None, decided: bool = False):
+        self.unfused: list = [] if unfused is None else unfused
+        self.fused: list = [] if fused is None else fused
+        self.decided = decided
 
     def apart(self) -> bool:
         """Whether the trials' rule says the same of every fused update against every unfused one:
@@ -35,7 +34,7 @@ def gain_not_material(times: UpdateTimes, step_s) -> dict | None:
     values, or None where it is: it must save at least MATERIAL_SHARE of the step (``step_s``, the
     median training step measured meanwhile; None where no step was measured) and be clearly faster
     by the trials' rule (beyond the two arms' spread)."""
-    gain = statistics.median(times.unfused) - statistics.median(times.fused)
+    gain = trials.median(times.unfused) - trials.median(times.fused)
     if step_s is not None and gain >= MATERIAL_SHARE * step_s and trials.clearly_faster(times.fused, times.unfused):
         return None
     noise = trials.spread(times.fused) + trials.spread(times.unfused)
@@ -53,7 +52,7 @@ def update_ms(timed: list) -> dict:
     fused = [seconds for times in timed for seconds in times.fused]
     unfused = [seconds for times in timed for seconds in times.unfused]
     return {
-        "unfused": round(1000 * statistics.median(unfused), 3),
-        "fused": round(1000 * statistics.median(fused), 3),
+        "unfused": round(1000 * trials.median(unfused), 3),
+        "fused": round(1000 * trials.median(fused), 3),
         "steps": len(fused),
     }

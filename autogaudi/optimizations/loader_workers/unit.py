@@ -46,19 +46,7 @@ from autogaudi import machine_load, steps
 from autogaudi.events import Event
 from autogaudi.model_call import Layer, compiled_by_the_script
 from autogaudi.optimizations.loader_workers.loader_state import LoaderState, Phase, Timing
-from autogaudi.optimizations.loader_workers.safety import (
-    changed_attribute,
-    instance_state,
-    random_state,
-    same_random_state,
-    why_not_workers,
-)
 from autogaudi.optimizations.loader_workers.thread_cut import ThreadCut, with_threads
-from autogaudi.optimizations.loader_workers.worker_iterator import (
-    give_up_all,
-    in_process,
-    workers_for_rest_of_epoch,
-)
 from autogaudi.steps import loader_arguments
 from autogaudi.unit import RANDOM, ROUNDING, Unit
 
@@ -286,11 +274,16 @@ class LoaderWorkers(Unit):
         return state
 
     def _before_batch(self, iterator) -> None:
+        # .safety and .worker_iterator load here, once a loader is iterated: a run without one never needs them
+        from autogaudi.optimizations.loader_workers.safety import instance_state, random_state
+
         state = self._state(iterator)
         if state is not None and state.phase is Phase.MEASURING and state.epoch_batches >= WARMUP_BATCHES:
             state.before = (random_state(), instance_state(iterator._dataset))
 
     def _after_batch(self, iterator, _batch, waited: float) -> None:
+        from autogaudi.optimizations.loader_workers.worker_iterator import in_process
+
         state = self._state(iterator)
         if state is None:
             return
@@ -315,6 +308,13 @@ class LoaderWorkers(Unit):
     def _check_getitem(self, state, dataset) -> None:
         """Whether the measured batch's ``__getitem__`` changed what workers would not give back:
         the global random streams (workers draw from their own) or the dataset's own attributes."""
+        from autogaudi.optimizations.loader_workers.safety import (
+            changed_attribute,
+            instance_state,
+            random_state,
+            same_random_state,
+        )
+
         if state.before is None or state.getitem_changes is not None:
             return
         random_before, dataset_before = state.before
@@ -325,6 +325,8 @@ class LoaderWorkers(Unit):
             state.getitem_changes = ("mutates_state", {"attribute": attribute})
 
     def _decide(self, state, iterator) -> None:
+        from autogaudi.optimizations.loader_workers.safety import why_not_workers
+
         loader = state.loader()
         before, after = state.windows[Phase.MEASURING], state.windows[Phase.CHECKING]
         if state.phase is Phase.MEASURING:
@@ -349,6 +351,8 @@ class LoaderWorkers(Unit):
                 self._keep(state, "no_faster", after=after.ms_per_batch, before=before.ms_per_batch)
 
     def _tune(self, loader, state, iterator) -> None:
+        from autogaudi.optimizations.loader_workers.worker_iterator import give_up_all, in_process
+
         workers, threads = worker_budget()
         measured = state.windows[Phase.MEASURING]
         state.workers = workers
@@ -426,6 +430,8 @@ class LoaderWorkers(Unit):
         def failed(error):
             with self.fail_open():
                 self._workers_failed(state, error)
+
+        from autogaudi.optimizations.loader_workers.worker_iterator import workers_for_rest_of_epoch
 
         try:
             source = workers_for_rest_of_epoch(iterator, loader, state.workers, state.bound_s, failed)

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import statistics
 import time
 
 import torch
@@ -47,6 +46,7 @@ from autogaudi.optimizations.mixed_precision.guard import (
 from autogaudi.optimizations.mixed_precision.loss_scale import SKIPS_IN_A_ROW, LossScale
 from autogaudi.optimizations.step_profiler import FP32_MATRIX_SHARE
 from autogaudi.options import PRECISIONS
+from autogaudi.trials import median
 from autogaudi.unit import PRECISION
 
 GUARD_CHECKS = 3  # forward/backward pairs compared before a precision is used
@@ -367,7 +367,7 @@ class MixedPrecision(DecidesCandidate):
         if self._loss_scale is not None:
             self.figures.update(loss_scale=values.pop(), skipped_steps=self._loss_scale.skipped)
         for value in values:
-            trend = statistics.median(self._history[-50:]) if len(self._history) >= 5 else None
+            trend = median(self._history[-50:]) if len(self._history) >= 5 else None
             if not math.isfinite(value):
                 return self._fall_back(f"a {value} loss")
             if trend is not None and trend > 0 and value > SPIKE * trend:

@@ -12,7 +12,6 @@ counts and compute time come from them, set against the clean step just before.
 from __future__ import annotations
 
 import functools
-import statistics
 import sys
 import time
 import warnings
@@ -25,6 +24,7 @@ from autogaudi import steps
 from autogaudi._paths import user_location
 from autogaudi.guard import guarded_call
 from autogaudi.optimizations.step_profiler.training_model import RootModules
+from autogaudi.trials import median
 from autogaudi.unit import Scope
 
 # Matrix products: what tensor cores and Gaudi's MME run in bf16 under autocast (forward and backward).
@@ -192,7 +192,7 @@ class _Census(TorchDispatchMode):
             before = self.cpu_seconds
             torch.add(a, b)
             calls.append(self.cpu_seconds - before)
-        self.overhead = statistics.median(calls)
+        self.overhead = median(calls)
         self.ops, self.cpu_seconds = 0, 0.0
 
     def busy_seconds(self) -> float:

@@ -12,9 +12,8 @@ busy machine's scheduling), and a unit that needs a host-bound step takes it as 
 
 from __future__ import annotations
 
-import statistics
-
 from autogaudi.optimizations.step_profiler.profile import StepFigures
+from autogaudi.trials import median
 
 PAIRS = 5
 # A majority of PAIRS: where that many pairs read alike (a single process's census), the rest are not taken.
@@ -98,7 +97,7 @@ def census_figures(clean: list, censuses: list, busy_machine: bool = False) -> t
     the pairs' spread, which :func:`classify` reads, from the clean steps' (seconds, seconds waiting
     for data) and the census steps' (ops, busy seconds, collective wait seconds or None, collectives
     without a future); ``busy_machine``: the pairs' spread taken as :data:`MAX_BAND`."""
-    step_s = statistics.median(seconds for seconds, _waited in clean)
+    step_s = median(seconds for seconds, _waited in clean)
     waiting = waiting_share(clean)
     # The median pair by its sum decides (an odd number of pairs: PAIRS, or DECIDING_PAIRS).
     pairs = pair_shares(clean, censuses)
@@ -107,13 +106,13 @@ def census_figures(clean: list, censuses: list, busy_machine: bool = False) -> t
     figures = StepFigures(
         ms_per_step=round(1000 * step_s, 3),
         input_wait_fraction=round(waiting, 3),
-        ops_per_step=int(statistics.median(ops for ops, *_ in censuses)),
+        ops_per_step=int(median(ops for ops, *_ in censuses)),
         compute_fraction=round(min(busy_share, 1.0), 3),
         compute_fraction_range=[round(min(busy[0], 1.0), 3), round(min(busy[-1], 1.0), 3)],
     )
     if any(collective_s is not None for _ops, _busy, collective_s, _unfutured in censuses):
         figures.collective_wait_fraction = round(min(collective_share, 1.0), 3)
-    unfutured = statistics.median(unfutured for *_, unfutured in censuses)
+    unfutured = median(unfutured for *_, unfutured in censuses)
     if unfutured:  # their waits are measured up to the next op only (census._Census._completion)
         figures.collectives_without_future_per_step = unfutured
     spread = MAX_BAND if busy_machine else (pairs[-1][0] - pairs[0][0]) / 2

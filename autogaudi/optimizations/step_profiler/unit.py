@@ -16,7 +16,6 @@ different collectives.
 
 from __future__ import annotations
 
-import statistics
 from collections import Counter
 
 import torch
@@ -31,6 +30,7 @@ from autogaudi.optimizations.step_profiler.profile import StepFigures, StepProfi
 from autogaudi.optimizations.step_profiler.training_model import RootModules, model_name, training_root
 from autogaudi.ranks import rank_zero_choice, several_ranks
 from autogaudi.run_length import remaining_steps
+from autogaudi.trials import median
 from autogaudi.unit import ROUNDING, Unit
 
 # The most training steps after warm-up the census waits for another unit's timing: an optimizer that
@@ -258,7 +258,7 @@ class StepProfiler(Unit):
         on_device = [
             Counter({where: count for (kind, where), count in reads.items() if kind == device}) for reads in self._reads
         ]
-        per_step = statistics.median(sum(reads.values()) for reads in on_device)  # Counter.total(): 3.10+
+        per_step = median(sum(reads.values()) for reads in on_device)  # Counter.total(): 3.10+
         sites = sum(on_device, Counter())
         sites.pop(None, None)  # reads made outside any user frame
         self.figures["host_reads_per_step"] = per_step
