@@ -382,17 +382,21 @@ class StepMemory:
         self._first_call(module, args)
 
     def _first_call(self, model, args) -> None:
+        """Forecast the step where it serves, then tell the units what came of it, whatever that was
+        (:attr:`Event.MEMORY_FORECAST`: activation_checkpointing decides on it)."""
+        self._forecast_first(model, args)
+        self.session.events.emit(Event.MEMORY_FORECAST, model, args, self)
+
+    def _forecast_first(self, model, args) -> None:
         from autogaudi.model_call import compiled_by_the_script
 
         if compiled_by_the_script(model) or isinstance(model, torch.nn.parallel.DistributedDataParallel):
             self.state, self.why_not = "not_forecast", f"{type(model).__name__} is compiled or distributed"
-            self.session.events.emit(Event.MEMORY_FORECAST, model, args, self)
             return
         self.state_bytes = state_bytes(model, args)
         if not self.session.options.memory_limit and self.state_bytes < FORECAST_FROM * self.budget:
             self.state = "far_below"
             self._scope.close()  # no tracked step either: the device's own peak counter is the report's
-            self.session.events.emit(Event.MEMORY_FORECAST, model, args, self)
             return
         optimizer = optimizer_of(model)
         self._optimizer = weakref.ref(optimizer) if optimizer is not None else None
@@ -402,10 +406,8 @@ class StepMemory:
             self.forecast = self.forecast_plain = self.again(model, args)
         except Exception as error:  # a forward fake tensors cannot run: measured only
             self.state, self.why_not = "not_forecast", repr(error)
-            self.session.events.emit(Event.MEMORY_FORECAST, model, args, self)
             return
         self.state = "forecast"
-        self.session.events.emit(Event.MEMORY_FORECAST, model, args, self)
 
     def again(self, model, args, checkpointed=(), watch=()) -> Forecast:
         """A forecast of the step called with ``args``, with ``checkpointed`` submodules (names)
