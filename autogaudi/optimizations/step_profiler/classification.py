@@ -43,7 +43,8 @@ def noise_band(spread: float) -> float:
 def classify(waiting: float, busy: float, collective: float = 0.0, spread: float = 0.0) -> tuple:
     """(``"input"`` / ``"host"`` / ``"communication"`` / ``"device"`` / ``"unclear"``, why) for the
     fractions of a step spent waiting for data, computing ops and waiting for collectives (gradient
-    all-reduce); ``spread``: how far the census pairs' shares stray from their median."""
+    all-reduce); ``spread``: the census pairs' noise (:func:`census_figures`: half the range of
+    their shares), which sets the band around the host-bound line (:func:`noise_band`)."""
     if waiting >= INPUT_BOUND:
         return "input", f"waiting for data {waiting:.0%} of each step"
     compute = f"ops compute {_share(busy)}"
