@@ -6,7 +6,7 @@ Why one: the units that decide at run time each wrote this sequence by hand, the
 whichever attributes happened to be None, and a release that forgot one field kept a model alive or
 left a switch on. Here the state is explicit (:class:`State`), everything the candidate set up lives
 in one child scope of the unit (closed on release, on revert and on failure alike), and the report
-reads ``watching``, ``deciding`` and what is in use from that state. A unit supplies only its
+reads the unit's status and what is in use from that state. A unit supplies only its
 refusals, ``set_up(scope)`` (what it builds, into the scope, returning nothing or its figures) and
 ``switch(on)``; a unit that checks before it tries (a guard) or waits for a step says so through
 :meth:`Candidate.checking` and :meth:`Candidate.defer`.
@@ -19,6 +19,7 @@ import enum
 from autogaudi.events import Event
 from autogaudi.memory import origin
 from autogaudi.reasons import CORE
+from autogaudi.status import Status
 from autogaudi.trials import WARMUP, Check, Trial
 from autogaudi.unit import ActsOnProfile
 
@@ -77,11 +78,6 @@ class Candidate:
     @property
     def undecided(self) -> bool:
         return self.state in UNDECIDED
-
-    @property
-    def deciding(self) -> bool:
-        """A decision being made outside a trial: a check before switching on, or a deferred trial."""
-        return self.state in (State.CHECKING, State.DEFERRED)
 
     def refuse(self, reason) -> None:
         """Not for this run (a :class:`~autogaudi.reasons.Reason`); nothing is set up."""
@@ -237,11 +233,11 @@ class DecidesCandidate(ActsOnProfile):
     """Base of the units whose decision is a :class:`Candidate` (``self.candidate``, made in
     ``apply``): the report's states read from it."""
 
-    def watching(self) -> bool:
-        return self.candidate.undecided
-
-    def deciding(self) -> bool:
-        return self.candidate.deciding
+    def decision(self) -> Status:
+        state = self.candidate.state
+        if state is State.WAITING:
+            return Status.WATCHING
+        return Status.DECIDING if state in UNDECIDED else Status.NOT_NEEDED
 
     def in_use(self) -> bool:
         """Switched on: kept, followed, or in a trial's "with" arm."""

@@ -1,12 +1,9 @@
-"""A unit's row in the report: its status (applied, watching, not needed, skipped, failed), why, its
-figures and notes, read live from the unit while it is in force."""
+"""A unit's row in the report: its status (:class:`~autogaudi.status.Status`), why, its figures and
+notes, read live from the unit while it is in force."""
 
 from __future__ import annotations
 
-APPLIED, SKIPPED, FAILED = "applied", "skipped", "failed"
-# What an applied (in force) unit reads as when it changed nothing: still measuring or deciding, or
-# decided that nothing needs changing. "applied" is kept for units that changed something.
-WATCHING, NOT_NEEDED = "watching", "not needed"
+from autogaudi.status import Status
 
 
 def _said(kind: str, reasons: list) -> dict:
@@ -37,28 +34,23 @@ class UnitRow:
     def __init__(self, name: str, summary: str):
         self.name = name
         self.summary = summary
-        self.status = SKIPPED
+        self.status = Status.SKIPPED  # APPLIED while the unit is in force: then the unit's own status() is read
         self.reason = None  # a Reason, or None while the unit is in force (its own reason is read live)
         self.unit = None  # the unit object once loaded: its targets, figures and notes are live
 
-    def set(self, status: str, reason=None) -> None:
+    def set(self, status: Status, reason=None) -> None:
         self.status = status
         self.reason = reason
 
     def as_dict(self) -> dict:
         unit = self.unit
-        in_force = unit is not None and self.status == APPLIED
+        in_force = unit is not None and self.status is Status.APPLIED
         reason = unit.reason if in_force else self.reason
-        # A candidate on trial is on only in some steps: nothing is changed until it is kept.
-        changes = unit.changes() if in_force and not unit.session.trials.trying(unit) else []
-        status = self.status
-        if in_force and not changes:
-            status = WATCHING if unit.watching() else NOT_NEEDED
         return {
             "name": self.name,
             "summary": self.summary,
-            "status": status,
-            "changes": changes,
+            "status": (unit.status() if in_force else self.status).value,
+            "changes": unit.changes_kept() if in_force else [],
             "recommendations": [_advice(advice) for advice in unit.recommendations] if unit else [],
             "targets": list(unit.targets) + list(unit.acts_on) if unit else [],
             "reason": reason.text if reason is not None else "",
@@ -68,7 +60,7 @@ class UnitRow:
             **_said("note", unit.notes if unit else []),
             # how what the unit did can have made the numbers differ from plain PyTorch's ([]: it cannot),
             # and by how much where the unit measured it (None: not measured; autogaudi.numerics.measured)
-            **_numerics(unit if self.status != SKIPPED else None),
+            **_numerics(unit if self.status is not Status.SKIPPED else None),
         }
 
 

@@ -1,5 +1,5 @@
-"""What autogaudi did in this process: per unit applied (changed something), watching, not needed,
-skipped or failed, why, and the figures.
+"""What autogaudi did in this process: per unit its status (:class:`~autogaudi.status.Status`), why,
+and the figures.
 
 At exit (rank 0 only) a short report goes to stderr: what changed and what it did to this run's
 steps, what the run gained or paid against plain PyTorch in all, and what to try next; ``--verbose``
@@ -16,7 +16,7 @@ import json
 from autogaudi._version import __version__
 from autogaudi.registry import PROFILER
 from autogaudi.report_effects import effect, effect_of_part, spread, trial_cost_s, whole_run
-from autogaudi.report_rows import APPLIED, FAILED, NOT_NEEDED, SKIPPED, WATCHING, UnitRow
+from autogaudi.report_rows import UnitRow
 from autogaudi.report_text import (
     block,
     format_cache,
@@ -34,11 +34,12 @@ from autogaudi.report_text import (
     where_lines,
 )
 
-__all__ = ["APPLIED", "FAILED", "NOT_NEEDED", "SKIPPED", "WATCHING", "Report", "UnitRow"]
+__all__ = ["Report", "UnitRow"]
 
 # The JSON report's layout: 2 since units that changed nothing read watching / not needed; 3 since
-# recommendations are {what, do, saves} and the report carries a summary and a timeline.
-SCHEMA = 3
+# recommendations are {what, do, saves} and the report carries a summary and a timeline; 4 since a
+# unit measuring or checking what changes the steps reads deciding.
+SCHEMA = 4
 NEXT_STEPS = 3  # the most useful recommendations the short report lists
 
 

@@ -28,7 +28,8 @@ from autogaudi.placement import Placement
 from autogaudi.ranks import gather_from_ranks, is_rank_zero, several_ranks
 from autogaudi.reasons import Reason
 from autogaudi.registry import PROFILER, UNITS
-from autogaudi.reporting import APPLIED, FAILED, SKIPPED, Report, UnitRow
+from autogaudi.reporting import Report, UnitRow
+from autogaudi.status import Status
 from autogaudi.step_windows import StepWindows
 from autogaudi.steps import TrainingSteps
 from autogaudi.trials import TrialRunner
@@ -126,18 +127,18 @@ class Session:
         row = self.rows[info.name]
         switched_off = self.options.unit_switched_off(info.name)
         if switched_off:
-            row.set(SKIPPED, switched_off)
+            row.set(Status.SKIPPED, switched_off)
             return None
         if self.backend.name not in info.backends:  # not imported: its code cannot act here
             why = f": {info.why_not_elsewhere}" if info.why_not_elsewhere else ""
             backends = "/".join(info.backends)
-            row.set(SKIPPED, Reason("other_backend", backends=backends, backend=self.backend.name, why=why))
+            row.set(Status.SKIPPED, Reason("other_backend", backends=backends, backend=self.backend.name, why=why))
             return None
         try:
             module_name, class_name = info.module.split(":")
             row.unit = getattr(importlib.import_module(module_name), class_name)(self, info)
         except Exception as error:
-            row.set(FAILED, Reason("could_not_load", error=error))
+            row.set(Status.FAILED, Reason("could_not_load", error=error))
             return None
         return row.unit
 
@@ -147,18 +148,18 @@ class Session:
         try:
             reason = Reason("needs_unit", units=", ".join(missing)) if missing else unit.skip_reason()
         except Exception as error:
-            row.set(FAILED, Reason("could_not_load", error=error))
+            row.set(Status.FAILED, Reason("could_not_load", error=error))
             return
         if reason:
-            row.set(SKIPPED, reason)
+            row.set(Status.SKIPPED, reason)
             return
         try:
             unit.apply()
         except Exception as error:
             self._revert(unit)
-            row.set(FAILED, Reason("apply_raised", error=error))
+            row.set(Status.FAILED, Reason("apply_raised", error=error))
             return
-        row.set(APPLIED)  # the reason is read live from the unit: it may change as it measures
+        row.set(Status.APPLIED)  # the reason is read live from the unit: it may change as it measures
         self.applied.append(unit)
 
     def _before_bridge(self) -> None:
@@ -187,7 +188,7 @@ class Session:
             except Exception as error:
                 unit.note("revert_raised", error=error)
             self._revert(unit)
-            self.rows[unit.name].set(SKIPPED, reason)
+            self.rows[unit.name].set(Status.SKIPPED, reason)
             unit.moment("stepped_aside")
         self.check_settled()
 
@@ -197,7 +198,7 @@ class Session:
         self.applied.remove(unit)
         self._revert(unit)
         self.check_settled()
-        self.rows[unit.name].set(FAILED, Reason("failed_at_run_time", error=error, where=where_raised(error)))
+        self.rows[unit.name].set(Status.FAILED, Reason("failed_at_run_time", error=error, where=where_raised(error)))
         unit.moment("failed")
         warn(f"{unit.name} raised {error!r}; it is switched off and the run goes on without it")
 
@@ -216,12 +217,11 @@ class Session:
             self.unit_failed_at_run_time(unit, error)
 
     def settled(self) -> bool:
-        """Every decision made: the step is profiled (or no profiler runs), no trial is pending and no
-        unit is still checking (:meth:`Unit.deciding`). From here on the run's steps are its steady
-        state; what autogaudi changed stays as it is unless a unit fails or a guard switches it off."""
-        profiler = self.profiler
-        profiling = profiler is not None and profiler.profile is None
-        return not profiling and self.trials.idle and not any(unit.deciding() for unit in self.applied)
+        """Every decision made: no unit in force reads ``DECIDING`` (the step profiler until it
+        publishes the profile, a unit with a trial or check pending, a timing under way). From here on
+        the run's steps are its steady state; what autogaudi changed stays as it is unless a unit
+        fails or a guard switches it off."""
+        return not any(unit.status() is Status.DECIDING for unit in self.applied)
 
     def check_settled(self) -> None:
         """Called when a decision may have been made: the profile published, a trial or check decided."""
@@ -289,7 +289,7 @@ class Session:
         trials = {
             record["candidate"]: record
             for record in self.trials.records
-            if "check" not in record and self.rows[record["candidate"]].status != FAILED
+            if "check" not in record and self.rows[record["candidate"]].status is not Status.FAILED
         }
         try:
             self.memory.remember(profile, trials)

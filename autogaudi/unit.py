@@ -26,6 +26,7 @@ from autogaudi.guard import guarded, guarded_method_call
 from autogaudi.options import OPTIONS_BY_NAME
 from autogaudi.reasons import Reason
 from autogaudi.registry import PROFILER
+from autogaudi.status import Status
 
 # How a unit can make a run's numbers differ from plain PyTorch's on the same machine (losses,
 # parameters, gradients, random draws; docs/numerics.md), as the report and --exact's reason say it.
@@ -235,16 +236,29 @@ class Unit:
         count = self.figures.get(figure) if figure else None
         return [text.format(count)] if count else []
 
-    def watching(self) -> bool:
-        """In force and changed nothing yet: True while it is hooked for what it acts on (a copy, an
-        optimizer, a DDP model), measures, or has a decision to make (the report says "watching");
-        units that decide override it to say False once they decided nothing needs changing."""
-        return True
+    def changes_kept(self) -> list:
+        """:meth:`changes`, except while a trial runs this unit: a candidate on trial is on in some
+        steps only, and nothing is changed until it is kept."""
+        return [] if self.session.trials.trying(self) else self.changes()
 
-    def deciding(self) -> bool:
-        """Whether a decision that changes the run's steps is still being made outside a trial (a
-        guard checking); the run's steady state starts once no unit is. Units that have one say so."""
-        return False
+    def decision(self) -> Status:
+        """Where this unit's decision stands while it is in force: ``WATCHING`` while it waits for
+        what it acts on, ``DECIDING`` while it measures or checks what changes the run's steps,
+        ``NOT_NEEDED`` once it decided nothing needs changing. Units that decide override it."""
+        return Status.WATCHING
+
+    def status(self) -> Status:
+        """Where the unit stands, one value for the report and for the session's ``settled()``: a
+        decision under way comes first (a fused optimizer still timed is deciding, not applied), then
+        what it changed and keeps, then its :meth:`decision`."""
+        if self.failure is not None:
+            return Status.FAILED
+        if self.set_aside:
+            return Status.SKIPPED
+        decision = self.decision()
+        if decision is not Status.DECIDING and self.changes_kept():
+            return Status.APPLIED
+        return decision
 
     def revert(self) -> None:
         self.close_scope(self.scope)
@@ -342,9 +356,10 @@ class ActsOnProfile(Unit):
     requires = (PROFILER,)
     states = ("watching", "in_use", "trial", "kept", "rejected", "failed", "disabled")
 
-    def watching(self) -> bool:
-        profiled = self.session.profiler.profile is not None
-        return not profiled or self.session.trials.pending(self) or self.deciding()
+    def decision(self) -> Status:
+        if self.session.trials.pending(self):
+            return Status.DECIDING
+        return Status.WATCHING if self.session.profiler.profile is None else Status.NOT_NEEDED
 
     def trial_named(self) -> str:
         """Which trial the ``speedup`` figure comes from, for the report's headline."""

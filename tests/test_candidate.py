@@ -7,6 +7,7 @@ from torch import nn
 import autogaudi
 from autogaudi import runtime
 from autogaudi.candidate import State
+from autogaudi.status import Status
 from tests.optimizations.test_channels_last import cnn
 from tests.optimizations.test_step_profiler import STEPS
 
@@ -37,7 +38,7 @@ def test_a_candidate_goes_from_waiting_through_its_trial_to_on(trial_clock):
         State.TRIAL,
         State.ON,
     ]
-    assert unit.watching() is False and unit.changes() and unit.candidate.model is model
+    assert unit.status() is Status.APPLIED and unit.candidate.model is model
     autogaudi.disable()
     assert unit.candidate.state is State.RELEASED and unit.candidate.model is None
     assert model[0].weight.is_contiguous()
@@ -48,5 +49,5 @@ def test_a_rejected_candidate_is_released_with_nothing_held(trial_clock):
     candidate = unit.candidate
     assert states[-1] is State.RELEASED and not candidate.on
     assert candidate.scope is None and candidate.model is None and candidate.optimizer is None
-    assert unit.changes() == [] and unit.watching() is False
+    assert unit.changes() == [] and unit.status() is Status.NOT_NEEDED
     assert unit.reason.code == "rejected"

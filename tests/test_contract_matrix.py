@@ -35,6 +35,7 @@ from autogaudi import runtime, trials
 from autogaudi.backends.cpu import CpuBackend
 from autogaudi.optimizations import step_profiler
 from autogaudi.registry import UNITS
+from autogaudi.status import Status
 from tests.helpers import SWITCHED_ON_BY, TRIAL_BY, collector_off
 
 RESUMED_STEPS = 3
@@ -144,9 +145,8 @@ def trial_decided(name):
 def settled_in_use(unit) -> bool:
     """Profiled, every decision made (a precision checked, a trial over), and a few steps since."""
     steps = session().steps
-    return (
-        profiled() and session().trials.idle and not unit.deciding() and steps.steps >= steps.options.warmup_steps + 12
-    )
+    decided = unit.status() is not Status.DECIDING
+    return profiled() and session().trials.idle and decided and steps.steps >= steps.options.warmup_steps + 12
 
 
 # state -> (options for the unit called name, whether the unit is there: a predicate on the live unit)
@@ -155,7 +155,7 @@ def recipe(name: str, state: str):
     in_use = {
         "watching": ({}, lambda unit: True),
         "in_use": (base, settled_in_use),
-        "checking": ({}, lambda unit: unit.deciding()),
+        "checking": ({}, lambda unit: unit.status() is Status.DECIDING and not session().trials.pending(unit)),
         "trial": (TRIAL_BY.get(name, {"trial": name}), lambda unit: session().trials.pending(unit)),
     }
     if state in in_use:

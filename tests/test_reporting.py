@@ -90,7 +90,7 @@ def test_the_report_leads_with_what_autogaudi_changed(tmp_path):
     assert {name for name, word in status.items() if word == "applied"} == changed
     assert status["throughput_meter"] == status["ddp_tuning"] == "watching"  # measuring; no DDP model came
     assert status["channels_last"] == "watching"  # 10 steps: the step profile it decides on is not taken yet
-    assert report["schema"] == 3
+    assert report["schema"] == 4
     lines = result.stderr.splitlines()
     headline = next(index for index, line in enumerate(lines) if line.startswith("  changed  "))
     assert headline < next(index for index, line in enumerate(lines) if line.startswith("  unit "))

@@ -25,3 +25,15 @@ def test_a_hold_not_refreshed_for_stale_steps_is_lost_to_the_next_asker():
         assert not windows.take(asker)
     steps.end_step()
     assert windows.take(asker) and windows.holder is asker
+
+
+def test_a_yielding_hold_is_taken_by_any_asker_at_once_and_then_waits():
+    """A loader's windows measure for one rank only: the census and the trials, which start at the
+    same step on every rank, never wait for them."""
+    steps = FakeSteps()
+    windows, loader, census = step_windows.StepWindows(steps), FakeUnit(), FakeUnit()
+    assert windows.take(loader, yields=True) and windows.take(loader, yields=True)
+    assert windows.take(census) and windows.holder is census
+    assert not windows.take(loader, yields=True)
+    windows.release(census)
+    assert windows.take(loader, yields=True)

@@ -1,6 +1,7 @@
 """The unit contract: exact undo through wrapt, fail-open in apply() and at run time, user errors untouched."""
 
 import importlib
+import itertools
 import re
 import types
 
@@ -10,7 +11,8 @@ import torch
 import autogaudi
 from autogaudi.optimizations.step_marks import StepMarks
 from autogaudi.registry import UNITS
-from autogaudi.unit import wrap_attribute
+from autogaudi.status import Status
+from autogaudi.unit import Unit, wrap_attribute
 from tests.helpers import SWITCHED_ON_BY
 
 
@@ -157,3 +159,58 @@ def test_units_too_new_for_this_torch_are_skipped_with_the_reason(hpu_double, mo
     row = autogaudi.report().unit("step_marks")
     assert (row["status"], row["reason_code"]) == ("skipped", "old_torch")
     assert row["reason_params"] == {"needed": "99.0", "version": torch.__version__}
+
+
+class Probe(Unit):
+    """A unit whose decision and changes are given, to read its status."""
+
+    def __init__(self, decision, changed, on_trial, failed=False, aside=False):
+        self._decision, self._changed = decision, changed
+        self.session = types.SimpleNamespace(trials=types.SimpleNamespace(trying=lambda unit: on_trial))
+        self.failure = "RuntimeError()" if failed else None
+        self.set_aside = aside
+
+    def decision(self):
+        return self._decision
+
+    def changes(self):
+        return ["changed"] if self._changed else []
+
+
+DECISIONS = (Status.WATCHING, Status.DECIDING, Status.NOT_NEEDED)
+
+
+@pytest.mark.parametrize(
+    "failed,aside,decision,changed,on_trial",
+    list(itertools.product((False, True), (False, True), DECISIONS, *[(False, True)] * 2)),
+)
+def test_a_units_status_is_one_value_deciding_before_applied(failed, aside, decision, changed, on_trial):
+    """Failed or set aside first; a decision under way before what the unit changed (a fused optimizer
+    still timed may yet be put back); what a trial switches on counts only once kept."""
+    status = Probe(decision, changed, on_trial, failed, aside).status()
+    if failed:
+        assert status is Status.FAILED
+    elif aside:
+        assert status is Status.SKIPPED
+    elif decision is Status.DECIDING:
+        assert status is Status.DECIDING
+    else:
+        assert status is (Status.APPLIED if changed and not on_trial else decision)
+
+
+def test_the_report_and_settled_read_each_units_status(monkeypatch):
+    """Sampled after every step of a run with every CPU unit on: each in-force unit's row says its
+    status, and the run is settled exactly when none is deciding."""
+    from autogaudi import runtime
+
+    seen = set()
+    autogaudi.enable(device="cpu", force="graph_capture", warmup_steps=1)
+    session = runtime._STATE.session
+    for _ in range(12):
+        train(steps=1)
+        rows = {row["name"]: row["status"] for row in autogaudi.report().units}
+        statuses = {unit.name: unit.status() for unit in session.applied}
+        assert {name: rows[name] for name in statuses} == {name: status.value for name, status in statuses.items()}
+        assert session.settled() is (Status.DECIDING not in statuses.values())
+        seen.update(statuses.values())
+    assert {Status.DECIDING, Status.APPLIED} <= seen

@@ -32,6 +32,7 @@ from torch.utils.checkpoint import checkpoint
 from autogaudi import module_hooks, out_of_memory
 from autogaudi.events import Event
 from autogaudi.model_call import Layer, compiled_by_the_script, route_of, trains
+from autogaudi.status import Status
 from autogaudi.steps import clock
 from autogaudi.unit import Unit
 
@@ -249,8 +250,8 @@ class ActivationCheckpointing(Unit):
             next_run = self.reason_for("next_run", **sizes)
         self.figures["next_run"] = {"code": next_run.code, "what": next_run.text}
 
-    def watching(self) -> bool:
-        return not self._decided
+    def decision(self) -> Status:
+        return Status.NOT_NEEDED if self._decided else Status.WATCHING
 
     def _forecast(self, model, args, memory) -> None:
         self._decided = True

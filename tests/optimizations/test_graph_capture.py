@@ -437,7 +437,7 @@ def test_a_trial_that_waits_sets_nothing_up_before_it_is_due(step_clock):
     autogaudi.enable(device="cpu", only="step_profiler,graph_capture")
     losses_of(model, endless(lambda: (torch.randn(4, 8), torch.randint(0, 3, (4,)))), steps=STEPS + 5)
     assert autogaudi.report().unit("step_profiler")["figures"]["bound"] == "host"
-    assert row()["reason_code"] == "trial_waits" and row()["status"] == "watching", row()
+    assert row()["reason_code"] == "trial_waits" and row()["status"] == "deciding", row()
     assert "_compiled_call_impl" not in vars(model) and autogaudi.report().trials == []
     assert not autogaudi.settled()  # a decision is still to be made
 

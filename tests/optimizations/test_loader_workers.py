@@ -23,6 +23,7 @@ from autogaudi.optimizations.loader_workers.unit import (
     CLEARLY_INPUT_BOUND,
     EARLY_BATCHES,
     MEASURED_BATCHES,
+    WARMUP_BATCHES,
     measured_enough,
 )
 from tests.helpers import said
@@ -301,13 +302,14 @@ def test_forced_a_starving_loader_the_script_configured_is_measured_and_raised(s
 
 @pytest.fixture
 def starving(monkeypatch):
-    """Every measured loader counts as starving the step: what happens next does not hang on how
-    loaded this machine is."""
+    """Every measured loader counts as starving the step, and its workers as faster: what happens
+    next does not hang on how loaded this machine is."""
     from autogaudi.optimizations.loader_workers import unit
 
     monkeypatch.setattr(unit, "INPUT_BOUND", 0.0)
     monkeypatch.setattr(unit, "CLEARLY_INPUT_BOUND", 0.0)  # decided after the short window
-    monkeypatch.setattr(unit, "MEASURED_BATCHES", 10**6)  # and never re-timed, so never put back
+    monkeypatch.setattr(unit, "MEASURED_BATCHES", EARLY_BATCHES)  # re-timed as briefly
+    monkeypatch.setattr(unit, "workers_faster", lambda before, after: True)  # and never put back
 
 
 @pytest.mark.slow
@@ -498,7 +500,8 @@ def _cut_run(delay):
     autogaudi.enable(device="cpu", only="step_profiler,loader_workers")
     make = lambda: DataLoader(Slow(delay=delay), batch_size=8)  # noqa: E731
     random.seed(4)
-    losses, *_ = train(make, epochs=1)
+    # two epochs: the census waits for the loader's two windows, and the cut is measured once it is profiled
+    losses, *_ = train(make, epochs=2)
     return losses, torch.get_rng_state(), random.getstate()
 
 
@@ -568,3 +571,28 @@ def test_sys_exit_in_a_worker_exits_the_script_once_as_in_process(starving, tmp_
     assert caught.value.code == 9
     assert visits.read_text() == "96\n"  # the item's side effect ran once, as in the plain run
     assert row()["figures"]["loaders_tuned"] == 1  # the workers had taken over the epoch
+
+
+def test_a_loaders_window_waits_while_another_measurement_holds_the_steps(step_clock):
+    """A census or a timed update holding the steps would read as the loader's compute: its window
+    starts once they let go (here, once the other hold goes stale) and gives them back decided."""
+    from autogaudi import runtime, step_windows
+
+    only_loader_workers()
+    windows = runtime._STATE.session.windows
+    assert windows.take(SimpleNamespace(name="other"))
+    loader = DataLoader(Slow(clock=step_clock), batch_size=8)
+    held = step_windows.STALE_STEPS - WARMUP_BATCHES  # counted batches while the other holds
+    train(lambda: loader, epochs=1, batches=WARMUP_BATCHES + held + 2, clock=step_clock, compute_s=0.1)
+    assert windows.holder is runtime._STATE.session.unit("loader_workers")
+    assert row()["status"] == "deciding" and "input_bound_fraction" not in row()["figures"]
+    train(lambda: loader, epochs=1, clock=step_clock, compute_s=0.1)
+    assert windows.holder is None and row()["status"] == "not needed"
+    assert row()["figures"]["ms_per_batch_before"] > 0
+
+
+def test_a_decided_loader_still_reads_decided_once_the_script_dropped_it(step_clock):
+    only_loader_workers()
+    train(lambda: DataLoader(Slow(clock=step_clock), batch_size=8), epochs=1, clock=step_clock, compute_s=0.1)
+    gc.collect()
+    assert row()["status"] == "not needed" and row()["reason_code"] == "none_starved"

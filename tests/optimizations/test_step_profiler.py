@@ -209,7 +209,7 @@ def test_a_census_with_a_one_off_waits_until_the_run_can_carry_it(step_clock, mo
     train(model, batches, steps=30)
     row = profile_row()
     if steps_left is None:
-        assert (row["status"], row["reason_code"]) == ("watching", "census_waits")
+        assert (row["status"], row["reason_code"]) == ("deciding", "census_waits")
         assert row["reason_params"] == {"one_off_s": 1.0, "backend": "cpu", "after_s": 20.0}
         train(model, batches, steps=30)
     first = 40 if steps_left is None else 4

@@ -69,6 +69,7 @@ from autogaudi.optimizations.fused_optimizer.kernels import (
 from autogaudi.optimizations.fused_optimizer.reasons import REASONS
 from autogaudi.optimizations.fused_optimizer.update_times import UpdateTimes, gain_not_material, update_ms
 from autogaudi.ranks import several_ranks
+from autogaudi.status import Status
 from autogaudi.unit import ROUNDING, Unit
 
 FUSABLE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
@@ -211,12 +212,14 @@ class FusedOptimizer(Unit):
         # An optimizer put back ran fused in its timed steps: their rounding is in the run.
         return self.numerics_on(self.backend) if self._fused_count or self._put_back_count else ()
 
-    def watching(self) -> bool:
+    def decision(self) -> Status:
+        if self._timing():
+            return Status.DECIDING
         # With none fused: waiting for an optimizer, unless one was timed and put back (decided).
-        return not self._put_back_count
+        return Status.NOT_NEEDED if self._put_back_count else Status.WATCHING
 
-    def deciding(self) -> bool:
-        # A fused optimizer still timed may yet be put back; its timed steps also make copies.
+    def _timing(self) -> bool:
+        """Whether a fused optimizer is still timed: it may yet be put back, and its timed steps make copies."""
         return any(not times.decided for optimizer, times in self._times.items() if self._still_fused(optimizer))
 
     # Each step of an optimizer it fused --------------------------------------------------------
@@ -310,7 +313,7 @@ class FusedOptimizer(Unit):
         if timed < TIMED_STEPS and not (timed >= SETTLED_AFTER and times.apart()):
             return
         times.decided = True
-        if not self.deciding():
+        if not self._timing():
             self.session.windows.release(self)
         fused, unfused = trials.median(times.fused), trials.median(times.unfused)
         if not trials.faster(fused, unfused):
@@ -341,7 +344,7 @@ class FusedOptimizer(Unit):
         """A decision made in a step counts once the step is over: the run's steady state starts after
         it. While an update is timed, the step's own time is kept: the gain is weighed against it."""
         now = steps.clock()
-        if self._last_step_end is not None and self.deciding():
+        if self._last_step_end is not None and self._timing():
             self._step_seconds.append(now - self._last_step_end)
         self._last_step_end = now
         if self._decided_in_step:

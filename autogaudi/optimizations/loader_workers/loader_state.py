@@ -49,3 +49,14 @@ class LoaderState:
         self.getitem_changes = None  # (reason code, values) once a measured __getitem__ changed state
         self.scope = None  # what tuning this loader changed, while tuned
         self.workers = 0
+
+    @property
+    def timed(self) -> bool:
+        """Whether a window of its batches is being timed: begun, and not yet decided."""
+        measuring = self.phase is Phase.MEASURING and self.windows[Phase.MEASURING].batches > 0
+        return measuring or self.phase is Phase.CHECKING
+
+    @property
+    def deciding(self) -> bool:
+        """Timed, or raised in place and waiting for the epoch that times it."""
+        return self.timed or self.phase is Phase.NEXT_EPOCH

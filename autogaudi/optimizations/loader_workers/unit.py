@@ -47,6 +47,7 @@ from autogaudi.events import Event
 from autogaudi.model_call import Layer, compiled_by_the_script
 from autogaudi.optimizations.loader_workers.loader_state import LoaderState, Phase, Timing
 from autogaudi.optimizations.loader_workers.thread_cut import ThreadCut, with_threads
+from autogaudi.status import Status
 from autogaudi.steps import loader_arguments
 from autogaudi.unit import RANDOM, ROUNDING, Unit
 
@@ -76,6 +77,11 @@ def measured_enough(timing: Timing, phase: Phase) -> bool:
     if phase is Phase.MEASURING and timing.batches >= EARLY_BATCHES and timing.input_bound >= CLEARLY_INPUT_BOUND:
         return True
     return timing.batches >= MEASURED_BATCHES
+
+
+def workers_faster(before: Timing, after: Timing) -> bool:
+    """Whether the batches came faster with workers (their start-up included) than in-process."""
+    return after.ms_per_batch < before.ms_per_batch
 
 
 def set_attributes(scope, owner, **values) -> None:
@@ -152,10 +158,12 @@ class LoaderWorkers(Unit):
         self._tuned = 0  # loaders with workers now
         self._ever_tuned = False  # a loader had workers (their steps ran with the threads cut)
         self._loaders = weakref.WeakKeyDictionary()  # DataLoader -> LoaderState, for loaders it may tune
+        self._decided = False  # a loader's window was decided (its state goes with the loader)
         self._iterators = weakref.WeakKeyDictionary()  # iterator -> LoaderState
         self._starting = None  # the LoaderState whose next iterator is being created
         self._threads = ThreadCut()
         self._threads.install(self.scope)
+        self.on_revert(lambda: self.session.windows.release(self))
         self.on(Event.LOADER_BUILT, self._consider)
         self.on(Event.EPOCH_START, self._new_epoch)
         self.on(Event.BEFORE_BATCH, self._before_batch)
@@ -173,9 +181,13 @@ class LoaderWorkers(Unit):
         # Workers that ran and were put back (no faster) ran their checked batches with the threads cut.
         return self.numerics_on(self.backend) if self._ever_tuned else ()
 
-    def watching(self) -> bool:
-        # no loader yet, or one still being timed; not once every loader it saw is decided
-        return not self._loaders or any(state.phase is not Phase.DONE for state in self._loaders.values())
+    def decision(self) -> Status:
+        states = list(self._loaders.values())
+        if any(state.deciding for state in states):
+            return Status.DECIDING
+        if self._decided and all(state.phase is Phase.DONE for state in states):
+            return Status.NOT_NEEDED
+        return Status.WATCHING  # no loader it may tune yet, or one whose window has not begun
 
     def _kept(self, code: str, **values) -> None:
         self.figures["loaders_kept"] += 1
@@ -293,14 +305,23 @@ class LoaderWorkers(Unit):
             window = state.windows[state.phase]
             # Before tuning, the first batches of an epoch are not measured: the sampler draws its seed
             # there and the time since the previous epoch's last batch is not a training step.
-            if state.last_end is not None and (state.phase is Phase.CHECKING or state.epoch_batches >= WARMUP_BATCHES):
-                window.add(waited, now - waited - state.last_end)
-                if state.phase is Phase.MEASURING:
-                    self._check_getitem(state, iterator._dataset)
-            state.last_end = now
+            counted = state.phase is Phase.CHECKING or state.epoch_batches >= WARMUP_BATCHES
+            if counted and not self.session.windows.take(self, yields=True):
+                # Another measurement holds the steps (a census, a timed update): its work would
+                # read as the step's. The window goes on from the batch after it lets go; the others
+                # never wait for it (on several ranks they start at the same step on each).
+                timed, state.last_end = False, None
+            else:
+                if state.last_end is not None and counted:
+                    window.add(waited, now - waited - state.last_end)
+                    if state.phase is Phase.MEASURING:
+                        self._check_getitem(state, iterator._dataset)
+                state.last_end = now
         state.epoch_batches += 1
         if timed and measured_enough(window, state.phase):
             self._decide(state, iterator)
+            if not any(other.timed for other in self._loaders.values()):
+                self.session.windows.release(self)
         if state.epoch_batches == 1 and state.scope is not None and in_process(iterator):
             # a tuned loader's later epoch: its first batch was built here, the rest by workers
             self._start_workers(state, iterator, state.loader())
@@ -329,6 +350,7 @@ class LoaderWorkers(Unit):
 
         loader = state.loader()
         before, after = state.windows[Phase.MEASURING], state.windows[Phase.CHECKING]
+        self._decided = True
         if state.phase is Phase.MEASURING:
             state.phase = Phase.DONE
             self.figures["input_bound_fraction"] = round(before.input_bound, 3)
@@ -346,7 +368,7 @@ class LoaderWorkers(Unit):
         else:
             state.phase = Phase.DONE
             self.figures["ms_per_batch_after"] = round(after.ms_per_batch, 3)
-            if after.ms_per_batch >= before.ms_per_batch:
+            if not workers_faster(before, after):
                 self._untune(state)
                 self._keep(state, "no_faster", after=after.ms_per_batch, before=before.ms_per_batch)
 

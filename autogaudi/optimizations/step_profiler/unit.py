@@ -30,11 +30,10 @@ from autogaudi.optimizations.step_profiler.profile import StepFigures, StepProfi
 from autogaudi.optimizations.step_profiler.training_model import RootModules, model_name, training_root
 from autogaudi.ranks import rank_zero_choice, several_ranks
 from autogaudi.run_length import remaining_steps
+from autogaudi.status import Status
 from autogaudi.trials import median
 from autogaudi.unit import ROUNDING, Unit
 
-# The most training steps after warm-up the census waits for another unit's timing: an optimizer that
-# steps every step is decided within 13 of its own; one that stopped stepping would be waited for forever.
 # The most of a run the census's one-off (the backend's ``census_one_off_s``) may cost: it starts once
 # the run so far, with the steps a framework says are left, is long enough to carry it.
 CENSUS_ONE_OFF_SHARE = 0.05
@@ -72,6 +71,10 @@ class StepProfiler(Unit):
         # In HPU lazy mode a census step ends with mark_step, cutting the graph where the script may
         # not (by reading). Elsewhere it only observes: the census runs the step's own ops.
         return (ROUNDING,) if backend.name == "hpu" and backend.is_lazy else ()
+
+    def decision(self) -> Status:
+        # The run's bound is the decision every unit acting on the profile waits for.
+        return Status.DECIDING if self.profile is None else Status.WATCHING
 
     def apply(self) -> None:
         self.profile = None
