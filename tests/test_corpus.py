@@ -138,9 +138,9 @@ def run_corpus(tmp_path, *args, timeout):
     return done, json.loads(out.read_text())
 
 
-# The cases forced capture runs on (a GPT and a GRU): each compiles cold, 20-30 s a case here; the
-# full corpus run forces it on every case.
-FORCED = ("mingpt-adder", "makemore-gru")
+# The case forced capture runs on in the suite (a GPT, captured by region): a cold compile, about
+# 40 s here; makemore-gru's unrolled loop took 55 s more. The full corpus run forces it on every case.
+FORCED = ("mingpt-adder",)
 
 
 def test_repeats_time_plain_and_autogaudi_in_alternating_rounds_by_their_median(monkeypatch):

@@ -130,7 +130,13 @@ def test_a_spoilt_cache_file_changes_nothing_a_user_sees_and_the_next_run_is_rig
     assert after["cache"]["note_codes"] == []  # the next run finds a cache it can use as it is
     if name == "decisions entry" and how != OTHER_USER:
         assert set(met["cache"]["note_codes"]) <= {"entry_invalid", "entry_unreadable"}
-        assert met["cache"]["note_codes"]  # dropped, with a note, and measured afresh
+        assert met["cache"]["note_codes"]  # dropped, with a note,
+        assert _profiled_as(met) != "remembered_profile"  # measured afresh,
+        assert _profiled_as(after) == "remembered_profile"  # and replaced by what that run decided
+
+
+def _profiled_as(report):
+    return next(unit["reason_code"] for unit in report["units"] if unit["name"] == "step_profiler")
 
 
 @pytest.mark.slow

@@ -87,6 +87,7 @@ def test_the_migrated_run_computes_what_the_script_computes_on_the_host(tmp_path
     assert loss_of(result) == pytest.approx(plain_loss("cuda_train.py"), rel=1e-4)
 
 
+@pytest.mark.slow
 def test_disabled_migration_runs_the_script_as_written_and_the_device_units_step_aside(tmp_path):
     report, result = run(tmp_path, "cuda_train.py", "--disable", "gpu_migration")
     units = rows(report)
@@ -100,6 +101,7 @@ def test_disabled_migration_runs_the_script_as_written_and_the_device_units_step
     assert loss_of(result) == plain_loss("cuda_train.py")
 
 
+@pytest.mark.slow
 def test_a_cpu_only_script_is_not_migrated_and_the_device_units_step_aside(tmp_path):
     report, result = run(tmp_path, "cpu_train.py")
     units = rows(report)
