@@ -85,9 +85,11 @@ def test_the_report_leads_with_what_autogaudi_changed(tmp_path):
     assert "step_profiler" not in changed and "throughput_meter" not in changed  # they only measure
     applied = {unit["name"] for unit in report["units"] if unit["changes"]}
     assert applied == changed
-    # "applied" only where something changed; the rest of the units in force watch or were not needed
+    # "applied" only where something changed; the rest of the units in force watch or were not needed.
+    # A change still measured at exit (the fused update timed for longer on a loaded machine) reads deciding.
     status = {unit["name"]: unit["status"] for unit in report["units"]}
-    assert {name for name, word in status.items() if word == "applied"} == changed
+    assert {name for name, word in status.items() if word == "applied"} <= changed
+    assert {status[name] for name in changed} <= {"applied", "deciding"}
     assert status["throughput_meter"] == status["ddp_tuning"] == "watching"  # measuring; no DDP model came
     assert status["channels_last"] == "watching"  # 10 steps: the step profile it decides on is not taken yet
     assert report["schema"] == 4
