@@ -309,6 +309,7 @@ class Session:
 
     def _revert(self, unit) -> None:
         self.trials.cancel(unit)
+        self.windows.release(unit)  # a measurement it held the steps for ends with it
         self.events.forget(unit)  # also done by its revert(), unless an earlier undo raises
         try:
             unit.revert()

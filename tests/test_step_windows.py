@@ -37,3 +37,24 @@ def test_a_yielding_hold_is_taken_by_any_asker_at_once_and_then_waits():
     assert not windows.take(loader, yields=True)
     windows.release(census)
     assert windows.take(loader, yields=True)
+
+
+def test_a_unit_switched_off_gives_the_steps_back_whatever_it_was_measuring():
+    """The session's revert releases the windows, as it cancels the unit's trials: a fused update
+    still timed when its unit fails holds nothing after."""
+    import torch
+
+    import autogaudi
+    from autogaudi import runtime
+
+    autogaudi.enable(device="cpu", only="fused_optimizer")
+    session = runtime._STATE.session
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.AdamW(model.parameters())
+    for _ in range(2):
+        model(torch.randn(2, 4)).sum().backward()
+        optimizer.step()
+    unit = session.unit("fused_optimizer")
+    assert session.windows.holder is unit  # timing its fused update against torch's
+    unit.failed_at_run_time(RuntimeError("injected"))
+    assert session.windows.holder is None

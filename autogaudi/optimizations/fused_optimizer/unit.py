@@ -120,7 +120,6 @@ class FusedOptimizer(Unit):
             self.wrap(optimizer_class, "__init__", functools.partial(self._init, optimizer_class))
         self.on_revert(self._hand_state_back_to_torch)
         self.on_revert(self._fused.clear)
-        self.on_revert(functools.partial(self.session.windows.release, self))
         self.because("torch_fused" if self._native else "hpex")
 
     def _init(self, owner, wrapped, instance, args, kwargs):

@@ -163,7 +163,6 @@ class LoaderWorkers(Unit):
         self._starting = None  # the LoaderState whose next iterator is being created
         self._threads = ThreadCut()
         self._threads.install(self.scope)
-        self.on_revert(lambda: self.session.windows.release(self))
         self.on(Event.LOADER_BUILT, self._consider)
         self.on(Event.EPOCH_START, self._new_epoch)
         self.on(Event.BEFORE_BATCH, self._before_batch)

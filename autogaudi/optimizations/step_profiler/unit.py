@@ -169,7 +169,6 @@ class StepProfiler(Unit):
         return True
 
     def _abandon_census(self) -> None:
-        self.session.windows.release(self)
         if self._census_step is not None:
             self._census_step.abandon()
 
