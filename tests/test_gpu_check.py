@@ -40,6 +40,18 @@ def test_every_corpus_gpu_case_is_in_exactly_one_shard():
     assert sorted(sharded) == sorted(case["name"] for case in manifest["cases"] if "gpu" in case["where"])
 
 
+def test_a_corpus_case_started_near_the_deadline_gives_its_runs_only_the_time_left(monkeypatch, tmp_path):
+    gpu_check = load_gpu_check()
+    monkeypatch.setattr(gpu_check.time, "monotonic", lambda: 1000.0)
+    ctx = gpu_check.Context(tmp_path, tmp_path, False, "machine", deadline=1000.0 + 200)
+    assert ctx.run_limit(4) == 50  # four runs share the 200 s left
+    assert ctx.run_limit(1) == gpu_check.CORPUS_TIMEOUT_S  # never more than one run's own limit
+    late = gpu_check.Context(tmp_path, tmp_path, False, "machine", deadline=1000.0 - 5)
+    assert late.run_limit(4) == gpu_check.CORPUS_TIMEOUT_FLOOR_S
+    dry = gpu_check.Context(tmp_path, tmp_path, True, "machine", deadline=1000.0 - 5)
+    assert dry.run_limit(4) == gpu_check.CORPUS_TIMEOUT_S  # a dry run has no deadline
+
+
 def test_pytest_counts_read_passes_failures_and_skips_from_junit_xml(tmp_path):
     xml = tmp_path / "junit.xml"
     xml.write_text(
