@@ -183,6 +183,7 @@ def test_explicit_choices_subclasses_and_iterables_are_left_alone():
         pass
 
     only_loader_workers()
+    assert (row()["status"], row()["reason_code"]) == ("watching", "no_loader")
     explicit = DataLoader(Slow(delay=0), batch_size=8, num_workers=0)
     mine = MyLoader(Slow(delay=0), batch_size=8)
     stream = DataLoader(Stream(), batch_size=2)
@@ -192,6 +193,8 @@ def test_explicit_choices_subclasses_and_iterables_are_left_alone():
         assert loader.num_workers == 0
     assert row()["figures"]["loaders_kept"] == 2  # the subclass is not even considered
     assert row()["note_codes"] == ["script_chose_workers", "iterable_dataset"]
+    # nothing was measured: the reason is the last loader kept (the notes name each), not a measurement
+    assert (row()["status"], row()["reason_code"]) == ("watching", "iterable_dataset")
 
 
 @pytest.mark.slow
@@ -470,6 +473,30 @@ def test_workers_that_die_or_stall_hand_the_epoch_back_with_the_same_batches(sta
     assert row()["numerics"] == ["rounding", "random"]  # workers ran, with the threads cut: named
     gc.collect()
     assert psutil.Process().children() == []
+
+
+def test_no_worker_is_left_to_torchs_sigchld_handler_while_the_indices_are_put(monkeypatch):
+    """torch's SIGCHLD handler raises wherever the main thread is; raised inside an index queue's put
+    it leaves the queue's lock held, and the shutdown's own put then hangs. The workers autogaudi
+    starts are unregistered before the first index goes out (their deaths are found by polling)."""
+    from autogaudi.optimizations.loader_workers import worker_iterator
+
+    registered = []
+    put_index = worker_iterator._WorkerIterator._try_put_index
+    monkeypatch.setattr(
+        worker_iterator._WorkerIterator,
+        "_try_put_index",
+        lambda self: registered.append(self._worker_pids_set) or put_index(self),
+    )
+    loader = DataLoader(Slow(delay=0), batch_size=8)
+    in_process = iter(loader)
+    first = next(in_process)
+    source = worker_iterator.workers_for_rest_of_epoch(in_process, loader, 1, 60.0, failed=pytest.fail)
+    rest = list(source)
+    assert registered and not any(registered)
+    assert torch.cat([first[0], *(batch[0] for batch in rest)]).shape[0] == len(loader.dataset)
+    del source
+    gc.collect()
 
 
 def test_the_script_reads_and_sets_its_own_thread_count_while_workers_take_cores(starving):

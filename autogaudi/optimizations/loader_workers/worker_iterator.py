@@ -155,10 +155,15 @@ class _WorkerIterator(dataloader._MultiProcessingDataLoaderIter):
         self._given = 0
         self.given_up = False
         super().__init__(loader)
-        # A dead worker is found here, by polling, and the batch built in-process; torch's SIGCHLD
-        # handler would raise its error wherever the script's own code happens to be running.
-        _utils.signal_handling._remove_worker_pids(id(self))
-        self._worker_pids_set = False
+
+    def _reset(self, loader, first_iter=False):
+        # A dead worker is found by polling, and its batches built in-process. torch's SIGCHLD handler
+        # would raise wherever the main thread is: inside an index queue's put (the prefetch below)
+        # that leaves the queue's lock held, and the shutdown's own put then never returns.
+        if self._worker_pids_set:
+            _utils.signal_handling._remove_worker_pids(id(self))
+            self._worker_pids_set = False
+        super()._reset(loader, first_iter)
 
     def _get_data(self):
         bound = START_BOUND_S if self._given == 0 else self._batch_bound_s
