@@ -285,7 +285,8 @@ class Report:
             if row["figures"]:
                 detail += (" | " if detail else "") + ", ".join(f"{k}={v}" for k, v in row["figures"].items())
             lines.append(f"  {row['name'].ljust(width)}  {row['status']:<11} {detail}")
-            lines.extend(f"  {''.ljust(width)}  {'':<11} note: {note}" for note in row["notes"])
+            notes = [note for note in row["notes"] if note != row["reason"]]  # the reason line says it already
+            lines.extend(f"  {''.ljust(width)}  {'':<11} note: {note}" for note in notes)
         for part in self.children or ():
             lines.append(f"  child    {format_child(part)}")
         for trial in self.trials:

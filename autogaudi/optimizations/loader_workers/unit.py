@@ -110,6 +110,7 @@ class LoaderWorkers(Unit):
     numerics = (ROUNDING, RANDOM)
     exact_when = "the dataset draws no random numbers and the steps run no multi-threaded CPU reduction"
     reasons = {
+        "no_loader": "no DataLoader it may tune built yet",
         "measuring": "measuring each loader's first epoch",
         "none_starved": "measured: no loader starves the step, all kept in-process",
         "workers_no_faster": "measured: workers were tried and were no faster, all kept in-process",
@@ -174,7 +175,7 @@ class LoaderWorkers(Unit):
         self._cut_waiting = None  # the loader whose cut's measurement waits for the step profiler
         self._model = None  # the training model, weakly, once the step profiler found it
         self.on(Event.STEP_PROFILED, self._found_model)
-        self.because("measuring")
+        self.because("no_loader")
 
     def numerics_in_run(self) -> tuple:
         # Workers that ran and were put back (no faster) ran their checked batches with the threads cut.
@@ -219,16 +220,24 @@ class LoaderWorkers(Unit):
             and not isinstance(dataset, IterableDataset)
         )
         if chosen is not None and not raisable:
-            self._kept("script_chose_workers")
+            self._kept_as_built("script_chose_workers")
             self._script_workers.append(chosen)
         elif isinstance(dataset, IterableDataset):
-            self._kept("iterable_dataset")
+            self._kept_as_built("iterable_dataset")
             self._iterable_loaders += 1
         else:
             self._loaders[loader] = LoaderState(loader)
+            if not self._tuned:
+                self.because("measuring")
             if raisable:
                 self.note("forced_measured", chosen=chosen)
         return None
+
+    def _kept_as_built(self, code: str) -> None:
+        """A loader it may not tune; the unit's reason says so while no loader was measured."""
+        self._kept(code)
+        if not (self._loaders or self._decided):
+            self.because(code)
 
     def _advise(self, profile) -> None:
         """A step that waits for data from a loader autogaudi may not tune: a script-chosen num_workers
