@@ -16,7 +16,7 @@ import os
 
 from autogaudi.errors import OptionsError
 from autogaudi.reasons import Reason
-from autogaudi.registry import OPT_IN_UNITS, UNIT_NAMES
+from autogaudi.registry import OPT_IN_UNITS, SWITCHED_ON_BY, UNIT_NAMES
 
 DEVICES = ("auto", "hpu", "cuda", "cpu")
 SDPA_RECOMPUTE = ("auto", "on", "off")
@@ -326,6 +326,11 @@ class Options:
             return Reason("not_listed", flag=OPTIONS_BY_NAME["only"].flag, env=OPTIONS_BY_NAME["only"].env)
         if unit in OPT_IN_UNITS and unit not in self.force:
             return Reason("opt_in", flag=OPTIONS_BY_NAME["force"].flag, unit=unit)
+        if unit in SWITCHED_ON_BY:
+            name, why = SWITCHED_ON_BY[unit]
+            if getattr(self, name) == "off":
+                option = OPTIONS_BY_NAME[name]
+                return Reason("off_by_default", why=why, flag=option.flag, choices=option.metavar)
         return None
 
     def __eq__(self, other):

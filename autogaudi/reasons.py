@@ -16,6 +16,7 @@ CORE = {
     "switched_off": "switched off by {flag} / {env}",
     "not_listed": "not listed in {flag} / {env}",
     "opt_in": "opt-in: switch on with {flag} {unit}",
+    "off_by_default": "off by default ({why}): {flag} {choices}",
     "could_not_load": "could not load: {error!r}",
     "needs_unit": "needs the {units} unit, which is not on",
     "other_backend": "applies on {backends} only; this run is on {backend}{why}",

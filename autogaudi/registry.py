@@ -32,13 +32,16 @@ class UnitInfo:
     can act on (:data:`ACTS_ONLY_ON`). A plain class, not a NamedTuple: importing ``typing`` would
     cost every ``AUTOGAUDI=1`` process ~8 ms."""
 
-    __slots__ = ("name", "summary", "module", "opt_in", "backends", "why_not_elsewhere")
+    __slots__ = ("name", "summary", "module", "opt_in", "switched_on_by", "backends", "why_not_elsewhere")
 
-    def __init__(self, name: str, summary: str, module: str, opt_in: bool = False):
+    def __init__(self, name: str, summary: str, module: str, opt_in: bool = False, switched_on_by=None):
         self.name = name
         self.summary = summary
         self.module = module
         self.opt_in = opt_in
+        # (option, why it is off by default): a unit off while that option reads "off", and then not
+        # even imported
+        self.switched_on_by = switched_on_by
         self.backends, self.why_not_elsewhere = ACTS_ONLY_ON.get(name, (ALL_BACKENDS, ""))
 
 
@@ -86,6 +89,7 @@ UNITS: tuple[UnitInfo, ...] = (
         "opt-in with --precision: bf16 or fp16 (loss-scaled) autocast of the training model's forward, or CUDA "
         "TF32, used only after it matched float32 on the run's own steps, watched for NaN/Inf and loss spikes",
         "autogaudi.optimizations.mixed_precision.unit:MixedPrecision",
+        switched_on_by=("precision", "it changes numerics"),
     ),
     UnitInfo(
         "activation_checkpointing",
@@ -145,3 +149,4 @@ UNITS: tuple[UnitInfo, ...] = (
 
 UNIT_NAMES: tuple[str, ...] = tuple(unit.name for unit in UNITS)
 OPT_IN_UNITS: tuple[str, ...] = tuple(unit.name for unit in UNITS if unit.opt_in)
+SWITCHED_ON_BY: dict = {unit.name: unit.switched_on_by for unit in UNITS if unit.switched_on_by}

@@ -34,7 +34,7 @@ def test_a_cpu_start_loads_no_unit_that_cannot_act_there_and_no_page_doctor_or_c
     seen = started_on_cpu(tmp_path)
     modules = set(seen["modules"])
     elsewhere = [info for info in UNITS if "cpu" not in info.backends]
-    opt_in = [info for info in UNITS if info.opt_in]
+    opt_in = [info for info in UNITS if info.opt_in or info.switched_on_by]  # no option here switches one on
     assert elsewhere and opt_in
     assert not {unit_module(info) for info in elsewhere + opt_in} & modules
     assert not {name for name in modules if name == "autogaudi.page" or name.startswith("autogaudi.diagnosis")}
@@ -48,7 +48,9 @@ def test_a_cpu_start_loads_no_unit_that_cannot_act_there_and_no_page_doctor_or_c
             "other_backend",
             "cpu",
         )
-    loaded = [info for info in UNITS if "cpu" in info.backends and not info.opt_in]
+    for info in opt_in:
+        assert seen["rows"][info.name]["reason_code"] in ("opt_in", "off_by_default", "other_backend")
+    loaded = [info for info in UNITS if "cpu" in info.backends and info not in opt_in]
     assert {unit_module(info) for info in loaded} <= modules
 
 

@@ -53,7 +53,8 @@ def row():
 
 def test_off_by_default_with_the_choices():
     autogaudi.enable(device="cpu")
-    assert (row()["status"], row()["reason_code"]) == ("skipped", "off")
+    assert (row()["status"], row()["reason_code"]) == ("skipped", "off_by_default")
+    assert row()["reason_params"]["flag"] == "--precision" and "bf16" in row()["reason_params"]["choices"]
 
 
 def test_bf16_is_checked_against_float32_then_used_and_trains_alike():

@@ -45,7 +45,6 @@ from autogaudi.optimizations.mixed_precision.guard import (
 )
 from autogaudi.optimizations.mixed_precision.loss_scale import SKIPS_IN_A_ROW, LossScale
 from autogaudi.optimizations.step_profiler import FP32_MATRIX_SHARE
-from autogaudi.options import PRECISIONS
 from autogaudi.trials import median
 from autogaudi.unit import PRECISION
 
@@ -90,7 +89,6 @@ def tf32(on: bool):
 class MixedPrecision(DecidesCandidate):
     numerics = (PRECISION,)
     reasons = {
-        "off": "off by default (it changes numerics): --precision {choices}",
         "no_bf16": "this GPU has no bf16 (compute capability < 8.0): --precision fp16 runs fp16 with loss scaling",
         "no_fp16": "Gaudi's autocast is documented for bf16 (its op lists are bf16/float32): --precision bf16",
         "script_scaler": "stepped aside: the script scales its loss itself (GradScaler)",
@@ -130,8 +128,6 @@ class MixedPrecision(DecidesCandidate):
         if reason is not None:
             return reason
         precision = self.options.precision
-        if precision == "off":
-            return self.reason_for("off", choices="{" + ",".join(p for p in PRECISIONS if p != "off") + "}")
         if precision == "tf32" and self.backend.name != "cuda":
             why = ": TF32 is a matmul mode of CUDA devices (Ampere and later)"
             return self.reason_for("other_backend", backends="cuda", backend=self.backend.name, why=why)
