@@ -384,7 +384,7 @@ def train_sparse(use_closure=False, steps=5):
 
 
 @pytest.mark.parametrize("use_closure", [False, True], ids=["step", "closure"])
-def test_sparse_gradients_step_unfused_exactly_as_plain_and_the_rest_stays_fused(backend, use_closure):
+def test_sparse_gradients_step_unfused_exactly_as_plain_and_the_rest_stays_fused(backend, use_closure, untimed):
     plain, plain_side = train_sparse(use_closure)
     enable(backend)
     tuned, tuned_side = train_sparse(use_closure)  # torch's fused SGD would raise at the first step
@@ -505,7 +505,7 @@ def test_copies_and_pickles_are_plain_optimizers_that_continue_training(backend,
         torch.testing.assert_close(first + run(net, optimizer, 10, 20), reference, **tolerance(backend, name))
 
 
-def test_fsdp2_dtensor_parameters_fuse_under_adamw_not_under_sgd(process_group):
+def test_fsdp2_dtensor_parameters_fuse_under_adamw_not_under_sgd(process_group, untimed):
     """FSDP2's DTensor parameters: DTensor has sharding rules for torch's fused Adam/AdamW kernels,
     none for _fused_sgd_ (torch 2.13 raises NotImplementedError at the step)."""
     from torch.distributed.fsdp import fully_shard
