@@ -111,7 +111,7 @@ SHORT = {
     "mingpt-adder": ({"--trainer.max_iters=300": "--trainer.max_iters=40"}, r"iter 30: train loss [0-9.]+"),
     "mingpt-adder-workers": ({"--trainer.max_iters=300": "--trainer.max_iters=40"}, r"iter 30: train loss [0-9.]+"),
     "mingpt-chargpt": (
-        {"--trainer.max_iters=100": "--trainer.max_iters=40"},
+        {"--trainer.max_iters=100": "--trainer.max_iters=20"},
         r"iter_dt [0-9.]+ms; iter [0-9]+: train loss [0-9.]+",
     ),
     "makemore-transformer": ({"150": "40"}, r"step 30 \| loss [0-9.]+"),

@@ -171,6 +171,10 @@ def test_a_remembered_kept_capture_is_set_up_at_once_and_compiles_from_the_cache
     focus = ("--trial", "graph_capture", "--disable", "channels_last")
     first, _ = run(tmp_path, "first", *focus)
     assert [record["candidate"] for record in first["trials"]] == ["graph_capture"]
+    assert unit(first, "graph_capture")["figures"]["compile_cache"] == "miss"
+    inductor = tmp_path / "cache" / "compile" / "inductor"  # torch.compile's cache, kept in autogaudi's
+    assert first["cache"]["compile"]["TORCHINDUCTOR_CACHE_DIR"] == {"value": str(inductor), "set_by": "autogaudi"}
+    assert any(inductor.iterdir())
     rewrite_entry(tmp_path, lambda entry: entry["trials"]["graph_capture"].update(decision="kept"))
     second, second_output = run(tmp_path, "second", *focus)
     row = unit(second, "graph_capture")
