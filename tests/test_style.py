@@ -1,6 +1,9 @@
 """The code is linted and formatted as pyproject.toml's [tool.ruff] says: `ruff check` and
-`ruff format --check` are clean (run `ruff format . && ruff check --fix .` to get there)."""
+`ruff format --check` are clean (run `ruff format . && ruff check --fix .` to get there); and the
+package stays a house one can read: no module over 500 lines, no module docstring that grows into
+the unit's documentation page (docs/ holds those)."""
 
+import ast
 import subprocess
 import sys
 
@@ -13,3 +16,16 @@ from tests.helpers import REPO
 def test_ruff_is_clean(command):
     result = subprocess.run([sys.executable, "-m", "ruff", *command, str(REPO)], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+
+
+MODULES = sorted((REPO / "autogaudi").rglob("*.py"))
+MAX_LINES = 500  # past this, a module is several things: split it into a package
+MAX_DOCSTRING_LINES = 30  # why, in a few lines; how and what was measured live in docs/
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda path: str(path.relative_to(REPO)))
+def test_a_module_is_short_and_its_docstring_says_why_in_a_few_lines(path):
+    text = path.read_text()
+    assert text.count("\n") <= MAX_LINES
+    docstring = ast.get_docstring(ast.parse(text), clean=False) or ""
+    assert docstring.count("\n") < MAX_DOCSTRING_LINES

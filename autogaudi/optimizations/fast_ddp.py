@@ -1,40 +1,16 @@
 """fast_ddp (opt-in): a DistributedDataParallel model's gradients averaged by one flattened
 all-reduce after backward, instead of DDP's per-parameter autograd hooks and bucketed all-reduces.
 
-Why: this is optimum-habana's "fast_ddp" strategy. On Gaudi, DDP's reducer runs a hook per parameter
-and a collective per bucket while the backward graph is being built, host work that a lazy-mode or
-graph-replayed step otherwise does not do; one collective over one buffer after backward is cheaper
-there. It gives up the overlap of communication with the backward pass, which is why it is opt-in
-and measured (2 gloo ranks on a CPU: see docs/benchmarks.md), not applied by rule.
+Why: optimum-habana's "fast_ddp" strategy. On Gaudi, DDP's reducer does host work per parameter and
+per bucket while the backward graph is built; one collective over one buffer after backward is
+cheaper there. It gives up overlapping communication with the backward, so it is opt-in and measured.
 
-How, without touching the script: the DDP object stays what the script built (``isinstance``,
-``.module``, ``state_dict``, ``no_sync()`` and buffer broadcasting behave as before, and DDP's
-constructor has already broadcast rank 0's parameters: the strategy's "broadcast once"). Its forward
-runs with ``require_backward_grad_sync=False``, the switch ``no_sync()`` uses, so the reducer stays
-idle; the value the script had set is put back at once, and if it asked for a synchronised backward
-(it is False inside ``no_sync()``, for gradient accumulation), the gradients are averaged when that
-backward returns, before any clipping or optimizer step sees them: divided by the world size (first,
-as DDP does), packed into one buffer together with a count, per parameter, of the ranks that had a
-gradient, all-reduced once, copied back into the same gradient tensors (HPU graphs hold them). A
-parameter that no rank has a gradient for keeps ``grad=None``, as with DDP.
-
-Refusal: the counts must stay those of the first step. They are read one step late, so reading them
-adds no device synchronisation; all ranks read the same reduced counts, so all hand the model back
-to DDP's own reducer at the same step (a rank-dependent decision would hang the next collective).
-The step in which the set changed is still averaged across ranks, zeros standing for ranks without a
-gradient, as DDP's ``find_unused_parameters=True`` does. DDP keeps, from the start, models whose
-gradient sync the script customised: ``static_graph``, communication hooks, ``mixed_precision``,
-the Join context for uneven inputs, compiled DDP; and parameters of several dtypes or devices.
-
-Measured (``numerics_measured``): at each model's first averaged step, the average DDP's reducer
-would give, computed on copies of the same gradients (:func:`bucketed_average`: each scaled by
-1/world size into its bucket, one all-reduce per bucket, DDP's buckets from :func:`ddp_buckets`),
-against the flat result. A ring all-reduce sums each element's rank values in an order set by where
-the element lies in the buffer, and DDP multiplies by 1/world where the flat buffer divides: with
-two ranks both are exact, with more they can round otherwise. Every rank measures at the same step
-(the first averaged one) and decides together whether the copies fit (:func:`every_rank`), so the
-extra all-reduces (one flag, then one per bucket, once) meet on every rank; where the copies would
-not fit on some rank, no rank measures (``rounding_not_measured_memory``).
+The DDP object stays what the script built: its forward runs with the reducer idle (the switch
+``no_sync()`` uses) and, where the script asked for a synchronised backward, the gradients are
+averaged as DDP averages them when that backward returns. Every rank hands the model back to DDP at
+the same step when the set of parameters with gradients changes: a rank-dependent decision would
+hang the next collective. The rounding against DDP's own buckets is measured once, on copies
+(:func:`bucketed_average`). docs/units/fast_ddp.md has the details.
 """
 
 from __future__ import annotations

@@ -1,43 +1,16 @@
 """Adam, AdamW and SGD as one fused kernel per step instead of a loop of small ops per parameter.
 
-Why: the stock optimizers launch several ops per parameter tensor every step; a fused kernel does
-the whole update in one pass, which is what the Gaudi guide (hpex ``FusedAdamW``/``FusedSGD``) and
-the Hugging Face guide (``fused=True``) recommend.
+Why: the stock optimizers launch several ops per parameter every step; the Gaudi guide (hpex
+``FusedAdamW``/``FusedSGD``) and the Hugging Face guide (``fused=True``) both fuse them. The
+script's optimizer is built as written and stays the script's, so its checkpoints, copies and
+pickles are plain PyTorch's: on CPU and CUDA each step sets ``fused=True`` for the time of the
+update; on HPU the step runs an hpex optimizer that shares its state (:mod:`.hpu_format`).
 
-How, per backend:
-- CUDA and CPU: the user's optimizer is built exactly as written, and each of its steps sets
-  ``fused=True`` in its groups for the time of the update (torch's own kernel). Outside a step the
-  object is the script's, so ``state_dict()``, ``copy.deepcopy`` and pickles carry its settings.
-- HPU: the user's ``torch.optim`` object is built as written and keeps every user-visible aspect;
-  its ``step`` runs an hpex fused optimizer that shares its state and mirrors its groups
-  (:mod:`~autogaudi.optimizations.fused_optimizer.hpu_format` says how). The user's step hooks fire once.
-
-torch refuses some tensors only inside the fused step: they are checked before each update and at
-construction, and such an optimizer runs torch's own unfused step from then on
-(:mod:`~autogaudi.optimizations.fused_optimizer.kernels` says how a fused step that raises anyway
-finishes unfused).
-
-Numerics: one fused update rounds otherwise than torch's per-op one. In the run's first
-``MEASURED_STEPS`` fused steps torch's own unfused step runs beside it on copies of the parameters,
-gradients and state (where they fit in a quarter of the memory free), and the largest relative
-parameter difference goes to the report: the script's tensors are not touched.
-
-Speed: where the host waits for each op (CPU), the two updates are timed on those copies, in the
-fused steps after the first (which allocates the state in both) until each has ``TIMED_STEPS``
-samples, or ``SETTLED_AFTER`` where the two sets do not overlap (each timed step costs a copy and a
-second update). The fused update stays only where the trials' rule finds it faster on the medians
-and its gain is worth the rounding it adds (:mod:`.update_times`); else the optimizer goes back to
-the script's own kernels from its next step on, its ``step`` counters in the unfused format. Then no
-more copies are made. Where the host runs ahead of the device, timing would take a synchronisation
-the run would not have: the fused update stays untimed.
-
-Checkpoints and copies stay plain PyTorch both ways: ``state_dict()``, ``deepcopy`` and pickles carry
-the user's own ``fused`` value and torch's per-parameter tensor ``step`` (on HPU taken from the group
-counter); ``load_state_dict()`` accepts a plain checkpoint and the counters continue from its steps.
-Skipped per optimizer (with the reason) when the script chose ``fused``/``foreach`` itself, for
-subclasses (their ``step`` may be their own), and for arguments the fused kernel lacks
-(amsgrad, maximize, differentiable, … on HPU). ``disable()`` gives every optimizer back to torch's
-own step, its state in torch's format.
+A fused update rounds otherwise than torch's per-op one: its first steps are measured against
+torch's unfused step on copies, and where the host waits for each op the two updates are timed on
+those copies; the fused one stays only where it is faster by a gain worth its rounding
+(:mod:`.update_times`). What torch refuses only inside the fused step is checked before each update
+(:mod:`.kernels`). docs/units/fused_optimizer.md has the rules and the measurements.
 """
 
 from __future__ import annotations

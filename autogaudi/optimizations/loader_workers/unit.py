@@ -1,36 +1,14 @@
 """DataLoader worker processes, switched on only for a loader measured to starve the training step,
 and only where workers give the batches, the numbers and the state the plain run has.
 
-Why: with ``num_workers=0`` (the default) the training loop itself builds every batch, so the
-device (or the compute threads) idle while ``__getitem__`` runs. Workers build batches in parallel.
-But workers also cost: on a 2-core machine one worker was measured slower than none, and a compute-
-bound step loses from the cores the workers take. So nothing is assumed: during the first epoch,
-after two warm-up batches, autogaudi times 16 batches (6 when waiting already holds 80%) — time
-waiting for the batch vs time between batches — and only when waiting is at least half of it does it
-tune that loader at once: ``num_workers`` from the machine (physical cores per local rank, less one
-for the main process, at least 2), ``prefetch_factor=2``, and the main process's intra-op threads
-cut to the cores the workers leave free. The loader itself is not changed: from the batch after the
-measured ones, and from each later epoch's second batch, the script's in-process iterator is routed
-to a worker iterator fed from that epoch's own sampler iterator (:func:`workers_for_rest_of_epoch`),
-so ``loader.num_workers`` and ``torch.get_num_threads()`` read what the script set. The next 16
-batches are timed again, worker start-up included; if they did not come faster the loader goes back
-in-process and the report says so.
-
-Faithfulness: batches and their order are the same (the sampler still runs in the main process),
-and the seed the worker iterator draws is undone, so the random stream is the plain run's. Workers
-are not persistent on purpose: a DataLoader draws one seed from the global RNG per epoch either way,
-while persistent workers would skip those draws from epoch 2 on (measured: 3e-2 loss drift). Kept
-in-process, each with a reason code: a ``__getitem__`` that draws from the global RNGs or changes the
-dataset's own attributes (counts, caches: workers would change copies), a dataset that holds a
-random generator (each worker would copy it), and, under the spawn and forkserver start methods,
-a ``__main__`` that does more than define and import at top level (each worker re-runs it) or a
-dataset that does not pickle. Workers that fail anyway, or keep a batch past a bound, are shut down
-and the batches they had not yielded are built in-process, as plain PyTorch builds them.
-Also left alone: loaders whose script chose ``num_workers`` (the report recommends a number when the
-step starves; ``--force loader_workers`` measures and raises it — a loader with workers of its own
-is raised in place from its next epoch, so the script reads the raised number, which the reason
-code says), DataLoader subclasses, and iterable datasets (each worker would replay the whole stream
-unless it shards itself).
+Why: with ``num_workers=0`` the training loop builds every batch while the device waits; workers
+build them in parallel, but take cores a compute-bound step needs (one worker was measured slower
+than none on a 2-core machine). So each loader's first epoch is timed (waiting for the batch against
+the time between batches), only a starving one is tuned, and it is timed again: one that did not
+come faster goes back in-process. The loader object is not changed: the rest of its epoch comes from
+a worker iterator fed by that epoch's own sampler (:mod:`.worker_iterator`), so the batches, their
+order and the random stream are the plain run's. Datasets whose results workers would change stay
+in-process, each with its reason code (:mod:`.safety`). docs/units/loader_workers.md has the rules.
 """
 
 from __future__ import annotations
