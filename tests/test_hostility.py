@@ -69,7 +69,15 @@ def test_every_exit_path_keeps_the_users_files_output_and_exit_code_and_the_next
 
 # Every file a run leaves in the cache, by where it lies under the cache's root.
 CACHE_FILES = {"decisions entry": "decisions/*/*.json", "cache tag": "CACHEDIR.TAG", "lock": ".lock"}
-SPOILT = [(name, how) for name in CACHE_FILES for how in (*CORRUPTIONS, OTHER_USER)]
+# Only the entry is parsed: the tag is compared with its signature and the lock never read, so cut
+# short, garbage and the wrong JSON meet one branch there, and garbage stands for the three.
+PARSED = ("decisions entry",)
+SPOILT = [
+    (name, how)
+    for name in CACHE_FILES
+    for how in (*CORRUPTIONS, OTHER_USER)
+    if name in PARSED or how not in ("truncated", "wrong_schema")
+]
 FILESYSTEMS = ("full", "read_only")
 
 
