@@ -19,6 +19,8 @@ import math
 # One-offs a unit pays after its trial (new input shapes compiled, compile workers stopped at exit):
 # on top of the trial's record.
 LATER_ONE_OFFS = ("later_compiles_s", "compile_workers_at_exit_s")
+# Units' figures for steps they measured in, beyond those steps' own time: autogaudi's cost.
+MEASURING_STEPS = ("census_extra_s",)
 
 
 def spread(record) -> float | None:
@@ -73,6 +75,12 @@ def trial_cost_s(record) -> float:
     return round(record["one_off_s"] + extra, 3)
 
 
+def part_measuring_s(update_ms) -> float:
+    """A part timed on its own (a fused optimizer's update) also ran torch's unfused update in its
+    timed steps, on copies: autogaudi's cost, whether the change was kept or put back."""
+    return round(update_ms["unfused"] / 1000 * update_ms["steps"], 3)
+
+
 def effect_of_part(update_ms, ms_per_step, steps: int):
     """A change timed on its own part of the step (a fused optimizer's update against torch's
     unfused one, on the same steps): the step without it is the step with it plus the difference."""
@@ -90,27 +98,38 @@ def effect_of_part(update_ms, ms_per_step, steps: int):
         "saved_s": round(difference / 1000 * steps, 3),
         "noise_s": None,
         "claimed": True,
-        # its timed steps ran torch's unfused update too, on copies: autogaudi's cost, not the change's
-        "measuring_s": round(update_ms["unfused"] / 1000 * update_ms["steps"], 3),
+        "measuring_s": part_measuring_s(update_ms),  # autogaudi's cost, not the change's
         "timed": f"the update alone in {update_ms['steps']} steps: {update_ms['unfused']} -> {update_ms['fused']} ms",
     }
 
 
 def whole_run(changed: list, trials: list, units: list, seconds, memory_s: float = 0.0) -> dict:
     """The run against plain PyTorch, autogaudi's own cost included: ``cost_s`` what autogaudi paid
-    that plain would not (the trials' one-offs, the "with" arms of trials not kept beyond their "without",
-    later one-offs, a change's own measuring steps, ``memory_s``: the step's memory forecast and
-    tracked step), ``saved_s`` what the
-    kept changes saved net of their one-offs, ``net_s`` the two together (None where a change was not
-    timed against the step without it: plain's time is not known then), ``noise_s`` its noise (None
-    where unknown), and ``plain_s``, the steps' time plain would have taken, where ``net_s`` is
-    known."""
+    that plain would not (the trials' one-offs, the "with" arms of trials not kept beyond their
+    "without", later one-offs, a change's measuring steps whether kept or put back, the step
+    profile's census steps, ``memory_s``: the step's memory forecast and tracked step), ``saved_s``
+    what the kept changes saved net of their one-offs, ``net_s`` the two together (None where a
+    change was not timed against the step without it: plain's time is not known then), ``noise_s``
+    its noise (None where unknown), and ``plain_s``, the steps' time plain would have taken, where
+    ``net_s`` is known."""
     decided = [record for record in trials if "check" not in record]
     one_offs = sum(record["one_off_s"] for record in decided)
     arms = sum(trial_cost_s(record) - record["one_off_s"] for record in decided if record["decision"] != "kept")
     later = sum(row.get("figures", {}).get(name) or 0.0 for row in units for name in LATER_ONE_OFFS)
     effects = [change["effect"] for change in changed]
-    measuring = memory_s + sum(effect.get("measuring_s", 0.0) for effect in effects if effect is not None)
+    kept = {change["unit"] for change in changed}
+    put_back = sum(
+        part_measuring_s(row["figures"]["update_ms"])
+        for row in units
+        if row["name"] not in kept and (row.get("figures") or {}).get("update_ms")
+    )
+    measured_in = sum(row.get("figures", {}).get(name) or 0.0 for row in units for name in MEASURING_STEPS)
+    measuring = (
+        memory_s
+        + put_back
+        + measured_in
+        + sum(effect.get("measuring_s", 0.0) for effect in effects if effect is not None)
+    )
     cost = one_offs + arms + later + measuring
     timed = all(effect is not None for effect in effects)
     # the kept changes' savings before their one-offs, which cost_s holds

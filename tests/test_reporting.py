@@ -326,3 +326,11 @@ def test_a_change_timed_on_its_own_part_counts_its_measuring_steps_as_autogaudis
     assert (whole["measuring_s"], whole["cost_s"]) == (0.012, 0.012)
     assert whole["net_s"] == pytest.approx(0.002 * 100 - 0.012)
     assert "measuring 0.012 s" in line(report, "run")
+
+
+def test_a_part_timed_and_put_back_still_counts_its_measuring_steps_as_autogaudis_cost():
+    """The fused update timed slower and put back: its timed steps ran both updates all the same."""
+    figures = {"update_ms": {"unfused": 3.0, "fused": 5.0, "steps": 4}, "optimizers_put_back": 1}
+    row = {"name": "fused_optimizer", "changes": [], "numerics": [], "figures": figures}
+    whole = summary_of(bare_report(units=[row], steps={"steps": 100, "steps_per_s": 100.0}))["whole_run"]
+    assert (whole["measuring_s"], whole["cost_s"]) == (0.012, 0.012)

@@ -106,7 +106,7 @@ class Backend:
 
     def fast_bf16(self) -> bool:
         """Whether bf16 autocast runs matrix products faster than float32 here (tensor cores, Gaudi's
-        MME); not the CPU's default: on the 2-core machine here it ran 0.10-0.33x (issue 20)."""
+        MME); not the CPU's default: on the 2-core machine here it ran 0.10-0.33x."""
         return False
 
     def graph_forward(self, module, exact_random: bool = False, static_outputs: bool = True):

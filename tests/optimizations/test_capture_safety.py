@@ -1,4 +1,4 @@
-"""Capture never breaks a script and leaves nothing behind (issue 18): the user's objects stay
+"""Capture never breaks a script and leaves nothing behind: the user's objects stay
 picklable and copyable while captured, a rejected trial and disable() leave the process as it was,
 a module called several times per step is found, and a captured call that fails runs eagerly."""
 

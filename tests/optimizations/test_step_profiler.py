@@ -193,6 +193,39 @@ def test_a_step_whose_ops_compute_little_of_it_is_host_bound(step_clock):
     assert figures["ops_per_step"] > 10
 
 
+class SlowerUnderTheCensus(Timed):
+    """Each call under the census's dispatch mode takes ``extra`` seconds more: the profiler's work."""
+
+    def __init__(self, model, host, extra):
+        super().__init__(model, host=host)
+        self.extra = extra
+
+    def forward(self, inputs):
+        if _get_current_dispatch_mode() is not None:
+            steps.clock.advance(self.extra)
+        return super().forward(inputs)
+
+
+def test_what_the_census_steps_took_beyond_the_clean_ones_is_autogaudis_cost_in_the_report(step_clock):
+    autogaudi.enable(device="cpu", only="step_profiler")
+    train(
+        SlowerUnderTheCensus(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3)), 0.010, 0.004), small_batches()
+    )
+    extra = profile_row()["figures"]["census_extra_s"]
+    assert round(extra / 0.004) in range(DECIDING_PAIRS, PAIRS + 1) and extra == pytest.approx(
+        0.004 * round(extra / 0.004)
+    )
+    whole = autogaudi.report().as_dict()["summary"]["whole_run"]
+    assert whole["measuring_s"] == whole["cost_s"] == extra
+
+
+def test_census_steps_no_slower_than_the_clean_ones_cost_nothing():
+    clean = [(0.010, 0.0), (0.012, 0.0), (0.011, 0.0)]
+    assert classification.census_extra_s(clean, []) == 0.0
+    assert classification.census_extra_s(clean, [0.009, 0.011]) == 0.0
+    assert classification.census_extra_s(clean, [0.013, 0.015]) == pytest.approx(0.006)
+
+
 @pytest.mark.parametrize("steps_left", [None, 1000])
 def test_a_census_with_a_one_off_waits_until_the_run_can_carry_it(step_clock, monkeypatch, steps_left):
     """A one-off of 1 s is carried by a run of 20 s (5%): at 0.5 s a step, the census starts at step 40;

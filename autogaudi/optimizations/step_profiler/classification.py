@@ -118,3 +118,12 @@ def census_figures(clean: list, censuses: list, busy_machine: bool = False) -> t
         figures.collectives_without_future_per_step = unfutured
     spread = MAX_BAND if busy_machine else (pairs[-1][0] - pairs[0][0]) / 2
     return figures, (waiting, busy_share, collective_share, spread)
+
+
+def census_extra_s(clean: list, census_seconds: list) -> float:
+    """What the census steps took beyond as many clean steps (their median): autogaudi's own
+    measuring, which the report counts against the run."""
+    if not census_seconds:
+        return 0.0
+    step_s = median(seconds for seconds, _waited in clean)
+    return max(0.0, sum(census_seconds) - len(census_seconds) * step_s)

@@ -83,6 +83,8 @@ class StepProfiler(Unit):
         self._clean: list = []  # (seconds, seconds waiting for data) of each clean step
         self._census_step = None
         self._censuses: list = []  # what CensusStep.stop() gave for each census step
+        self._census_s: list = []  # wall seconds of each census step, its profiler's start and stop included
+        self._census_began = None
         self._roots: list = []
         self._calls: list = []  # calls of each root module (by id) in each census step
         self._reads: list = []  # host reads (device type, where) of each census step
@@ -116,12 +118,13 @@ class StepProfiler(Unit):
         done, self._done = self._done, self._done + 1
         if done % 2:
             self._clean.append((steps.clock() - self._step_began, self._waited))
-            self._step_began = None
+            self._step_began, self._census_began = None, steps.clock()
             self._census_step = CensusStep(self.backend, self._roots, self)
             return
         if done:
             census_step, self._census_step = self._census_step, None  # a failing stop is not undone twice
             self._censuses.append(census_step.stop())
+            self._census_s.append(steps.clock() - self._census_began)
             self._calls.append(census_step.roots.calls)
             self._inputs = {**census_step.roots.inputs, **self._inputs}
             self._reads.append(census_step.census.host_reads)
@@ -186,13 +189,14 @@ class StepProfiler(Unit):
         inputs = self._inputs.get(id(root), ())
         self.profile = StepProfile(bound, why, figures, root, optimizer, calls_per_step=calls, inputs=inputs)
         self.figures.update(bound=bound, profiled_at_step=self.session.steps.steps, **figures.as_dict())
+        self.figures["census_extra_s"] = round(classification.census_extra_s(self._clean, self._census_s), 3)
         self.because(f"{bound}_bound", why=why)
         if root is not None:
             self.figures["model"] = model_name(self.profile.model)
             self.figures["model_calls_per_step"] = calls
         if self.backend.name == "hpu" and self.backend.is_lazy:
             # The bridge's synchronize() marks a step and drains the host pipeline before it waits
-            # (hpu/csrc/bindings.cpp, as read for issue 23): what is timed as device work includes the
+            # (hpu/csrc/bindings.cpp): what is timed as device work includes the
             # host's graph building. Unverified on hardware; said rather than corrected.
             self.note("hpu_lazy_device_time")
         self._advise(root)
