@@ -84,7 +84,7 @@ EXTRA_VARIANTS = {
     },
     "w5_ddp_2_ranks": {"autogaudi --force fast_ddp": (["-m", "autogaudi", "--quiet", "--force", "fast_ddp"], [])},
     # What a capture trial that is not kept leaves behind: on the 2-core CPU W1's compile trial is
-    # rejected, so its steady state should equal the unit switched off (issue 18).
+    # rejected, so its steady state should equal the unit switched off.
     "w1_mlp": {
         "autogaudi --trial graph_capture": (["-m", "autogaudi", "--quiet", "--trial", "graph_capture"], []),
         "autogaudi --disable graph_capture": (["-m", "autogaudi", "--quiet", "--disable", "graph_capture"], []),
