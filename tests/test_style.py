@@ -4,6 +4,7 @@ package stays a house one can read: no module over 500 lines, no module docstrin
 the unit's documentation page (docs/ holds those)."""
 
 import ast
+import re
 import subprocess
 import sys
 
@@ -29,3 +30,13 @@ def test_a_module_is_short_and_its_docstring_says_why_in_a_few_lines(path):
     assert text.count("\n") <= MAX_LINES
     docstring = ast.get_docstring(ast.parse(text), clean=False) or ""
     assert docstring.count("\n") < MAX_DOCSTRING_LINES
+
+
+# Where a change was asked for belongs to the project's history, not to the code or its pages.
+ISSUE_NUMBER = re.compile(r"\b(issues?|PR) #?[0-9]+\b", re.IGNORECASE)
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md")), *MODULES]
+
+
+@pytest.mark.parametrize("path", PAGES, ids=lambda path: str(path.relative_to(REPO)))
+def test_no_issue_numbers_in_the_code_the_readme_or_the_docs(path):
+    assert not ISSUE_NUMBER.findall(path.read_text())
