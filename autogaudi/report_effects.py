@@ -103,6 +103,11 @@ def effect_of_part(update_ms, ms_per_step, steps: int):
     }
 
 
+def figures_sum(units: list, names: tuple) -> float:
+    """The units' figures of these names added up (a figure absent or None counts 0)."""
+    return sum((row.get("figures") or {}).get(name) or 0.0 for row in units for name in names)
+
+
 def whole_run(changed: list, trials: list, units: list, seconds, memory_s: float = 0.0) -> dict:
     """The run against plain PyTorch, autogaudi's own cost included: ``cost_s`` what autogaudi paid
     that plain would not (the trials' one-offs, the "with" arms of trials not kept beyond their
@@ -115,7 +120,7 @@ def whole_run(changed: list, trials: list, units: list, seconds, memory_s: float
     decided = [record for record in trials if "check" not in record]
     one_offs = sum(record["one_off_s"] for record in decided)
     arms = sum(trial_cost_s(record) - record["one_off_s"] for record in decided if record["decision"] != "kept")
-    later = sum(row.get("figures", {}).get(name) or 0.0 for row in units for name in LATER_ONE_OFFS)
+    later = figures_sum(units, LATER_ONE_OFFS)
     effects = [change["effect"] for change in changed]
     kept = {change["unit"] for change in changed}
     put_back = sum(
@@ -123,11 +128,10 @@ def whole_run(changed: list, trials: list, units: list, seconds, memory_s: float
         for row in units
         if row["name"] not in kept and (row.get("figures") or {}).get("update_ms")
     )
-    measured_in = sum(row.get("figures", {}).get(name) or 0.0 for row in units for name in MEASURING_STEPS)
     measuring = (
         memory_s
         + put_back
-        + measured_in
+        + figures_sum(units, MEASURING_STEPS)
         + sum(effect.get("measuring_s", 0.0) for effect in effects if effect is not None)
     )
     cost = one_offs + arms + later + measuring
