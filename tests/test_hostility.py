@@ -340,3 +340,75 @@ assert OptimizedModule.__call__ is original
 def test_the_wait_for_dynamo_and_the_compiled_modules_wrapper_are_undone_exactly():
     result = run_python("-c", UNDONE)
     assert result.returncode == 0, result.stderr
+
+
+def test_a_memory_limit_of_less_than_a_byte_is_refused_naming_the_valid_range():
+    for wrong in ("1e-30", "1e-10"):
+        with pytest.raises(OptionsError, match="1e-09"):
+            Options(memory_limit=wrong)
+    assert Options(memory_limit="1e-09").memory_limit == 1e-09
+
+
+def test_the_launcher_exits_2_on_a_memory_limit_of_no_byte(tmp_path):
+    script = tmp_path / "script.py"
+    script.write_text("print('ran')\n")
+    result = run_python("-m", "autogaudi", "--memory-limit", "1e-30", script)
+    assert result.returncode == 2 and "ran" not in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("environ", "expected"),
+    [
+        ({"XDG_CACHE_HOME": ".", "HOME": "/home/u"}, "/home/u/.cache/autogaudi"),  # relative: ignored (XDG)
+        ({"XDG_CACHE_HOME": "/x/cache", "HOME": "/home/u"}, "/x/cache/autogaudi"),
+        ({"HOME": ""}, "password database"),
+        ({"HOME": "relative"}, "password database"),
+    ],
+)
+def test_the_default_cache_folder_ignores_relative_or_empty_settings(environ, expected):
+    import pwd
+
+    from autogaudi.cache import default_root
+
+    home = pwd.getpwuid(os.getuid()).pw_dir
+    assert default_root(environ) == expected.replace("password database", os.path.join(home, ".cache", "autogaudi"))
+
+
+def test_without_a_home_folder_a_run_goes_on_without_a_cache_and_says_why(monkeypatch, tmp_path):
+    import pwd
+
+    from autogaudi.cache import refusal
+
+    def unknown(uid):
+        raise KeyError(uid)
+
+    monkeypatch.setenv("HOME", "")
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setattr(pwd, "getpwuid", unknown)
+    monkeypatch.chdir(tmp_path)
+    options = Options(no_cache=False)
+    assert refusal(options) is None  # the launcher does not stop the run for it
+    autogaudi.enable(no_cache=False)
+    facts = autogaudi.report().as_dict()["cache"]
+    autogaudi.disable()
+    assert facts["dir"] is None and facts["note_codes"] == ["cache_not_used"]
+    assert os.listdir(tmp_path) == []
+
+
+DOCTOR_SCRIPTS = SCRIPTS.parent / "diagnosis" / "scripts"
+
+
+def test_the_doctors_projection_prints_nothing_and_names_no_absurd_batch(capsys):
+    diagnosis = autogaudi.doctor(str(DOCTOR_SCRIPTS / "printing_forward.py"), steps=2)
+    assert capsys.readouterr().out.count("forward called") == 2  # the two steps' forwards, as plain prints them
+    rows = diagnosis.figures["memory"]["devices"].values()
+    batches = [row[key] for row in rows for key in ("largest_batch", "largest_batch_checkpointed")]
+    assert batches and all(batch is not None and 8 < batch <= 10**6 for batch in batches)  # not billions
+    assert "None" not in diagnosis.format()
+
+
+def test_the_doctor_says_a_script_that_exited_before_a_step_left_nothing_to_judge():
+    diagnosis = autogaudi.doctor(str(DOCTOR_SCRIPTS / "needs_arguments.py"))
+    assert (diagnosis.outcome, diagnosis.as_dict()["exit_status"], diagnosis.findings) == ("exited", 2, [])
+    assert "no findings" not in diagnosis.format()
