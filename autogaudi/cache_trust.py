@@ -28,7 +28,7 @@ def distrust(path: str, follow: bool = True):
         return None
     try:
         found = os.stat(path) if follow else os.lstat(path)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # not there (yet): nothing in it to read
         return None
     if stat.S_ISLNK(found.st_mode):
         return f"{path} is a symbolic link"
@@ -47,7 +47,7 @@ def distrust_above(path: str):
     for folder in folders_above(path):
         try:
             link, found = os.lstat(folder), os.stat(folder)
-        except FileNotFoundError:  # made later, by this user
+        except (FileNotFoundError, NotADirectoryError):  # made later, by this user
             continue
         if stat.S_ISLNK(link.st_mode) and link.st_uid not in (user, 0):
             return f"{folder}, above the cache, is a symbolic link owned by another user (uid {link.st_uid})"

@@ -200,9 +200,9 @@ OPTIONS: tuple = (
         "memory_limit",
         None,
         _parse_gigabytes,
-        "run as if the device had this much memory (GiB, 1e-09 or more): the training step's peak is forecast on fake tensors "
-        "before its first forward and activation_checkpointing keeps it under the limit; on CUDA also enforced "
-        "with torch.cuda.set_per_process_memory_fraction",
+        "run as if the device had this much memory (GiB, 1e-09 or more): the training step's peak is forecast on "
+        "fake tensors before its first forward and activation_checkpointing keeps it under the limit; on CUDA also "
+        "enforced with torch.cuda.set_per_process_memory_fraction",
         "GB",
     ),
     Option(
