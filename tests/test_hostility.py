@@ -199,6 +199,12 @@ def test_a_folder_another_tool_tagged_is_refused_and_clear_or_eviction_delete_no
     with pytest.raises(OSError):
         cache.claim()
     assert cache_main(["clear", "--cache-dir", str(project)]) == 2
+    if tool == "cargo":  # a run is refused before the script starts, as for a folder of others' files
+        env = clean_env(AUTOGAUDI_NO_CACHE="0")
+        result = run_python(
+            "-m", "autogaudi", "--cache-dir", project, "--cache-max-mb", "1", SCRIPTS / "exits.py", env=env
+        )
+        assert result.returncode == 2 and TAG in result.stderr
     assert _snapshot(project) == before
 
 
@@ -223,6 +229,18 @@ def test_a_cache_below_a_folder_others_could_swap_it_in_is_neither_read_nor_writ
     assert os.listdir(shared) == []  # not even the tag
     shared.chmod(0o1777)  # sticky, as /tmp: only an entry's owner may rename it
     assert cache.distrust() is None
+
+
+def test_a_folder_above_writable_by_its_group_is_trusted_only_where_the_group_is_the_users_own(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("giving a folder to another group needs root")
+    above = tmp_path / "project"
+    above.mkdir()
+    above.chmod(0o770)  # umask 002's folders: the user's own private group may write
+    cache = Cache(str(above / "autogaudi"), 10**6)
+    assert cache.distrust() is None
+    os.chown(above, -1, 65534)  # a group others are in
+    assert cache.distrust() is not None and str(above) in cache.distrust()
 
 
 def test_an_untrusted_folder_gets_nothing_written_not_even_the_tag(tmp_path):
