@@ -156,7 +156,8 @@ class Cache:
                 f"and autogaudi would delete its files. {self._choose()}"
             )
         try:
-            others = sorted(name for name in os.listdir(self.root) if name not in OWN)
+            # a write in progress is another process's tag on its way (two runs claiming one new folder)
+            others = sorted(name for name in os.listdir(self.root) if name not in OWN and not name.startswith(WRITING))
         except OSError as error:
             return f"the cache folder {self.root} cannot be listed ({error.strerror}). {self._choose()}"
         if not others:  # empty, or an earlier autogaudi's cache (before the tag)
