@@ -383,13 +383,16 @@ def test_the_launcher_exits_2_on_a_memory_limit_of_no_byte(tmp_path):
         ({"HOME": "relative"}, "password database"),
     ],
 )
-def test_the_default_cache_folder_ignores_relative_or_empty_settings(environ, expected):
+def test_the_default_cache_folder_ignores_relative_or_empty_settings(monkeypatch, environ, expected):
     import pwd
 
     from autogaudi.cache import default_root
 
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
     home = pwd.getpwuid(os.getuid()).pw_dir
-    assert default_root(environ) == expected.replace("password database", os.path.join(home, ".cache", "autogaudi"))
+    assert default_root() == expected.replace("password database", os.path.join(home, ".cache", "autogaudi"))
 
 
 def test_without_a_home_folder_a_run_goes_on_without_a_cache_and_says_why(monkeypatch, tmp_path):
