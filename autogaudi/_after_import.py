@@ -70,3 +70,8 @@ def call_after_import(name: str, on_loaded) -> None:
         return
     if not any(isinstance(f, _ImportWatcher) and f.name == name and f.on_loaded == on_loaded for f in sys.meta_path):
         sys.meta_path.insert(0, _ImportWatcher(name, on_loaded))
+
+
+def forget_after_import(name: str, on_loaded) -> None:
+    """Undo :func:`call_after_import` where ``name`` has not been imported since."""
+    sys.meta_path[:] = [f for f in sys.meta_path if not (isinstance(f, _ImportWatcher) and f.on_loaded == on_loaded)]

@@ -1,5 +1,6 @@
-"""Paths: where the child-process bootstrap folder (holding ``sitecustomize.py``) lives, and which
-stack frame is the user's code (the file:line the doctor and the report point at)."""
+"""Paths: where the child-process bootstrap folder (holding ``sitecustomize.py``) lives, where the
+cache lives by default, and which stack frame is the user's code (the file:line the doctor and the
+report point at)."""
 
 from __future__ import annotations
 
@@ -55,3 +56,38 @@ def short_location(location) -> str:
     path, line = location
     relative = os.path.relpath(path)
     return f"{path if relative.startswith('..') else relative}:{line}"
+
+
+class NoCacheFolder(OSError):
+    """Neither ``--cache-dir`` nor a home folder to put the cache in."""
+
+
+def default_root(environ=None) -> str:
+    """``$XDG_CACHE_HOME/autogaudi``, else ``<home>/.cache/autogaudi``. A relative ``XDG_CACHE_HOME``
+    is ignored, as the XDG spec says; an empty or relative ``HOME`` is not a home (it would put the
+    cache at ``/.cache``, or wherever the script runs): the password database's is taken instead."""
+    environ = os.environ if environ is None else environ
+    base = environ.get("XDG_CACHE_HOME", "")
+    if not os.path.isabs(base):
+        base = os.path.join(_home(environ), ".cache")
+    return os.path.join(base, "autogaudi")
+
+
+def _home(environ) -> str:
+    home = environ.get("HOME", "")
+    if os.path.isabs(home):
+        return home
+    try:
+        import pwd
+
+        home = pwd.getpwuid(os.getuid()).pw_dir
+    except ImportError:  # Windows: the profile folder
+        home = os.path.expanduser("~") if "HOME" not in environ else ""
+    except KeyError:  # a uid the password database does not know (a container's)
+        home = ""
+    if not os.path.isabs(home):
+        raise NoCacheFolder(
+            f"no folder for the cache: HOME is {environ.get('HOME', '')!r} and the password database names no "
+            "home folder for this user; pass --cache-dir, or --no-cache"
+        )
+    return home

@@ -19,11 +19,12 @@ process evicts at a time. Eviction keeps the folder under its size limit by dele
 modified longest ago first, the policy of the Gaudi recipe cache. Nothing here imports torch: the
 ``cache`` command answers without it.
 
-The cache owns only what it wrote: its root carries a ``CACHEDIR.TAG``, and eviction and ``cache
-clear`` touch only plain files under the folders above, never a link's target, never a root without
-the tag (a folder holding other files and no tag is refused as a cache: :meth:`Cache.refusal`).
-What it loads can run code (compiled artifacts are pickles), so a cache another user owns or can
-write is not read at all unless the user says ``--cache-trust-shared`` (:meth:`Cache.distrust`), and
+The cache owns only what it wrote: its root carries a ``CACHEDIR.TAG`` naming autogaudi, and
+eviction and ``cache clear`` touch only plain files under the folders above, never a link's target,
+never a root without that tag (a folder holding other files and no tag, or another tool's tag, is
+refused as a cache: :meth:`Cache.refusal`). What it loads can run code (compiled artifacts are
+pickles), so a cache another user owns or could swap is neither read nor written unless the user
+says ``--cache-trust-shared`` (:mod:`autogaudi.cache_trust`), checked at every read and write, and
 an artifact loads only where its sha256 is the one recorded when it was saved. Entries are checked
 against :data:`autogaudi.cache_schemas.SCHEMAS` when read: one that does not match is dropped with a note.
 """
@@ -40,7 +41,9 @@ import sys
 import tempfile
 import time
 
+from autogaudi._paths import NoCacheFolder, default_root
 from autogaudi.cache_schemas import SCHEMAS, problem
+from autogaudi.cache_trust import distrust, distrust_above, inductor_cache_distrust  # noqa: F401 (theirs too)
 from autogaudi.reasons import Reason
 
 try:
@@ -54,9 +57,10 @@ ONE_OFFS = "one_offs"
 LAYOUT = (DECISIONS, COMPILE, ONE_OFFS)  # the only folders eviction and clear ever look into
 LOCK = ".lock"
 TAG = "CACHEDIR.TAG"  # https://bford.info/cachedir/: marks the folder as autogaudi's (backup tools skip it too)
-TAG_SIGNATURE = "Signature: 8a477f597d28d172789f06886806bc55"
+TAG_SIGNATURE = "Signature: 8a477f597d28d172789f06886806bc55"  # every tool's tag starts so (cargo's, pytest's)
+TAG_OWNER = "# This file is a cache directory tag created by autogaudi:"  # the next line: only autogaudi's
 TAG_TEXT = (
-    f"{TAG_SIGNATURE}\n# This file is a cache directory tag created by autogaudi: every file under decisions/,\n"
+    f"{TAG_SIGNATURE}\n{TAG_OWNER} every file under decisions/,\n"
     "# compile/ and one_offs/ here is autogaudi's. See https://bford.info/cachedir/\n"
 )
 OWN = (*LAYOUT, LOCK, TAG)  # what an autogaudi cache holds at its root
@@ -91,37 +95,25 @@ def note(code: str, **params) -> Reason:
     return Reason(code, NOTES, **params)
 
 
-def default_root(environ=None) -> str:
-    environ = os.environ if environ is None else environ
-    base = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "autogaudi")
-
-
-def distrust(path: str, follow: bool = True):
-    """Why a folder or file of the cache could hold another user's code, or None: it is not owned by
-    this user, or group or others can write it (the rule of pip's cache and Python's bytecode)."""
-    if not hasattr(os, "geteuid"):  # Windows: no owners or modes to read this way
-        return None
+def tag_owner(root: str):
+    """Who tagged ``root``: "autogaudi" (its ``CACHEDIR.TAG``: the signature, then autogaudi's own
+    line), the tag's second line where another tool's tag is there, or None (no tag, a link, or a
+    file that does not start with the signature: not a tag)."""
     try:
-        found = os.stat(path) if follow else os.lstat(path)
-    except FileNotFoundError:
+        with open(os.path.join(root, TAG), "rb", opener=_no_follow) as handle:
+            lines = handle.read(512).decode("utf-8", "replace").splitlines()
+    except OSError:
         return None
-    if stat.S_ISLNK(found.st_mode):
-        return f"{path} is a symbolic link"
-    if found.st_uid != os.geteuid():
-        return f"{path} is owned by another user (uid {found.st_uid})"
-    if found.st_mode & 0o022:
-        return f"{path} can be written by {'others' if found.st_mode & 0o002 else 'its group'}"
-    return None
+    if not lines or lines[0].rstrip() != TAG_SIGNATURE:
+        return None
+    if len(lines) > 1 and lines[1].startswith(TAG_OWNER):
+        return "autogaudi"
+    return lines[1].strip() if len(lines) > 1 and lines[1].strip() else "no line naming its tool"
 
 
 def _has_tag(root: str) -> bool:
-    """Whether ``root`` carries autogaudi's ``CACHEDIR.TAG`` (a plain file, not a link)."""
-    try:
-        with open(os.path.join(root, TAG), "rb", opener=_no_follow) as handle:
-            return handle.read(len(TAG_SIGNATURE)) == TAG_SIGNATURE.encode()
-    except OSError:
-        return False
+    """Whether ``root`` carries autogaudi's own ``CACHEDIR.TAG`` (a plain file, not a link)."""
+    return tag_owner(root) == "autogaudi"
 
 
 def _no_follow(path, flags):
@@ -155,10 +147,17 @@ class Cache:
             return None
         if not os.path.isdir(self.root):
             return f"the cache folder {self.root} is not a folder. {self._choose()}"
-        if _has_tag(self.root):
+        owner = tag_owner(self.root)
+        if owner == "autogaudi":
             return None
+        if owner is not None:
+            return (
+                f"the cache folder {self.root} carries another tool's {TAG} ({owner}): it is that tool's cache, "
+                f"and autogaudi would delete its files. {self._choose()}"
+            )
         try:
-            others = sorted(name for name in os.listdir(self.root) if name not in OWN)
+            # a write in progress is another process's tag on its way (two runs claiming one new folder)
+            others = sorted(name for name in os.listdir(self.root) if name not in OWN and not name.startswith(WRITING))
         except OSError as error:
             return f"the cache folder {self.root} cannot be listed ({error.strerror}). {self._choose()}"
         if not others:  # empty, or an earlier autogaudi's cache (before the tag)
@@ -171,14 +170,19 @@ class Cache:
 
     @staticmethod
     def _choose() -> str:
+        try:
+            default = f"the default ({default_root()})"
+        except NoCacheFolder:
+            default = "the default (none here: no home folder)"
         return (
-            f"Choose an empty or new folder with --cache-dir (AUTOGAUDI_CACHE_DIR), leave it unset for the "
-            f"default ({default_root()}), or pass --no-cache"
+            f"Choose an empty or new folder with --cache-dir (AUTOGAUDI_CACHE_DIR), leave it unset for {default}, "
+            "or pass --no-cache"
         )
 
     def distrust(self):
         """Why this cache could hold another user's code, or None (``--cache-trust-shared``: never):
-        its root or a folder of its layout is another user's or writable by others."""
+        its root or a folder of its layout is another user's or writable by others, or a folder above
+        it would let another user swap it (:mod:`autogaudi.cache_trust`)."""
         if self.trust_shared:
             return None
         levels = [self.root] + [os.path.join(self.root, *parts) for parts in TRUSTED_LEVELS]
@@ -186,19 +190,34 @@ class Cache:
             why = distrust(level, follow=level == self.root)
             if why:
                 return why
-        return None
+        return distrust_above(self.root)
+
+    def trusted(self) -> bool:
+        """Whether the cache is still this user's, checked again before every read and write: a
+        folder swapped in the middle of a run is neither read nor written. Where not, the notes say why."""
+        why = self.distrust()
+        if why is not None:
+            self.note("cache_untrusted", why=why)
+        return why is None
+
+    def _check_trusted(self) -> None:
+        if not self.trusted():
+            raise PermissionError(f"the cache {self.root} is no longer this user's alone: {self.distrust()}")
 
     def claim(self) -> None:
-        """Make ``root`` the cache (created, mode 0o700, tagged), unless it is refused (OSError)."""
+        """Make ``root`` the cache (created, mode 0o700, tagged), unless it is refused or not
+        trusted (OSError): nothing is written, not even the tag, before both are checked."""
         if self._claimed:
             return
         refused = self.refusal()
         if refused:
             raise PermissionError(refused)
+        self._check_trusted()
         parent = os.path.dirname(self.root)
         os.makedirs(parent, exist_ok=True)
         with contextlib.suppress(FileExistsError):
             os.mkdir(self.root, FOLDER_MODE)
+        self._check_trusted()  # what was there already, or what another user made first
         if not _has_tag(self.root):
             write_atomically(os.path.join(self.root, TAG), TAG_TEXT.encode())
         self._claimed = True
@@ -246,6 +265,7 @@ class Cache:
         inside = os.path.relpath(os.path.dirname(os.path.abspath(path)), self.root)
         if inside.split(os.sep)[0] not in LAYOUT:
             raise ValueError(f"{path} is outside the cache's layout ({', '.join(LAYOUT)})")
+        self._check_trusted()
         write_atomically(path, data, self.folder(*inside.split(os.sep)))
         self.evict()
 
@@ -272,8 +292,8 @@ class Cache:
 
     def evict(self) -> list:
         """Delete the oldest files of the layout until the cache is under its limit; the paths
-        deleted. Nothing without the tag: the folder may not be autogaudi's."""
-        if not _has_tag(self.root):
+        deleted. Nothing without autogaudi's tag, or where not trusted: the folder may not be autogaudi's."""
+        if not _has_tag(self.root) or not self.trusted():
             return []
         deleted = []
         stale = time.time() - WRITING_STALE_S
@@ -294,7 +314,7 @@ class Cache:
         return deleted
 
     def clear(self) -> bool:
-        """Delete everything in the cache's layout; False (nothing deleted) without the tag."""
+        """Delete everything in the cache's layout; False (nothing deleted) without autogaudi's tag."""
         if not _has_tag(self.root):
             return False
         with self.locked():
@@ -321,22 +341,6 @@ class Cache:
 TRUSTED_LEVELS = ((DECISIONS,), (COMPILE,), (COMPILE, "artifacts"), (COMPILE, "inductor"), (ONE_OFFS,))
 
 
-def inductor_cache_distrust(environ):
-    """Where torch.compile's cache (``TORCHINDUCTOR_CACHE_DIR``, else torch's default in the temporary
-    folder) could hold another user's code: {"variable", "path", "why"}, or None."""
-    variable = "TORCHINDUCTOR_CACHE_DIR"
-    path = environ.get(variable)
-    if not path:
-        import getpass
-        import re
-
-        user = re.sub(r'[\\/:*?"<>|]', "_", getpass.getuser())  # as torch names it
-        path = os.path.join(tempfile.gettempdir(), f"torchinductor_{user}")
-        variable = f"torch's default, {variable} unset"
-    why = distrust(path)
-    return None if why is None else {"variable": variable, "path": path, "why": why}
-
-
 def write_atomically(path: str, data: bytes, folder: str | None = None, before_replace=None) -> None:
     """Write ``data`` to a temporary file beside ``path`` and rename it over ``path``: a reader sees
     the old file or the new one, never half of one. ``before_replace(temporary)`` may check or
@@ -356,8 +360,12 @@ def write_atomically(path: str, data: bytes, folder: str | None = None, before_r
 
 def refusal(options):
     """Why the cache the options name cannot be used, or None (``--no-cache``, or it can): what the
-    launcher says before the script starts, exiting 2."""
-    cache = Cache.for_options(options)
+    launcher says before the script starts, exiting 2. No home folder for the default is not one:
+    the run goes on without a cache, and its report says why."""
+    try:
+        cache = Cache.for_options(options)
+    except NoCacheFolder:
+        return None
     return None if cache is None else cache.refusal()
 
 
@@ -436,7 +444,10 @@ def main(argv: list) -> int:
         )
     except OptionsError as error:
         parser.error(str(error))
-    cache = Cache.for_options(options)
+    try:
+        cache = Cache.for_options(options)
+    except NoCacheFolder as error:
+        parser.error(str(error))
     refused = cache.refusal()
     if refused:
         sys.stderr.write(f"autogaudi cache: {refused}\n")
@@ -448,8 +459,9 @@ def main(argv: list) -> int:
         before = cache.size()
         if not cache.clear():
             sys.stderr.write(
-                f"autogaudi cache: deleted nothing: {cache.root} carries no {TAG}, so autogaudi cannot tell its "
-                "files from others'; a run with this --cache-dir tags it, or delete the folder yourself\n"
+                f"autogaudi cache: deleted nothing: {cache.root} carries no {TAG} of autogaudi's, so autogaudi "
+                "cannot tell its files from others'; a run with this --cache-dir tags it, or delete the folder "
+                "yourself\n"
             )
             return 2
         print(f"autogaudi cache: cleared {cache.root} ({_megabytes(before)})")

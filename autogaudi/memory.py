@@ -98,6 +98,7 @@ class Memory:
         """Whether earlier runs with this set-up left entries (rank 0's answer on every rank)."""
         found = (
             self.script is not None
+            and self.cache.trusted()  # checked at every read: the folder may have been swapped since
             and os.path.isdir(self.folder)
             and any(name.endswith(".json") and not name.startswith(".") for name in os.listdir(self.folder))
         )
@@ -114,7 +115,7 @@ class Memory:
         return os.path.join(self.folder, digest({"model": model_structure(model), "inputs": inputs}) + ".json")
 
     def _read(self, path: str):
-        if not os.path.exists(path):
+        if not self.cache.trusted() or not os.path.exists(path):
             return None
         entry = read_json(path)
         if entry is None:
@@ -173,7 +174,7 @@ class Memory:
             return None
         path = self._memory_path(model, inputs)
         record = None
-        if is_rank_zero() and os.path.exists(path):
+        if is_rank_zero() and self.cache.trusted() and os.path.exists(path):
             record = read_json(path)
             invalid = "unreadable" if record is None else problem(record, SCHEMAS["memory_decision"])
             if not invalid and record.get("setup") != self.setup:

@@ -6,25 +6,27 @@ and the doctor's observer watch module calls they cannot name in advance, throug
 forward hooks. A script's own ``torch.compile(model)`` returns an ``OptimizedModule`` whose
 ``__call__`` warns whenever any global module hook exists (a ``UserWarning`` a plain run never
 prints), and dynamo, inlining the compiled module's submodule calls, would trace those hooks into
-the script's graphs and guard on them. So while autogaudi has such hooks and dynamo is loaded,
-``OptimizedModule.__call__`` is wrapped: for the length of each call autogaudi's hooks move from
-torch's global dictionaries onto the called ``OptimizedModule`` (torch runs them in its own
-``_call_impl``, where the global ones would have run, and dynamo never sees them) and back to the
-global ones after. The script's own global hooks stay where they are. The wrapper is in place only
+the script's graphs and guard on them. So while autogaudi has such hooks,
+``OptimizedModule.__call__`` is wrapped, as soon as dynamo is loaded (now, or right after the
+script's first ``torch.compile`` imports it: a module compiled before or after the hooks exist is
+covered alike): for the length of each call autogaudi's hooks move from torch's global dictionaries
+onto the called ``OptimizedModule`` (torch runs them in its own ``_call_impl``, where the global
+ones would have run, and dynamo never sees them) and back to the global ones after. The script's own
+global hooks stay where they are. The wrapper (and the wait for dynamo's import) is in place only
 while a hook is registered here; the last hook's removal takes it off, so ``disable()`` leaves
 ``OptimizedModule.__call__`` the very original object.
 """
 
 from __future__ import annotations
 
-import sys
-
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
+from autogaudi._after_import import call_after_import, forget_after_import
 from autogaudi.guard import guarded_call
 
 _HELD: list = []  # the hooks registered here, in the order they were
 _unwrap = None  # while _HELD is not empty and dynamo is loaded: what takes the OptimizedModule wrapper off
+EVAL_FRAME = "torch._dynamo.eval_frame"  # where OptimizedModule is defined
 
 
 class _Hook:
@@ -78,18 +80,23 @@ def register_forward_hook(hook, always_call: bool = True) -> _Hook:
 
 
 def _hold(hook: _Hook) -> _Hook:
-    global _unwrap
     _HELD.append(hook)
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # not loaded: nothing was compiled
-    if _unwrap is None and eval_frame is not None:
+    if len(_HELD) == 1:  # now, or once the script's torch.compile loads dynamo
+        call_after_import(EVAL_FRAME, _wrap_compiled_calls)
+    return hook
+
+
+def _wrap_compiled_calls(eval_frame) -> None:
+    global _unwrap
+    if _HELD and _unwrap is None:  # not where the hooks were removed while dynamo loaded
         from autogaudi.unit import wrap_attribute
 
         _unwrap = wrap_attribute(eval_frame.OptimizedModule, "__call__", _compiled_call)
-    return hook
 
 
 def _release() -> None:
     global _unwrap
+    forget_after_import(EVAL_FRAME, _wrap_compiled_calls)
     unwrap, _unwrap = _unwrap, None
     if unwrap is not None:
         unwrap()

@@ -101,7 +101,7 @@ def records_path(cache, backend) -> str:
 
 def remembered(cache, backend) -> list:
     """The one-offs measured on this machine (backend, device, torch), oldest first; none without a cache."""
-    if cache is None:
+    if cache is None or not cache.trusted():  # checked at every read: the folder may have been swapped
         return []
     path = records_path(cache, backend)
     if not os.path.lexists(path):

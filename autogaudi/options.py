@@ -26,6 +26,7 @@ TRIAL_UNITS = ("graph_capture", "channels_last")  # the units that decide by a t
 ENV_PREFIX = "AUTOGAUDI_"
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("", "0", "false", "no", "off")
+GIB = 1024**3  # --memory-limit's unit
 
 
 def _choices(name: str, valid) -> str:
@@ -91,8 +92,8 @@ def _parse_gigabytes(name: str, value):
         number = float(value if isinstance(value, (int, float)) and not isinstance(value, bool) else str(value).strip())
     except ValueError:
         number = -1.0
-    if not number > 0 or number == float("inf"):
-        raise OptionsError(f"{name}={value!r} must be a number of gigabytes > 0")
+    if not number > 0 or number == float("inf") or int(number * GIB) < 1:  # a budget of no byte is none at all
+        raise OptionsError(f"{name}={value!r} must be a number of gigabytes, 1e-09 (a byte) or more")
     return number
 
 
@@ -199,16 +200,17 @@ OPTIONS: tuple = (
         "memory_limit",
         None,
         _parse_gigabytes,
-        "run as if the device had this much memory (GiB): the training step's peak is forecast on fake tensors "
-        "before its first forward and activation_checkpointing keeps it under the limit; on CUDA also enforced "
-        "with torch.cuda.set_per_process_memory_fraction",
+        "run as if the device had this much memory (GiB, 1e-09 or more): the training step's peak is forecast on "
+        "fake tensors before its first forward and activation_checkpointing keeps it under the limit; on CUDA also "
+        "enforced with torch.cuda.set_per_process_memory_fraction",
         "GB",
     ),
     Option(
         "report",
         None,
         _parse_path,
-        "also write the exit report to this path: a page with the step-time chart where it ends in .html, else JSON",
+        "also write the exit report to this path, a regular file or a new name (a device, FIFO, socket or - is "
+        "refused before the script starts): a page with the step-time chart where it ends in .html, else JSON",
         "PATH",
     ),
     Option(
@@ -251,7 +253,8 @@ OPTIONS: tuple = (
         None,
         _parse_path,
         "where decisions are remembered between runs and compile caches are kept (default: "
-        "$XDG_CACHE_HOME/autogaudi, else ~/.cache/autogaudi); see python -m autogaudi cache list",
+        "$XDG_CACHE_HOME/autogaudi where that is an absolute path, else ~/.cache/autogaudi); see python -m "
+        "autogaudi cache list",
         "PATH",
     ),
     Option(

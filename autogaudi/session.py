@@ -244,11 +244,11 @@ class Session:
             if refused:
                 self.cache_notes.append(note("cache_refused", why=refused))
                 return
-            cache.claim()
-            untrusted = cache.distrust()
+            untrusted = cache.distrust()  # before anything is written there, the tag included
             if untrusted:
                 self.cache_notes.append(note("cache_untrusted", why=untrusted))
                 return
+            cache.claim()
             self.cache = cache
             bridge = (
                 self.options.device in ("auto", "hpu") and importlib.util.find_spec("habana_frameworks") is not None

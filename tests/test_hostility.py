@@ -11,10 +11,20 @@ import hashlib
 import json
 import os
 import shutil
+import socket
+import stat
+import types
 
 import pytest
 import torch
 
+import autogaudi
+from autogaudi import report_file
+from autogaudi.cache import TAG, Cache
+from autogaudi.cache import main as cache_main
+from autogaudi.errors import OptionsError
+from autogaudi.memory import Memory
+from autogaudi.options import Options
 from tests.helpers import CORRUPTIONS, OTHER_USER, SCRIPTS, clean_env, corrupt, run_python, small_filesystem
 
 EXITS = ("normal", "exception", "sys_exit", "os_exit", "sigint", "sigterm", "sigkill")
@@ -155,3 +165,271 @@ def test_a_cache_on_a_full_or_read_only_disk_changes_nothing_a_user_sees(tmp_pat
         met, after = _run_twice(_project(project), disk / template.name, plain, tmp_path / "report")
         for report in (met, after):  # the decisions were recalled; what could not be written is said
             assert "decisions_not_written" in report["cache"]["note_codes"]
+
+
+def _snapshot(folder):
+    """Every file and link under ``folder`` and what it holds (links not followed)."""
+    return {
+        str(path.relative_to(folder)): os.readlink(path) if path.is_symlink() else path.is_dir() or path.read_bytes()
+        for path in sorted(folder.rglob("*"))
+    }
+
+
+SIGNATURE = "Signature: 8a477f597d28d172789f06886806bc55\n"
+FOREIGN_TAGS = {
+    "cargo": SIGNATURE + "# This file is a cache directory tag created by cargo.\n# For information about cache "
+    "directory tags see https://bford.info/cachedir/\n",
+    "pytest": SIGNATURE + "# This file is a cache directory tag created by pytest.\n# For information about cache "
+    "directory tags, see:\n#\thttps://bford.info/cachedir/spec.html\n",
+    "signature alone": SIGNATURE,
+}
+
+
+@pytest.mark.parametrize("tool", sorted(FOREIGN_TAGS))
+def test_a_folder_another_tool_tagged_is_refused_and_clear_or_eviction_delete_none_of_its_files(tmp_path, tool):
+    project = tmp_path / "proj"
+    (project / "compile" / "data").mkdir(parents=True)
+    (project / "compile" / "thesis.tex").write_text("the user's thesis")
+    (project / "compile" / "data" / "weights.bin").write_bytes(b"w" * 3000)
+    (project / TAG).write_text(FOREIGN_TAGS[tool])
+    before = _snapshot(project)
+    cache = Cache(str(project), max_bytes=1000)
+    assert cache.refusal() is not None and TAG in cache.refusal()
+    assert cache.evict() == [] and cache.clear() is False
+    with pytest.raises(OSError):
+        cache.claim()
+    assert cache_main(["clear", "--cache-dir", str(project)]) == 2
+    if tool == "cargo":  # a run is refused before the script starts, as for a folder of others' files
+        env = clean_env(AUTOGAUDI_NO_CACHE="0")
+        result = run_python(
+            "-m", "autogaudi", "--cache-dir", project, "--cache-max-mb", "1", SCRIPTS / "exits.py", env=env
+        )
+        assert result.returncode == 2 and TAG in result.stderr
+    assert _snapshot(project) == before
+
+
+def _another_users(folder, mode=0o777):
+    """``folder`` made, given to another user (nobody's uid) and left writable as ``mode`` says."""
+    if os.geteuid() != 0:
+        pytest.skip("giving a folder to another user needs root")
+    folder.mkdir(exist_ok=True)
+    os.chown(folder, 65534, 65534)
+    folder.chmod(mode)
+    return folder
+
+
+def test_a_cache_below_a_folder_others_could_swap_it_in_is_neither_read_nor_written(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)  # anyone may rename what is in it: not sticky
+    cache = Cache(str(shared / "autogaudi"), 10**6)
+    assert cache.distrust() is not None and str(shared) in cache.distrust()
+    with pytest.raises(OSError):
+        cache.claim()
+    assert os.listdir(shared) == []  # not even the tag
+    shared.chmod(0o1777)  # sticky, as /tmp: only an entry's owner may rename it
+    assert cache.distrust() is None
+
+
+def test_a_folder_above_writable_by_its_group_is_trusted_only_where_the_group_is_the_users_own(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("giving a folder to another group needs root")
+    above = tmp_path / "project"
+    above.mkdir()
+    above.chmod(0o770)  # umask 002's folders: the user's own private group may write
+    cache = Cache(str(above / "autogaudi"), 10**6)
+    assert cache.distrust() is None
+    os.chown(above, -1, 65534)  # a group others are in
+    assert cache.distrust() is not None and str(above) in cache.distrust()
+
+
+def test_an_untrusted_folder_gets_nothing_written_not_even_the_tag(tmp_path):
+    root = _another_users(tmp_path / "theirs")
+    autogaudi.enable(no_cache=False, cache_dir=str(root))
+    facts = autogaudi.report().as_dict()["cache"]
+    autogaudi.disable()
+    assert facts["dir"] is None and "cache_untrusted" in facts["note_codes"]
+    assert os.listdir(root) == []
+
+
+def test_a_cache_swapped_for_another_users_folder_during_a_run_is_neither_read_nor_written(tmp_path):
+    root = tmp_path / "cache"
+    cache = Cache(str(root), 10**6)
+    backend = types.SimpleNamespace(name="cpu", device_name=lambda: "a CPU")
+    memory = Memory(cache, backend, Options())
+    cache.write_json(os.path.join(memory.folder, "mine.json"), {"runs": 1})
+    assert memory.has_entries()
+    os.rename(root, tmp_path / "moved")  # another user, where they could, swaps in their own folder
+    planted = _another_users(root)
+    shutil.copytree(tmp_path / "moved", planted, dirs_exist_ok=True)
+    before = _snapshot(planted)
+    assert not memory.has_entries()  # their entries are not read,
+    with pytest.raises(OSError):  # nothing is written there,
+        cache.write_json(os.path.join(memory.folder, "next.json"), {"runs": 2})
+    assert cache.evict() == [] and _snapshot(planted) == before
+    assert "cache_untrusted" in [note.code for note in cache.notes]  # and the report says why
+
+
+REPORT_REFUSED = {
+    "stdout dash": lambda folder: "-",
+    "fifo": lambda folder: os.mkfifo(folder / "r.json") or folder / "r.json",
+    "socket": lambda folder: _socket(folder / "r.json"),
+    "device": lambda folder: _device(folder / "null"),
+}
+
+
+def _socket(path):
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(str(path))
+    server.close()
+    return path
+
+
+def _device(path):
+    """A node of /dev/null's device, here (a run that replaced it would not harm the system's)."""
+    try:
+        os.mknod(path, stat.S_IFCHR | 0o666, os.makedev(1, 3))
+    except PermissionError:
+        pytest.skip("making a device node needs root")
+    return path
+
+
+@pytest.mark.parametrize("case", sorted(REPORT_REFUSED))
+def test_a_report_path_that_is_not_a_regular_file_or_a_new_name_is_refused_before_the_script(tmp_path, case):
+    path = REPORT_REFUSED[case](tmp_path)
+    with pytest.raises(OptionsError, match="regular file"):
+        report_file.check(str(path))
+    if case == "fifo":  # and the launcher exits 2 before the script starts
+        marker = tmp_path / "ran"
+        script = tmp_path / "script.py"
+        script.write_text(f"open({str(marker)!r}, 'w').close()\n")
+        result = run_python("-m", "autogaudi", "--report", path, script, cwd=tmp_path)
+        assert result.returncode == 2 and "regular file" in result.stderr and not marker.exists()
+        assert stat.S_ISFIFO(os.lstat(path).st_mode)
+
+
+@pytest.mark.parametrize("planted", ["fifo", "folder link"])
+def test_what_is_planted_at_the_report_path_during_the_run_is_not_written_through(tmp_path, planted):
+    folder, victim = tmp_path / "out", tmp_path / "victim"
+    folder.mkdir()
+    victim.mkdir()
+    path = report_file.resolved(str(folder / "r.json"))
+    report_file.check(path)
+    if planted == "fifo":
+        os.mkfifo(path)
+    else:  # the folder itself swapped for a link to another
+        folder.rmdir()
+        folder.symlink_to(victim)
+    with pytest.raises(OSError):
+        report_file.write(path, "{}")
+    assert os.listdir(victim) == []
+    if planted == "fifo":
+        assert stat.S_ISFIFO(os.lstat(path).st_mode) and os.listdir(folder) == ["r.json"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["torch_compile", "method", "late"])
+def test_a_script_compiling_its_own_model_meets_no_warning_of_autogaudis_hooks(how):
+    script = SCRIPTS / "compiled_module.py"
+    plain = run_python("-W", "error::UserWarning", script, how)
+    ours = run_python("-W", "error::UserWarning", "-m", "autogaudi", "--quiet", script, how)
+    assert plain.returncode == 0, plain.stderr
+    assert (ours.returncode, ours.stdout) == (0, plain.stdout), ours.stderr
+    assert "global hooks" not in ours.stderr
+
+
+UNDONE = """
+import sys
+import torch
+import autogaudi
+meta_path = list(sys.meta_path)
+autogaudi.enable(no_cache=True)
+autogaudi.disable()
+assert sys.meta_path == meta_path, sys.meta_path  # no wait for dynamo's import left behind
+from torch._dynamo.eval_frame import OptimizedModule
+original = OptimizedModule.__call__
+autogaudi.enable(no_cache=True)  # dynamo loaded: wrapped at once
+assert OptimizedModule.__call__ is not original
+autogaudi.disable()
+assert OptimizedModule.__call__ is original
+"""
+
+
+def test_the_wait_for_dynamo_and_the_compiled_modules_wrapper_are_undone_exactly():
+    result = run_python("-c", UNDONE)
+    assert result.returncode == 0, result.stderr
+
+
+def test_a_memory_limit_of_less_than_a_byte_is_refused_naming_the_valid_range():
+    for wrong in ("1e-30", "1e-10"):
+        with pytest.raises(OptionsError, match="1e-09"):
+            Options(memory_limit=wrong)
+    assert Options(memory_limit="1e-09").memory_limit == 1e-09
+
+
+def test_the_launcher_exits_2_on_a_memory_limit_of_no_byte(tmp_path):
+    script = tmp_path / "script.py"
+    script.write_text("print('ran')\n")
+    result = run_python("-m", "autogaudi", "--memory-limit", "1e-30", script)
+    assert result.returncode == 2 and "ran" not in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("environ", "expected"),
+    [
+        ({"XDG_CACHE_HOME": ".", "HOME": "/home/u"}, "/home/u/.cache/autogaudi"),  # relative: ignored (XDG)
+        ({"XDG_CACHE_HOME": "/x/cache", "HOME": "/home/u"}, "/x/cache/autogaudi"),
+        ({"HOME": ""}, "password database"),
+        ({"HOME": "relative"}, "password database"),
+    ],
+)
+def test_the_default_cache_folder_ignores_relative_or_empty_settings(monkeypatch, environ, expected):
+    import pwd
+
+    from autogaudi.cache import default_root
+
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    home = pwd.getpwuid(os.getuid()).pw_dir
+    assert default_root() == expected.replace("password database", os.path.join(home, ".cache", "autogaudi"))
+
+
+def test_without_a_home_folder_a_run_goes_on_without_a_cache_and_says_why(monkeypatch, tmp_path):
+    import pwd
+
+    from autogaudi.cache import refusal
+
+    def unknown(uid):
+        raise KeyError(uid)
+
+    monkeypatch.setenv("HOME", "")
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setattr(pwd, "getpwuid", unknown)
+    monkeypatch.chdir(tmp_path)
+    options = Options(no_cache=False)
+    assert refusal(options) is None  # the launcher does not stop the run for it
+    autogaudi.enable(no_cache=False)
+    facts = autogaudi.report().as_dict()["cache"]
+    autogaudi.disable()
+    assert facts["dir"] is None and facts["note_codes"] == ["cache_not_used"]
+    assert os.listdir(tmp_path) == []
+
+
+DOCTOR_SCRIPTS = SCRIPTS.parent / "diagnosis" / "scripts"
+
+
+def test_the_doctors_projection_prints_nothing_and_names_no_absurd_batch(capsys):
+    diagnosis = autogaudi.doctor(str(DOCTOR_SCRIPTS / "printing_forward.py"), steps=2)
+    assert capsys.readouterr().out.count("forward called") == 2  # the two steps' forwards, as plain prints them
+    rows = diagnosis.figures["memory"]["devices"].values()
+    batches = [row[key] for row in rows for key in ("largest_batch", "largest_batch_checkpointed")]
+    assert batches and all(batch is not None and 8 < batch <= 10**6 for batch in batches)  # not billions
+    assert "None" not in diagnosis.format()
+
+
+def test_the_doctor_says_a_script_that_exited_before_a_step_left_nothing_to_judge():
+    diagnosis = autogaudi.doctor(str(DOCTOR_SCRIPTS / "needs_arguments.py"))
+    assert (diagnosis.outcome, diagnosis.as_dict()["exit_status"], diagnosis.findings) == ("exited", 2, [])
+    assert "no findings" not in diagnosis.format()

@@ -5,7 +5,7 @@ tracebacks), with autogaudi's optimizations off: the doctor observes only, so th
 compute what they would compute without it. The findings go to stderr after the script stops, the
 JSON (schema ``autogaudi.doctor/1``) to ``--json``. Exit status 0 whatever was found (a report, not
 a gate), 1 with ``--fail-on`` when a finding of a named kind is present, the script's own status
-when it failed before the steps were done.
+when it failed or exited before the steps were done.
 """
 
 from __future__ import annotations
@@ -94,17 +94,21 @@ def diagnose(target: str, args: list, steps: int, is_module: bool = False):
     observer.script = None if is_module else os.path.abspath(target)
     saved = sys.argv[:], sys.modules.get("__main__"), sys.path[0] if sys.path else None
     observer.install()
-    status = 0
+    status, exited = 0, False
     try:
         with observer.watcher:
             status = run_as_main(target, args, is_module, stopped_by=(StopDiagnosis,))
     except SystemExit as exit_:
         status = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+        exited = True
     finally:
         observer.uninstall()
         sys.argv[:] = saved[0]
         sys.modules["__main__"] = saved[1]
         if saved[2] is not None:
             sys.path[0] = saved[2]
-    outcome = "stopped" if observer.steps >= steps else "raised" if status else "finished"
-    return Diagnosis(target, steps, observer, outcome), status
+    if observer.steps >= steps:
+        outcome = "stopped"
+    else:
+        outcome = ("exited" if exited else "raised") if status else "finished"
+    return Diagnosis(target, steps, observer, outcome, status), status

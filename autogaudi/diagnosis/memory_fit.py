@@ -11,6 +11,8 @@ levers beyond checkpointing change the experiment (the batch, the optimizer) and
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 
 import torch
@@ -22,6 +24,9 @@ GB = 10**9  # vendors' capacities are decimal
 # Named devices and their memory; the machine's own comes on top (tests may replace this table).
 DEVICES = {"Gaudi2": 96 * GB, "Gaudi3": 128 * GB, "H100": 80 * GB}
 EIGHT_BIT_SHARE = 0.75  # an 8-bit AdamW (bitsandbytes) keeps its two moments in a byte each, not four
+# The largest batch the projection names: beyond it a line through two forecasts a batch apart says
+# nothing a user can act on (a tiny model's bytes a sample give batches of billions), so "at least" it.
+MOST_BATCH = 1_000_000
 
 
 def machine_memory():
@@ -46,7 +51,7 @@ def _largest(capacity, fixed, per_sample):
     usable = capacity * step_memory.CAPACITY_SHARE - fixed
     if usable < per_sample:
         return 0
-    return int(usable // per_sample) if per_sample > 0 else None  # None: any batch (nothing grows with it)
+    return min(int(usable // per_sample), MOST_BATCH) if per_sample > 0 else None  # None: nothing grows with it
 
 
 def _optimizer_of(model, optimizers):
@@ -66,12 +71,18 @@ def projection(model, args, optimizers=()):
         return None
     optimizer = _optimizer_of(model, optimizers) or step_memory.optimizer_of(model)
     _, blocks = repeated_blocks(model)
-    plain = [step_memory.predict(model, optimizer, scaled, {}) for scaled in (args, _doubled(args))]
-    checkpointed = (
-        [step_memory.predict(model, optimizer, scaled, {}, checkpointed=blocks) for scaled in (args, _doubled(args))]
-        if blocks
-        else None
-    )
+    # The forecast runs the script's forward again, on fake tensors, after the script: what it prints
+    # there is not the script's output.
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        plain = [step_memory.predict(model, optimizer, scaled, {}) for scaled in (args, _doubled(args))]
+        checkpointed = (
+            [
+                step_memory.predict(model, optimizer, scaled, {}, checkpointed=blocks)
+                for scaled in (args, _doubled(args))
+            ]
+            if blocks
+            else None
+        )
 
     def line(pair):
         per_sample = max(0.0, (pair[1].peak - pair[0].peak) / batch)
