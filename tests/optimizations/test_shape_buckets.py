@@ -1,0 +1,132 @@
+"""shape_buckets: buckets with the fewest padded positions, batches padded with their own padding
+values, and in a run: a masked classifier's calls bucketed where capture is on (its losses plain's
+within the check's tolerance), an unmasked mean refused and trained as plain, nothing padded eagerly."""
+
+import importlib.util
+import itertools
+import pathlib
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import autogaudi
+from autogaudi.backends.cpu import CpuBackend
+from autogaudi.optimizations.shape_buckets import buckets, padding, signature
+from tests.optimizations.test_step_profiler import STEPS
+
+SCRIPT = pathlib.Path(__file__).parents[1] / "scripts" / "bucket_classifier.py"
+
+
+def classifier_script(monkeypatch, pool: str):
+    monkeypatch.setenv("POOL", pool)
+    spec = importlib.util.spec_from_file_location("bucket_classifier", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def train(script, steps: int) -> list:
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(0)
+    loader = DataLoader(script.samples(8 * steps, generator), batch_size=8, shuffle=True, collate_fn=script.collate)
+    model = script.Classifier()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for batch in loader:
+        loss = torch.nn.functional.cross_entropy(model(batch["input_ids"], batch["attention_mask"]), batch["labels"])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.fixture
+def cheap_capture(monkeypatch):
+    """Identity graphs: capture's layer is on the model (shapes matter) without a compiler's seconds."""
+    monkeypatch.setattr(CpuBackend, "graph_forward", lambda self, module, **kwargs: module._call_impl)
+
+
+def test_buckets_pad_the_fewest_positions_for_at_most_the_graphs_given():
+    lengths = [10, 11, 12, 12, 30, 31, 40, 50, 64, 64, 64]
+    chosen = buckets.choose(lengths, 3)
+    distinct = sorted(set(lengths))
+    best = min(
+        (c for k in (1, 2, 3) for c in itertools.combinations(distinct, k) if max(distinct) in c),
+        key=lambda c: sum(buckets.bucket_for(length, c) - length for length in lengths),
+    )
+    cost = sum(buckets.bucket_for(length, chosen) - length for length in lengths)
+    assert len(chosen) <= 3 and chosen[-1] == 64
+    assert cost == sum(buckets.bucket_for(length, best) - length for length in lengths)
+    assert buckets.choose([9, 5, 9], 8) == (5, 9)  # as few lengths as graphs: nothing padded
+    assert buckets.bucket_for(65, chosen) is None and buckets.overflow(65) == 72
+
+
+def test_a_batch_is_padded_with_its_own_padding_values_and_outputs_cut_back():
+    ids = torch.tensor([[5, 6, 7], [8, 3, 3]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    labels = torch.tensor([[1, 2, 3], [4, -100, -100]])
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": labels, "label": torch.tensor([1, 0])}
+    rows, length, plan = padding.fills(signature.named_tensors(batch), {}, None)
+    assert (rows, length, plan) == (2, 3, {"input_ids": 3, "attention_mask": 0, "labels": -100})
+    args, kwargs = padding.padded_call(lambda **kw: None, (), batch, plan, 5)
+    assert kwargs["input_ids"].tolist() == [[5, 6, 7, 3, 3], [8, 3, 3, 3, 3]]
+    assert kwargs["attention_mask"].tolist() == [[1, 1, 1, 0, 0], [1, 0, 0, 0, 0]]
+    assert kwargs["labels"][:, 3:].eq(-100).all() and kwargs["label"] is batch["label"]
+    output = {"logits": torch.zeros(2, 5, 4), "pooled": torch.zeros(2, 4)}
+    cut = padding.cut_back(output, rows, length, 5)
+    assert cut["logits"].shape == (2, 3, 4) and cut["pooled"].shape == (2, 4)
+
+
+def test_a_batch_that_does_not_say_its_padding_is_not_padded():
+    ids = torch.tensor([[5, 6, 7], [8, 3, 4]])
+    with pytest.raises(padding.NotPadded) as no_mask:
+        padding.fills([("input_ids", ids)], {}, None)
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    with pytest.raises(padding.NotPadded) as not_constant:
+        padding.fills([("input_ids", ids), ("attention_mask", mask)], {}, None)
+    assert (no_mask.value.code, not_constant.value.code) == ("no_mask", "fill_not_constant")
+
+
+def test_where_shapes_vary_tells_an_epochs_end_from_a_sequence():
+    def sig(*shape):
+        return signature.signature(({"x": torch.zeros(shape)},), {})
+
+    assert signature.where_it_varies([sig(8, 4), sig(8, 4)]) == "static"
+    assert signature.where_it_varies([sig(8, 4), sig(3, 4)]) == "batch"
+    assert signature.where_it_varies([sig(8, 4), sig(8, 9), sig(3, 9)]) == "sequence"
+
+
+def test_a_masked_classifier_is_bucketed_under_capture_with_plain_losses(monkeypatch, cheap_capture):
+    script = classifier_script(monkeypatch, "masked")
+    plain = train(script, STEPS + 12)
+    autogaudi.enable(device="cpu", only="step_profiler,graph_capture,shape_buckets", force="graph_capture")
+    losses = train(script, STEPS + 12)
+    row = autogaudi.report().unit("shape_buckets")
+    shapes = autogaudi.report().as_dict()["shapes"]
+    assert row["reason_code"] == "bucketed" and row["status"] == "applied"
+    torch.testing.assert_close(losses, plain, rtol=1e-5, atol=0)
+    assert len(shapes["buckets"]) <= 8 and shapes["distinct_after"] <= len(shapes["buckets"])
+    assert shapes["distinct_before"] > shapes["distinct_after"] and shapes["padded_fraction"] > 0
+    assert autogaudi.report().unit("graph_capture")["status"] == "applied"  # not switched off for its shapes
+
+
+def test_an_unmasked_mean_is_refused_and_trains_as_plain(monkeypatch, cheap_capture):
+    script = classifier_script(monkeypatch, "unmasked")
+    plain = train(script, STEPS + 6)
+    autogaudi.enable(device="cpu", only="step_profiler,graph_capture,shape_buckets", force="graph_capture")
+    losses = train(script, STEPS + 6)
+    row = autogaudi.report().unit("shape_buckets")
+    assert row["reason_code"] == "padding_moves_result" and row["status"] == "not needed"
+    assert losses == plain
+    assert autogaudi.report().as_dict()["shapes"]["padded_fraction"] == 0.0
+
+
+def test_nothing_is_padded_on_an_eager_run(monkeypatch):
+    script = classifier_script(monkeypatch, "masked")
+    autogaudi.enable(device="cpu", only="step_profiler,shape_buckets")
+    train(script, STEPS + 2)
+    row = autogaudi.report().unit("shape_buckets")
+    assert row["reason_code"] == "eager" and row["status"] == "not needed"
+    assert autogaudi.report().as_dict()["shapes"]["distinct_before"] > 1
