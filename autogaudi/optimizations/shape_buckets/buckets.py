@@ -56,7 +56,3 @@ def overflow(length: int) -> int:
     """A new bucket for a length past every bucket."""
     return -(-length // OVERFLOW_STEP) * OVERFLOW_STEP
 
-
-def padded_positions(lengths, buckets: tuple) -> int:
-    """How many positions padding ``lengths`` up to ``buckets`` adds, per row."""
-    return sum(bucket_for(length, buckets) - length for length in lengths)

@@ -48,9 +48,7 @@ def _leaf(path: str) -> str:
 def find_mask(named: list):
     """(path, mask) of the attention mask: a 2-D tensor named ``*mask*`` holding 0s and 1s; None where none."""
     masks = [
-        (path, t)
-        for path, t in named
-        if "mask" in _leaf(path) and t.dim() == 2 and bool(((t == 0) | (t == 1)).all())
+        (path, t) for path, t in named if "mask" in _leaf(path) and t.dim() == 2 and bool(((t == 0) | (t == 1)).all())
     ]
     masks.sort(key=lambda found: _leaf(found[0]) != "attention_mask")
     return masks[0] if masks else None

@@ -134,8 +134,8 @@ class ShapeBuckets(Unit):
         if not self._before:
             self._settle("no_batches")
         elif varies != "sequence":
-            paths = sorted(signature.varying_dims(self._before))
-            self._settle({"static": "static_shapes", "batch": "batch_only"}.get(varies, "varies_elsewhere"), paths=paths)
+            code = {"static": "static_shapes", "batch": "batch_only"}.get(varies, "varies_elsewhere")
+            self._settle(code, paths=sorted(signature.varying_dims(self._before)))
         elif holder(model, Layer.INPUTS) is not None:
             self._settle("inputs_held", holder=holder(model, Layer.INPUTS).name)
         elif self._where_shapes_matter(model) is None:
@@ -199,34 +199,43 @@ class ShapeBuckets(Unit):
             return call(*args, **kwargs)
         bucket = self._bucket(length)
         training = trains(model)
-        if self._checked is None and (not training or bucket == length):
-            return call(*args, **kwargs)  # nothing padded before a training call is checked
+        if bucket == length or (self._checked is None and not training):
+            # nothing to pad, or nothing padded before a training call is checked
+            self._reached(args, kwargs, rows, length, length, training)
+            return call(*args, **kwargs)
         padded_args, padded_kwargs = padding.padded_call(model.forward, args, kwargs, plan, bucket)
-        if self._checked is None:
-            try:
-                self._checked = check.check(
-                    model,
-                    (args, kwargs),
-                    (padded_args, padded_kwargs),
-                    rows,
-                    length,
-                    bucket,
-                    self.session.steps.unseen,
-                    self.backend.device_type,
-                )
-            except check.CheckFailed as failed:
-                self._refuse(failed.code, **failed.params)
-                return call(*args, **kwargs)
-            except Exception as error:  # the copy could not run: no proof, so no padding
-                self._refuse("check_failed", error=f"{type(error).__name__}: {error}")
-                return call(*args, **kwargs)
-            self.because("bucketed", model=type(model).__name__, buckets=list(self._buckets), difference=f"{self._checked:.2g}")
-        if training:
+        checked = self._checked is not None or self._check(
+            (args, kwargs), (padded_args, padded_kwargs), rows, length, bucket
+        )
+        if not checked:
+            return call(*args, **kwargs)
+        self._reached(padded_args, padded_kwargs, rows, length, bucket, training)
+        return padding.cut_back(call(*padded_args, **padded_kwargs), rows, length, bucket)
+
+    def _reached(self, args, kwargs, rows: int, length: int, bucket: int, training: bool) -> None:
+        """A call reached the model with ``args``/``kwargs``: ``length`` padded up to ``bucket``."""
+        if training and bucket in self._buckets:
             self._met.add(bucket)
-        self._after.add(signature.signature(padded_args, padded_kwargs))
+        self._after.add(signature.signature(args, kwargs))
         self._positions += rows * bucket
         self._padded += rows * (bucket - length)
-        return padding.cut_back(call(*padded_args, **padded_kwargs), rows, length, bucket)
+
+    def _check(self, call, padded_call, rows: int, length: int, bucket: int) -> bool:
+        """Whether padding passed the shadow check on a copy (else the unit refused it)."""
+        model = self._model
+        try:
+            self._checked = check.check(
+                model, call, padded_call, rows, length, bucket, self.session.steps.unseen, self.backend.device_type
+            )
+        except check.CheckFailed as failed:
+            self._refuse(failed.code, **failed.params)
+            return False
+        except Exception as error:  # the copy could not run: no proof, so no padding
+            self._refuse("check_failed", error=f"{type(error).__name__}: {error}")
+            return False
+        difference = f"{self._checked:.2g}"
+        self.because("bucketed", model=type(model).__name__, buckets=list(self._buckets), difference=difference)
+        return True
 
     def decision(self) -> Status:
         if self._scope is not None and self._checked is None:
