@@ -2,6 +2,7 @@
 values, and in a run: a masked classifier's calls bucketed where capture is on (its losses plain's
 within the check's tolerance), an unmasked mean refused and trained as plain, nothing padded eagerly."""
 
+import collections
 import importlib.util
 import itertools
 import pathlib
@@ -48,19 +49,31 @@ def cheap_capture(monkeypatch):
     monkeypatch.setattr(CpuBackend, "graph_forward", lambda self, module, **kwargs: module._call_impl)
 
 
-def test_buckets_pad_the_fewest_positions_for_at_most_the_graphs_given():
+def padded(lengths, chosen) -> int:
+    return sum(buckets.bucket_for(length, chosen) - length for length in lengths)
+
+
+def test_buckets_pad_the_fewest_positions_for_a_number_of_graphs():
     lengths = [10, 11, 12, 12, 30, 31, 40, 50, 64, 64, 64]
-    chosen = buckets.choose(lengths, 3)
+    chosen = buckets.fewest_padded(collections.Counter(lengths), 3)
     distinct = sorted(set(lengths))
     best = min(
         (c for k in (1, 2, 3) for c in itertools.combinations(distinct, k) if max(distinct) in c),
-        key=lambda c: sum(buckets.bucket_for(length, c) - length for length in lengths),
+        key=lambda c: padded(lengths, c),
     )
-    cost = sum(buckets.bucket_for(length, chosen) - length for length in lengths)
-    assert len(chosen) <= 3 and chosen[-1] == 64
-    assert cost == sum(buckets.bucket_for(length, best) - length for length in lengths)
-    assert buckets.choose([9, 5, 9], 8) == (5, 9)  # as few lengths as graphs: nothing padded
+    assert len(chosen) <= 3 and chosen[-1] == 64 and padded(lengths, chosen) == padded(lengths, best)
+    assert buckets.fewest_padded(collections.Counter([9, 5, 9]), 8) == (5, 9)  # as few lengths as graphs
     assert buckets.bucket_for(65, chosen) is None and buckets.overflow(65) == 72
+
+
+def test_the_fewest_graphs_whose_padding_stays_within_the_budget():
+    near = [57, 58, 60, 61, 62, 63, 64, 64]  # a batch's longest sequence: near the longest there is
+    assert buckets.choose(near, 8) == (64,)
+    spread = list(range(8, 65, 4))
+    chosen = buckets.choose(spread, 8)
+    assert 1 < len(chosen) <= 8
+    assert padded(spread, chosen) <= buckets.PADDING_BUDGET * sum(buckets.bucket_for(n, chosen) for n in spread)
+    assert padded(spread, chosen[:-2] + chosen[-1:]) > padded(spread, chosen)
 
 
 def test_a_batch_is_padded_with_its_own_padding_values_and_outputs_cut_back():

@@ -1,11 +1,14 @@
-"""Bucket lengths chosen from the lengths seen: the fewest padded positions for at most a given
-number of graphs.
+"""Bucket lengths chosen from the lengths seen: the fewest graphs whose padding stays within a
+budget, and for that many graphs the fewest padded positions.
 
-Why: each bucket is one graph to compile; each length padded up to its bucket costs the positions in
-between. Given how often each length came, the best ``most`` buckets are an exact dynamic programme
-over the sorted distinct lengths (the longest is always a bucket, or it would have nowhere to go). A
-length longer than every bucket later gets a new bucket of its own, rounded up to ``OVERFLOW_STEP``
-so that the next few longer ones share it.
+Why: each bucket is one graph to compile (tens of seconds under ``torch.compile`` on a CPU, and a
+second shape there makes torch recompile the graph with dynamic sizes, whose steps ran several times
+slower than the static graph's); each length padded up to its bucket costs the positions in between,
+in every step. So the fewest buckets whose padding is at most ``PADDING_BUDGET`` of the positions,
+at most ``most`` of them; for a given count, the best buckets are an exact dynamic programme over the
+sorted distinct lengths (the longest is always a bucket, or it would have nowhere to go). A length
+longer than every bucket later gets a new bucket of its own, rounded up to ``OVERFLOW_STEP`` so that
+the next few longer ones share it.
 """
 
 from __future__ import annotations
@@ -13,12 +16,24 @@ from __future__ import annotations
 import collections
 
 OVERFLOW_STEP = 8
+PADDING_BUDGET = 0.1  # the share of positions that may be padding before one more graph is worth it
 
 
-def choose(lengths, most: int) -> tuple:
-    """The bucket lengths (ascending, at most ``most``) that pad ``lengths`` (an iterable of the lengths
-    seen, one per batch, or a Counter) by the fewest positions in all."""
+def choose(lengths, most: int, budget: float = PADDING_BUDGET) -> tuple:
+    """The fewest bucket lengths (ascending, at most ``most``) that pad ``lengths`` (the lengths seen,
+    one per batch) by at most ``budget`` of the positions, else the ``most`` that pad the fewest."""
     counts = collections.Counter(lengths)
+    for count in range(1, most):
+        chosen = fewest_padded(counts, count)
+        padded = sum(n * (bucket_for(length, chosen) - length) for length, n in counts.items())
+        if padded <= budget * sum(n * bucket_for(length, chosen) for length, n in counts.items()):
+            return chosen
+    return fewest_padded(counts, most)
+
+
+def fewest_padded(counts, most: int) -> tuple:
+    """The bucket lengths (ascending, at most ``most``) that pad the lengths ``counts`` (length -> how
+    many batches) by the fewest positions in all."""
     distinct = sorted(counts)
     if len(distinct) <= most:
         return tuple(distinct)
@@ -55,4 +70,3 @@ def bucket_for(length: int, buckets: tuple):
 def overflow(length: int) -> int:
     """A new bucket for a length past every bucket."""
     return -(-length // OVERFLOW_STEP) * OVERFLOW_STEP
-
