@@ -16,15 +16,19 @@ from autogaudi.backends.cpu import CpuBackend
 from autogaudi.optimizations.shape_buckets import buckets, padding, signature
 from tests.optimizations.test_step_profiler import STEPS
 
-SCRIPT = pathlib.Path(__file__).parents[1] / "scripts" / "bucket_classifier.py"
+SCRIPTS = pathlib.Path(__file__).parents[1] / "scripts"
+
+
+def script_module(name: str):
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def classifier_script(monkeypatch, pool: str):
     monkeypatch.setenv("POOL", pool)
-    spec = importlib.util.spec_from_file_location("bucket_classifier", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return script_module("bucket_classifier")
 
 
 def train(script, steps: int) -> list:
@@ -143,3 +147,31 @@ def test_nothing_is_padded_on_an_eager_run(monkeypatch):
     row = autogaudi.report().unit("shape_buckets")
     assert row["reason_code"] == "eager" and row["status"] == "not needed"
     assert autogaudi.report().as_dict()["shapes"]["distinct_before"] > 1
+
+
+def trainer_losses(script, folder, steps: int, seen=None) -> tuple:
+    run = script.trainer(str(folder), steps)
+    if seen is not None:  # the lengths that reach the model's own call, training and evaluation
+        run.model.register_forward_pre_hook(
+            lambda _m, _args, kwargs: seen.append((torch.is_grad_enabled(), kwargs["input_ids"].shape[1])),
+            with_kwargs=True,
+        )
+    run.train()
+    losses = [entry["loss"] for entry in run.state.log_history if "loss" in entry]
+    return losses, run.evaluate()["eval_loss"]
+
+
+def test_a_trainer_with_a_padding_collator_is_bucketed_evaluation_included(cheap_capture, tmp_path):
+    pytest.importorskip("transformers")
+    script = script_module("bucket_bert_trainer")
+    plain, plain_eval = trainer_losses(script, tmp_path / "plain", STEPS + 8)
+    autogaudi.enable(device="cpu", only="step_profiler,graph_capture,shape_buckets", force="graph_capture")
+    seen = []
+    losses, evaluated = trainer_losses(script, tmp_path / "run", STEPS + 8, seen)
+    shapes = autogaudi.report().as_dict()["shapes"]
+    assert autogaudi.report().unit("shape_buckets")["reason_code"] == "bucketed"
+    torch.testing.assert_close(losses, plain, rtol=1e-3, atol=0)
+    torch.testing.assert_close(evaluated, plain_eval, rtol=1e-3, atol=0)
+    evaluation = {length for training, length in seen if not training}
+    assert evaluation and evaluation <= set(shapes["buckets"])
+    assert {length for training, length in seen[-8:] if training} <= set(shapes["buckets"])
