@@ -150,6 +150,7 @@ def test_nothing_is_padded_on_an_eager_run(monkeypatch):
 
 
 def trainer_losses(script, folder, steps: int, seen=None) -> tuple:
+    folder.mkdir()
     run = script.trainer(str(folder), steps)
     if seen is not None:  # the lengths that reach the model's own call, training and evaluation
         run.model.register_forward_pre_hook(
