@@ -140,6 +140,16 @@ def test_an_unmasked_mean_is_refused_and_trains_as_plain(monkeypatch, cheap_capt
     assert autogaudi.report().as_dict()["shapes"]["padded_fraction"] == 0.0
 
 
+def test_the_scripts_own_compile_gets_buckets(monkeypatch):
+    script = classifier_script(monkeypatch, "masked")
+    autogaudi.enable(device="cpu", only="step_profiler,shape_buckets")
+    monkeypatch.setattr(script, "Classifier", lambda make=script.Classifier: torch.compile(make(), backend="eager"))
+    train(script, STEPS + 6)
+    shapes = autogaudi.report().as_dict()["shapes"]
+    assert autogaudi.report().unit("shape_buckets")["reason_code"] == "bucketed"
+    assert shapes["distinct_after"] <= len(shapes["buckets"]) < shapes["distinct_before"]
+
+
 def test_nothing_is_padded_on_an_eager_run(monkeypatch):
     script = classifier_script(monkeypatch, "masked")
     autogaudi.enable(device="cpu", only="step_profiler,shape_buckets")

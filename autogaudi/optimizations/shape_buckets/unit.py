@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import sys
 
+import torch
+
 from autogaudi.events import Event
 from autogaudi.model_call import Layer, compiled_by_the_script, holder, trains
 from autogaudi.optimizations.shape_buckets import buckets, check, padding, signature
@@ -61,6 +63,7 @@ class ShapeBuckets(Unit):
         "the batch's mean",
         "varies_elsewhere": "shapes vary along {paths}, not a sequence dimension",
         "inputs_held": "not padded: {holder} holds the model's inputs",
+        "traced": "not padded: the script's torch.compile traces {model}'s call from a module around it",
         "checking": "padding up to {buckets}: waiting for a training call to check it on a copy of {model}",
         "bucketed": "{model}'s sequence lengths padded up to {buckets}, checked on a copy: {difference} relative",
         "no_mask": "not padded: the sequence length varies, but no attention mask says which positions are padding",
@@ -80,13 +83,14 @@ class ShapeBuckets(Unit):
         self._after: set = set()  # signatures of the calls that reached the model while held
         self._lengths: list = []  # the batches' sequence lengths, until buckets are chosen
         self._short_last = False
-        self._model = self._scope = None
+        self._model = self._scope = self._forward = None
         self._buckets: tuple = ()
         self._met: set = set()  # buckets met by training calls since bucketing began
         self._fills: dict = {}  # path -> the padding value the batches showed
         self._padding_idx = None
         self._checked = None  # the check's relative difference, once it passed
         self._refused = False
+        self._traced = False  # a call of the model was traced by the script's own torch.compile
         self._positions = self._padded = 0
         self._graphs_at = {}  # "start", "warm": compiled_graphs() then
         self.figures["shapes"] = self._shapes()
@@ -159,6 +163,7 @@ class ShapeBuckets(Unit):
         most = MAX_GRAPHS - 1 if self._short_last else MAX_GRAPHS
         self._buckets = buckets.choose(self._lengths, most) if self._lengths else ()
         self._padding_idx = padding.embedding_padding_idx(model)
+        self._forward = getattr(model, "_orig_mod", model).forward  # names the arguments (a compiled module's own)
         self._graphs_at["start"] = compiled_graphs() or 0
         self._scope = self.scope.child()
         self.hold(model, Layer.INPUTS, self._around, self._scope)
@@ -174,6 +179,9 @@ class ShapeBuckets(Unit):
         self.figures["shapes"] = self._shapes()
 
     def _stepped(self, _optimizer) -> None:
+        if self._traced:
+            self._refuse("traced")
+            return
         if "warm" not in self._graphs_at and self._checked is not None and self._met >= set(self._buckets):
             self._graphs_at["warm"] = compiled_graphs() or 0
         self.figures["shapes"] = self._shapes()
@@ -189,9 +197,12 @@ class ShapeBuckets(Unit):
     def _around(self, call, args, kwargs):
         """The inputs layer: the call padded up to its bucket, its per-position outputs cut back."""
         model = self._model
+        if torch.compiler.is_compiling():  # the script's torch.compile traces this call: left as it is
+            self._traced = True
+            return call(*args, **kwargs)
         try:
             rows, length, plan = padding.fills(
-                padding.named_arguments(model.forward, args, kwargs), self._fills, self._padding_idx
+                padding.named_arguments(self._forward, args, kwargs), self._fills, self._padding_idx
             )
         except padding.NotPadded as why:
             if why.lasting:
@@ -203,7 +214,7 @@ class ShapeBuckets(Unit):
             # nothing to pad, or nothing padded before a training call is checked
             self._reached(args, kwargs, rows, length, length, training)
             return call(*args, **kwargs)
-        padded_args, padded_kwargs = padding.padded_call(model.forward, args, kwargs, plan, bucket)
+        padded_args, padded_kwargs = padding.padded_call(self._forward, args, kwargs, plan, bucket)
         checked = self._checked is not None or self._check(
             (args, kwargs), (padded_args, padded_kwargs), rows, length, bucket
         )
