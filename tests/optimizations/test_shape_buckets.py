@@ -186,3 +186,15 @@ def test_a_trainer_with_a_padding_collator_is_bucketed_evaluation_included(cheap
     evaluation = {length for training, length in seen if not training}
     assert evaluation and evaluation <= set(shapes["buckets"])
     assert {length for training, length in seen[-8:] if training} <= set(shapes["buckets"])
+
+
+def test_on_hpu_lazy_mode_a_masked_classifier_is_bucketed_with_plain_losses(monkeypatch, hpu_double):
+    script = classifier_script(monkeypatch, "masked")
+    plain = train(script, STEPS + 6)
+    hpu_double(lazy=True)
+    autogaudi.enable(device="hpu", only="step_profiler,shape_buckets")
+    losses = train(script, STEPS + 6)
+    shapes = autogaudi.report().as_dict()["shapes"]
+    assert autogaudi.report().unit("shape_buckets")["reason_code"] == "bucketed"
+    torch.testing.assert_close(losses, plain, rtol=1e-5, atol=0)
+    assert shapes["distinct_after"] <= len(shapes["buckets"]) < shapes["distinct_before"]

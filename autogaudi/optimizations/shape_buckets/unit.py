@@ -76,6 +76,7 @@ class ShapeBuckets(Unit):
         "check_failed": "not padded: the check on a copy of {model} could not run ({error})",
         "bucket_added": "a length past every bucket: bucket {bucket} added",
     }
+    acts_for_device = True  # a model left on the host runs eagerly there, whatever the backend
     acts_on = ("<training model> call route, inputs layer (sequence tensors padded, outputs cut back)",)
 
     def apply(self) -> None:
