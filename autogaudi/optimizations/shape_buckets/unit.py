@@ -113,13 +113,15 @@ class ShapeBuckets(Unit):
         }
 
     def _fetched(self, iterator, batch, _seconds) -> None:
-        self._before.add(signature.signature((batch,), {}))
+        shape = signature.signature((batch,), {})
+        if shape not in self._before:
+            self._before.add(shape)
+            self.figures["shapes"] = self._shapes()
         if self._model is None and len(self._lengths) < LENGTHS_KEPT:
             found = padding.find_mask(signature.named_tensors(batch))
             if found is not None:
                 self._lengths.append(found[1].shape[1])
             self._short_last = self._short_last or short_last_batch(iterator)
-        self.figures["shapes"] = self._shapes()
 
     def _where_shapes_matter(self, model):
         if self.backend.name == "hpu":
