@@ -104,6 +104,12 @@ UNITS: tuple[UnitInfo, ...] = (
         "autogaudi.optimizations.graph_capture.unit:GraphCapture",
     ),
     UnitInfo(
+        "shape_buckets",
+        "where shapes matter (HPU, graph capture, torch.compile): variable sequence lengths padded up to a few "
+        "buckets, only where the batch's mask makes the padding provably harmless (checked on a copy)",
+        "autogaudi.optimizations.shape_buckets.unit:ShapeBuckets",
+    ),
+    UnitInfo(
         "channels_last",
         "convolutional models and their 4-D inputs in channels_last memory format, if a trial finds it faster",
         "autogaudi.optimizations.channels_last:ChannelsLast",

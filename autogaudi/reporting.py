@@ -112,7 +112,13 @@ class Report:
             "children": self.children or [],
             "cache": self.cache,
             "timeline": self.timeline,
+            "shapes": self.shapes(),
         }
+
+    def shapes(self):
+        """What reached the training model, shape by shape (shape_buckets' figures), or None."""
+        row = next((row for row in self.units if row["name"] == "shape_buckets"), None)
+        return None if row is None else row.get("figures", {}).get("shapes")
 
     def changed(self) -> list:
         """What autogaudi changed in this run, unit by unit: the report's headline."""

@@ -1,0 +1,269 @@
+"""Shapes that never recompile: where a sequence length varies from batch to batch and the batch says
+which positions are padding, the training model's calls are padded up to a few bucket lengths.
+
+Why: every new input shape is a new graph to compile under HPU lazy mode, ``torch.compile`` and
+CUDA or HPU graphs; a collator that pads each batch to its own longest sequence makes one per batch.
+Only where shapes matter (HPU, graph capture on or forced, the script's own ``torch.compile``): an
+eager CPU or CUDA run pays nothing per shape, and nothing is padded.
+
+How: the shapes of the DataLoader batches are read from the first one (``signature``); once the
+step is profiled, the lengths seen choose the buckets (``buckets``: fewest padded positions for at
+most ``MAX_GRAPHS`` graphs), and the inputs layer of the model's call (:mod:`autogaudi.model_call`)
+pads each call (``padding``: mask 0, labels the ignore index, ids the batch's own padding value) and
+cuts per-position outputs back, so the script's batch and what it gets back keep their shapes.
+Evaluation calls go into the same buckets. Nothing is padded before a shadow check (``check``) on a
+copy found the padded call's outputs and gradients within its tolerance of the unpadded one's: a
+model that does not mask its padding (an unmasked mean) is refused with a reason and runs as plain.
+Under ``--exact`` it steps aside: a longer row sums in another order. The figures: the ``shapes``
+section of the report (docs/units/shape_buckets.md).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from autogaudi.events import Event
+from autogaudi.model_call import Layer, compiled_by_the_script, holder, trains
+from autogaudi.optimizations.shape_buckets import buckets, check, padding, signature
+from autogaudi.registry import PROFILER
+from autogaudi.status import Status
+from autogaudi.unit import RANDOM, ROUNDING, Unit
+
+MAX_GRAPHS = 8  # the most graphs the buckets may cost, one more batch size (a short last batch) included
+LENGTHS_KEPT = 256  # batches whose lengths are kept to choose buckets from
+
+
+def compiled_graphs():
+    """Graphs torch.compile has built in this process (Dynamo's own counter), or None before any compile."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    return None if utils is None else utils.counters["stats"]["unique_graphs"]
+
+
+def short_last_batch(iterator) -> bool:
+    """Whether the DataLoader behind ``iterator`` ends its epochs with a short batch."""
+    sampler = getattr(iterator, "_index_sampler", None)
+    try:
+        return not sampler.drop_last and len(sampler.sampler) % sampler.batch_size != 0
+    except (AttributeError, TypeError):
+        return False
+
+
+class ShapeBuckets(Unit):
+    requires = (PROFILER,)
+    after = ("graph_capture",)  # decides once capture has taken the model (or refused it)
+    numerics = (ROUNDING, RANDOM)  # a longer row sums in another order; dropout draws over the padded shape
+    reasons = {
+        "eager": "nothing padded: shapes cost nothing on this eager {backend} run (no graph capture, "
+        "torch.compile or HPU)",
+        "no_batches": "no DataLoader batches seen before the profile: no lengths to choose buckets from",
+        "static_shapes": "the batches' shapes did not vary",
+        "batch_only": "only the batch dimension varies (an epoch's short last batch): padding it would change "
+        "the batch's mean",
+        "varies_elsewhere": "shapes vary along {paths}, not a sequence dimension",
+        "inputs_held": "not padded: {holder} holds the model's inputs",
+        "traced": "not padded: the script's torch.compile traces {model}'s call from a module around it",
+        "checking": "padding up to {buckets}: waiting for a training call to check it on a copy of {model}",
+        "bucketed": "{model}'s sequence lengths padded up to {buckets}, checked on a copy: {difference} relative",
+        "no_mask": "not padded: the sequence length varies, but no attention mask says which positions are padding",
+        "length_elsewhere": "not padded: {path} has the sequence length in another dimension",
+        "float_labels": "not padded: {path} holds per-position float targets (no ignore index)",
+        "fill_not_constant": "not padded: {path} holds different values at masked positions (no padding value to copy)",
+        "outputs_reshaped": "not padded: {model}'s outputs change shape with padding, not only along the sequence",
+        "padding_moves_result": "not padded: padding moved {model}'s outputs or gradients by {difference} "
+        "(tolerance {tolerance}); its result depends on the padded positions (an unmasked mean?)",
+        "check_failed": "not padded: the check on a copy of {model} could not run ({error})",
+        "bucket_added": "a length past every bucket: bucket {bucket} added",
+    }
+    acts_for_device = True  # a model left on the host runs eagerly there, whatever the backend
+    acts_on = ("<training model> call route, inputs layer (sequence tensors padded, outputs cut back)",)
+
+    def apply(self) -> None:
+        self._before: set = set()  # signatures of the DataLoader batches: what the script produced
+        self._after: set = set()  # signatures of the calls that reached the model while held
+        self._lengths: list = []  # the batches' sequence lengths, until buckets are chosen
+        self._short_last = False
+        self._model = self._scope = self._forward = None
+        self._buckets: tuple = ()
+        self._met: set = set()  # buckets met by training calls since bucketing began
+        self._fills: dict = {}  # path -> the padding value the batches showed
+        self._padding_idx = None
+        self._checked = None  # the check's relative difference, once it passed
+        self._refused = False
+        self._traced = False  # a call of the model was traced by the script's own torch.compile
+        self._positions = self._padded = 0
+        self._graphs_at = {}  # "start", "warm": compiled_graphs() then
+        self.figures["shapes"] = self._shapes()
+        self.on(Event.BATCH_FETCHED, self._fetched)
+        self.on(Event.STEP_PROFILED, self._profiled)
+        self.because("waiting_for_profile")
+
+    def _shapes(self) -> dict:
+        graphs = compiled_graphs()
+        start, warm = self._graphs_at.get("start"), self._graphs_at.get("warm")
+        return {
+            "distinct_before": len(self._before),
+            "distinct_after": len(self._after) if self._scope is not None else len(self._before),
+            "varies": signature.where_it_varies(self._before),
+            "buckets": list(self._buckets),
+            "padded_fraction": round(self._padded / self._positions, 4) if self._positions else 0.0,
+            "compilations": None if graphs is None or start is None else graphs - start,
+            "compilations_after_warmup": None if graphs is None or warm is None else graphs - warm,
+        }
+
+    def _fetched(self, iterator, batch, _seconds) -> None:
+        shape = signature.signature((batch,), {})
+        if shape not in self._before:
+            self._before.add(shape)
+            self.figures["shapes"] = self._shapes()
+        if self._model is None and len(self._lengths) < LENGTHS_KEPT:
+            found = padding.find_mask(signature.named_tensors(batch))
+            if found is not None:
+                self._lengths.append(found[1].shape[1])
+            self._short_last = self._short_last or short_last_batch(iterator)
+
+    def _where_shapes_matter(self, model):
+        if self.backend.name == "hpu":
+            return "HPU"
+        if compiled_by_the_script(model):
+            return "torch.compile"
+        if holder(model, Layer.CAPTURE) is not None or "graph_capture" in self.options.force:
+            return "graph capture"
+        return None
+
+    def _profiled(self, profile) -> None:
+        model = profile.model
+        if model is None:
+            self._settle("no_training_model")
+            return
+        varies = signature.where_it_varies(self._before)
+        if not self._before:
+            self._settle("no_batches")
+        elif varies != "sequence":
+            code = {"static": "static_shapes", "batch": "batch_only"}.get(varies, "varies_elsewhere")
+            self._settle(code, paths=sorted(signature.varying_dims(self._before)))
+        elif holder(model, Layer.INPUTS) is not None:
+            self._settle("inputs_held", holder=holder(model, Layer.INPUTS).name)
+        elif self._where_shapes_matter(model) is None:
+            self.because("eager", backend=self.backend.name)
+            self._model = model
+            self.on(Event.TRAINING_STEP, self._watch_for_capture)
+        else:
+            self._start(model)
+
+    def _watch_for_capture(self, _optimizer) -> None:
+        """Graph capture may take the model later (a trial that waited for its step): bucket from then on."""
+        if self._scope is None and not self._refused and self._where_shapes_matter(self._model) is not None:
+            self._start(self._model)
+
+    def _settle(self, code: str, **params) -> None:
+        self._refused = True
+        self.because(code, **params)
+
+    def _start(self, model) -> None:
+        self._model = model
+        most = MAX_GRAPHS - 1 if self._short_last else MAX_GRAPHS
+        self._buckets = buckets.choose(self._lengths, most) if self._lengths else ()
+        self._padding_idx = padding.embedding_padding_idx(model)
+        self._forward = getattr(model, "_orig_mod", model).forward  # names the arguments (a compiled module's own)
+        self._graphs_at["start"] = compiled_graphs() or 0
+        self._scope = self.scope.child()
+        self.hold(model, Layer.INPUTS, self._around, self._scope)
+        self.on(Event.TRAINING_STEP, self._stepped, self._scope)
+        self.because("checking", buckets=list(self._buckets), model=type(model).__name__)
+        self.figures["shapes"] = self._shapes()
+
+    def _refuse(self, code: str, **params) -> None:
+        """Padding not provable for this model: the layer goes, the model runs as the script calls it."""
+        self._settle(code, model=type(self._model).__name__, **params)
+        self.close_scope(self._scope)
+        self._scope = None
+        self.figures["shapes"] = self._shapes()
+
+    def _stepped(self, _optimizer) -> None:
+        if self._traced:
+            self._refuse("traced")
+            return
+        if "warm" not in self._graphs_at and self._checked is not None and self._met >= set(self._buckets):
+            self._graphs_at["warm"] = compiled_graphs() or 0
+        self.figures["shapes"] = self._shapes()
+
+    def _bucket(self, length: int) -> int:
+        bucket = buckets.bucket_for(length, self._buckets)
+        if bucket is None:
+            bucket = buckets.overflow(length)
+            self._buckets = tuple(sorted({*self._buckets, bucket}))
+            self.note("bucket_added", bucket=bucket)
+        return bucket
+
+    def _around(self, call, args, kwargs):
+        """The inputs layer: the call padded up to its bucket, its per-position outputs cut back."""
+        model = self._model
+        if torch.compiler.is_compiling():  # the script's torch.compile traces this call: left as it is
+            self._traced = True
+            return call(*args, **kwargs)
+        try:
+            rows, length, plan = padding.fills(
+                padding.named_arguments(self._forward, args, kwargs), self._fills, self._padding_idx
+            )
+        except padding.NotPadded as why:
+            if why.lasting:
+                self._refuse(why.code, **why.params)
+            return call(*args, **kwargs)
+        bucket = self._bucket(length)
+        training = trains(model)
+        if bucket == length or (self._checked is None and not training):
+            # nothing to pad, or nothing padded before a training call is checked
+            self._reached(args, kwargs, rows, length, length, training)
+            return call(*args, **kwargs)
+        padded_args, padded_kwargs = padding.padded_call(self._forward, args, kwargs, plan, bucket)
+        checked = self._checked is not None or self._check(
+            (args, kwargs), (padded_args, padded_kwargs), rows, length, bucket
+        )
+        if not checked:
+            return call(*args, **kwargs)
+        self._reached(padded_args, padded_kwargs, rows, length, bucket, training)
+        return padding.cut_back(call(*padded_args, **padded_kwargs), rows, length, bucket)
+
+    def _reached(self, args, kwargs, rows: int, length: int, bucket: int, training: bool) -> None:
+        """A call reached the model with ``args``/``kwargs``: ``length`` padded up to ``bucket``."""
+        if training and bucket in self._buckets:
+            self._met.add(bucket)
+        self._after.add(signature.signature(args, kwargs))
+        self._positions += rows * bucket
+        self._padded += rows * (bucket - length)
+
+    def _check(self, call, padded_call, rows: int, length: int, bucket: int) -> bool:
+        """Whether padding passed the shadow check on a copy (else the unit refused it)."""
+        model = self._model
+        try:
+            self._checked = check.check(
+                model, call, padded_call, rows, length, bucket, self.session.steps.unseen, self.backend.device_type
+            )
+        except check.CheckFailed as failed:
+            self._refuse(failed.code, **failed.params)
+            return False
+        except Exception as error:  # the copy could not run: no proof, so no padding
+            self._refuse("check_failed", error=f"{type(error).__name__}: {error}")
+            return False
+        difference = f"{self._checked:.2g}"
+        self.because("bucketed", model=type(model).__name__, buckets=list(self._buckets), difference=difference)
+        return True
+
+    def decision(self) -> Status:
+        if self._scope is not None and self._checked is None:
+            return Status.DECIDING
+        if self._refused or self._model is not None:
+            return Status.NOT_NEEDED
+        return Status.WATCHING
+
+    def changes(self) -> list:
+        if self._scope is None or self._checked is None or not self._positions:
+            return []
+        shapes = self._shapes()
+        return [
+            f"{type(self._model).__name__}'s sequence lengths padded up to {len(self._buckets)} bucket(s) "
+            f"{list(self._buckets)}: {shapes['distinct_before']} batch shapes reached it as "
+            f"{shapes['distinct_after']}, at {round(100 * shapes['padded_fraction'], 1)}% of positions padding"
+        ]
