@@ -381,8 +381,6 @@ class ActivationCheckpointing(Unit):
             after=_mb(after.peak),
             budget=_mb(budget),
         )
-        if after.peak > budget and len(chosen) == len(todo):
-            self.note("still_over", after=_mb(after.peak), budget=_mb(budget))
         self.moment("checkpointed", blocks=len(self._held))
 
     def _recompute(self, block_ref, parameters, call, args, kwargs):
