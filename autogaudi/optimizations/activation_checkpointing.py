@@ -159,6 +159,7 @@ class ActivationCheckpointing(Unit):
         self._inputs = ()  # the shapes of its first call's positional inputs: the remembered decision's key
         self._held: dict = {}  # block name -> module, checkpointed by this unit
         self._blocks = None  # (container, names, candidates) once the first step is measured
+        self._left_out = []  # (count, why) of the blocks that are no candidates
         self._state = out_of_memory.CallState(self.backend.name)
         self._rescued = False
         self._remembered = False  # an out-of-memory error of this run has been remembered for the next
@@ -255,6 +256,7 @@ class ActivationCheckpointing(Unit):
         # it raises, the user gets the error as plain PyTorch's), then lets it go with the forward's
         # tensors its traceback holds, before the memory is freed.
         self._rescued = True
+        self._say_left_out(model)
         buffers = self._state.put_back()
         container, names = self._candidates(model)[:2]
         step = self.session.steps.steps
@@ -282,23 +284,31 @@ class ActivationCheckpointing(Unit):
 
     def _candidates(self, model) -> tuple:
         """(container, its blocks, those that can be checkpointed): the blocks the first measured step
-        called, less those the script checkpoints itself and those with the script's hooks."""
+        called, less those the script checkpoints itself and those with the script's hooks (kept
+        once found, with why, in ``_left_out``)."""
         if self._blocks is not None:
             return self._blocks
         forecast = self.session.step_memory.forecast_plain
-        if forecast is None:  # not measured (yet): the blocks as the model holds them
-            container, names = repeated_blocks(model)
-            return container, names, tuple(name for name in names if not script_hooks(_module(model, name)))
-        container, names = repeated_blocks(model, called=set(forecast.kept))
-        own = [name for name in names if name in forecast.under_saved_tensor_hooks]
-        hooked = [name for name in names if name not in own and script_hooks(_module(model, name))]
-        total = {"total": len(names), "container": container or type(model).__name__}
-        if own:
-            self.note("left_out", count=len(own), why="the script checkpoints them itself", **total)
-        if hooked:
-            self.note("left_out", count=len(hooked), why="a hook of the script's would run again", **total)
-        self._blocks = container, names, tuple(name for name in names if name not in own and name not in hooked)
-        return self._blocks
+        called = set(forecast.kept) if forecast is not None else None  # not measured: the blocks the model holds
+        container, names = repeated_blocks(model, called=called)
+        own = [name for name in names if forecast is not None and name in forecast.under_saved_tensor_hooks]
+        hooked = [name for name in names if name not in own and script_hooks(model.get_submodule(name))]
+        self._left_out = [
+            (len(own), "the script checkpoints them itself"),
+            (len(hooked), "a hook of the script's would run again"),
+        ]
+        candidates = tuple(name for name in names if name not in own and name not in hooked)
+        if forecast is not None:
+            self._blocks = container, names, candidates
+        return container, names, candidates
+
+    def _say_left_out(self, model) -> None:
+        container, names, _ = self._candidates(model)
+        for count, why in self._left_out:
+            if count:
+                self.note(
+                    "left_out", count=count, why=why, total=len(names), container=container or type(model).__name__
+                )
 
     def run_ending(self, error) -> None:
         """The run ends with ``error`` raised through the script (None: it did not): an out-of-memory
@@ -342,12 +352,13 @@ class ActivationCheckpointing(Unit):
             if not self._held:
                 self.because("not_forecast", why=memory.why_not)
             return
+        container, names, candidates = self._candidates(model)  # once, with no tracker's hooks about
         sizes = {"peak": _mb(forecast.peak), "budget": _mb(budget)}
         if forecast.peak <= budget:
             if not self._held:
                 self.because("fits", **sizes)
             return
-        container, names, candidates = self._candidates(model)
+        self._say_left_out(model)
         todo = [name for name in candidates if name not in self._held]
         if not todo:
             if self._held:
@@ -441,10 +452,6 @@ class ActivationCheckpointing(Unit):
             f"{_mb(self.figures['forecast_peak_bytes_plain'])} -> {_mb(self.figures['forecast_peak_bytes'])}{peak}, "
             f"budget {_mb(self.figures['budget_bytes'])}{cost}"
         ]
-
-
-def _module(model, name):
-    return model.get_submodule(name)
 
 
 def _fewest(forecast, names, budget) -> list:
