@@ -258,7 +258,7 @@ class ActivationCheckpointing(Unit):
         self._rescued = True
         self._say_left_out(model)
         buffers = self._state.put_back()
-        container, names = self._candidates(model)[:2]
+        container, names, candidates = self._candidates(model)
         step = self.session.steps.steps
         self._remember("forward", step)
         self.figures["rescued_at_step"] = step
@@ -266,7 +266,7 @@ class ActivationCheckpointing(Unit):
             "rescued",
             step=step,
             buffers=buffers,
-            count=len(names),
+            count=len(candidates),
             total=len(names),
             container=container or type(model).__name__,
         )
