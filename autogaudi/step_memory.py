@@ -24,6 +24,7 @@ it raises, it goes silent and the run goes on.
 from __future__ import annotations
 
 import time
+import warnings
 import weakref
 
 import torch
@@ -145,7 +146,8 @@ def _step_tracker():
 
     class StepTracker(MemTracker):
         """Its module hooks run inside the script's forward and backward, outside autogaudi's guard:
-        one that raises stops the measurement instead of the script's call. A model called again in
+        one that raises stops the measurement instead of the script's call, and what they warn is
+        not the script's to see. A model called again in
         the step (gradient accumulation) is measured call after call: torch's tracker refuses that."""
 
         broken = None
@@ -171,7 +173,9 @@ def _step_tracker():
             if self.broken is not None:
                 return
             try:
-                hook(*args)
+                with warnings.catch_warnings():  # torch's tracker reads .grad of non-leaf stand-ins (functional calls)
+                    warnings.simplefilter("ignore")
+                    hook(*args)
             except Exception as error:
                 self.broken = error
 

@@ -102,12 +102,15 @@ def _kept_quiet():
     forward said it once."""
     sink = io.StringIO()
     was = logging.root.manager.disable
-    logging.disable(logging.CRITICAL)
+    configured = bool(logging.root.handlers)  # else a record goes to logging's last resort: sys.stderr, redirected
+    if configured:
+        logging.disable(logging.CRITICAL)
     try:
         with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
             yield
     finally:
-        logging.disable(was)
+        if configured:
+            logging.disable(was)
 
 
 def _where(where: str) -> str:
