@@ -5,6 +5,7 @@ only what was done."""
 
 import copy
 import json
+import logging
 import random
 
 import pytest
@@ -341,3 +342,30 @@ def test_a_checkpointed_model_still_copies_as_plain():
     assert unit_row()["figures"]["blocks_checkpointed"]
     twin = copy.deepcopy(model)
     assert all("_compiled_call_impl" not in vars(sub) for sub in twin.modules())
+
+
+class Logs(Block):
+    def forward(self, x):
+        logging.getLogger("blocks").warning("block forward")
+        return x + torch.tanh(self.linear(x))
+
+
+def test_a_recomputation_logs_nothing_and_prints_nothing(caplog, capsys):
+    class LogNet(Net):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(Logs() for _ in range(3))
+
+        def forward(self, x):
+            print("forward")
+            return super().forward(x)
+
+    def run():
+        caplog.clear()
+        losses = fit(seeded(LogNet))
+        return losses, len(caplog.records), capsys.readouterr()
+
+    plain = run()
+    autogaudi.enable(device="cpu", memory_limit=1e-5, only=ONLY)
+    assert run() == plain
+    assert unit_row()["figures"]["blocks_checkpointed"]
