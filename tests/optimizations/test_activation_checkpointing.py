@@ -1,6 +1,7 @@
 """activation_checkpointing: under a --memory-limit of 60% of the test GPT's measured peak, the fewest
 blocks are checkpointed from the second step, the step's peak comes under the limit as forecast, and
-the losses are plain's bitwise; a step that fits, a model without repeated blocks and disable() are left as they were."""
+the losses are plain's bitwise; a step that fits, a model without repeated blocks and disable() are
+left as they were."""
 
 import pytest
 import torch
