@@ -59,6 +59,9 @@ MEASURED_STEP = 1  # the last training step always measured (0-based): the first
 # state to run out, and the out-of-memory rescue is there for that case.
 FORECAST_FROM = 0.25
 STATE_COPIES = 4
+# A tracked step whose model is called this many times more with no backward pass is no training step
+# (inference that forgot no_grad): the tracker goes. An inner loop (MAML, a gradient penalty) stays below.
+CALLS_WITHOUT_BACKWARD = 16
 
 
 def budget_bytes(options, backend):
@@ -258,6 +261,8 @@ class StepMemory:
         self._tracker = None
         self._peak_before_step = None  # (peak, parts) of the tracked step before its optimizer step
         self._optimizer_steps_at_start = 0  # the optimizer steps when the tracked step began
+        self._backwards_at_start = 0  # and the backward passes
+        self._calls_tracked = 0  # the model's calls since, while no backward pass ran
         self._measure_at = None  # the training step to measure next, if any
         self._scope = Scope(self)
         self._limit = Scope(self)
@@ -333,11 +338,27 @@ class StepMemory:
         """The training model's call: a step to measure starts with it (the tracker then sees the
         model's own hooks and every op of the forward, backward and optimizer step)."""
         training = torch.is_grad_enabled()  # an evaluation pass (no_grad) between steps is no step's start
-        if self._tracker is None and training and self.session.steps.steps == self._measure_at:
+        steps = self.session.steps
+        if self._tracker is None and training and steps.steps == self._measure_at:
             self._start_tracking(self._model())
-        elif self._tracker is not None and self.session.steps.optimizer_steps > self._optimizer_steps_at_start:
+        elif self._tracker is not None and steps.optimizer_steps > self._optimizer_steps_at_start:
             self._step_ended(None)  # the step is whole: an evaluation (generate) runs between its end and the next
+        elif self._tracker is not None and training and steps.backwards == self._backwards_at_start:
+            self._calls_tracked += 1
+            if self._calls_tracked > CALLS_WITHOUT_BACKWARD:
+                self._given_up(f"the model was called {self._calls_tracked} times and no backward pass followed")
         return call(*args, **kwargs)
+
+    def _given_up(self, why: str) -> None:
+        """A tracked call that starts no training step (a forward with gradients on and no backward
+        after it: inference that forgot ``no_grad``): the tracker goes, and nothing is measured."""
+        self._stop_tracking()
+        self.state, self.why_not_measured = "not_measured", why
+        self.why_not = self.why_not or why
+        self._scope.close()
+        model = self._model()
+        if model is not None and self.forecast is None:
+            self.session.events.emit(Event.MEMORY_FORECAST, model, self)
 
     def _start_tracking(self, model, joined=None) -> None:
         optimizer = self._optimizer() if self._optimizer is not None else None
@@ -350,6 +371,8 @@ class StepMemory:
         self._tracker = tracker
         self._peak_before_step = None
         self._optimizer_steps_at_start = self.session.steps.optimizer_steps
+        self._backwards_at_start = self.session.steps.backwards
+        self._calls_tracked = 0
         self._measure_at = None
         self.state = "measuring"
 

@@ -267,6 +267,7 @@ def test_a_functional_call_with_fast_weights_gets_plains_gradients():
     autogaudi.enable(device="cpu", memory_limit=1e-5, only=ONLY)
     model = seeded(make)
     assert fit(model, step=outer) == plain
+    assert unit_row()["figures"]["blocks_checkpointed"]  # the inner calls' blocks checkpointed, the outer plain
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), plain_model.parameters()))
 
 

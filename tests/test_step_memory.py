@@ -231,3 +231,18 @@ def test_near_the_devices_capacity_the_step_is_forecast_and_its_cost_counted(mon
     whole = report["summary"]["whole_run"]
     assert whole["measuring_s"] >= report["memory"]["measuring_s"] and whole["cost_s"] >= whole["measuring_s"]
     assert losses == plain
+
+
+def test_a_forward_with_gradients_and_no_backward_is_not_tracked_for_the_rest_of_the_run():
+    """Inference that forgot ``no_grad``: the first call looks like a training step's, but no backward
+    pass ever comes; the tracker (a dispatch mode over every op) goes after a few calls."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    autogaudi.enable(device="cpu", memory_limit=ROOMY, only="step_profiler")
+    model = torch.nn.Linear(4, 4)
+    for _ in range(step_memory.CALLS_WITHOUT_BACKWARD + 2):
+        model(torch.ones(2, 4))
+    memory = memory_section()
+    assert memory["state"] == "not_measured" and memory["peak_bytes"] is None
+    assert not _get_current_dispatch_mode_stack()
+    assert model_call.route_of(model) is None
