@@ -198,6 +198,12 @@ def _step_tracker():
         def _post_fw_hook(self, *args) -> None:
             self._kept_out(super()._post_fw_hook, *args)
 
+        def _track_module_params_and_buffers(self, module, install_grad_hooks: bool = True):
+            """Gradient hooks only on leaves: a functional call's stand-in parameters (fast weights)
+            are computed tensors, which take none."""
+            leaves = all(p.is_leaf for p in module.parameters())
+            return super()._track_module_params_and_buffers(module, install_grad_hooks and leaves)
+
         def _pre_bw_hook(self, *args) -> None:
             self._kept_out(super()._pre_bw_hook, *args)
 
