@@ -32,7 +32,8 @@ class Event(enum.Enum):
     OPTIMIZER_STEP = "optimizer step"  # (optimizer): after every step of every optimizer
     TRAINING_STEP = "training step"  # (pacing optimizer, or None): one iteration of the loop ended
     STEP_PROFILED = "step profiled"  # (StepProfile): the step was classified, once per run
-    # (model, args, StepMemory): the training model's first step was forecast, before its first forward runs
+    # (model, StepMemory): a training step of the model was measured (the first, the second, each after a
+    # change), its forecast of the steps after in StepMemory.forecast; or the first will not be (no forecast)
     MEMORY_FORECAST = "memory forecast"
 
 

@@ -2,8 +2,8 @@
 
 Why: a step that runs out of device memory in its forward has left nothing of the step behind but
 its random draws and the buffers it updated (BatchNorm's running statistics, a step counter):
-with those put back and the memory freed, the forward can run again, checkpointed, as if it had
-never run. The matcher is accelerate's (CUDA, XPU, MPS, the CPU allocator), with torch's
+with those put back (every buffer, by content) and the memory freed, the forward can run again,
+checkpointed, as if it had never run. The matcher is accelerate's (CUDA, XPU, MPS, the CPU allocator), with torch's
 ``OutOfMemoryError`` by type, and the Gaudi bridge's allocation failures, whose messages name the
 memory module that failed (``MODULE:PT_DEVMEM``, ``MODULE:DEVMEM/SYNHELPER``): accelerate knows
 only the first.
@@ -15,6 +15,8 @@ import gc
 import re
 
 import torch
+
+from autogaudi import forward_state
 
 # The Gaudi bridge's: "FATAL ERROR :: MODULE:DEVMEM/SYNHELPER Allocation failed for size::..."
 _GAUDI = re.compile(r"MODULE:[\w/]*DEVMEM[\w/]* Allocation failed")
@@ -50,41 +52,33 @@ def release() -> None:
 
 class CallState:
     """What a forward changes besides its output, taken before each call so it can be put back: the
-    random generators' states, and the model's buffers the forward updates in place. Which buffers
-    those are is learned from the first call watched (every buffer is kept for it, then only those
-    whose version counter moved): a step copies only its running statistics, not a rotary cache."""
+    random generators' states (torch's, the accelerator's, Python's and NumPy's) and the model's
+    buffers and attributes (:class:`~autogaudi.forward_state.ModuleState`: every buffer, compared by
+    content, since BatchNorm's kernel and ``.data`` updates move no version counter)."""
 
     def __init__(self, backend_name: str):
         self._device = getattr(torch, backend_name, None) if backend_name != "cpu" else None
-        self._updated = None  # names of the buffers the forward updates, once learned
         self._cpu = None
         self._accelerator = None
-        self._buffers: dict = {}
-        self._versions: dict = {}
+        self._python = None
+        self._module = None
 
     def take(self, model) -> None:
         self._cpu = torch.get_rng_state()
         get = getattr(self._device, "get_rng_state_all", None) if self._device is not None else None
         self._accelerator = get() if get is not None else None
-        buffers = dict(model.named_buffers())
-        names = buffers if self._updated is None else self._updated
-        self._buffers = {name: buffers[name].detach().clone() for name in names if name in buffers}
-        self._versions = {name: buffer._version for name, buffer in buffers.items()}
+        self._python = forward_state.python_random_states()
+        self._module = forward_state.ModuleState(model)
 
-    def learn(self, model) -> None:
-        """After a call that completed: the buffers it updated are the ones to keep from now on."""
-        if self._updated is None:
-            self._updated = tuple(
-                name for name, buffer in model.named_buffers() if buffer._version != self._versions.get(name)
-            )
-
-    def put_back(self, model) -> int:
-        """The state as it was taken; the number of buffers put back."""
+    def put_back(self) -> int:
+        """The state as it was taken; the number of buffers the failed forward had changed."""
         torch.set_rng_state(self._cpu)
         if self._accelerator is not None:
             self._device.set_rng_state_all(self._accelerator)
-        buffers = dict(model.named_buffers())
-        with torch.no_grad():
-            for name, saved in self._buffers.items():
-                buffers[name].copy_(saved)
-        return len(self._buffers)
+        forward_state.set_python_random_states(self._python)
+        module, self._module = self._module, None
+        return module.put_back()
+
+    def drop(self) -> None:
+        """The call completed: nothing of it is kept."""
+        self._module = None

@@ -1,30 +1,30 @@
-"""The anatomy of a training step's memory: predicted on fake tensors, then measured on a real step.
+"""The anatomy of a training step's memory, measured on the run's own first steps.
 
 Why: the exit report's peak figure alone gives nothing to act on; what a step holds at its peak —
 parameters, gradients, optimizer state, activations, temporaries — says what would bring it down
-(checkpointing frees activations, a smaller optimizer state its share). Both figures come from
-torch's own tracker, ``torch.distributed._tools.mem_tracker.MemTracker`` (a dispatch mode that
-files every tensor a step creates under one of those parts):
+(checkpointing frees activations, a smaller optimizer state its share). The figures come from
+torch's own tracker, ``torch.distributed._tools.mem_tracker.MemTracker`` (a dispatch mode that files
+every tensor a step creates under one of those parts, and per module what its forward kept alive).
 
-* *predicted*, before the training model's first forward: a fake copy of the model, its
-  optimizer and the batch runs two steps under ``FakeTensorMode`` (the second one tracked, when the
-  optimizer state exists), so no device memory is touched and no random draw of the run is taken;
-* *measured*, on the run's second training step (the first with optimizer state), the real one.
+It tracks the training model's first training step, the real one: nothing of the script runs on a
+copy or more often than in a plain run (a forecast on fake tensors ran the script's forward where
+its prints, hooks and Python random draws saw it). The *forecast* of the steps after is that step's
+peak, or where higher its peak before the optimizer step plus the optimizer state the step created;
+units hear it at the step's end (:attr:`Event.MEMORY_FORECAST`) and act from the second step. The
+second step (the first with the optimizer's state) is measured too, and any step after a unit
+changed the steps: the report's measured peak is the last one's.
 
-What it costs: one fake step pair once (about a second for a 4-block GPT on the 2-core CPU) and one
-tracked real step, so it runs only where it serves: where ``--memory-limit`` asks for it, or where an
-accelerator's capacity is the budget and the model's own state could come near it (else every run on
-a GPU would pay it for a device it uses a sliver of). Its seconds are autogaudi's cost in the
-report's whole-run line. The watcher owns its code inside the user's
-calls through the core's guard: where it raises, it goes silent and the run goes on.
+What it costs: the tracked steps (a Python dispatch mode over each op), so it runs only where it
+serves: where ``--memory-limit`` asks for it, or where an accelerator's capacity is the budget and
+the model's own state could come near it. Their seconds are autogaudi's cost in the report's
+whole-run line. The watcher owns its code inside the user's calls through the core's guard: where
+it raises, it goes silent and the run goes on.
 """
 
 from __future__ import annotations
 
-import copy
-import gc
 import time
-import types
+import warnings
 import weakref
 
 import torch
@@ -33,6 +33,8 @@ from autogaudi import module_hooks
 from autogaudi.events import Event
 from autogaudi.model_call import Layer, trains
 from autogaudi.unit import Scope
+
+__all__ = ["predict", "optimizer_of"]  # the doctor's fake step (autogaudi.fake_step)
 
 GB = 1024**3
 PARTS = ("parameters", "gradients", "optimizer_state", "activations", "temporaries")
@@ -50,13 +52,16 @@ _PART_OF = {
 # the runtime's own buffers and what the script keeps outside the step take the rest.
 CAPACITY_SHARE = 0.9
 MATTERS_AT = 0.8  # the short report shows memory once a step's peak reaches this share of the budget
-MEASURED_STEP = 1  # the training step measured (0-based): the first with the optimizer's state
+MEASURED_STEP = 1  # the last training step always measured (0-based): the first with the optimizer's state
 # Without --memory-limit, a step is forecast only where the model's own state could take this share
 # of the device's budget: parameters, gradients and two optimizer moments (Adam's, the most a common
 # optimizer keeps) plus the batch. Below it, activations would have to be several times the whole
 # state to run out, and the out-of-memory rescue is there for that case.
 FORECAST_FROM = 0.25
 STATE_COPIES = 4
+# A tracked step whose model is called this many times more with no backward pass is no training step
+# (inference that forgot no_grad): the tracker goes. An inner loop (MAML, a gradient penalty) stays below.
+CALLS_WITHOUT_BACKWARD = 16
 
 
 def budget_bytes(options, backend):
@@ -95,40 +100,34 @@ def state_bytes(model, args) -> int:
     return STATE_COPIES * held + batch
 
 
-def optimizer_of(model):
-    """The optimizer holding most of ``model``'s parameters, or None. Found once, at the training
-    model's first call, among the live objects: an optimizer is made before it steps, and no hook
-    sees it made."""
-    owned = {id(p) for p in model.parameters()}
-    best, best_count = None, 0
-    for candidate in gc.get_objects():
-        if issubclass(type(candidate), torch.optim.Optimizer):  # type(): some objects warn on __class__
-            count = sum(1 for group in candidate.param_groups for p in group["params"] if id(p) in owned)
-            if count > best_count:
-                best, best_count = candidate, count
-    return best
-
-
 class Forecast:
-    """One prediction: the peak and its parts, and per module of interest what its forward keeps
-    alive (``kept``: bytes from its start to its end, its output included) and returns (``output``)."""
+    """One prediction of a training step: the peak and its parts; per module of the model its forward
+    ran in (by name), what that forward kept alive (``kept``: bytes from its start to its end, its
+    output included) and returned (``output``); ``checkpointed``: the modules checkpointed in it;
+    ``under_saved_tensor_hooks``: the modules whose forward ran inside saved-tensor hooks (the
+    script's own checkpointing or offloading)."""
 
-    def __init__(self, peak: int, parts: dict, kept: dict, output: dict, checkpointed: tuple):
+    def __init__(self, peak: int, parts: dict, kept=None, output=None, checkpointed=(), under_saved_tensor_hooks=()):
         self.peak = peak
         self.parts = parts
-        self.kept = kept
-        self.output = output
-        self.checkpointed = checkpointed  # the names of the modules checkpointed in it
+        self.kept = kept or {}
+        self.output = output or {}
+        self.checkpointed = tuple(checkpointed)
+        self.under_saved_tensor_hooks = frozenset(under_saved_tensor_hooks)
 
-
-def _loss_of(output):
-    """What the fake step backpropagates: a scalar among the outputs (a model that computes its
-    loss), else the sum of every floating output that needs a gradient."""
-    tensors = [t for t in _flat(output) if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()]
-    scalars = [t for t in tensors if t.dim() == 0]
-    if scalars:
-        return scalars[-1]
-    return sum(t.float().sum() for t in tensors) if tensors else None
+    def without(self, names) -> Forecast:
+        """This step with ``names`` checkpointed as well: each frees what its forward keeps alive
+        beyond its output (a checkpointed block keeps its inputs, which its caller holds anyway)."""
+        freed = sum(max(0, self.kept.get(name, 0) - self.output.get(name, 0)) for name in names)
+        parts = {**self.parts, "activations": max(0, self.parts.get("activations", 0) - freed)}
+        return Forecast(
+            self.peak - freed,
+            parts,
+            self.kept,
+            self.output,
+            (*self.checkpointed, *names),
+            self.under_saved_tensor_hooks,
+        )
 
 
 def _flat(output):
@@ -142,162 +141,68 @@ def _flat(output):
     return _flat(list(values())) if callable(values) else []
 
 
-def _fake_optimizer(optimizer, fake_of: dict):
-    """The same optimizer class over the fake parameters, its groups' settings and state as the
-    original's (state tensors as fakes)."""
-    groups = [
-        {
-            **{key: value for key, value in group.items() if key != "params"},
-            "params": [fake_of[id(p)] for p in group["params"]],
-        }
-        for group in optimizer.param_groups
-    ]
-    return type(optimizer)(groups)
-
-
-def predict(model, optimizer, args, kwargs, checkpointed=(), watch=()) -> Forecast:
-    """The peak of one training step of ``model`` on fake tensors: a first step to create the
-    optimizer's state, the second tracked. ``checkpointed``: names of submodules run under
-    non-reentrant activation checkpointing in the copy; ``watch``: names of submodules whose kept
-    and output bytes the forecast reports. The real model, its optimizer and the random generators
-    are left as they were."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    fake_of = {}
-    for param in model.parameters():
-        fake_of[id(param)] = torch.nn.Parameter(mode.from_tensor(param), requires_grad=param.requires_grad)
-    for buffer in model.buffers():
-        fake_of[id(buffer)] = mode.from_tensor(buffer)
-    memo = dict(fake_of)
-    shadow = copy.deepcopy(model, memo)  # the route's slot is dropped by Module.__getstate__
-    fake_args, fake_kwargs = _fake_inputs(mode, (args, kwargs))
-    kept, output = {}, {}
-    modules = dict(shadow.named_modules())
-    for name in checkpointed:
-        _checkpoint_copy(modules[name])
-    for name in watch:
-        _watch_copy(modules[name], name, kept, output)
-    with torch.random.fork_rng(devices=[]), mode:
-        fake_optimizer = _fake_optimizer(optimizer, fake_of) if optimizer is not None else None
-        _fake_step(shadow, fake_optimizer, fake_args, fake_kwargs)
-        kept.clear()
-        output.clear()
-        tracker = MemTracker()
-        tracker.track_external(shadow, *([fake_optimizer] if fake_optimizer is not None else []))
-        with tracker:
-            _fake_step(shadow, fake_optimizer, fake_args, fake_kwargs)
-    snapshot = tracker.get_tracker_snapshot("peak")
-    return Forecast(peak_of(snapshot), parts_of(snapshot), dict(kept), dict(output), tuple(checkpointed))
-
-
-def _fake_inputs(mode, value):
-    if isinstance(value, torch.Tensor):
-        return mode.from_tensor(value)
-    if isinstance(value, tuple):
-        return tuple(_fake_inputs(mode, item) for item in value)
-    if isinstance(value, list):
-        return [_fake_inputs(mode, item) for item in value]
-    if isinstance(value, dict):
-        return {key: _fake_inputs(mode, item) for key, item in value.items()}
-    return value
-
-
-def _fake_step(model, optimizer, args, kwargs) -> None:
-    loss = _loss_of(model(*args, **kwargs))
-    if loss is None:
-        raise ValueError("no output that needs a gradient")
-    loss.backward()
-    if optimizer is not None:
-        _unhooked_step(optimizer)(optimizer)
-        optimizer.zero_grad()
-    else:
-        model.zero_grad()
-
-
-def _unhooked_step(optimizer):
-    """The optimizer class's step below torch's hook-calling wrappers (torch may wrap a class's step
-    more than once, and autogaudi's units wrap it too): the session's step watcher would count a
-    fake step as the user's."""
-    step, below = type(optimizer).step, None
-    while step is not None:
-        if isinstance(step, types.FunctionType) and step.__dict__.get("hooked"):
-            below = step.__wrapped__
-        step = getattr(step, "__wrapped__", None)
-    if below is None:
-        raise TypeError(f"{type(optimizer).__name__}.step has no hook-calling wrapper of torch's")
-    return below
-
-
-def _checkpoint_copy(module) -> None:
-    """The copy's ``module`` called through non-reentrant checkpointing, as the real one would be
-    (the copy is autogaudi's own: its call slot may be set)."""
-    from torch.utils.checkpoint import checkpoint
-
-    call = module._call_impl
-
-    def checkpointed(*args, **kwargs):
-        return checkpoint(call, *args, use_reentrant=False, **kwargs)
-
-    module._compiled_call_impl = checkpointed
-
-
-def _watch_copy(module, name, kept, output) -> None:
-    def before(_module, _args):
-        kept[name] = -_live_bytes()
-
-    def after(_module, _args, result):
-        kept[name] = kept.get(name, 0) + _live_bytes()
-        output[name] = sum(t.untyped_storage().nbytes() for t in _flat(result) if isinstance(t, torch.Tensor))
-
-    module.register_forward_pre_hook(before)
-    module.register_forward_hook(after)
-
-
-def _live_bytes() -> int:
-    """What the tracker of the step now being tracked counts live (0 outside one)."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    tracker = _active_tracker(MemTracker)
-    return peak_of(tracker.get_tracker_snapshot("current")) if tracker is not None else 0
-
-
-def _active_tracker(kind):
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
-    return next((mode for mode in reversed(_get_current_dispatch_mode_stack()) if isinstance(mode, kind)), None)
-
-
 def _step_tracker():
-    """A MemTracker that leaves torch's optimizer hooks alone: it closes at the end of the step, in
-    the optimizer's post-hook, where taking a hook off would change the hooks torch is calling. The
-    optimizer's state is tracked from the start (it exists from the first step on)."""
-    from torch.distributed._tools.mem_tracker import MemTracker
+    """A MemTracker for one real training step. It hears the optimizer's step through the session's
+    events, not torch's optimizer hooks: it closes in the optimizer's post-hook, where taking a hook
+    off would change the hooks torch is calling."""
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
     class StepTracker(MemTracker):
         """Its module hooks run inside the script's forward and backward, outside autogaudi's guard:
-        one that raises (a model called twice in a step: accumulation, an LBFGS closure) stops the
-        measurement instead of the script's call."""
+        one that raises stops the measurement instead of the script's call, and what they warn is
+        not the script's to see. A model called again in
+        the step (gradient accumulation) is measured call after call: torch's tracker refuses that."""
 
         broken = None
 
+        def __init__(self):
+            super().__init__()
+            self.under_saved_tensor_hooks = weakref.WeakSet()
+
         def _register_global_optimizer_hook(self) -> None:
             pass
+
+        def joined_during(self, model, args) -> None:
+            """Entered from ``model``'s forward pre-hook: its call is under way, and torch's tracker
+            never saw it start."""
+            self._kept_out(self._mod_tracker._fw_pre_hook, model, args)
+
+        def optimizer_step(self, optimizer, starts: bool) -> None:
+            """What MemTracker's own optimizer hooks do: the state the step creates is the optimizer's."""
+            self._kept_out(self._track_optimizer_states, _MemRefType.OPT, optimizer)
+            self._in_opt = starts
 
         def _kept_out(self, hook, *args) -> None:
             if self.broken is not None:
                 return
             try:
-                hook(*args)
+                with warnings.catch_warnings():  # torch's tracker reads .grad of non-leaf stand-ins (functional calls)
+                    warnings.simplefilter("ignore")
+                    hook(*args)
             except Exception as error:
                 self.broken = error
 
-        def _pre_fw_hook(self, *args) -> None:
-            self._kept_out(super()._pre_fw_hook, *args)
+        def _pre_fw_hook(self, module, inputs) -> None:
+            self._kept_out(self._called, module, inputs)
+
+        def _called(self, module, inputs) -> None:
+            tracker = self._mod_tracker
+            if not tracker.is_bw:
+                if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+                    self.under_saved_tensor_hooks.add(module)
+                name = tracker.get_known_fqn(module)
+                if module in self.memory_tracking and set(tracker.parents) - {name} == {"Global"}:
+                    del self.memory_tracking[module]  # the root called again in the step
+            super()._pre_fw_hook(module, inputs)
 
         def _post_fw_hook(self, *args) -> None:
             self._kept_out(super()._post_fw_hook, *args)
+
+        def _track_module_params_and_buffers(self, module, install_grad_hooks: bool = True):
+            """Gradient hooks only on leaves: a functional call's stand-in parameters (fast weights)
+            are computed tensors, which take none."""
+            leaves = all(p.is_leaf for p in module.parameters())
+            return super()._track_module_params_and_buffers(module, install_grad_hooks and leaves)
 
         def _pre_bw_hook(self, *args) -> None:
             self._kept_out(super()._pre_bw_hook, *args)
@@ -305,46 +210,72 @@ def _step_tracker():
         def _post_bw_hook(self, *args) -> None:
             self._kept_out(super()._post_bw_hook, *args)
 
+        def forecast(self, model, peak_before_step) -> Forecast:
+            """The steps after this one: its peak, or where higher its peak before the optimizer step
+            with the optimizer's state as it is now (the first step creates it, the later ones hold
+            it throughout); per module of ``model``, what its forward kept alive and returned."""
+            from torch.distributed._tools.mem_tracker import _ModState
+
+            snapshot = self.get_tracker_snapshot("peak")
+            peak, parts = peak_of(snapshot), parts_of(snapshot)
+            if peak_before_step is not None:
+                before, before_parts = peak_before_step
+                state = parts_of(self.get_tracker_snapshot("current"))["optimizer_state"]
+                grown = before + state - before_parts["optimizer_state"]
+                if grown > peak:
+                    peak, parts = grown, {**before_parts, "optimizer_state": state}
+            kept, output, hooked = {}, {}, set()
+            for name, module in model.named_modules():
+                stats = self.memory_tracking.get(module)
+                if stats is None or not stats.snapshots.get(_ModState.POST_FW):
+                    continue
+                start, end = stats.snapshots[_ModState.PRE_FW][-1], stats.snapshots[_ModState.POST_FW][-1]
+                kept[name] = peak_of(end) - peak_of(start)
+                output[name] = stats.output_mem
+                if module in self.under_saved_tensor_hooks:
+                    hooked.add(name)
+            return Forecast(peak, parts, kept, output, under_saved_tensor_hooks=hooked)
+
     return StepTracker()
 
 
 class StepMemory:
-    """The session's watcher of a step's memory: the forecast at the training model's first call
-    (:attr:`Event.MEMORY_FORECAST` lets a unit change the step and forecast it again before it
-    runs), and the measurement of training step :data:`MEASURED_STEP`. A guard owner of its own."""
+    """The session's watcher of a step's memory: the training model's first training step measured
+    (:attr:`Event.MEMORY_FORECAST` at its end lets a unit change the steps after it), then the second
+    (the first with the optimizer's state), and each step after a unit changed the step again
+    (:meth:`measure_next`). A guard owner of its own."""
 
     def __init__(self, session):
         self.session = session
         self.budget = None
         self.enforced = False  # whether the device itself holds the process to --memory-limit
         self.failure = None
-        # off (no budget), waiting, forecast, measuring, measured, not_measured, not_forecast,
-        # far_below (the state is far below the device's budget: neither forecast nor measured), failed
+        # off (no budget), waiting, measuring, measured, not_measured, not_forecast, far_below (the
+        # state is far below the device's budget: not measured), failed
         self.state = "off"
-        self.forecast = None  # the forecast of the step as it runs (after any unit changed it)
-        self.forecast_plain = None  # the first forecast, of the step as the script wrote it
+        self.forecast = None  # the forecast of the steps as they run (after any unit changed them)
+        self.forecast_plain = None  # the first forecast, of the steps as the script wrote them
         self.why_not = None  # what stopped the forecast, as text
         self.why_not_measured = None  # what stopped the measurement, as text
-        self.measured = None  # (peak, parts) of the real step
-        self.seconds = 0.0  # the forecasts' and the tracked step's time: autogaudi's cost
+        self.measured = None  # (peak, parts) of the last real step measured
+        self.seconds = 0.0  # the tracked steps' time: autogaudi's cost
         self.state_bytes = None  # the bound of the model's state and batch (:func:`state_bytes`)
         self._tracking_since = None
         self._model = None
+        self._owned = frozenset()  # ids of the training model's parameters
         self._optimizer = None
         self._tracker = None
+        self._peak_before_step = None  # (peak, parts) of the tracked step before its optimizer step
         self._optimizer_steps_at_start = 0  # the optimizer steps when the tracked step began
-        self._forecasting = False
+        self._backwards_at_start = 0  # and the backward passes
+        self._calls_tracked = 0  # the model's calls since, while no backward pass ran
+        self._measure_at = None  # the training step to measure next, if any
         self._scope = Scope(self)
         self._limit = Scope(self)
 
     @property
     def in_force(self) -> bool:
         return self.failure is None
-
-    def is_training_call(self, module) -> bool:
-        """Whether a call of ``module`` may be the training model's: gradients on, trainable
-        parameters, and not a forecast's call on a fake copy."""
-        return not self._forecasting and trains(module)
 
     def failed_at_run_time(self, error: Exception) -> None:
         if self.failure is None:
@@ -365,9 +296,14 @@ class StepMemory:
         self.state = "waiting"
         self._first = self._scope.child()
         self._first.hook(module_hooks.register_forward_pre_hook, self._called)
-        self.session.events.rank(self, -1)  # its tracker closes before a census opens at the same step's end
-        handle = self.session.events.on(Event.TRAINING_STEP, self, self._step_ended)
-        self._scope.add(handle.remove)
+        events = self.session.events
+        events.rank(self, -1)  # its tracker closes before a census opens at the same step's end
+        for event, listener in (
+            (Event.TRAINING_STEP, self._step_ended),
+            (Event.BEFORE_OPTIMIZER_STEP, self._optimizer_step_starts),
+            (Event.OPTIMIZER_STEP, self._optimizer_step_ended),
+        ):
+            self._scope.add(events.on(event, self, listener).remove)
         self._scope.add(self._stop_tracking)
 
     def uninstall(self) -> None:
@@ -376,81 +312,114 @@ class StepMemory:
 
     def _called(self, module, args) -> None:
         """The first call with gradients of a module with trainable parameters: the training model."""
-        if not self.is_training_call(module):
+        if not trains(module):
             return
         self._first.close()
         self._first_call(module, args)
 
     def _first_call(self, model, args) -> None:
-        """Forecast the step where it serves, then tell the units what came of it, whatever that was
-        (:attr:`Event.MEMORY_FORECAST`: activation_checkpointing decides on it)."""
-        self._forecast_first(model, args)
-        self.session.events.emit(Event.MEMORY_FORECAST, model, args, self)
-
-    def _forecast_first(self, model, args) -> None:
+        """Measure this first training step where it serves; where it does not, tell the units now
+        (:attr:`Event.MEMORY_FORECAST` with no forecast)."""
         from autogaudi.model_call import compiled_by_the_script
 
         if compiled_by_the_script(model) or isinstance(model, torch.nn.parallel.DistributedDataParallel):
             self.state, self.why_not = "not_forecast", f"{type(model).__name__} is compiled or distributed"
-            return
-        self.state_bytes = state_bytes(model, args)
-        if not self.session.options.memory_limit and self.state_bytes < FORECAST_FROM * self.budget:
+        else:
+            self.state_bytes = state_bytes(model, args)
+            if self.session.options.memory_limit or self.state_bytes >= FORECAST_FROM * self.budget:
+                self._model = weakref.ref(model)
+                self._owned = frozenset(id(p) for p in model.parameters())
+                self._scope.hold(model, Layer.TRACK, self._around_call)
+                self._start_tracking(model, joined=args)
+                return
             self.state = "far_below"
-            self._scope.close()  # no tracked step either: the device's own peak counter is the report's
-            return
-        optimizer = optimizer_of(model)
-        self._optimizer = weakref.ref(optimizer) if optimizer is not None else None
-        self._model = weakref.ref(model)
-        self._scope.hold(model, Layer.TRACK, self._around_call)
-        try:
-            self.forecast = self.forecast_plain = self.again(model, args)
-        except Exception as error:  # a forward fake tensors cannot run: measured only
-            self.state, self.why_not = "not_forecast", repr(error)
-            return
-        self.state = "forecast"
+        self._scope.close()  # nothing tracked: the device's own peak counter is the report's
+        self.session.events.emit(Event.MEMORY_FORECAST, model, self)
 
-    def again(self, model, args, checkpointed=(), watch=()) -> Forecast:
-        """A forecast of the step called with ``args``, with ``checkpointed`` submodules (names)
-        checkpointed; ``watch``: the submodules whose kept and output bytes it reports."""
-        optimizer = self._optimizer() if self._optimizer is not None else None
-        self._forecasting = True  # the copy's calls are no training model's
-        began = time.perf_counter()
-        try:
-            with self.session.steps.unseen():
-                return predict(model, optimizer, args, {}, checkpointed=checkpointed, watch=watch)
-        finally:
-            self._forecasting = False
-            self.seconds += time.perf_counter() - began
+    def measure_next(self) -> None:
+        """A unit changed the steps: measure the next training step as well."""
+        self._measure_at = self.session.steps.steps
 
     def _around_call(self, call, args, kwargs):
-        """The training model's call: the measured step's first one runs inside the tracker, which
-        sees the model's own hooks and every op of the forward, backward and optimizer step."""
+        """The training model's call: a step to measure starts with it (the tracker then sees the
+        model's own hooks and every op of the forward, backward and optimizer step)."""
         training = torch.is_grad_enabled()  # an evaluation pass (no_grad) between steps is no step's start
-        if self._tracker is None and self.measured is None and training and self.session.steps.steps == MEASURED_STEP:
+        steps = self.session.steps
+        if self._tracker is None and training and steps.steps == self._measure_at:
             self._start_tracking(self._model())
-        elif self._tracker is not None and self.session.steps.optimizer_steps > self._optimizer_steps_at_start:
+        elif self._tracker is not None and steps.optimizer_steps > self._optimizer_steps_at_start:
             self._step_ended(None)  # the step is whole: an evaluation (generate) runs between its end and the next
+        elif self._tracker is not None and training and steps.backwards == self._backwards_at_start:
+            self._calls_tracked += 1
+            if self._calls_tracked > CALLS_WITHOUT_BACKWARD:
+                self._given_up(f"the model was called {self._calls_tracked} times and no backward pass followed")
         return call(*args, **kwargs)
 
-    def _start_tracking(self, model) -> None:
+    def _given_up(self, why: str) -> None:
+        """A tracked call that starts no training step (a forward with gradients on and no backward
+        after it: inference that forgot ``no_grad``): the tracker goes, and nothing is measured."""
+        self._stop_tracking()
+        self.state, self.why_not_measured = "not_measured", why
+        self.why_not = self.why_not or why
+        self._scope.close()
+        model = self._model()
+        if model is not None and self.forecast is None:
+            self.session.events.emit(Event.MEMORY_FORECAST, model, self)
+
+    def _start_tracking(self, model, joined=None) -> None:
         optimizer = self._optimizer() if self._optimizer is not None else None
         tracker = _step_tracker()
         tracker.track_external(model, *([optimizer] if optimizer is not None else []))
         self._tracking_since = time.perf_counter()
         tracker.__enter__()
+        if joined is not None:
+            tracker.joined_during(model, joined)
         self._tracker = tracker
+        self._peak_before_step = None
         self._optimizer_steps_at_start = self.session.steps.optimizer_steps
+        self._backwards_at_start = self.session.steps.backwards
+        self._calls_tracked = 0
+        self._measure_at = None
         self.state = "measuring"
 
+    def _optimizer_step_starts(self, optimizer, _args, _kwargs) -> None:
+        if self._tracker is None or not any(id(p) in self._owned for g in optimizer.param_groups for p in g["params"]):
+            return
+        if self._optimizer is None:
+            self._optimizer = weakref.ref(optimizer)
+        if self._peak_before_step is None:
+            snapshot = self._tracker.get_tracker_snapshot("peak")
+            self._peak_before_step = (peak_of(snapshot), parts_of(snapshot))
+        self._tracker.optimizer_step(optimizer, starts=True)
+
+    def _optimizer_step_ended(self, optimizer) -> None:
+        if self._tracker is not None and self._optimizer is not None and optimizer is self._optimizer():
+            self._tracker.optimizer_step(optimizer, starts=False)
+
     def _step_ended(self, _optimizer) -> None:
-        if self._tracker is not None:
-            broken = self._tracker.broken
-            if broken is None:
-                snapshot = self._tracker.get_tracker_snapshot("peak")
-                self.measured = (peak_of(snapshot), parts_of(snapshot))
-            self._stop_tracking()
-            self.state = "measured" if broken is None else "not_measured"
-            self.why_not_measured = None if broken is None else repr(broken)
+        tracker = self._tracker
+        if tracker is None:
+            return
+        model = self._model()
+        broken = tracker.broken
+        forecast = tracker.forecast(model, self._peak_before_step) if broken is None and model is not None else None
+        if broken is None:
+            snapshot = tracker.get_tracker_snapshot("peak")
+            self.measured = (peak_of(snapshot), parts_of(snapshot))
+        self._stop_tracking()
+        self.state = "measured" if broken is None else "not_measured"
+        self.why_not_measured = None if broken is None else repr(broken)
+        if forecast is None:
+            self.why_not = self.why_not or self.why_not_measured
+        else:
+            self.forecast = forecast
+            if self.forecast_plain is None:
+                self.forecast_plain = forecast
+        # the first step with the optimizer's state is measured too; a unit may ask for the next one
+        self._measure_at = self.session.steps.steps if self.session.steps.steps <= MEASURED_STEP else None
+        if model is not None:
+            self.session.events.emit(Event.MEMORY_FORECAST, model, self)
+        if broken is not None or self._measure_at is None:
             self._scope.close()
 
     def _stop_tracking(self) -> None:
@@ -482,3 +451,6 @@ class StepMemory:
             "state_bytes": self.state_bytes,
             "measuring_s": round(self.seconds, 3),
         }
+
+
+from autogaudi.fake_step import optimizer_of, predict  # noqa: E402 - the doctor reads them here

@@ -2,6 +2,8 @@
 transformer blocks (attention through scaled_dot_product_attention, an MLP, dropout), a head, and
 the loss computed inside the forward, as minGPT does."""
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -58,12 +60,13 @@ class OutOfMemoryGPT(TinyGPT):
     def __init__(self, at=None, where="forward", error=None):
         super().__init__()
         self.register_buffer("calls_seen", torch.zeros(()))
-        self.at, self.where, self.calls = at, where, 0
+        # a counter the rescue does not put back (it puts back the model's attributes): the failure is
+        # injected once, as memory freed and blocks checkpointed keep a real one from coming back
+        self.at, self.where, self.calls = at, where, itertools.count(1)
         self.error = error or torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
 
     def forward(self, idx, targets):
-        self.calls += 1
-        fails = self.calls == self.at
+        fails = next(self.calls) == self.at
         self.calls_seen.add_(1)
         if fails and self.where == "forward":
             self.blocks[0](self.tokens(idx))
