@@ -200,8 +200,8 @@ OPTIONS: tuple = (
         "memory_limit",
         None,
         _parse_gigabytes,
-        "run as if the device had this much memory (GiB, 1e-09 or more): the training step's peak is forecast on "
-        "fake tensors before its first forward and activation_checkpointing keeps it under the limit; on CUDA also "
+        "run as if the device had this much memory (GiB, 1e-09 or more): the first training step's peak is measured "
+        "and activation_checkpointing keeps the steps after it under the limit; on CUDA also "
         "enforced with torch.cuda.set_per_process_memory_fraction",
         "GB",
     ),

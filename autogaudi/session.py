@@ -107,7 +107,7 @@ class Session:
         if budget_possible(self.options, self.backend):
             from autogaudi.step_memory import StepMemory
 
-            self.step_memory = StepMemory(self)  # before the units: its forecast comes before their first call
+            self.step_memory = StepMemory(self)  # before the units: it measures the first step
             self.step_memory.install()
             self._scope.add(self.step_memory.uninstall)
         self.windows = StepWindows(self.steps)  # who measures the steps now: trials, timings, the census

@@ -2,7 +2,7 @@
 
 Why: a script written on one machine is run on another; whether its step fits there, at which
 batch, and what would make it fit, is known before the run from the step's forecast on fake
-tensors (:func:`autogaudi.step_memory.predict`: no memory touched, no random draw taken). The
+tensors (:func:`autogaudi.fake_step.predict`: no memory touched, no random draw taken). The
 forecast is made at the observed batch and at twice it: the difference is what one more sample
 adds (its activations), the rest is fixed (parameters, gradients, optimizer state), so the largest
 batch that fits each device follows, with and without every repeated block checkpointed. The
@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from autogaudi import step_memory
+from autogaudi import fake_step, step_memory
 from autogaudi.optimizations.activation_checkpointing import repeated_blocks
 
 GB = 10**9  # vendors' capacities are decimal
@@ -69,17 +69,14 @@ def projection(model, args, optimizers=()):
     batch = _batch_of(args)
     if batch is None:
         return None
-    optimizer = _optimizer_of(model, optimizers) or step_memory.optimizer_of(model)
+    optimizer = _optimizer_of(model, optimizers) or fake_step.optimizer_of(model)
     _, blocks = repeated_blocks(model)
     # The forecast runs the script's forward again, on fake tensors, after the script: what it prints
     # there is not the script's output.
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        plain = [step_memory.predict(model, optimizer, scaled, {}) for scaled in (args, _doubled(args))]
+        plain = [fake_step.predict(model, optimizer, scaled, {}) for scaled in (args, _doubled(args))]
         checkpointed = (
-            [
-                step_memory.predict(model, optimizer, scaled, {}, checkpointed=blocks)
-                for scaled in (args, _doubled(args))
-            ]
+            [fake_step.predict(model, optimizer, scaled, {}, checkpointed=blocks) for scaled in (args, _doubled(args))]
             if blocks
             else None
         )
