@@ -257,6 +257,7 @@ def test_a_cache_swapped_for_another_users_folder_during_a_run_is_neither_read_n
     cache = Cache(str(root), 10**6)
     backend = types.SimpleNamespace(name="cpu", device_name=lambda: "a CPU")
     memory = Memory(cache, backend, Options())
+    memory.script = {"path": str(tmp_path / "train.py"), "sha256": "0" * 64}  # pytest's __main__ may be no file
     cache.write_json(os.path.join(memory.folder, "mine.json"), {"runs": 1})
     assert memory.has_entries()
     os.rename(root, tmp_path / "moved")  # another user, where they could, swaps in their own folder
