@@ -9,9 +9,9 @@ habana_frameworks.is_loaded = True  # as the bridge, first: torch's autoload dur
 
 import torch  # noqa: E402
 
-from habana_frameworks.torch import _device, _release  # noqa: E402
-
 from habana_frameworks.torch import (  # noqa: E402, F401
+    _device,
+    _release,
     core,
     hpex,
     hpu,

@@ -20,13 +20,25 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree
 
 HPU = torch.device("hpu", 0)
-_DATA = torch._C.TensorBase.__dict__["data"]
+_BASE = torch._C.TensorBase  # its methods, as torch hands them to __torch_function__ (torch.Tensor's may be patched)
+_DATA = _BASE.__dict__["data"]
 
 
 def _is_hpu(device) -> bool:
     if isinstance(device, str):
         return device.split(":")[0] == "hpu"
     return isinstance(device, torch.device) and device.type == "hpu"
+
+
+def _is_method(func, name: str) -> bool:
+    """Whether ``func`` is the tensor method ``name``: torch hands the mode torch.Tensor's attribute,
+    which a library (GPU migration, autogaudi) may have replaced by a wrapper of its own."""
+    original = getattr(_BASE, name)
+    for _ in range(8):  # through functools.wraps' and wrapt's wrappers, and bound methods
+        if func is original or func is None:
+            return func is original
+        func = getattr(func, "__wrapped__", None) or getattr(func, "__func__", None)
+    return False
 
 
 def _is_data_setter(func) -> bool:
@@ -58,7 +70,7 @@ class HpuTensor(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func not in _MAY_CROSS and not _is_data_setter(func):
+        if func not in _MAY_CROSS and not _is_data_setter(func) and not _is_method(func, "to"):
             _one_device(args, kwargs)
         with torch._C.DisableTorchFunctionSubclass():
             result = func(*args, **kwargs)
@@ -77,11 +89,11 @@ class HpuParameter(HpuTensor, torch.nn.Parameter):
 # Calls that may take a host tensor and an HPU one, as on a device: copies, indexing, and torch's
 # own bookkeeping of Module.to (``_apply``).
 _MAY_CROSS = {
-    torch.Tensor.copy_,
-    torch.Tensor.__getitem__,
-    torch.Tensor.__setitem__,
-    torch.Tensor.to,
-    torch.Tensor.cpu,
+    _BASE.copy_,
+    _BASE.__getitem__,
+    _BASE.__setitem__,
+    _BASE.to,
+    _BASE.cpu,
     torch._has_compatible_shallow_copy_type,
 }
 
@@ -180,13 +192,16 @@ class _OnHpu(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is torch.Tensor.to:
+        if _is_method(func, "to"):
             return _to(func, args, kwargs)
-        if func is torch.Tensor.cpu and isinstance(args[0], HpuTensor):
+        if _is_method(func, "cpu") and isinstance(args[0], HpuTensor):
             with torch._C.DisableTorchFunctionSubclass():
                 return torch.Tensor.clone(args[0]).as_subclass(torch.Tensor)
-        if func is torch.Tensor.numpy and isinstance(args[0], HpuTensor):
-            raise TypeError("can't convert hpu:0 device type tensor to numpy. Use Tensor.cpu() to copy the tensor to host memory first.")
+        if _is_method(func, "numpy") and isinstance(args[0], HpuTensor):
+            raise TypeError(
+                "can't convert hpu:0 device type tensor to numpy. "
+                "Use Tensor.cpu() to copy the tensor to host memory first."
+            )
         if _is_data_setter(func):
             func(*args, **kwargs)
             _retype(args[0], isinstance(args[1], HpuTensor))
