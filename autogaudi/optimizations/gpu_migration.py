@@ -73,8 +73,8 @@ class GpuMigration(Unit):
         "other_device": "--device names another backend",
         "exact": "off under --exact: the script runs where it asked",
         "no_bridge": "the Gaudi bridge is not installed",
-        "bridge_loaded_first": "the Gaudi bridge was loaded before autogaudi started: the toolkit can only be "
-        "switched on before it (PT_HPU_GPU_MIGRATION=1)",
+        "bridge_loaded_first": "the Gaudi bridge was loaded (by `import torch` since torch 2.5) before autogaudi "
+        "started: the toolkit can only be switched on before it (PT_HPU_GPU_MIGRATION=1)",
         "no_script": "no script file to read (python -c, an interactive session)",
         "script_not_cuda": "the script and its own modules do not use CUDA",
         "failed_before_bridge": "could not read the script before the bridge loaded: {error}",
@@ -84,10 +84,12 @@ class GpuMigration(Unit):
         "cuda_asked_at_run_time": "the script asked torch.cuda.is_available() at run time without the toolkit on: "
         "its CUDA code ran on the CPU",
         "set_variable": "set PT_HPU_GPU_MIGRATION=1 before the script starts, so Intel's toolkit maps its CUDA calls",
+        "enable_before_torch": "start autogaudi before torch loads the Gaudi bridge: `python -m autogaudi script.py`, "
+        "AUTOGAUDI=1, or autogaudi.enable() above the script's `import torch`",
     }
     changed_figure = ("mapped_calls", "{} CUDA calls mapped to hpu by Intel's GPU migration")
     targets = ("torch.cuda.is_available",)
-    acts_on = ("PT_HPU_GPU_MIGRATION, set before the Gaudi bridge loads (the session, before its backend probe)",)
+    acts_on = ("PT_HPU_GPU_MIGRATION, set as the script starts importing torch or the Gaudi bridge (before_bridge)",)
     states = ("watching", "failed", "disabled")
 
     def apply(self) -> None:
@@ -106,6 +108,8 @@ class GpuMigration(Unit):
             self.because("failed_before_bridge", error=decided["error"])
         else:
             self.because(decided.get("why_not", "no_script"))
+            if decided.get("why_not") == "bridge_loaded_first":
+                self.recommend("enable_before_torch", do="python -m autogaudi script.py")
         self.wrap(torch.cuda, "is_available", self._is_available)
 
     def _is_available(self, wrapped, instance, args, kwargs):

@@ -15,9 +15,11 @@ Not modelled: a second device, streams, device memory, ``non_blocking`` timing; 
 torch.save is a host tensor (a Gaudi's is reloaded onto hpu); torch.compile's tracing of a subclass.
 """
 
+import importlib
+
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils import _pytree
+from torch.utils import _foreach_utils, _pytree
 
 HPU = torch.device("hpu", 0)
 _BASE = torch._C.TensorBase  # its methods, as torch hands them to __torch_function__ (torch.Tensor's may be patched)
@@ -218,7 +220,12 @@ _MODE = []
 
 
 def install() -> None:
-    """Enter the mode for the rest of the thread's life (the bridge cannot be unloaded either)."""
+    """Enter the mode for the rest of the thread's life (the bridge cannot be unloaded either), and
+    let torch's checks of a tensor's exact type (``_foreach_supported_types``: fused and foreach
+    optimizers) take the double's HPU tensors for the plain ones a Gaudi's are."""
+    optimizer = importlib.import_module("torch.optim.optimizer")  # torch.optim does not keep the name
+    for supported in (_foreach_utils._foreach_supported_types, optimizer._foreach_supported_types):
+        supported.extend(kind for kind in (HpuTensor, HpuParameter) if kind not in supported)
     if not _MODE:
         _MODE.append(_OnHpu())
         _MODE[0].__enter__()
