@@ -19,9 +19,7 @@ def printed(result) -> dict:
     return dict(line.split(" ", 1) for line in result.stdout.splitlines() if " " in line)
 
 
-@pytest.mark.parametrize(
-    "release, entry", [("latest", "launcher"), ("1.19", "launcher"), ("latest", "environment")]
-)
+@pytest.mark.parametrize("release, entry", [("latest", "launcher"), ("1.19", "launcher"), ("latest", "environment")])
 def test_the_session_starts_on_the_hpu_backend_once_the_bridge_imported_first_is_complete(tmp_path, release, entry):
     report_path = tmp_path / "report.json"
     if entry == "launcher":

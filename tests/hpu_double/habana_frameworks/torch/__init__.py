@@ -9,6 +9,11 @@ habana_frameworks.is_loaded = True  # as the bridge, first: torch's autoload dur
 
 import torch  # noqa: E402
 
+# The bridge's native library loads against torch, so only after it: until then the package is half
+# imported and its modules cannot be (a script that imports the bridge first, reaching torch's import
+# hooks from inside this import, finds it so).
+_native_library_loaded = True
+
 from habana_frameworks.torch import (  # noqa: E402, F401
     _device,
     _release,
