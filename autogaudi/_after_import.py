@@ -4,7 +4,9 @@ autogaudi must not import torch in a process that never does (``AUTOGAUDI=1 pyth
 so patching waits for the user's own ``import torch``. wrapt's ``when_imported`` would do this, but
 importing wrapt costs 110-150 ms here (it pulls in asyncio and importlib.metadata) against a
 start-up budget of 20 ms for every Python process under ``AUTOGAUDI=1``; this one-shot finder costs
-nothing until torch is imported, and wrapt is loaded only then, when patching starts.
+nothing until torch is imported, and wrapt is loaded only then, when patching starts. What must
+precede the Gaudi bridge runs as the first of torch and the bridge *starts* importing
+(:func:`call_before_import`).
 """
 
 from __future__ import annotations
@@ -75,3 +77,29 @@ def call_after_import(name: str, on_loaded) -> None:
 def forget_after_import(name: str, on_loaded) -> None:
     """Undo :func:`call_after_import` where ``name`` has not been imported since."""
     sys.meta_path[:] = [f for f in sys.meta_path if not (isinstance(f, _ImportWatcher) and f.on_loaded == on_loaded)]
+
+
+class _BeforeImport:
+    """A meta-path finder that calls back once, at the start of the first import of one of ``names``,
+    and finds nothing itself."""
+
+    def __init__(self, names: tuple, callback):
+        self.names = names
+        self.callback = callback
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname in self.names and self in sys.meta_path:
+            sys.meta_path.remove(self)
+            self.callback()
+        return None
+
+
+def call_before_import(names: tuple, callback) -> bool:
+    """Call ``callback()`` once, as the first of ``names`` starts importing; False (and no call) if
+    one of them is imported already."""
+    if any(name in sys.modules for name in names):
+        return False
+    for finder in [f for f in sys.meta_path if isinstance(f, _BeforeImport) and f.names == names]:
+        sys.meta_path.remove(finder)
+    sys.meta_path.insert(0, _BeforeImport(names, callback))
+    return True

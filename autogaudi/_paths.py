@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import sys
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -40,12 +41,20 @@ def _library_dirs() -> tuple:
     )
 
 
+def _bridge_dirs() -> tuple:
+    """The Gaudi bridge's folders once it is imported: its Python (GPU migration's patches of torch)
+    runs between the user's call and torch's."""
+    bridge = sys.modules.get("habana_frameworks")
+    return tuple(os.path.abspath(path) + os.sep for path in getattr(bridge, "__path__", ()))
+
+
 def user_location(frame):
-    """(file, line) of the innermost frame that is the user's code (not torch, wrapt, autogaudi or
-    the standard library), or None."""
+    """(file, line) of the innermost frame that is the user's code (not torch, wrapt, autogaudi, the
+    Gaudi bridge or the standard library), or None."""
+    libraries = _library_dirs() + _bridge_dirs()
     while frame is not None:
         filename = frame.f_code.co_filename
-        if not filename.startswith(_library_dirs()):
+        if not filename.startswith(libraries):
             return os.path.abspath(filename), frame.f_lineno
         frame = frame.f_back
     return None

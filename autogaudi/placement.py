@@ -26,8 +26,9 @@ _MAX_NODES = 10_000
 
 
 def device_type_of(tensor: torch.Tensor) -> str:
-    """The device type ``tensor`` lives on: a probe the HPU test double replaces (its HPU tensors are
-    CPU tensors it records as placed on the device)."""
+    """The device type ``tensor`` reports, as a script would ask it (the HPU test double's tensors
+    report ``hpu`` too). A module function so that tests whose models stay on the host can stand
+    them for the device's."""
     return tensor.device.type
 
 

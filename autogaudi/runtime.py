@@ -16,8 +16,10 @@ import gc
 import sys
 
 from autogaudi import children
-from autogaudi._after_import import call_after_import
+from autogaudi._after_import import call_after_import, call_before_import, forget_after_import
 from autogaudi.options import Options
+
+BRIDGE = "habana_frameworks.torch"  # the Gaudi bridge, which torch >= 2.5 loads during its own import
 
 # Sources that mean "the user asked for autogaudi in this very process": the exit report is printed
 # for them even if no training step was seen. Environment-only processes (workers, helpers) print
@@ -31,6 +33,9 @@ class _Runtime:
         self.options = None  # Options while enabled, None while disabled
         self.sources = []  # the entry points that enabled autogaudi, in order (for the report)
         self.session = None  # the live Session once torch is imported
+        self.decided_before_bridge = (
+            None  # autogaudi.before_bridge.decide's, taken as torch or the bridge began importing
+        )
         self.last_session = None  # kept after disable() so report() still answers
         self.exit_hook_registered = False
 
@@ -64,9 +69,12 @@ def enable_with_source(overrides: dict, source: str) -> None:
                 return
             _stop_session()
         _STATE.options = options
+        _STATE.decided_before_bridge = None
         if not _STATE.exit_hook_registered:
             atexit.register(report_at_exit)
             _STATE.exit_hook_registered = True
+        call_before_import(("torch", "habana_frameworks"), _decide_before_bridge)
+        call_after_import(BRIDGE, _on_torch_imported)
         call_after_import("torch", _on_torch_imported)
 
 
@@ -75,6 +83,7 @@ def disable() -> None:
     with _STATE.lock:
         _stop_session()
         _STATE.options = None
+        forget_after_import(BRIDGE, _on_torch_imported)  # the waits for torch and the bridge, where still pending
 
 
 def is_enabled() -> bool:
@@ -126,15 +135,41 @@ def collector_paused():
             gc.enable()
 
 
-def _on_torch_imported(_torch_module) -> None:
-    # Runs inside the user's `import torch`: whatever goes wrong here must not break that import.
+def _decide_before_bridge() -> None:
+    """At the start of the script's import of torch or of the Gaudi bridge, whichever comes first:
+    what the bridge reads when it loads (:mod:`autogaudi.before_bridge`, which imports no torch)."""
+    with _STATE.lock:
+        if _STATE.options is None:
+            return
+        try:
+            from autogaudi import before_bridge
+
+            _STATE.decided_before_bridge = before_bridge.decide(_STATE.options)
+        except Exception as error:  # the session decides again, later; the import goes on
+            sys.stderr.write(f"autogaudi: could not prepare for the Gaudi bridge: {error!r}\n")
+
+
+def _importing(name: str) -> bool:
+    """Whether ``name``'s import has begun and not finished (a module half-imported)."""
+    module = sys.modules.get(name)
+    return module is not None and bool(getattr(getattr(module, "__spec__", None), "_initializing", False))
+
+
+def _on_torch_imported(module) -> None:
+    """Start the session once torch is imported and the Gaudi bridge is not half-imported: a script
+    that imports the bridge first (which imports torch) starts it when the bridge's import is
+    complete; torch's autoloading of the bridge, when torch's is."""
+    # Runs inside the user's import: whatever goes wrong here must not break that import.
+    others = [name for name in ("torch", BRIDGE) if name != getattr(module, "__name__", None)]
+    if "torch" not in sys.modules or any(_importing(name) for name in others):
+        return  # the other import's completion calls again
     with _STATE.lock, collector_paused():
         if _STATE.options is None or _STATE.session is not None:
             return
         try:
             from autogaudi.session import Session
 
-            session = Session(_STATE.options, tuple(_STATE.sources))
+            session = Session(_STATE.options, tuple(_STATE.sources), _STATE.decided_before_bridge)
             session.start()
             children.start(fork_session, report_at_exit)
         except Exception as error:

@@ -9,7 +9,6 @@ is reverted then and the user's run continues. ``stop()`` reverts every applied 
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import json
 import os
 import sys
@@ -18,8 +17,8 @@ import traceback
 import torch
 import torch.distributed
 
-from autogaudi import backends, report_file
-from autogaudi.cache import RECIPE_CACHE, Cache, compile_cache_environment, inductor_cache_distrust, note
+from autogaudi import backends, before_bridge, report_file
+from autogaudi.cache import inductor_cache_distrust, note
 from autogaudi.children import gathered as gathered_children
 from autogaudi.events import Dispatcher, Event
 from autogaudi.guard import run_guarded
@@ -63,8 +62,9 @@ def start_order(units: dict) -> list:
 
 
 class Session:
-    def __init__(self, options, sources: tuple):
+    def __init__(self, options, sources: tuple, decided_before_bridge=None):
         self.options = options
+        self._decided_before_bridge = decided_before_bridge  # autogaudi.before_bridge.decide's, if taken
         self.sources = sources
         self.backend = None
         self.events = Dispatcher()
@@ -88,8 +88,8 @@ class Session:
         self.step_memory = None  # the step memory watcher (autogaudi.step_memory), where a budget is possible
 
     def start(self) -> None:
-        self._open_cache()  # before the backend's probe loads the Gaudi bridge, which reads its recipe cache setting
-        self._before_bridge()
+        # before the backend's probe loads the Gaudi bridge, if torch's import has not loaded it already
+        self._take_before_bridge(self._decided_before_bridge or before_bridge.decide(self.options))
         self.backend = backends.select(self.options.device)
         if self.cache is not None:
             try:
@@ -162,19 +162,18 @@ class Session:
         row.set(Status.APPLIED)  # the reason is read live from the unit: it may change as it measures
         self.applied.append(unit)
 
-    def _before_bridge(self) -> None:
-        """What must happen before the Gaudi bridge loads: Intel's GPU migration is switched on then
-        or not at all (the gpu_migration unit). Fail-open: a problem here leaves the script as written."""
-        if self.options.unit_switched_off("gpu_migration"):
-            return
-        try:
-            if importlib.util.find_spec("habana_frameworks") is None:
-                return  # no bridge, no Gaudi to migrate to: the unit's module is not imported
-            from autogaudi.optimizations import gpu_migration
-
-            self.migration = gpu_migration.switch_on_before_bridge(self.options)
-        except Exception as error:
-            self.migration = {"error": repr(error)}
+    def _take_before_bridge(self, decided: dict) -> None:
+        """What was decided before the Gaudi bridge loaded (:mod:`autogaudi.before_bridge`): the cache
+        folder and the compile caches set for this run (taken back off at its end), and what the
+        gpu_migration unit reports."""
+        caches = decided["caches"]
+        self.cache = caches["cache"]
+        self.compile_caches = dict(caches["compile"])
+        self.cache_notes.extend(caches["notes"])
+        for name, value in caches["set"].items():
+            self._scope.add(lambda name=name, value=value: _unset(name, value))
+        self.migration = decided["migration"]
+        self._check_inductor_cache()
 
     def work_off_device(self, device: str, at: str) -> None:
         """The training model is on ``device``, not the backend's: every unit that acts for the device
@@ -230,43 +229,6 @@ class Session:
         # Written as decisions are made, not only once all are: a run that ends with one still open (a
         # trial waiting for its step) remembers the rest, while its model is alive to be keyed by.
         self.remember()
-
-    def _open_cache(self) -> None:
-        """The cache folder, and the compile caches pointed into it where the environment does not
-        name theirs already (the user's setting, or a parent process's, is never overridden). A folder
-        that is not autogaudi's, or that another user could have written, is not used: the run goes on
-        without it and the report's cache notes say why."""
-        try:
-            cache = Cache.for_options(self.options)
-            if cache is None:
-                return
-            refused = cache.refusal()
-            if refused:
-                self.cache_notes.append(note("cache_refused", why=refused))
-                return
-            untrusted = cache.distrust()  # before anything is written there, the tag included
-            if untrusted:
-                self.cache_notes.append(note("cache_untrusted", why=untrusted))
-                return
-            cache.claim()
-            self.cache = cache
-            bridge = (
-                self.options.device in ("auto", "hpu") and importlib.util.find_spec("habana_frameworks") is not None
-            )
-            for name, value in compile_cache_environment(self.cache, bridge).items():
-                if name in os.environ:
-                    self.compile_caches[name] = {"value": os.environ[name], "set_by": "environment"}
-                elif name == RECIPE_CACHE and "habana_frameworks.torch" in sys.modules:
-                    self.cache_notes.append(note("recipe_cache_not_set", variable=name))
-                else:
-                    os.environ[name] = value
-                    self._scope.add(lambda name=name, value=value: _unset(name, value))
-                    self.compile_caches[name] = {"value": value, "set_by": "autogaudi"}
-        except Exception as error:  # an unwritable home folder: the run goes on without a cache
-            self.cache = None
-            self.cache_notes.append(note("cache_not_used", error=error))
-        finally:
-            self._check_inductor_cache()
 
     def _check_inductor_cache(self) -> None:
         """Say where torch.compile's own cache (the environment's, or torch's default in the temporary

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import autogaudi
-from autogaudi import machine_load, steps, trials
+from autogaudi import machine_load, placement, steps, trials
 from autogaudi.optimizations import step_profiler
 from tests.helpers import HPU_DOUBLE, REPO, SimulatedClock
 
@@ -52,6 +52,9 @@ def autogaudi_disabled_after_test(monkeypatch, request):
 
 
 def _forget_hpu_double():
+    device = sys.modules.get("habana_frameworks.torch._device")
+    if device is not None:
+        device.uninstall()  # later tests run without the double's torch-function mode
     for name in [name for name in sys.modules if name == "habana_frameworks" or name.startswith("habana_frameworks.")]:
         del sys.modules[name]
     if hasattr(torch, "hpu"):
@@ -59,25 +62,44 @@ def _forget_hpu_double():
     sys.modules.pop("torch.hpu", None)
 
 
-@pytest.fixture
-def hpu_double(monkeypatch):
-    """Make the Gaudi bridge double importable; call the result with lazy=True/False to load it.
+HPU_RELEASES = ("latest", "1.19")
 
+
+@pytest.fixture(params=HPU_RELEASES)
+def hpu_double(monkeypatch, request):
+    """Make the Gaudi bridge double importable; call the result to load it: ``lazy=True/False`` sets
+    PT_HPU_LAZY_MODE, None keeps the modelled release's default. Every test that takes it runs once
+    per release the double models (``HPU_DOUBLE_RELEASE``).
+
+    The in-process tests run their models on the host with the HPU backend selected: where
+    ``host_stands_for_device`` (the default), the session's placement takes host tensors for the
+    device's, as those tests were written; the double's own HPU tensors report ``hpu`` either way.
     Returns the double's call record module (habana_frameworks.torch._calls).
     """
     monkeypatch.syspath_prepend(str(HPU_DOUBLE))
+    monkeypatch.setenv("HPU_DOUBLE_RELEASE", request.param)
 
-    def load(lazy=True):
+    def load(lazy=None, host_stands_for_device=True):
         _forget_hpu_double()
-        monkeypatch.setenv("PT_HPU_LAZY_MODE", "1" if lazy else "0")
+        if lazy is None:
+            monkeypatch.delenv("PT_HPU_LAZY_MODE", raising=False)
+        else:
+            monkeypatch.setenv("PT_HPU_LAZY_MODE", "1" if lazy else "0")
         importlib.import_module("habana_frameworks.torch")
         calls = importlib.import_module("habana_frameworks.torch._calls")
         calls.reset()
+        if host_stands_for_device:
+            monkeypatch.setattr(placement, "device_type_of", _host_stands_for_device)
         return calls
 
+    load.release = request.param
     yield load
     autogaudi.disable()
     _forget_hpu_double()
+
+
+def _host_stands_for_device(tensor) -> str:
+    return "hpu" if tensor.device.type == "cpu" else tensor.device.type
 
 
 @pytest.fixture

@@ -84,7 +84,11 @@ def clean_env(**extra):
     intra-op thread, as torchrun gives each rank: the scripts' tensors are tiny, and two OpenMP
     threads per process on a loaded 2-core machine wait on each other at every op (minGPT's short
     run: 112 s with two, 10 s with one, on the same loaded machine). ``OMP_NUM_THREADS=...`` overrides."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AUTOGAUDI") and k != "PT_HPU_LAZY_MODE"}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("AUTOGAUDI") and k not in ("PT_HPU_LAZY_MODE", "HPU_DOUBLE_RELEASE")
+    }
     env["OMP_NUM_THREADS"] = "1"
     env.pop("PYTHONPATH", None)
     # inductor writes its cache folder into the environment of a process that compiles

@@ -16,6 +16,7 @@ import re
 
 import torch
 
+from autogaudi import script_source
 from autogaudi.backends import hpu
 from autogaudi.diagnosis.finding import Finding
 from autogaudi.optimizations import gpu_migration
@@ -37,7 +38,7 @@ def _cuda_uses(number: int, code: str) -> list:
     """Each CUDA use on a line of the script (``torch.cuda.synchronize``, ``.cuda()``, ``"cuda"``),
     with what the toolkit runs it as."""
     uses = []
-    for match in gpu_migration.CUDA_USE.finditer(code):
+    for match in script_source.CUDA_USE.finditer(code):
         called = _CUDA_CALL.match(code, match.start()) if match.group().startswith("torch.cuda.") else None
         kind = "torch.cuda" if called else "cuda device"
         uses.append(
@@ -51,7 +52,7 @@ def cuda_calls(observer) -> list:
     library it imports, which the toolkit cannot map."""
     if observer.script is None:
         return []
-    found = gpu_migration.read_script(observer.script)
+    found = script_source.read_script(observer.script)
     try:
         with open(observer.script, encoding="utf-8", errors="replace") as handle:
             source = handle.readlines()
@@ -81,7 +82,7 @@ def cuda_calls(observer) -> list:
             Finding(
                 "cuda_call",
                 "high",
-                f"{library} ({gpu_migration.NOT_MAPPED[library]}) is CUDA-bound: the toolkit cannot map it",
+                f"{library} ({script_source.NOT_MAPPED[library]}) is CUDA-bound: the toolkit cannot map it",
                 (observer.script, line) if line else None,
                 {"library": library, "imported_at": where},
                 "Intel's GPU migration toolkit maps torch.cuda, 'cuda' devices, Apex and pynvml; a library "

@@ -8,14 +8,15 @@ marks and fused kernels are still to be added, which is what the other units do.
 the real toolkit on; it re-implements nothing.
 
 How: the toolkit must be on before the bridge loads (``PT_HPU_GPU_MIGRATION=1``, read by the bridge at
-import; hpu-api.md). The session asks :func:`switch_on_before_bridge` before its backend probe loads the
-bridge; it reads the script (``__main__``'s file) and the modules of the script's own folder it
-imports, and sets the variable where they use CUDA. It is inherited by the processes the script
+import; hpu-api.md), which since torch 2.5 is during ``import torch``: the decision is taken at the
+start of the script's import of torch or of the bridge (:mod:`autogaudi.before_bridge`), from the
+script (``__main__``'s file) and the modules of its own folder it imports; the variable is set
+where they use CUDA. It is inherited by the processes the script
 starts (torchrun workers, loader workers), which then map the same calls. A script or environment that
 switched it on itself is left as it is (and reported). The unit then reports how many calls were
 mapped, where the toolkit counts them, and names the CUDA-bound libraries the script uses that the
-toolkit does not map (:data:`NOT_MAPPED`). Where the script uses CUDA only at run time in a way the
-source does not show, the toolkit could not be switched on: the unit notes the first
+toolkit does not map (:data:`autogaudi.script_source.NOT_MAPPED`). Where the script uses CUDA
+only at run time in a way the source does not show, the toolkit could not be switched on: the unit notes the first
 ``torch.cuda.is_available()`` call and recommends ``PT_HPU_GPU_MIGRATION=1``.
 Undo: ``disable()`` takes the variable back off (for processes started later); the toolkit's mapping
 stays in this process, as the bridge has no way to unload it (said in the row's notes).
@@ -25,21 +26,18 @@ the device units step aside (``model_not_on_device``).
 
 from __future__ import annotations
 
-import ast
-import importlib.util
 import os
-import re
 import sys
 
 import torch
 
+from autogaudi.before_bridge import MIGRATION_TOOLKIT, MIGRATION_VARIABLE
 from autogaudi.main_script import script_path
+from autogaudi.script_source import NOT_MAPPED
 from autogaudi.unit import ROUNDING, Unit
 
-TOOLKIT = "habana_frameworks.torch.gpu_migration"
-VARIABLE = "PT_HPU_GPU_MIGRATION"
-# What in a script's source says it targets CUDA.
-CUDA_USE = re.compile(r"""\.cuda\(|\btorch\.cuda\.|["']cuda(:\d+)?["']""")
+TOOLKIT = MIGRATION_TOOLKIT
+VARIABLE = MIGRATION_VARIABLE
 # What the toolkit maps, as the docs below list it: what a script uses -> what it runs as.
 MAPPED = {
     "torch.cuda": "torch.hpu's call of the same name",
@@ -47,107 +45,6 @@ MAPPED = {
     "apex": "Apex on hpu, with limitations",
     "pynvml": "pynvml answered for the Gaudi device",
 }
-# CUDA-bound libraries outside what the toolkit maps. The docs (docs.habana.ai, "GPU Migration
-# Toolkit", latest as read 2026-11-26, software 1.19-1.23) list what it maps: torch.cuda, torch calls
-# with GPU arguments, Apex (with limitations) and pynvml; these are CUDA kernels of their own, which
-# it cannot map. Read, not run: no Gaudi was available.
-NOT_MAPPED = {
-    "triton": "Triton GPU kernels",
-    "flash_attn": "FlashAttention's CUDA kernels",
-    "xformers": "xFormers' CUDA kernels",
-    "bitsandbytes": "bitsandbytes' CUDA kernels",
-    "cupy": "CuPy arrays and kernels",
-    "torch.utils.cpp_extension": "a CUDA extension built by the script",
-}
-_MAX_FILES = 32  # the script and at most this many of its own modules are read
-
-
-def _imported_names(tree) -> list:
-    names = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            names.extend(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            names.append(node.module)
-            names.extend(f"{node.module}.{alias.name}" for alias in node.names)
-    return names
-
-
-def _own_folders(folder: str) -> list:
-    """Where the user's own modules are found: the script's folder, then the ``PYTHONPATH`` entries
-    the script lives under (a project run as ``PYTHONPATH=. python projects/x/train.py`` imports its
-    package from its root; other entries hold libraries, not the user's code)."""
-    entries = [os.path.abspath(entry) for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry]
-    return [folder, *(entry for entry in entries if folder.startswith(entry + os.sep))]
-
-
-def _local_file(folders: list, name: str):
-    for folder in folders:
-        base = os.path.join(folder, *name.split("."))
-        for candidate in (base + ".py", os.path.join(base, "__init__.py")):
-            if os.path.isfile(candidate):
-                return candidate
-    return None
-
-
-def read_script(path: str) -> dict:
-    """What the script and its own modules (those of its folder or ``PYTHONPATH`` it imports,
-    transitively) show:
-    ``cuda`` (``file:line`` of the first uses of CUDA, at most 3) and ``not_mapped`` (library ->
-    ``file:line`` of its first import), read before the script runs."""
-    folder = os.path.dirname(os.path.abspath(path))
-    folders = _own_folders(folder)
-    pending, seen = [os.path.abspath(path)], set()
-    found = {"cuda": [], "not_mapped": {}}
-    while pending and len(seen) < _MAX_FILES:
-        file = pending.pop(0)
-        if file in seen:
-            continue
-        seen.add(file)
-        try:
-            with open(file, encoding="utf-8") as handle:
-                source = handle.read()
-            tree = ast.parse(source)
-        except (OSError, SyntaxError, ValueError, UnicodeDecodeError):
-            continue
-        where = os.path.relpath(file, folder)
-        for number, line in enumerate(source.splitlines(), 1):
-            if len(found["cuda"]) < 3 and CUDA_USE.search(line.split("#", 1)[0]):
-                found["cuda"].append(f"{where}:{number}")
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.Import, ast.ImportFrom)):
-                for name in _imported_names(ast.Module(body=[node], type_ignores=[])):
-                    library = next((lib for lib in NOT_MAPPED if name == lib or name.startswith(lib + ".")), None)
-                    if library:
-                        found["not_mapped"].setdefault(library, f"{where}:{node.lineno}")
-        for name in _imported_names(tree):
-            local = _local_file(folders, name)
-            if local is not None:
-                pending.append(local)
-    return found
-
-
-def switch_on_before_bridge(options) -> dict:
-    """Switch Intel's toolkit on for a CUDA script, before the bridge loads; what was decided
-    (``switched_on_by``: ``autogaudi``, ``environment`` or None with ``why_not``, a reason code)."""
-    if TOOLKIT in sys.modules or os.environ.get(VARIABLE) == "1":
-        return {"switched_on_by": "environment"}
-    if options.device not in ("auto", "hpu"):
-        return {"switched_on_by": None, "why_not": "other_device"}
-    if options.exact:
-        return {"switched_on_by": None, "why_not": "exact"}
-    if importlib.util.find_spec("habana_frameworks") is None:
-        return {"switched_on_by": None, "why_not": "no_bridge"}
-    if "habana_frameworks.torch" in sys.modules:
-        return {"switched_on_by": None, "why_not": "bridge_loaded_first"}
-    path = script_path()
-    if path is None:
-        return {"switched_on_by": None, "why_not": "no_script"}
-    found = read_script(path)
-    if not found["cuda"]:
-        return {"switched_on_by": None, "why_not": "script_not_cuda", **found}
-    os.environ[VARIABLE] = "1"
-    return {"switched_on_by": "autogaudi", **found}
 
 
 def _asked_by_the_script() -> bool:
@@ -176,8 +73,8 @@ class GpuMigration(Unit):
         "other_device": "--device names another backend",
         "exact": "off under --exact: the script runs where it asked",
         "no_bridge": "the Gaudi bridge is not installed",
-        "bridge_loaded_first": "the Gaudi bridge was loaded before autogaudi started: the toolkit can only be "
-        "switched on before it (PT_HPU_GPU_MIGRATION=1)",
+        "bridge_loaded_first": "the Gaudi bridge was loaded (by `import torch` since torch 2.5) before autogaudi "
+        "started: the toolkit can only be switched on before it (PT_HPU_GPU_MIGRATION=1)",
         "no_script": "no script file to read (python -c, an interactive session)",
         "script_not_cuda": "the script and its own modules do not use CUDA",
         "failed_before_bridge": "could not read the script before the bridge loaded: {error}",
@@ -187,10 +84,12 @@ class GpuMigration(Unit):
         "cuda_asked_at_run_time": "the script asked torch.cuda.is_available() at run time without the toolkit on: "
         "its CUDA code ran on the CPU",
         "set_variable": "set PT_HPU_GPU_MIGRATION=1 before the script starts, so Intel's toolkit maps its CUDA calls",
+        "enable_before_torch": "start autogaudi before torch loads the Gaudi bridge: `python -m autogaudi script.py`, "
+        "AUTOGAUDI=1, or autogaudi.enable() above the script's `import torch`",
     }
     changed_figure = ("mapped_calls", "{} CUDA calls mapped to hpu by Intel's GPU migration")
     targets = ("torch.cuda.is_available",)
-    acts_on = ("PT_HPU_GPU_MIGRATION, set before the Gaudi bridge loads (the session, before its backend probe)",)
+    acts_on = ("PT_HPU_GPU_MIGRATION, set as the script starts importing torch or the Gaudi bridge (before_bridge)",)
     states = ("watching", "failed", "disabled")
 
     def apply(self) -> None:
@@ -209,6 +108,8 @@ class GpuMigration(Unit):
             self.because("failed_before_bridge", error=decided["error"])
         else:
             self.because(decided.get("why_not", "no_script"))
+            if decided.get("why_not") == "bridge_loaded_first":
+                self.recommend("enable_before_torch", do="python -m autogaudi script.py")
         self.wrap(torch.cuda, "is_available", self._is_available)
 
     def _is_available(self, wrapped, instance, args, kwargs):

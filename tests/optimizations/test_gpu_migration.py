@@ -1,28 +1,51 @@
 """gpu_migration and the device units' refusal off the device, on the HPU double.
 
 Each run is a subprocess (the toolkit, like the real one, patches torch for the rest of the process):
-``python -m autogaudi`` on a CUDA-written script with the double on ``PYTHONPATH`` and its recorded
-placement (``HPU_DOUBLE_PLACEMENT=recorded``: only tensors the double put on hpu count as there).
-Assertions are on the report's codes, figures and the double's record, and on the losses.
+a CUDA-written script with the double on ``PYTHONPATH``, whose HPU tensors report ``hpu`` (a host
+tensor is a host one), under the release it models (``HPU_DOUBLE_RELEASE``: ``latest`` loads the
+bridge during ``import torch``). Assertions are on the report's codes, figures, the tensors' devices
+and the losses.
 """
 
 import json
 
 import pytest
 
-from autogaudi.optimizations.gpu_migration import read_script
+from autogaudi.script_source import read_script
 from tests.helpers import HPU_DOUBLE, SCRIPTS, clean_env, run_python
 
 # The units that act for the device, which step aside off it (fused_optimizer: its hpex path).
 DEVICE_UNITS = ("step_marks", "fused_optimizer", "fused_clip_norm", "pin_memory", "static_last_batch")
 
 
-def run(tmp_path, script, *flags, double=True, **env):
+def stepped_aside(units, name) -> bool:
+    """Whether a device unit stepped aside for a model off the device (step_marks and static_last_batch
+    are off in eager mode whatever the model: the double's latest release is eager by default)."""
+    return units[name]["reason_code"] in ("model_not_on_device", "hpu_eager")
+
+
+RELEASES = ("latest", "1.19")
+
+
+def run(tmp_path, script, *flags, double=True, release="latest", entry="launcher", **env):
+    """The script run by ``entry``: the launcher, ``AUTOGAUDI=1``, or ``enable()`` in the script
+    (``first``: before anything else; ``after_torch``)."""
     report = tmp_path / "report.json"
-    extra = {"PYTHONPATH": str(HPU_DOUBLE), "HPU_DOUBLE_PLACEMENT": "recorded"} if double else {}
-    result = run_python("-m", "autogaudi", "--report", report, *flags, SCRIPTS / script, env=clean_env(**extra, **env))
+    extra = {"PYTHONPATH": str(HPU_DOUBLE), "HPU_DOUBLE_RELEASE": release} if double else {}
+    if entry == "launcher":
+        command = ("-m", "autogaudi", "--report", report, *flags, SCRIPTS / script)
+    else:
+        assert not flags
+        command = (SCRIPTS / script,)
+        extra.update(AUTOGAUDI_REPORT=report, **({"AUTOGAUDI": "1"} if entry == "environment" else {"ENABLE": entry}))
+    result = run_python(*command, env=clean_env(**extra, **env))
     assert result.returncode == 0, result.stderr
     return json.loads(report.read_text()), result
+
+
+def devices(result) -> dict:
+    """What cuda_train.py printed with PLACEMENT=1: {"parameters": "4 of 4", "batches": ...} on hpu."""
+    return dict(line.split(" on hpu ") for line in result.stdout.splitlines() if " on hpu " in line)
 
 
 def plain_loss(script, **env):
@@ -51,9 +74,9 @@ def test_the_script_and_its_own_modules_are_read_for_cuda_and_for_libraries_it_c
     assert found["not_mapped"] == {"triton": "helpers.py:1"}
 
 
-@pytest.mark.parametrize("style", ["examples", "dot"])
-def test_a_cuda_script_trains_on_hpu_through_intels_migration_under_the_defaults(tmp_path, style):
-    report, _ = run(tmp_path, "cuda_train.py", STYLE=style)
+@pytest.mark.parametrize("style, release", [("examples", "latest"), ("dot", "1.19")])
+def test_a_cuda_script_trains_on_hpu_through_intels_migration_under_the_defaults(tmp_path, style, release):
+    report, result = run(tmp_path, "cuda_train.py", release=release, STYLE=style, PLACEMENT="1")
     units = rows(report)
     migration = units["gpu_migration"]
     assert migration["reason_code"] == "mapped"
@@ -62,22 +85,34 @@ def test_a_cuda_script_trains_on_hpu_through_intels_migration_under_the_defaults
     assert report["backend"]["migration"]["asked_for"] == "cuda"
     assert report["backend"]["migration"]["ran_on"] == "hpu"
     assert report["backend"]["placement"]["on_device"] is True
-    assert units["step_marks"]["figures"]["mark_steps"] > 0
+    assert report["backend"]["lazy"] is (release == "1.19")
+    assert devices(result) == {"parameters": "4 of 4", "batches": "28 of 28"}  # 7 batches of 2 tensors, 2 epochs
+    if release == "1.19":
+        assert units["step_marks"]["figures"]["mark_steps"] > 0
     assert units["fused_clip_norm"]["figures"]["fused_calls"] > 0
     assert units["fused_optimizer"]["figures"]["optimizers_fused"] == 1
     for name in DEVICE_UNITS:
         assert units[name]["reason_code"] != "model_not_on_device"
 
 
-@pytest.mark.parametrize("style", ["examples", "dot"])
-def test_every_parameter_and_every_batch_is_recorded_on_hpu_and_none_without_migration(tmp_path, style):
-    _, result = run(tmp_path, "cuda_train.py", STYLE=style, PLACEMENT="1")
-    counts = dict(line.split(" on hpu ") for line in result.stdout.splitlines() if " on hpu " in line)
-    assert counts.keys() == {"parameters", "batches"}
-    assert all(hpu == total for hpu, _, total in (count.split() for count in counts.values())), counts
-    assert counts["batches"] == "28 of 28"  # 7 batches of inputs and targets, two epochs
-    _, result = run(tmp_path, "cuda_train.py", "--disable", "gpu_migration", STYLE=style, PLACEMENT="1")
-    assert "parameters on hpu 0 of" in result.stdout and "batches on hpu 0 of 28" in result.stdout
+@pytest.mark.parametrize(
+    "entry, style, release",
+    [
+        ("environment", "dot", "latest"),
+        ("first", "examples", "latest"),
+        ("first", "dot", "1.19"),
+    ],
+)
+def test_every_entry_point_started_before_torch_lands_every_parameter_and_batch_on_hpu(tmp_path, entry, style, release):
+    report, result = run(tmp_path, "cuda_train.py", release=release, entry=entry, STYLE=style, PLACEMENT="1")
+    assert rows(report)["gpu_migration"]["figures"]["switched_on_by"] == "autogaudi"
+    assert devices(result) == {"parameters": "4 of 4", "batches": "28 of 28"}
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_without_migration_the_script_runs_on_the_host_as_written(tmp_path, release):
+    _, result = run(tmp_path, "cuda_train.py", "--disable", "gpu_migration", release=release, PLACEMENT="1")
+    assert devices(result) == {"parameters": "0 of 4", "batches": "0 of 28"}
 
 
 def test_the_migrated_run_computes_what_the_script_computes_on_the_host(tmp_path):
@@ -95,9 +130,9 @@ def test_disabled_migration_runs_the_script_as_written_and_the_device_units_step
     assert "migration" not in report["backend"]
     assert report["backend"]["placement"] == {"device": "cpu", "at": "optimizer's construction", "on_device": False}
     for name in DEVICE_UNITS:
-        assert units[name]["reason_code"] == "model_not_on_device", name
+        assert stepped_aside(units, name), name
     # stepped aside before the first epoch: no step marked, no batch padded, the loss is plain's
-    assert units["step_marks"]["figures"]["mark_steps"] == 0
+    assert units["step_marks"]["figures"].get("mark_steps", 0) == 0
     assert loss_of(result) == plain_loss("cuda_train.py")
 
 
@@ -108,7 +143,7 @@ def test_a_cpu_only_script_is_not_migrated_and_the_device_units_step_aside(tmp_p
     assert units["gpu_migration"]["reason_code"] == "script_not_cuda"
     assert report["backend"]["placement"]["on_device"] is False
     for name in DEVICE_UNITS:
-        assert units[name]["reason_code"] == "model_not_on_device", name
+        assert stepped_aside(units, name), name
     assert loss_of(result) == plain_loss("cpu_train.py")
 
 
@@ -126,13 +161,13 @@ def test_off_the_hpu_the_unit_does_not_apply(tmp_path):
 
 def test_the_doubles_toolkit_maps_cuda_calls_onto_its_device_and_records_each():
     code = (
-        "import os, torch; os.environ['PT_HPU_GPU_MIGRATION'] = '1'; import habana_frameworks.torch; "
+        "import os; os.environ['PT_HPU_GPU_MIGRATION'] = '1'; import torch; "
         "from habana_frameworks.torch import _calls, gpu_migration; _calls.reset(); "
         "model = torch.nn.Linear(2, 2).cuda(); x = torch.ones(2, device='cuda'); y = torch.ones(2).to('cuda'); "
         "print(torch.cuda.is_available(), gpu_migration.mapped_calls(), [d['call'] for n, d in _calls.CALLS], "
-        "all(_calls.placed(t) for t in (model.weight, x, y)), _calls.placed(torch.ones(2)))"
+        "[t.device.type for t in (model.weight, x, y, torch.ones(2))])"
     )
-    result = run_python("-c", code, env=clean_env(PYTHONPATH=str(HPU_DOUBLE), HPU_DOUBLE_PLACEMENT="recorded"))
+    result = run_python("-c", code, env=clean_env(PYTHONPATH=str(HPU_DOUBLE)))
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == [
         "True",
@@ -141,20 +176,35 @@ def test_the_doubles_toolkit_maps_cuda_calls_onto_its_device_and_records_each():
         "'torch.ones',",
         "'Tensor.to',",
         "'torch.cuda.is_available']",
-        "True",
-        "False",
+        "['hpu',",
+        "'hpu',",
+        "'hpu',",
+        "'cpu']",
     ]
 
 
-def test_a_bridge_loaded_before_autogaudi_leaves_the_toolkit_off_and_the_cuda_check_is_recommended(tmp_path):
-    report, _ = run(tmp_path, "cuda_train.py", IMPORT_BRIDGE_FIRST="1")
+@pytest.mark.parametrize("release", RELEASES)
+def test_a_script_that_imports_the_bridge_before_torch_is_migrated_all_the_same(tmp_path, release):
+    report, result = run(tmp_path, "cuda_train.py", release=release, IMPORT_BRIDGE_FIRST="1", PLACEMENT="1")
+    assert rows(report)["gpu_migration"]["figures"]["switched_on_by"] == "autogaudi"
+    assert report["backend"]["name"] == "hpu"
+    assert devices(result) == {"parameters": "4 of 4", "batches": "28 of 28"}
+
+
+def test_enable_after_torch_loaded_the_bridge_says_what_it_could_not_do_and_the_fix(tmp_path):
+    report, _ = run(tmp_path, "cuda_train.py", entry="after_torch")
     units = rows(report)
     migration = units["gpu_migration"]
     assert migration["reason_code"] == "bridge_loaded_first"
     assert "cuda_asked_at_run_time" in migration["note_codes"]
-    assert [advice["code"] for advice in migration["recommendations"]] == ["set_variable"]
+    assert [advice["code"] for advice in migration["recommendations"]] == ["enable_before_torch", "set_variable"]
     for name in DEVICE_UNITS:
-        assert units[name]["reason_code"] == "model_not_on_device", name
+        assert stepped_aside(units, name), name
+
+
+def test_enable_after_torch_on_a_release_that_does_not_autoload_still_migrates(tmp_path):
+    report, _ = run(tmp_path, "cuda_train.py", release="1.19", entry="after_torch")
+    assert rows(report)["gpu_migration"]["figures"]["switched_on_by"] == "autogaudi"
 
 
 def test_a_package_found_through_pythonpath_is_read_as_the_users_own(tmp_path, monkeypatch):

@@ -1,12 +1,17 @@
 """A script written for CUDA, as public ones are: STYLE=examples picks its device the pytorch/examples
 way (``"cuda" if torch.cuda.is_available() else "cpu"``), STYLE=dot calls ``.cuda()`` directly
 (guarded the same way, so it also runs where nothing maps it). IMPORT_BRIDGE_FIRST=1 loads the Gaudi
-bridge before torch, as a script of Gaudi's own would. Its model
+bridge before torch, as a script of Gaudi's own would; ENABLE=first calls ``autogaudi.enable()``
+before anything else, ENABLE=after_torch after ``import torch``. Its model
 and helpers live in a local module (cuda_pkg/net.py), as scripts split them. Prints where the model's
-parameters are and the final loss; with PLACEMENT=1, how many parameters and batches autogaudi's
-placement probe (the double's record) saw on hpu."""
+parameters are and the final loss; with PLACEMENT=1, how many parameters and batches report device hpu."""
 
 import os
+
+if os.environ.get("ENABLE") == "first":
+    import autogaudi
+
+    autogaudi.enable()
 
 if os.environ.get("IMPORT_BRIDGE_FIRST") == "1":  # as a script that loads the Gaudi bridge itself
     import habana_frameworks.torch  # noqa: F401
@@ -14,6 +19,11 @@ if os.environ.get("IMPORT_BRIDGE_FIRST") == "1":  # as a script that loads the G
 import torch
 from cuda_pkg.net import Net, seeded
 from torch.utils.data import DataLoader, TensorDataset
+
+if os.environ.get("ENABLE") == "after_torch":
+    import autogaudi
+
+    autogaudi.enable()
 
 STYLE = os.environ.get("STYLE", "examples")
 placed = {"parameters": [], "batches": []}
@@ -43,8 +53,6 @@ for _epoch in range(2):
         optimizer.step()
 print(f"model on {next(model.parameters()).device}")
 if os.environ.get("PLACEMENT") == "1":
-    from autogaudi.placement import device_type_of
-
     for kind, tensors in {**placed, "parameters": list(model.parameters())}.items():
-        print(f"{kind} on hpu {sum(device_type_of(t) == 'hpu' for t in tensors)} of {len(tensors)}")
+        print(f"{kind} on hpu {sum(t.device.type == 'hpu' for t in tensors)} of {len(tensors)}")
 print(f"loss {loss.item():.8f}")

@@ -10,6 +10,13 @@ explicitly (FusedAdamW's own defaults, eps 1e-6 and weight_decay 0.0, differ fro
 mirrors persist from step to step: the bridge's FusedAdamW counts steps in its group
 (``group["step"]``), and a mirror rebuilt each step made every step its first (a constant
 learning rate of sqrt(1-beta2)/(1-beta1) times the user's). The user's step hooks fire once.
+
+FusedAdamW is a formula of its own, not a rounding of AdamW's: it adds eps to the un-corrected
+``sqrt(v)`` (bridge ``hpex/optimizers/FusedAdamW.py``), i.e. torch's update with eps grown to
+``eps / sqrt(1 - beta2^t)`` (31.6x at step 1 with beta2 0.999). One update per element then differs
+from torch's by at most ``1 - sqrt(1 - beta2^t)`` relatively (0.968, 0.955, 0.945 at steps 1-3;
+reached where gradients are near eps: measured on the HPU double, 1000 gradients of scale 1e-9),
+0.15 at step 1 for gradients of scale 1e-3 and 2e-4 for scale 1, shrinking as t grows.
 """
 
 from __future__ import annotations

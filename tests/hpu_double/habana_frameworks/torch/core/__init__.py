@@ -3,6 +3,7 @@
 import warnings
 
 import habana_frameworks.torch.hpu  # noqa: F401  (importing core loads the bridge too)
+from habana_frameworks.torch import _native_library_loaded  # noqa: F401  (fails while the bridge is half-imported)
 from habana_frameworks.torch.core.step_closure import add_step_closure, iter_mark_step
 from habana_frameworks.torch.core.step_closure import mark_step as _lazy_mark_step
 from habana_frameworks.torch.utils.internal import is_lazy

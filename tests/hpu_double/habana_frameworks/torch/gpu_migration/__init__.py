@@ -3,9 +3,7 @@
 What the docs (docs.habana.ai, GPU Migration Toolkit, read 2026-11-26) say it maps, modelled: torch.cuda
 calls onto torch.hpu (``is_available`` True, device count and name, ``synchronize``, seeds, memory
 figures), and "cuda" device arguments onto hpu (``Tensor.to``, ``Module.to``, ``.cuda()``, factory
-functions' ``device=``). The double cannot hold HPU tensors: a mapped call puts the tensor on the
-CPU, the double's stand-in for the device, and records it as placed on hpu
-(:func:`habana_frameworks.torch._calls.place`), so where the work is can be told from the record.
+functions' ``device=``), onto the double's HPU tensors (:mod:`habana_frameworks.torch._device`).
 Every mapped call is counted (:func:`mapped_calls`, the double's own: the real toolkit logs its
 mappings with GPU_MIGRATION_LOG_LEVEL instead) and recorded in ``_calls.CALLS`` as
 ``("gpu_migration", {"call": name})``. Not modelled: Apex, pynvml, DataLoader's pin_memory_device,
@@ -41,17 +39,17 @@ def _is_cuda(device) -> bool:
 
 
 def _map_device_args(name, args, kwargs):
-    """The call's arguments with a cuda device replaced by the double's device; whether any was."""
+    """The call's arguments with a cuda device replaced by hpu; whether any was."""
     mapped = False
     if _is_cuda(kwargs.get("device")):
-        kwargs = {**kwargs, "device": "cpu"}
+        kwargs = {**kwargs, "device": "hpu"}
         mapped = True
     if args and _is_cuda(args[0]):
-        args = ("cpu", *args[1:])
+        args = ("hpu", *args[1:])
         mapped = True
     if mapped:
         _mapped(name)
-    return args, kwargs, mapped
+    return args, kwargs
 
 
 def _patch(owner, attribute, make):
@@ -59,33 +57,21 @@ def _patch(owner, attribute, make):
     setattr(owner, attribute, functools.wraps(original)(make(original)))
 
 
-def _tensor_to(original):
-    def to(self, *args, **kwargs):
-        args, kwargs, mapped = _map_device_args("Tensor.to", args, kwargs)
-        result = original(self, *args, **kwargs)
-        if mapped:
-            _calls.place(result)
-        return result
+def _mapping(name):
+    def make(original):
+        def call(self, *args, **kwargs):
+            args, kwargs = _map_device_args(name, args, kwargs)
+            return original(self, *args, **kwargs)
 
-    return to
+        return call
 
-
-def _module_to(original):
-    def to(self, *args, **kwargs):
-        args, kwargs, mapped = _map_device_args("Module.to", args, kwargs)
-        result = original(self, *args, **kwargs)
-        if mapped:
-            for tensor in (*self.parameters(), *self.buffers()):
-                _calls.place(tensor)
-        return result
-
-    return to
+    return make
 
 
 def _tensor_cuda(original):
-    def cuda(self, device=None, non_blocking=False, **kwargs):
+    def cuda(self, device=None, non_blocking=False, memory_format=torch.preserve_format):
         _mapped("Tensor.cuda")
-        return _calls.place(self.to("cpu", non_blocking=non_blocking))
+        return self.to("hpu", non_blocking=non_blocking, memory_format=memory_format)
 
     return cuda
 
@@ -93,18 +79,15 @@ def _tensor_cuda(original):
 def _module_cuda(original):
     def cuda(self, device=None):
         _mapped("Module.cuda")
-        for tensor in (*self.parameters(), *self.buffers()):
-            _calls.place(tensor)
-        return self
+        return self.to("hpu")
 
     return cuda
 
 
 def _factory(original):
     def make(*args, **kwargs):
-        _, kwargs, mapped = _map_device_args(f"torch.{original.__name__}", (), kwargs)
-        result = original(*args, **kwargs)
-        return _calls.place(result) if mapped else result
+        _, kwargs = _map_device_args(f"torch.{original.__name__}", (), kwargs)
+        return original(*args, **kwargs)
 
     return make
 
@@ -117,8 +100,8 @@ def _onto_hpu(name, target):
     return call
 
 
-_patch(torch.Tensor, "to", _tensor_to)
-_patch(torch.nn.Module, "to", _module_to)
+_patch(torch.Tensor, "to", _mapping("Tensor.to"))
+_patch(torch.nn.Module, "to", _mapping("Module.to"))
 _patch(torch.Tensor, "cuda", _tensor_cuda)
 _patch(torch.nn.Module, "cuda", _module_cuda)
 for _name in _FACTORIES:

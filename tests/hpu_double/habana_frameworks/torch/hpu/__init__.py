@@ -29,6 +29,10 @@ def init():
     record("init")
 
 
+def _lazy_init():
+    """Called by torch before a tensor is made on hpu (the double makes none: its mode maps them)."""
+
+
 def get_device_name(device=None):
     return "GAUDI2"
 
