@@ -905,3 +905,28 @@ def test_where_the_host_runs_ahead_the_update_is_not_timed(hpu_double, monkeypat
     row = autogaudi.report().unit("fused_optimizer")
     assert "update_ms" not in row["figures"] and row["figures"]["optimizers_fused"] == 1
     assert len(copies) == fused_optimizer.MEASURED_STEPS
+
+
+@pytest.mark.parametrize("remembered, fused", [("kept", True), ("rejected", False)])
+def test_a_warm_run_takes_the_remembered_decision_at_the_step_the_first_run_took_it(
+    monkeypatch, step_clock, remembered, fused
+):
+    """A run with the same set-up, model and inputs follows what the first one timed, whatever its own
+    timings would say (here the opposite), and switches where the first did: after the optimizer's
+    first step and its TIMED_STEPS timed ones, so both runs' numbers are the same. It times nothing."""
+    from autogaudi.optimizations.fused_optimizer import unit as fused_optimizer
+
+    record = {"decision": remembered, "speedup": 1.9, "run": 1, "date": "2026-11-28"}
+    monkeypatch.setattr(fused_optimizer.FusedOptimizer, "recalled_trial", lambda unit: record)
+    timed_updates(monkeypatch, step_clock, fused_ms=[0.5 if remembered == "rejected" else 2.0], unfused_ms=1.0)
+    copies = counted_copies(monkeypatch)
+    enable("cpu")
+    calls = counting(monkeypatch, "_fused_adamw_")
+    decided, more = 1 + fused_optimizer.TIMED_STEPS, 3
+    train(OPTIMIZERS["adamw"], steps=decided + more)
+    row = autogaudi.report().unit("fused_optimizer")
+    assert len(calls) == (more if fused else 0)
+    # no copy while deciding; once fused, its first steps' rounding is measured against torch's
+    assert len(copies) == (min(more, fused_optimizer.MEASURED_STEPS) if fused else 0)
+    assert row["reason_code"] == "remembered" and row["figures"]["optimizers_fused"] == int(fused)
+    assert "update_ms" not in row["figures"]

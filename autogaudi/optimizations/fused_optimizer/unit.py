@@ -23,17 +23,10 @@ import weakref
 
 import torch
 
-from autogaudi import numerics, steps, trials
+from autogaudi import machine_load, numerics, steps, trials
 from autogaudi.events import Event
-from autogaudi.optimizations.fused_optimizer.hpu_format import (
-    group_steps,
-    int_steps,
-    mirror_groups,
-    raw_step,
-    torch_format_checkpoint,
-    torch_format_state,
-    torch_format_steps,
-)
+from autogaudi.memory import origin
+from autogaudi.optimizations.fused_optimizer.hpu_delegate import HpuDelegates
 from autogaudi.optimizations.fused_optimizer.kernels import (
     fused_format_steps,
     step_group_by_group,
@@ -59,7 +52,7 @@ MEASURED_STEPS = 3
 TIMED_STEPS = 2 * trials.BLOCK * trials.ROUNDS
 
 
-class FusedOptimizer(Unit):
+class FusedOptimizer(HpuDelegates, Unit):
     numerics = (ROUNDING,)  # one fused update rounds otherwise than torch's per-op one (measured on CPU)
     reasons = REASONS
     changed_figure = ("optimizers_fused", "{} optimizer(s) run as one fused kernel per step")
@@ -89,6 +82,7 @@ class FusedOptimizer(Unit):
         self._trying = weakref.WeakKeyDictionary()
         self._timed = []  # the UpdateTimes of every optimizer timed (the report's update_ms)
         self._decided_in_step = False  # a timing decided (or given up) in the step now running
+        self._record = None  # the last decision timed, for a later run to follow (measured_decision)
         if not self.backend.host_runs_ahead:
             self.on(Event.TRAINING_STEP, self._step_ended)
         for optimizer_class in FUSABLE:
@@ -252,7 +246,7 @@ class FusedOptimizer(Unit):
             unfusable = self._unfusable(optimizer)
             if unfusable:
                 self._unfuse(optimizer, unfusable)
-            elif optimizer in self._trying:
+            elif optimizer in self._trying and self.recalled_trial() is None:
                 shadow = self._fused_on_copies(optimizer)
             else:
                 reference = self._unfused_reference(optimizer)
@@ -267,9 +261,10 @@ class FusedOptimizer(Unit):
         with self.fail_open():
             if reference is not None and self._still_fused(optimizer):
                 self._rounding_measured(numerics.parameters(optimizer), reference)
-            elif shadow is not None and optimizer in self._trying:
-                self._rounding_measured(shadow[0], numerics.parameters(optimizer))
-                self._timed_step(optimizer, shadow[1], unfused_s)
+            elif optimizer in self._trying:
+                if shadow is not None:
+                    self._rounding_measured(shadow[0], numerics.parameters(optimizer))
+                self._counted_step(optimizer, shadow[1] if shadow is not None else None, unfused_s)
         return loss
 
     def _still_fused(self, optimizer) -> bool:
@@ -298,35 +293,61 @@ class FusedOptimizer(Unit):
             self._unfuse(optimizer, self.reason_for("fused_step_raised", error=error))
             return None
 
-    def _timed_step(self, optimizer, fused_s: float, unfused_s: float) -> None:
-        """One more step of a timed optimizer: after its first (which allocates the state both ways),
-        both updates' times go to its UpdateTimes; after TIMED_STEPS of them it is decided, in this
-        step, whatever the timings: the step it switches at is the same in every run."""
+    def _counted_step(self, optimizer, fused_s, unfused_s: float) -> None:
+        """One more step of an optimizer being decided: after its first (which allocates the state
+        both ways), both updates' times go to its UpdateTimes (``fused_s`` None: not timed, a
+        remembered decision is followed); after 1 + TIMED_STEPS steps it is decided, in this step,
+        whatever the timings: the step it switches at is the same in every run, first or warm."""
         times = self._trying[optimizer]
         times.steps += 1
         self.session.windows.take(self)  # timed: no other measurement starts meanwhile (none is waited for)
-        if times.steps == 1:
-            return
-        times.fused.append(fused_s)
-        times.unfused.append(unfused_s)
-        self._update_figure()
-        if len(times.fused) >= TIMED_STEPS:
+        if fused_s is not None and times.steps > 1:
+            times.fused.append(fused_s)
+            times.unfused.append(unfused_s)
+            self._update_figure()
+        if times.steps > TIMED_STEPS:
             self._decide(optimizer, times)
 
     def _decide(self, optimizer, times) -> None:
         """Fuse the optimizer from its next step where the trials' rule finds the fused update faster
-        by a gain material to the step, else keep it on the script's own kernels, never fused."""
+        by a gain material to the step, else keep it on the script's own kernels, never fused; where
+        a run with the same set-up, model and inputs decided, as it did."""
         del self._trying[optimizer]
         if not self._trying:
             self.session.windows.release(self)
         self._decided_in_step = True
+        remembered = self.recalled_trial()
+        if remembered is not None:
+            self._follow(optimizer, remembered)
+            return
         fused, unfused = trials.median(times.fused), trials.median(times.unfused)
+        self._record = {
+            "candidate": self.name,
+            "decision": "rejected",
+            "speedup": round(unfused / fused, 3) if fused else None,
+            "ms_per_step_with": round(1000 * fused, 3),
+            "ms_per_step_without": round(1000 * unfused, 3),
+            "load": machine_load.slowdown(),
+        }
         if not trials.faster(fused, unfused):
             self._put_back(optimizer, "fused_slower", fused=fused, unfused=unfused, steps=len(times.fused))
         elif (why := gain_not_material(times, self._step_s())) is not None:
             self._put_back(optimizer, "gain_not_material", **why)
         else:
+            self._record["decision"] = "kept"
             self._fuse(optimizer)
+
+    def _follow(self, optimizer, record: dict) -> None:
+        """A remembered decision, taken at the step the run that measured it took it."""
+        said = dict(decision=record["decision"], speedup=record.get("speedup"), **origin(record))
+        if record["decision"] == "kept":
+            self._fuse(optimizer)
+            self.because("remembered", **said)
+        else:
+            self._put_back(optimizer, "remembered", **said)
+
+    def measured_decision(self):
+        return self._record
 
     def _step_s(self):
         """The median training step measured while the updates were timed, or None."""
@@ -430,81 +451,3 @@ class FusedOptimizer(Unit):
             self._raw_steps[type(optimizer)],
             lambda error: self._unfuse(optimizer, self.reason_for("fused_step_raised", error=error)),
         )
-
-    # HPU: an hpex optimizer behind the user's torch.optim object --------------------------------
-
-    def _attach_hpu_delegate(self, owner, instance, hyperparameters) -> None:
-        params = [p for group in instance.param_groups for p in group["params"]]
-        if not params:
-            self._kept(owner, "it has no parameters yet")
-            return
-        delegate = self.backend.fused_optimizer(owner, params, hyperparameters)
-        # Share the user's state and mirror their groups before each step: schedulers,
-        # param_groups edits and checkpoints act on the user's object, the kernel sees the result.
-        self._extra_settings[owner] = {
-            key: value for key, value in delegate.defaults.items() if key not in instance.defaults
-        }
-        self._share_groups(instance, delegate)
-        handles = (
-            self.hook(
-                instance.register_state_dict_post_hook,
-                functools.partial(torch_format_checkpoint, steps=self._group_steps),
-            ),
-            self.hook(instance.register_load_state_dict_post_hook, int_steps),
-        )
-        int_steps(instance)
-        self._delegates[instance] = (delegate, handles)
-        self._route_steps(owner)
-        if not self._getstate_wrapped:
-            # A copy or pickle of the object carries torch's state (tensor steps from the group
-            # counters), which a plain torch.optim object steps on correctly.
-            self._getstate_wrapped = True
-            self.wrap(torch.optim.Optimizer, "__getstate__", self._torch_format_getstate)
-        self._count_fused(+1)
-
-    def _share_groups(self, instance, delegate) -> None:
-        """Point the hpex optimizer at the user's state (``load_state_dict`` replaces that dict) and
-        at one mirror per non-empty user group (it rejects empty ones): the user's current values
-        (a scheduler's lr) plus its own settings and counters, kept across steps. A new group (or
-        one ``load_state_dict`` rebuilt) starts its counter from its parameters' saved steps."""
-        delegate.state = instance.state
-        known = self._mirrors.setdefault(instance, {})
-        extra = self._extra_settings[type(instance)]
-        mirrors = self._mirrors[instance] = mirror_groups(instance.param_groups, instance.state, extra, known)
-        delegate.param_groups = [mirror for _, mirror in mirrors.values()]
-
-    def _group_steps(self, optimizer) -> dict:
-        """The step count of each parameter, from its group's counter (the bridge keeps no other)."""
-        return group_steps(self._mirrors.get(optimizer, {}))
-
-    def _delegate_step(self, optimizer) -> None:
-        done = False
-        with self.fail_open():
-            delegate = self._delegates[optimizer][0]
-            self._share_groups(optimizer, delegate)  # add_param_group / load_state_dict may have run
-            raw_step(delegate)(delegate)
-            done = True
-        if not done:  # the unit was reverted and the state handed back: take torch's own step
-            self._raw_steps[type(optimizer)](optimizer)
-
-    def _torch_format_getstate(self, wrapped, instance, args, kwargs):
-        state = wrapped(*args, **kwargs)
-        if instance not in self._delegates:
-            return state
-        return torch_format_state(state, self._group_steps(instance))
-
-    def _hand_back(self, optimizer) -> bool:
-        """Give an hpex-stepped optimizer back to torch: its state in torch's format, no hook of ours
-        left on it. False where it was not one."""
-        delegate = self._delegates.pop(optimizer, None)
-        if delegate is None:
-            return False
-        torch_format_steps(optimizer, self._group_steps(optimizer))
-        for handle in delegate[1]:
-            handle.remove()
-        self._mirrors.pop(optimizer, None)
-        return True
-
-    def _hand_state_back_to_torch(self) -> None:
-        for optimizer in list(self._delegates):
-            self._hand_back(optimizer)
