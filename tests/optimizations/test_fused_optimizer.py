@@ -930,3 +930,21 @@ def test_a_warm_run_takes_the_remembered_decision_at_the_step_the_first_run_took
     assert len(copies) == (min(more, fused_optimizer.MEASURED_STEPS) if fused else 0)
     assert row["reason_code"] == "remembered" and row["figures"]["optimizers_fused"] == int(fused)
     assert "update_ms" not in row["figures"]
+
+
+def test_an_optimizer_whose_step_bypasses_the_route_is_left_as_built_and_the_run_settles():
+    """An LR scheduler built after the optimizer wraps its step around the class's (torch's
+    ``patch_track_step_called``), so the unit never sees the step: it is not left deciding for the
+    whole run, nor reported fused; the run is plain's."""
+    enable("cpu")
+    net = model()
+    optimizer = OPTIMIZERS["adamw"](net)
+    schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.5)
+    for _ in range(3):
+        net(torch.randn(8, 10)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        schedule.step()
+    row = autogaudi.report().unit("fused_optimizer")
+    assert row["status"] != "deciding" and row["figures"]["optimizers_fused"] == 0
+    assert row["figures"]["optimizers_kept"] == 1 and row["numerics"] == []

@@ -81,6 +81,7 @@ class FusedOptimizer(HpuDelegates, Unit):
         # CPU: optimizer -> its UpdateTimes while the fused update is measured beside its own unfused step
         self._trying = weakref.WeakKeyDictionary()
         self._timed = []  # the UpdateTimes of every optimizer timed (the report's update_ms)
+        self._steps_seen = weakref.WeakKeyDictionary()  # optimizer being decided -> its steps counted at the last step
         self._decided_in_step = False  # a timing decided (or given up) in the step now running
         self._record = None  # the last decision timed, for a later run to follow (measured_decision)
         if not self.backend.host_runs_ahead:
@@ -365,9 +366,17 @@ class FusedOptimizer(HpuDelegates, Unit):
         if not self._fused_count:
             self.because(code, **said)
 
-    def _step_ended(self, _optimizer) -> None:
+    def _step_ended(self, optimizer) -> None:
         """A decision made in a step counts once the step is over: the run's steady state starts after
-        it. While an update is timed, the step's own time is kept: the gain is weighed against it."""
+        it. While an update is timed, the step's own time is kept: the gain is weighed against it. An
+        optimizer being decided whose step did not come through the unit's route (an LR scheduler
+        built after it wraps its step around the class's) is left as the script built it."""
+        times = self._trying.get(optimizer)
+        if times is not None and times.steps == self._steps_seen.get(optimizer, 0):
+            self._stop_fusing(optimizer)
+            self._kept(type(optimizer), "its step does not reach the unit")
+        elif times is not None:
+            self._steps_seen[optimizer] = times.steps
         now = steps.clock()
         if self._last_step_end is not None and self._trying:
             self._step_seconds.append(now - self._last_step_end)
