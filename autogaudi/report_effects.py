@@ -76,9 +76,9 @@ def trial_cost_s(record) -> float:
 
 
 def part_measuring_s(update_ms) -> float:
-    """A part timed on its own (a fused optimizer's update) also ran torch's unfused update in its
-    timed steps, on copies: autogaudi's cost, whether the change was kept or put back."""
-    return round(update_ms["unfused"] / 1000 * update_ms["steps"], 3)
+    """A part timed on its own (a fused optimizer's update) ran the fused update beside the run's own
+    in its timed steps, on copies: autogaudi's cost, whether the change was kept or not."""
+    return round(update_ms["fused"] / 1000 * update_ms["steps"], 3)
 
 
 def effect_of_part(update_ms, ms_per_step, steps: int):
@@ -86,7 +86,24 @@ def effect_of_part(update_ms, ms_per_step, steps: int):
     unfused one, on the same steps): the step without it is the step with it plus the difference."""
     if not update_ms or not ms_per_step:
         return None
+    steps = max(0, steps - update_ms["steps"] - 1)  # in its first step and its timed ones, the run's was unfused
+    timed = f"the update alone in {update_ms['steps']} steps: {update_ms['unfused']} -> {update_ms['fused']} ms"
     difference = update_ms["unfused"] - update_ms["fused"]
+    return _part_effect(difference, ms_per_step, steps, part_measuring_s(update_ms), timed)
+
+
+def effect_of_batches(figures: dict, ms_per_step, steps: int):
+    """A loader given workers, its batches (waiting and computing) timed in-process and then with
+    workers: the step without them is the step with them plus the difference per batch."""
+    before, after = figures.get("ms_per_batch_before"), figures.get("ms_per_batch_after")
+    if before is None or after is None or not ms_per_step or not figures.get("loaders_tuned"):
+        return None
+    steps = max(0, steps - (figures.get("workers_from_batch") or 0))
+    timed = f"a batch in-process and with workers: {before:.1f} -> {after:.1f} ms"
+    return _part_effect(before - after, ms_per_step, steps, 0.0, timed)
+
+
+def _part_effect(difference: float, ms_per_step: float, steps: int, measuring_s: float, timed: str) -> dict:
     without = round(ms_per_step + difference, 3)
     return {
         "ms_per_step_without": without,
@@ -98,8 +115,8 @@ def effect_of_part(update_ms, ms_per_step, steps: int):
         "saved_s": round(difference / 1000 * steps, 3),
         "noise_s": None,
         "claimed": True,
-        "measuring_s": part_measuring_s(update_ms),  # autogaudi's cost, not the change's
-        "timed": f"the update alone in {update_ms['steps']} steps: {update_ms['unfused']} -> {update_ms['fused']} ms",
+        "measuring_s": measuring_s,  # autogaudi's cost, not the change's
+        "timed": timed,
     }
 
 

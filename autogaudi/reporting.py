@@ -15,7 +15,7 @@ import json
 
 from autogaudi._version import __version__
 from autogaudi.registry import PROFILER
-from autogaudi.report_effects import effect, effect_of_part, spread, trial_cost_s, whole_run
+from autogaudi.report_effects import effect, effect_of_batches, effect_of_part, spread, trial_cost_s, whole_run
 from autogaudi.report_rows import UnitRow
 from autogaudi.report_text import (
     block,
@@ -149,7 +149,8 @@ class Report:
             {
                 **change,
                 "effect": effect(effects.get(change["unit"]), steps)
-                or effect_of_part(figures.get(change["unit"], {}).get("update_ms"), ms_per_step, steps),
+                or effect_of_part(figures.get(change["unit"], {}).get("update_ms"), ms_per_step, steps)
+                or effect_of_batches(figures.get(change["unit"], {}), ms_per_step, steps),
             }
             for change in self.changed()
         ]

@@ -253,6 +253,9 @@ class Session:
             for record in self.trials.records
             if "check" not in record and self.rows[record["candidate"]].status is not Status.FAILED
         }
+        for unit in self.applied:  # decisions measured outside the trials (a fused update's timing)
+            if (record := unit.measured_decision()) is not None:
+                trials[unit.name] = record
         try:
             self.memory.remember(profile, trials)
         except Exception as error:

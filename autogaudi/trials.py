@@ -77,6 +77,19 @@ def clearly_faster(with_times: list, without_times: list) -> bool:
     return faster(with_s, without_s) and without_s - with_s > spread(with_times) + spread(without_times)
 
 
+def keeps(with_times: list, without_times: list, step_s=None, materiality: float = 0.0) -> bool:
+    """The one rule every measured decision takes: ``with`` is kept only where it is
+    :func:`clearly_faster` and, for a change to the run's numbers (``materiality`` > 0), where the
+    medians' gain is also at least that share of the training step (``step_s``; None: not shown).
+    A change to the numbers that saves less than that is not worth them, and one that saves far more
+    stays clear of the margin and of the spread on a busy machine: a quiet and a busy run take the same
+    decision, and the run keeps plain's numbers for anything less."""
+    if not clearly_faster(with_times, without_times):
+        return False
+    gain = median(without_times) - median(with_times)
+    return not materiality or (step_s is not None and gain >= materiality * step_s)
+
+
 def clock() -> float:
     """The clock trials time steps by (seconds); tests replace it to decide trials on given step times."""
     return time.perf_counter()

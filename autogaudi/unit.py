@@ -348,6 +348,21 @@ class Unit:
         except Exception as error:
             self.failed_at_run_time(error)
 
+    def measured_decision(self):
+        """A decision this unit measured outside the trial runner (a record in a trial's remembered
+        form, ``decision`` and the times), for a later run with the same set-up to follow at the same
+        step; None where it has none. The trials' own records are remembered by the session."""
+        return None
+
+    def recalled_trial(self):
+        """This unit's trial as a run with the same set-up (``--trial`` included), model and inputs
+        decided it (:mod:`autogaudi.memory`); None where there is none, or this run holds no trial
+        (``--force``, ``--no-trials``)."""
+        memory = self.session.memory
+        if memory is None or memory.recalled is None or self.options.no_trials or self.name in self.options.force:
+            return None
+        return memory.recalled.get("trials", {}).get(self.name)
+
 
 class ActsOnProfile(Unit):
     """Base of the units that act once the step is profiled (on the training model it finds) and
@@ -365,15 +380,6 @@ class ActsOnProfile(Unit):
         """Which trial the ``speedup`` figure comes from, for the report's headline."""
         run = self.figures.get("remembered_from_run")
         return f"run {run}'s trial" if run else "its trial"
-
-    def recalled_trial(self):
-        """This unit's trial as a run with the same set-up (``--trial`` included), model and inputs
-        decided it (:mod:`autogaudi.memory`); None where there is none, or this run holds no trial
-        (``--force``, ``--no-trials``)."""
-        memory = self.session.memory
-        if memory is None or memory.recalled is None or self.options.no_trials or self.name in self.options.force:
-            return None
-        return memory.recalled.get("trials", {}).get(self.name)
 
 
 def warn(message: str) -> None:

@@ -93,9 +93,6 @@ def test_by_default_the_rl_loop_is_the_plain_run_unless_the_report_names_what_ch
     rows = json.loads((tmp_path / "report.json").read_text())["numerics"]
     named = {row["unit"]: row["how"] for row in rows}
     assert (numbers(result) == plain) == (not named), named
-    assert named == ({} if options else {"fused_optimizer": ["rounding"]})  # on this CPU: its fused Adam
-    # and by how much: its first steps measured against torch's unfused Adam on copies (no difference
-    # at all in those first steps on some CPUs, where the two round them alike)
-    assert all(0 <= row["measured"]["max_rel_diff"] < 1e-5 for row in rows)
-    headline = next(line for line in result.stderr.splitlines() if line.startswith("  results"))
-    assert all(unit in headline for unit in named)
+    # its fused Adam is timed on copies and not used: a fraction of a step of many forwards, no gain
+    # worth the rounding (a run that kept it would name it here, and its numbers would differ)
+    assert named == {}

@@ -62,7 +62,10 @@ def test_the_default_report_is_short_and_says_what_changed_and_its_effect(tmp_pa
     """A person reads it in five seconds: the header (CI greps it), the run, each change with what
     it did to the run's steps, and nothing of the per-unit table, which --verbose and the JSON keep."""
     path = tmp_path / "report.json"
-    result = run_python("-m", "autogaudi", "--report", path, SCRIPTS / "train_tiny.py", env=clean_env(MODEL="mlp"))
+    result = run_python(
+        "-m", "autogaudi", "--force", "fused_optimizer", "--report", path, SCRIPTS / "train_tiny.py",
+        env=clean_env(MODEL="mlp"),
+    )  # fmt: skip
     lines = result.stderr.splitlines()
     assert re.match(r"^autogaudi .* report \(torch", lines[0]) and len(lines) <= 10, result.stderr
     assert [line[:11] for line in lines[1:3]] == ["  run      ", "  changed  "]
@@ -70,18 +73,19 @@ def test_the_default_report_is_short_and_says_what_changed_and_its_effect(tmp_pa
     summary = json.loads(path.read_text())["summary"]
     assert summary["steps"] == 10 and summary["seconds"] > 0
     (change,) = [change for change in summary["changed"] if change["unit"] == "fused_optimizer"]
-    # in force from the first step: its effect is its update timed against torch's unfused one
-    assert change["effect"]["timed"].startswith("the update alone") and change["effect"]["one_off_s"] == 0
+    # forced: in force from the first step, untimed; the report says what it changed
+    assert change["effect"] is None or change["effect"]["one_off_s"] == 0
 
 
 def test_the_report_leads_with_what_autogaudi_changed(tmp_path):
     path = tmp_path / "report.json"
     result = run_python(
-        "-m", "autogaudi", "--verbose", "--report", path, SCRIPTS / "train_tiny.py", env=clean_env(MODEL="mlp")
-    )
+        "-m", "autogaudi", "--verbose", "--force", "fused_optimizer", "--report", path, SCRIPTS / "train_tiny.py",
+        env=clean_env(MODEL="mlp"),
+    )  # fmt: skip
     report = json.loads(path.read_text())
     changed = {row["unit"] for row in report["changed"]}
-    assert "fused_optimizer" in changed  # its AdamW's fused update measured faster: kept
+    assert "fused_optimizer" in changed  # its AdamW fused from the first step (forced: untimed)
     assert "step_profiler" not in changed and "throughput_meter" not in changed  # they only measure
     applied = {unit["name"] for unit in report["units"] if unit["changes"]}
     assert applied == changed
@@ -103,7 +107,9 @@ def test_a_unit_that_decided_nothing_needs_changing_says_not_needed(tmp_path):
     result = run_python("-m", "autogaudi", "--verbose", "--report", path, REPO / "examples" / "train_mnist_mlp.py")
     status = {unit["name"]: unit["status"] for unit in json.loads(path.read_text())["units"]}
     assert status["channels_last"] == "not needed"  # profiled: no Conv2d in the training model
-    assert status["fused_optimizer"] == "applied" and status["step_profiler"] == "watching"
+    assert status["step_profiler"] == "watching"
+    # the quick start's step waits for its loader: the fused update's gain is no gain there
+    assert status["fused_optimizer"] == "not needed"
     assert re.search(r"  channels_last +not needed ", result.stderr)  # the same words in the table
 
 
@@ -319,18 +325,19 @@ def test_evaluation_passes_counted_only_in_the_first_steps_say_so_with_the_count
 
 
 def test_a_change_timed_on_its_own_part_counts_its_measuring_steps_as_autogaudis_cost():
-    """A fused optimizer's timed steps also ran torch's unfused update on copies: 4 of 3 ms."""
+    """A fused optimizer's timed steps also ran the fused update on copies: 4 of 1 ms. It saves 2 ms
+    in each step after them (100 less its first and its 4 timed ones)."""
     row = {**kept_row("fused_optimizer"), "figures": {"update_ms": {"unfused": 3.0, "fused": 1.0, "steps": 4}}}
     report = bare_report(units=[row], steps={"steps": 100, "steps_per_s": 100.0})
     whole = summary_of(report)["whole_run"]
-    assert (whole["measuring_s"], whole["cost_s"]) == (0.012, 0.012)
-    assert whole["net_s"] == pytest.approx(0.002 * 100 - 0.012)
-    assert "measuring 0.012 s" in line(report, "run")
+    assert (whole["measuring_s"], whole["cost_s"]) == (0.004, 0.004)
+    assert whole["net_s"] == pytest.approx(0.002 * 95 - 0.004)
+    assert "measuring 0.004 s" in line(report, "run")
 
 
 def test_a_part_timed_and_put_back_still_counts_its_measuring_steps_as_autogaudis_cost():
-    """The fused update timed slower and put back: its timed steps ran both updates all the same."""
+    """The fused update timed slower and not used: its timed steps ran both updates all the same."""
     figures = {"update_ms": {"unfused": 3.0, "fused": 5.0, "steps": 4}, "optimizers_put_back": 1}
     row = {"name": "fused_optimizer", "changes": [], "numerics": [], "figures": figures}
     whole = summary_of(bare_report(units=[row], steps={"steps": 100, "steps_per_s": 100.0}))["whole_run"]
-    assert (whole["measuring_s"], whole["cost_s"]) == (0.012, 0.012)
+    assert (whole["measuring_s"], whole["cost_s"]) == (0.02, 0.02)

@@ -204,7 +204,8 @@ def test_the_report_and_settled_read_each_units_status(monkeypatch):
     from autogaudi import runtime
 
     seen = set()
-    autogaudi.enable(device="cpu", force="graph_capture", warmup_steps=1)
+    # forced: a fused optimizer is applied from its first step (timed, it decides only after 13)
+    autogaudi.enable(device="cpu", force="graph_capture,fused_optimizer", warmup_steps=1)
     session = runtime._STATE.session
     for _ in range(12):
         train(steps=1)

@@ -3,6 +3,7 @@
 REASONS = {
     "torch_fused": "torch fused=True kernels",
     "hpex": "hpex fused optimizers",
+    "timing": "the fused update timed beside torch's on copies; the run keeps torch's until it is decided",
     # why one optimizer runs unfused (figure kernel_refusals, and the notes)
     "parameter_type": "a parameter is a {type}, which the fused kernel does not take",
     "parameter_device": "a parameter is on {device}; the fused kernel runs on {devices}",
@@ -14,11 +15,13 @@ REASONS = {
     "optimizer_kept": "{optimizer} kept as is: {why}",
     "optimizer_unfused": "{optimizer} runs unfused from its next step on: {why}",
     # the fused update timed slower than torch's unfused one (note; the unit's reason once none is fused)
-    "fused_slower": "fused update measured slower: put back ({optimizer}: {fused} ms against {unfused} ms "
+    "fused_slower": "fused update measured slower: not used ({optimizer}: {fused} ms against {unfused} ms "
     "unfused, medians of {steps} updates)",
-    "gain_not_material": "fused update measured faster but by too little to change the run's numbers for: put "
-    "back ({optimizer}: {gain} ms saved of a {step} ms step, under {share:.0%}, or within the two arms' spread "
+    "gain_not_material": "fused update measured faster but by too little to change the run's numbers for: not "
+    "used ({optimizer}: {gain} ms saved of a {step} ms step, under {share:.0%}, or within the two arms' spread "
     "of {spread} ms)",
+    "remembered": "{decision}, as timed in run {run} on {date} ({speedup}x the update) with the same script, model "
+    "and inputs: taken at the step that run took it",
     "not_timed_several_ranks": "the fused update kept untimed: with several ranks each would decide on its own "
     "timings, and replicas updated by different kernels would drift apart",
     # notes: the rounding the fused update adds was not measured (the report says "not measured")

@@ -6,11 +6,13 @@ script's optimizer is built as written and stays the script's, so its checkpoint
 pickles are plain PyTorch's: on CPU and CUDA each step sets ``fused=True`` for the time of the
 update; on HPU the step runs an hpex optimizer that shares its state (:mod:`.hpu_format`).
 
-A fused update rounds otherwise than torch's per-op one: its first steps are measured against
-torch's unfused step on copies, and where the host waits for each op the two updates are timed on
-those copies; the fused one stays only where it is faster by a gain worth its rounding
-(:mod:`.update_times`). What torch refuses only inside the fused step is checked before each update
-(:mod:`.kernels`). docs/units/fused_optimizer.md has the rules and the measurements.
+A fused update rounds otherwise than torch's per-op one. Where the host waits for each op, the run
+keeps torch's unfused step while the fused update is measured beside it on copies (its rounding and
+its time), and switches to it only after a fixed number of steps, and only for a gain worth its
+rounding (:mod:`.update_times`): the run's numbers are plain's until then, and the same run after
+run. Where it is not timed, the fused update runs from the first step and its first steps are
+measured against torch's unfused step on copies. What torch refuses only inside the fused step is
+checked before each update (:mod:`.kernels`). docs/units/fused_optimizer.md has the rules and the measurements.
 """
 
 from __future__ import annotations
@@ -21,17 +23,10 @@ import weakref
 
 import torch
 
-from autogaudi import numerics, steps, trials
+from autogaudi import machine_load, numerics, steps, trials
 from autogaudi.events import Event
-from autogaudi.optimizations.fused_optimizer.hpu_format import (
-    group_steps,
-    int_steps,
-    mirror_groups,
-    raw_step,
-    torch_format_checkpoint,
-    torch_format_state,
-    torch_format_steps,
-)
+from autogaudi.memory import origin
+from autogaudi.optimizations.fused_optimizer.hpu_delegate import HpuDelegates
 from autogaudi.optimizations.fused_optimizer.kernels import (
     fused_format_steps,
     step_group_by_group,
@@ -49,17 +44,15 @@ FUSABLE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 # The classes whose torch kernel DTensor (FSDP2's parameters) has a sharding rule for (_fused_adam_,
 # _fused_adamw_); torch 2.13 has none for _fused_sgd_: SGD over DTensors raises NotImplementedError.
 TAKES_DTENSOR = (torch.optim.Adam, torch.optim.AdamW)
-# The run's first fused steps, each set beside torch's unfused step from the same state (on copies):
-# how far one fused update rounds from torch's own, for the report (numerics_measured).
+# The run's first steps, the fused update set beside torch's unfused one from the same state (one of
+# them on copies): how far one fused update rounds from torch's own, for the report (numerics_measured).
 MEASURED_STEPS = 3
-# The updates timed per optimizer, fused against unfused, before deciding: as many as a trial's arm.
+# The updates timed per optimizer, fused against unfused, after its first step (which allocates the
+# state both ways): as many as a trial's arm. The decision is taken after exactly these, in every run.
 TIMED_STEPS = 2 * trials.BLOCK * trials.ROUNDS
-# Updates timed each way after which two sets that do not overlap decide at once: every fused update
-# faster than every unfused one by the trials' rule, or none of them (by chance, 1 ordering in 70).
-SETTLED_AFTER = 4
 
 
-class FusedOptimizer(Unit):
+class FusedOptimizer(HpuDelegates, Unit):
     numerics = (ROUNDING,)  # one fused update rounds otherwise than torch's per-op one (measured on CPU)
     reasons = REASONS
     changed_figure = ("optimizers_fused", "{} optimizer(s) run as one fused kernel per step")
@@ -72,7 +65,7 @@ class FusedOptimizer(Unit):
     def apply(self) -> None:
         self.figures.update(optimizers_fused=0, optimizers_kept=0)
         self._fused_count = 0  # optimizers fused now
-        self._put_back_count = 0  # optimizers timed and put back (their timed steps ran fused)
+        self._put_back_count = 0  # optimizers timed and kept unfused (their steps never ran fused)
         self._step_seconds = collections.deque(maxlen=TIMED_STEPS)  # the training steps while timing
         self._last_step_end = None
         self._native = self.backend.name != "hpu"
@@ -85,8 +78,12 @@ class FusedOptimizer(Unit):
         self._extra_settings = {}  # optimizer class -> hpex-only group settings (bias_correction, ...)
         self._hooked_step = torch.optim.Optimizer.profile_hook_step(self._checked_step)
         self._rounding_steps, self._largest_rounding = 0, 0.0  # fused steps measured against torch's own
-        self._times = weakref.WeakKeyDictionary()  # optimizer -> its UpdateTimes, from its first fused step
+        # CPU: optimizer -> its UpdateTimes while the fused update is measured beside its own unfused step
+        self._trying = weakref.WeakKeyDictionary()
+        self._timed = []  # the UpdateTimes of every optimizer timed (the report's update_ms)
+        self._steps_seen = weakref.WeakKeyDictionary()  # optimizer being decided -> its steps counted at the last step
         self._decided_in_step = False  # a timing decided (or given up) in the step now running
+        self._record = None  # the last decision timed, for a later run to follow (measured_decision)
         if not self.backend.host_runs_ahead:
             self.on(Event.TRAINING_STEP, self._step_ended)
         for optimizer_class in FUSABLE:
@@ -114,14 +111,36 @@ class FusedOptimizer(Unit):
         if unfusable:
             self._kept(owner, unfusable.text, refusal=unfusable.code)
             self._count_refusal(unfusable)
-        elif self._native:
-            self._fused[instance] = None
+        elif self._native and self._timed_here():
+            self._trying[instance] = UpdateTimes()
+            self._timed.append(self._trying[instance])
             self._route_steps(owner)
-            self._count_fused(+1)
-            self.because("torch_fused")
+            self.because("timing")
+        elif self._native:
+            self._fuse(instance)
+            self._route_steps(owner)
         else:
             self._attach_hpu_delegate(owner, instance, hyperparameters)
         return result
+
+    def _timed_here(self) -> bool:
+        """Whether this optimizer's update is timed before it is fused: only where the host waits for
+        each op (CPU; where it queues ahead of the device, timing would take a synchronisation, on HPU
+        lazy a graph break, the run would not have), and not with several ranks (each would decide on
+        its own timings, and replicas on different kernels drift apart). ``--force``d: fused untimed,
+        the user taking its rounding."""
+        if self.backend.host_runs_ahead or self.name in self.options.force:
+            return False
+        if several_ranks():
+            self.note("not_timed_several_ranks")
+            return False
+        return True
+
+    def _fuse(self, optimizer) -> None:
+        """From its next update on, ``optimizer`` runs torch's fused kernel (CPU, CUDA)."""
+        self._fused[optimizer] = None
+        self._count_fused(+1)
+        self.because("torch_fused")
 
     def needs_work_on_device(self) -> bool:
         return not self._native  # the hpex path; torch's fused=True runs on the host too
@@ -166,7 +185,12 @@ class FusedOptimizer(Unit):
 
     def _stop_fusing(self, optimizer) -> bool:
         """Give ``optimizer`` back to torch's own step, its state in the unfused format; False where
-        it was not fused."""
+        it was not fused (or timed: it then never ran fused)."""
+        if self._trying.pop(optimizer, None) is not None:
+            self._decided_in_step = True
+            if not self._trying:
+                self.session.windows.release(self)
+            return True
         if optimizer in self._fused:
             del self._fused[optimizer]
         elif not self._hand_back(optimizer):
@@ -181,18 +205,14 @@ class FusedOptimizer(Unit):
         self.figures["optimizers_fused"] = self._fused_count
 
     def numerics_in_run(self) -> tuple:
-        # An optimizer put back ran fused in its timed steps: their rounding is in the run.
-        return self.numerics_on(self.backend) if self._fused_count or self._put_back_count else ()
+        # An optimizer timed and kept unfused never ran fused: only a fused one's rounding is in the run.
+        return self.numerics_on(self.backend) if self._fused_count else ()
 
     def decision(self) -> Status:
-        if self._timing():
+        if self._trying:
             return Status.DECIDING
         # With none fused: waiting for an optimizer, unless one was timed and put back (decided).
         return Status.NOT_NEEDED if self._put_back_count else Status.WATCHING
-
-    def _timing(self) -> bool:
-        """Whether a fused optimizer is still timed: it may yet be put back, and its timed steps make copies."""
-        return any(not times.decided for optimizer, times in self._times.items() if self._still_fused(optimizer))
 
     # Each step of an optimizer it fused --------------------------------------------------------
 
@@ -204,7 +224,7 @@ class FusedOptimizer(Unit):
             self.wrap(owner, "step", self._step)
 
     def _step(self, wrapped, instance, args, kwargs):
-        if instance not in self._fused and instance not in self._delegates:
+        if instance not in self._fused and instance not in self._delegates and instance not in self._trying:
             return wrapped(*args, **kwargs)
         if len(args) + len(kwargs) > 1 or set(kwargs) - {"closure"}:  # torch raises its own TypeError
             return wrapped(*args, **kwargs)
@@ -215,33 +235,37 @@ class FusedOptimizer(Unit):
 
     def _checked_step(self, optimizer, closure=None):
         """torch's step, with the closure run first (its gradients are checked too) and the update
-        fused only where the kernel takes this step's tensors; else the script's own unfused step."""
+        fused only where the kernel takes this step's tensors; else the script's own unfused step.
+        While an optimizer is timed, its step is torch's unfused one and the fused update runs beside
+        it on copies."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()  # the user's code: its exceptions propagate untouched
-        reference, times = None, None
+        reference, shadow = None, None
         with self.fail_open():
             unfusable = self._unfusable(optimizer)
             if unfusable:
                 self._unfuse(optimizer, unfusable)
+            elif optimizer in self._trying and self.recalled_trial() is None:
+                shadow = self._fused_on_copies(optimizer)
             else:
-                times = self._times_this_step(optimizer)
-                reference = self._unfused_reference(optimizer, times)
-        started = steps.clock() if times is not None and reference is not None else None
+                reference = self._unfused_reference(optimizer)
+        started = steps.clock()
         if optimizer in self._fused:
             self._torch_fused_step(optimizer)
         elif optimizer in self._delegates:
             self._delegate_step(optimizer)
         else:
             self._raw_steps[type(optimizer)](optimizer)
-        if reference is not None:
-            ended = steps.clock() if started is not None else None
-            with self.fail_open():
-                self._rounding_measured(optimizer, reference)
-                if started is not None and self._still_fused(optimizer):
-                    times.fused.append(ended - started)
-                    self._decide(optimizer, times)
+        unfused_s = steps.clock() - started
+        with self.fail_open():
+            if reference is not None and self._still_fused(optimizer):
+                self._rounding_measured(numerics.parameters(optimizer), reference)
+            elif optimizer in self._trying:
+                if shadow is not None:
+                    self._rounding_measured(shadow[0], numerics.parameters(optimizer))
+                self._counted_step(optimizer, shadow[1] if shadow is not None else None, unfused_s)
         return loss
 
     def _still_fused(self, optimizer) -> bool:
@@ -249,60 +273,90 @@ class FusedOptimizer(Unit):
 
     # Is the fused update faster? -------------------------------------------------------------------
 
-    def _times_this_step(self, optimizer):
-        """The UpdateTimes this step's updates go to, or None: timed only where the host waits for
-        each op (CPU; where it queues ahead of the device, timing would take a synchronisation, on HPU
-        lazy a graph break, the run would not have), not with several ranks (each would decide on its
-        own timings, and replicas on different kernels drift apart), not in an optimizer's first
-        fused step (both updates allocate the state), and not once decided."""
-        if self.backend.host_runs_ahead:
+    def _fused_on_copies(self, optimizer):
+        """(the parameters the fused update gives from this state, its seconds) on copies, the
+        optimizer and its tensors left as they were; None where no copy is made (it is then fused
+        untimed from this step on: see :meth:`_copies_refused`)."""
+        if self._copies_refused(optimizer):
             return None
-        if optimizer not in self._times:  # its first fused step: whether it will be timed is settled here
-            self._times[optimizer] = UpdateTimes(decided=several_ranks())
-            if self._times[optimizer].decided:
-                self.note("not_timed_several_ranks")
-            else:  # timed from the next step: the steps are held from this one
-                self.session.windows.take(self)
-            return None
-        times = self._times[optimizer]
-        # The timed steps run torch's unfused update too, on copies: they hold the steps' windows, so
-        # that no trial times them meanwhile (a remembered capture's check read w1's steps 1.73x slow).
-        if times.decided or not self.session.windows.take(self):
-            return None
-        return times
+        seconds = []
 
-    def _timed_unfused_step(self, optimizer, times) -> None:
-        started = steps.clock()
-        self._raw_steps[type(optimizer)](optimizer)
-        times.unfused.append(steps.clock() - started)
+        def fused_update(copy) -> None:  # ``copy``: the optimizer holding the copied groups and state
+            for group in copy.param_groups:
+                group["fused"] = True  # the copied group only: the script's stays as it set it
+            started = steps.clock()
+            self._raw_steps[type(optimizer)](copy)
+            seconds.append(steps.clock() - started)
+
+        try:  # numerics.unfused_update runs the step it is given on copies: here the fused one
+            return numerics.unfused_update(optimizer, fused_update), seconds[0]
+        except RuntimeError as error:  # the kernel refused these tensors: the run never needed it
+            self._unfuse(optimizer, self.reason_for("fused_step_raised", error=error))
+            return None
+
+    def _counted_step(self, optimizer, fused_s, unfused_s: float) -> None:
+        """One more step of an optimizer being decided: after its first (which allocates the state
+        both ways), both updates' times go to its UpdateTimes (``fused_s`` None: not timed, a
+        remembered decision is followed); after 1 + TIMED_STEPS steps it is decided, in this step,
+        whatever the timings: the step it switches at is the same in every run, first or warm."""
+        times = self._trying[optimizer]
+        times.steps += 1
+        self.session.windows.take(self)  # timed: no other measurement starts meanwhile (none is waited for)
+        if fused_s is not None and times.steps > 1:
+            times.fused.append(fused_s)
+            times.unfused.append(unfused_s)
+            self._update_figure()
+        if times.steps > TIMED_STEPS:
+            self._decide(optimizer, times)
 
     def _decide(self, optimizer, times) -> None:
-        """With TIMED_STEPS updates timed each way, or SETTLED_AFTER where the two sets are apart: keep
-        the fused one where the trials' rule finds it faster on the medians, else put the optimizer
-        back to the script's own kernels."""
-        self._update_figure()
-        timed = len(times.fused)
-        if timed < TIMED_STEPS and not (timed >= SETTLED_AFTER and times.apart()):
-            return
-        times.decided = True
-        if not self._timing():
+        """Fuse the optimizer from its next step where the trials' rule finds the fused update faster
+        by a gain material to the step, else keep it on the script's own kernels, never fused; where
+        a run with the same set-up, model and inputs decided, as it did."""
+        del self._trying[optimizer]
+        if not self._trying:
             self.session.windows.release(self)
+        self._decided_in_step = True
+        remembered = self.recalled_trial()
+        if remembered is not None:
+            self._follow(optimizer, remembered)
+            return
         fused, unfused = trials.median(times.fused), trials.median(times.unfused)
+        self._record = {
+            "candidate": self.name,
+            "decision": "rejected",
+            "speedup": round(unfused / fused, 3) if fused else None,
+            "ms_per_step_with": round(1000 * fused, 3),
+            "ms_per_step_without": round(1000 * unfused, 3),
+            "load": machine_load.slowdown(),
+        }
         if not trials.faster(fused, unfused):
             self._put_back(optimizer, "fused_slower", fused=fused, unfused=unfused, steps=len(times.fused))
         elif (why := gain_not_material(times, self._step_s())) is not None:
             self._put_back(optimizer, "gain_not_material", **why)
-        self._decided_in_step = True
+        else:
+            self._record["decision"] = "kept"
+            self._fuse(optimizer)
+
+    def _follow(self, optimizer, record: dict) -> None:
+        """A remembered decision, taken at the step the run that measured it took it."""
+        said = dict(decision=record["decision"], speedup=record.get("speedup"), **origin(record))
+        if record["decision"] == "kept":
+            self._fuse(optimizer)
+            self.because("remembered", **said)
+        else:
+            self._put_back(optimizer, "remembered", **said)
+
+    def measured_decision(self):
+        return self._record
 
     def _step_s(self):
         """The median training step measured while the updates were timed, or None."""
         return trials.median(self._step_seconds) if self._step_seconds else None
 
     def _put_back(self, optimizer, code: str, **values) -> None:
-        """``optimizer`` back to the script's own kernels from its next step on, for ``code``: measured
-        slower, or a gain too small to be worth its rounding."""
-        if not self._stop_fusing(optimizer):
-            return
+        """``optimizer`` kept on the script's own kernels, for ``code``: measured slower, or a gain
+        too small to be worth its rounding."""
         self._put_back_count += 1
         self.figures["optimizers_put_back"] = self._put_back_count
         if code == "fused_slower":
@@ -312,11 +366,19 @@ class FusedOptimizer(Unit):
         if not self._fused_count:
             self.because(code, **said)
 
-    def _step_ended(self, _optimizer) -> None:
+    def _step_ended(self, optimizer) -> None:
         """A decision made in a step counts once the step is over: the run's steady state starts after
-        it. While an update is timed, the step's own time is kept: the gain is weighed against it."""
+        it. While an update is timed, the step's own time is kept: the gain is weighed against it. An
+        optimizer being decided whose step did not come through the unit's route (an LR scheduler
+        built after it wraps its step around the class's) is left as the script built it."""
+        times = self._trying.get(optimizer)
+        if times is not None and times.steps == self._steps_seen.get(optimizer, 0):
+            self._stop_fusing(optimizer)
+            self._kept(type(optimizer), "its step does not reach the unit")
+        elif times is not None:
+            self._steps_seen[optimizer] = times.steps
         now = steps.clock()
-        if self._last_step_end is not None and self._timing():
+        if self._last_step_end is not None and self._trying:
             self._step_seconds.append(now - self._last_step_end)
         self._last_step_end = now
         if self._decided_in_step:
@@ -324,56 +386,59 @@ class FusedOptimizer(Unit):
             self.session.check_settled()
 
     def _update_figure(self) -> None:
-        """``update_ms``: the updates timed of the optimizers still fused, fused against torch's
-        unfused one on the same steps (the report's effect of the unit); where every optimizer timed
-        was put back, what they measured stays."""
-        timed = [times for optimizer, times in self._times.items() if self._still_fused(optimizer) and times.fused]
-        if not timed:
-            return
-        self.figures["update_ms"] = update_ms(timed)
+        """``update_ms``: every optimizer's updates timed, fused (on copies) against torch's unfused
+        one on the same steps (the report's effect of the unit where one is fused)."""
+        timed = [times for times in self._timed if times.fused]
+        if timed:
+            self.figures["update_ms"] = update_ms(timed)
 
     # How far the fused update is from torch's own -------------------------------------------------
 
-    def _unfused_reference(self, optimizer, times):
-        """In the run's first MEASURED_STEPS fused steps, and in the steps ``times`` (UpdateTimes or
-        None) is timed in: the parameters torch's unfused step would give from this state, computed
-        on copies (:func:`autogaudi.numerics.unfused_update`); else None. Where a copy would not fit,
-        or the parameters are DTensors or shared with other processes (whose writes a comparison
-        would count), it is neither measured nor timed."""
-        if (self._rounding_steps >= MEASURED_STEPS and times is None) or not self._still_fused(optimizer):
+    def _unfused_reference(self, optimizer):
+        """In the run's first MEASURED_STEPS fused steps: the parameters torch's unfused step would
+        give from this state, computed on copies (:func:`autogaudi.numerics.unfused_update`); else None."""
+        if self._rounding_steps >= MEASURED_STEPS or not self._still_fused(optimizer):
             return None
+        if self._copies_refused(optimizer):
+            return None
+        return numerics.unfused_update(optimizer, self._raw_steps[type(optimizer)], self._group_steps(optimizer))
+
+    def _copies_refused(self, optimizer) -> bool:
+        """Whether no copy of ``optimizer``'s tensors is made: where a copy would not fit, or the
+        parameters are DTensors or shared with other processes (whose writes a comparison would
+        count). Its rounding is then not measured, and a timed optimizer is fused untimed from this
+        step on, as where its update is not timed."""
         name = type(optimizer).__name__
         if not numerics.plain_tensors(optimizer):
             self._not_measured(optimizer, "rounding_not_measured_dtensor", optimizer=name)
-            return None
-        if any(param.is_shared() for param in numerics.parameters(optimizer)):
+        elif any(param.is_shared() for param in numerics.parameters(optimizer)):
             self._not_measured(optimizer, "rounding_not_measured_shared", optimizer=name)
-            return None
-        tensors = numerics.optimizer_tensors(optimizer)
-        if not numerics.copy_fits(tensors, self.backend):
+        elif not numerics.copy_fits(tensors := numerics.optimizer_tensors(optimizer), self.backend):
             gb = sum(tensor.numel() * tensor.element_size() for tensor in tensors) / 1024**3
             self._not_measured(
                 optimizer, "rounding_not_measured_memory", optimizer=name, gb=gb, share=numerics.FREE_SHARE
             )
-            return None
-        step = self._raw_steps[type(optimizer)]
-        if times is not None:
-            step = functools.partial(self._timed_unfused_step, times=times)
-        return numerics.unfused_update(optimizer, step, self._group_steps(optimizer))
+        else:
+            return False
+        return True
 
     def _not_measured(self, of, code: str, **params) -> None:
-        """No copies: the rounding is not measured, and the fused update of ``of`` (an optimizer) stays untimed."""
+        """No copies: the rounding is not measured, and ``of`` (an optimizer), where it was to be
+        timed, is fused untimed."""
         self._rounding_steps = MEASURED_STEPS
-        self._times.setdefault(of, UpdateTimes()).decided = True
         self.note(code, **params)
-        self._decided_in_step = True
+        if self._trying.pop(of, None) is not None:
+            self._fuse(of)
+            self._decided_in_step = True
+            if not self._trying:
+                self.session.windows.release(self)
 
-    def _rounding_measured(self, optimizer, reference) -> None:
-        """The fused step just taken against ``reference``, while the optimizer is still fused (a
-        fused step that raised finished unfused: nothing to compare)."""
-        if self._rounding_steps >= MEASURED_STEPS or not self._still_fused(optimizer):
+    def _rounding_measured(self, fused, unfused) -> None:
+        """One step's fused update (``fused``: its parameters) against torch's unfused one, in the
+        run's first MEASURED_STEPS measured steps."""
+        if self._rounding_steps >= MEASURED_STEPS:
             return
-        difference = numerics.largest_relative_difference(numerics.parameters(optimizer), reference)
+        difference = numerics.largest_relative_difference(fused, unfused)
         self._rounding_steps += 1
         self._largest_rounding = max(self._largest_rounding, difference)
         self.figures["numerics_measured"] = numerics.measured(
@@ -395,81 +460,3 @@ class FusedOptimizer(Unit):
             self._raw_steps[type(optimizer)],
             lambda error: self._unfuse(optimizer, self.reason_for("fused_step_raised", error=error)),
         )
-
-    # HPU: an hpex optimizer behind the user's torch.optim object --------------------------------
-
-    def _attach_hpu_delegate(self, owner, instance, hyperparameters) -> None:
-        params = [p for group in instance.param_groups for p in group["params"]]
-        if not params:
-            self._kept(owner, "it has no parameters yet")
-            return
-        delegate = self.backend.fused_optimizer(owner, params, hyperparameters)
-        # Share the user's state and mirror their groups before each step: schedulers,
-        # param_groups edits and checkpoints act on the user's object, the kernel sees the result.
-        self._extra_settings[owner] = {
-            key: value for key, value in delegate.defaults.items() if key not in instance.defaults
-        }
-        self._share_groups(instance, delegate)
-        handles = (
-            self.hook(
-                instance.register_state_dict_post_hook,
-                functools.partial(torch_format_checkpoint, steps=self._group_steps),
-            ),
-            self.hook(instance.register_load_state_dict_post_hook, int_steps),
-        )
-        int_steps(instance)
-        self._delegates[instance] = (delegate, handles)
-        self._route_steps(owner)
-        if not self._getstate_wrapped:
-            # A copy or pickle of the object carries torch's state (tensor steps from the group
-            # counters), which a plain torch.optim object steps on correctly.
-            self._getstate_wrapped = True
-            self.wrap(torch.optim.Optimizer, "__getstate__", self._torch_format_getstate)
-        self._count_fused(+1)
-
-    def _share_groups(self, instance, delegate) -> None:
-        """Point the hpex optimizer at the user's state (``load_state_dict`` replaces that dict) and
-        at one mirror per non-empty user group (it rejects empty ones): the user's current values
-        (a scheduler's lr) plus its own settings and counters, kept across steps. A new group (or
-        one ``load_state_dict`` rebuilt) starts its counter from its parameters' saved steps."""
-        delegate.state = instance.state
-        known = self._mirrors.setdefault(instance, {})
-        extra = self._extra_settings[type(instance)]
-        mirrors = self._mirrors[instance] = mirror_groups(instance.param_groups, instance.state, extra, known)
-        delegate.param_groups = [mirror for _, mirror in mirrors.values()]
-
-    def _group_steps(self, optimizer) -> dict:
-        """The step count of each parameter, from its group's counter (the bridge keeps no other)."""
-        return group_steps(self._mirrors.get(optimizer, {}))
-
-    def _delegate_step(self, optimizer) -> None:
-        done = False
-        with self.fail_open():
-            delegate = self._delegates[optimizer][0]
-            self._share_groups(optimizer, delegate)  # add_param_group / load_state_dict may have run
-            raw_step(delegate)(delegate)
-            done = True
-        if not done:  # the unit was reverted and the state handed back: take torch's own step
-            self._raw_steps[type(optimizer)](optimizer)
-
-    def _torch_format_getstate(self, wrapped, instance, args, kwargs):
-        state = wrapped(*args, **kwargs)
-        if instance not in self._delegates:
-            return state
-        return torch_format_state(state, self._group_steps(instance))
-
-    def _hand_back(self, optimizer) -> bool:
-        """Give an hpex-stepped optimizer back to torch: its state in torch's format, no hook of ours
-        left on it. False where it was not one."""
-        delegate = self._delegates.pop(optimizer, None)
-        if delegate is None:
-            return False
-        torch_format_steps(optimizer, self._group_steps(optimizer))
-        for handle in delegate[1]:
-            handle.remove()
-        self._mirrors.pop(optimizer, None)
-        return True
-
-    def _hand_state_back_to_torch(self) -> None:
-        for optimizer in list(self._delegates):
-            self._hand_back(optimizer)

@@ -1,42 +1,36 @@
-"""An optimizer's updates timed both ways, fused and torch's unfused, and what they say: whether the
-two sets are apart by the trials' rule, and whether the fused update's gain is worth the rounding it
-adds to the run's numbers."""
+"""An optimizer's updates timed both ways, torch's unfused one (the run's) and the fused one (on
+copies), and whether the fused update's gain is worth the rounding it would add to the run's
+numbers: the trials' one rule (:func:`autogaudi.trials.keeps`) with the materiality of a change to
+the numbers."""
 
 from __future__ import annotations
 
 from autogaudi import trials
 
 # The share of the training step the fused update must save to be kept: a unit that changes the run's
-# numbers does so only for a gain that matters to the run.
-MATERIAL_SHARE = 0.01
+# numbers does so only for a gain that matters to the run, and far enough from the line that a busy
+# run does not read it on the other side (a CPU update's usual gain, ~1% of the step, flipped there).
+MATERIAL_SHARE = 0.05
 
 
 class UpdateTimes:
-    """One optimizer's updates timed (seconds): torch's unfused one on the copies, the fused one.
-    A plain class, not a dataclass: the unit imports it at start, where making a dataclass costs more
-    than the rest of its module."""
+    """One optimizer's updates timed (seconds): torch's unfused one, the run's own, and the fused
+    one on copies; ``steps``: its steps seen while deciding. A plain class, not a dataclass: the
+    unit imports it at start, where making a dataclass costs more than the rest of its module."""
 
-    def __init__(self, unfused=None, fused=None, decided: bool = False):
+    def __init__(self, unfused=None, fused=None):
         self.unfused: list = [] if unfused is None else unfused
         self.fused: list = [] if fused is None else fused
-        self.decided = decided
-
-    def apart(self) -> bool:
-        """Whether the trials' rule says the same of every fused update against every unfused one:
-        the medians can then only say it too."""
-        return trials.faster(max(self.fused), min(self.unfused)) or not trials.faster(
-            min(self.fused), max(self.unfused)
-        )
+        self.steps = 0
 
 
 def gain_not_material(times: UpdateTimes, step_s) -> dict | None:
-    """Why the fused update's gain (the medians' difference) is not worth its rounding, as a reason's
-    values, or None where it is: it must save at least MATERIAL_SHARE of the step (``step_s``, the
-    median training step measured meanwhile; None where no step was measured) and be clearly faster
-    by the trials' rule (beyond the two arms' spread)."""
-    gain = trials.median(times.unfused) - trials.median(times.fused)
-    if step_s is not None and gain >= MATERIAL_SHARE * step_s and trials.clearly_faster(times.fused, times.unfused):
+    """Why the fused update is not kept, as a reason's values, or None where it is: by the trials'
+    rule with ``MATERIAL_SHARE`` of the step (``step_s``, the median training step measured
+    meanwhile; None where no step was measured)."""
+    if trials.keeps(times.fused, times.unfused, step_s, materiality=MATERIAL_SHARE):
         return None
+    gain = trials.median(times.unfused) - trials.median(times.fused)
     noise = trials.spread(times.fused) + trials.spread(times.unfused)
     return {
         "gain": round(1000 * gain, 3),

@@ -20,11 +20,13 @@ class Timing:
         self.batches = 0
         self.waited = 0.0
         self.computed = 0.0
+        self.seconds: list = []  # each batch's time, waiting and computing: the trials' rule reads them
 
     def add(self, waited: float, computed: float) -> None:
         self.batches += 1
         self.waited += waited
         self.computed += computed
+        self.seconds.append(waited + computed)
 
     @property
     def input_bound(self) -> float:
