@@ -30,9 +30,10 @@ from autogaudi.status import Status
 
 # How a unit can make a run's numbers differ from plain PyTorch's on the same machine (losses,
 # parameters, gradients, random draws; docs/numerics.md), as the report and --exact's reason say it.
-ROUNDING, RANDOM, PRECISION, DATA = "rounding", "random", "precision", "data"
+ROUNDING, RANDOM, PRECISION, DATA, FORMULA = "rounding", "random", "precision", "data", "formula"
 NUMERICS = {
     ROUNDING: "rounding (the same maths, summed or fused in another order)",
+    FORMULA: "formula (a kernel whose update rule differs from torch's; its bound in docs/numerics.md)",
     RANDOM: "random draws (other dropout masks or samples, from the same distributions)",
     PRECISION: "precision (lower-precision arithmetic)",
     DATA: "the batches (samples repeated or dropped)",

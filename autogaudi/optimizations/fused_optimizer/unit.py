@@ -38,7 +38,7 @@ from autogaudi.optimizations.fused_optimizer.reasons import REASONS
 from autogaudi.optimizations.fused_optimizer.update_times import UpdateTimes, gain_not_material, update_ms
 from autogaudi.ranks import several_ranks
 from autogaudi.status import Status
-from autogaudi.unit import ROUNDING, Unit
+from autogaudi.unit import FORMULA, ROUNDING, Unit
 
 FUSABLE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 # The classes whose torch kernel DTensor (FSDP2's parameters) has a sharding rule for (_fused_adam_,
@@ -54,6 +54,12 @@ TIMED_STEPS = 2 * trials.BLOCK * trials.ROUNDS
 
 class FusedOptimizer(HpuDelegates, Unit):
     numerics = (ROUNDING,)  # one fused update rounds otherwise than torch's per-op one (measured on CPU)
+
+    @classmethod
+    def numerics_on(cls, backend) -> tuple:
+        """On HPU the hpex kernels: FusedAdamW adds eps before the bias correction (:mod:`.hpu_format`)."""
+        return (ROUNDING, FORMULA) if backend.name == "hpu" else cls.numerics
+
     reasons = REASONS
     changed_figure = ("optimizers_fused", "{} optimizer(s) run as one fused kernel per step")
     targets = tuple(f"torch.optim.{cls.__name__}.__init__" for cls in FUSABLE)
