@@ -930,7 +930,7 @@ def test_a_warm_run_takes_the_remembered_decision_at_the_step_the_first_run_took
     assert len(calls) == (more if fused else 0)
     # no copy while deciding; once fused, its first steps' rounding is measured against torch's
     assert len(copies) == (min(more, fused_optimizer.MEASURED_STEPS) if fused else 0)
-    assert row["reason_code"] == "remembered" and row["figures"]["optimizers_fused"] == int(fused)
+    assert row["reason_code"] == "remembered_timing" and row["figures"]["optimizers_fused"] == int(fused)
     assert "update_ms" not in row["figures"]
 
 

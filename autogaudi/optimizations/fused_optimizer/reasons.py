@@ -20,8 +20,8 @@ REASONS = {
     "gain_not_material": "fused update measured faster but by too little to change the run's numbers for: not "
     "used ({optimizer}: {gain} ms saved of a {step} ms step, under {share:.0%}, or within the two arms' spread "
     "of {spread} ms)",
-    "remembered": "{decision}, as timed in run {run} on {date} ({speedup}x the update) with the same script, model "
-    "and inputs: taken at the step that run took it",
+    "remembered_timing": "{decision}, as timed in run {run} on {date} ({speedup}x the update) with the same script, "
+    "model and inputs: taken at the step that run took it",
     "not_timed_several_ranks": "the fused update kept untimed: with several ranks each would decide on its own "
     "timings, and replicas updated by different kernels would drift apart",
     # notes: the rounding the fused update adds was not measured (the report says "not measured")

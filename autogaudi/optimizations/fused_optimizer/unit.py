@@ -349,9 +349,9 @@ class FusedOptimizer(HpuDelegates, Unit):
         said = dict(decision=record["decision"], speedup=record.get("speedup"), **origin(record))
         if record["decision"] == "kept":
             self._fuse(optimizer)
-            self.because("remembered", **said)
+            self.because("remembered_timing", **said)
         else:
-            self._put_back(optimizer, "remembered", **said)
+            self._put_back(optimizer, "remembered_timing", **said)
 
     def measured_decision(self):
         return self._record
