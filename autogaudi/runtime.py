@@ -33,6 +33,7 @@ class _Runtime:
         self.options = None  # Options while enabled, None while disabled
         self.sources = []  # the entry points that enabled autogaudi, in order (for the report)
         self.session = None  # the live Session once torch is imported
+        self.starting = False  # a session is being started (its backend probe may import the bridge)
         self.decided_before_bridge = (
             None  # autogaudi.before_bridge.decide's, taken as torch or the bridge began importing
         )
@@ -164,8 +165,9 @@ def _on_torch_imported(module) -> None:
     if "torch" not in sys.modules or any(_importing(name) for name in others):
         return  # the other import's completion calls again
     with _STATE.lock, collector_paused():
-        if _STATE.options is None or _STATE.session is not None:
-            return
+        if _STATE.options is None or _STATE.session is not None or _STATE.starting:
+            return  # starting: the bridge's import, by the backend probe of the session being started
+        _STATE.starting = True
         try:
             from autogaudi.session import Session
 
@@ -175,6 +177,8 @@ def _on_torch_imported(module) -> None:
         except Exception as error:
             sys.stderr.write(f"autogaudi: could not start, running plain PyTorch: {error!r}\n")
             return
+        finally:
+            _STATE.starting = False
         _STATE.session = session
 
 

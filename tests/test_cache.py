@@ -10,6 +10,7 @@ import re
 import time
 
 import pytest
+import wrapt
 
 import autogaudi
 from autogaudi.cache import LAYOUT, NOTES, TAG, Cache
@@ -155,6 +156,8 @@ def test_the_hpu_recipe_cache_is_set_before_the_bridge_loads_and_recipes_are_fou
     import torch
 
     autogaudi.enable(device="hpu", no_cache=False, cache_dir=str(tmp_path), cache_max_mb=64)
+    # the session's backend probe imported the bridge: that import started no second session
+    assert not isinstance(vars(torch.autograd)["backward"].__wrapped__, wrapt.FunctionWrapper)
     recipes = tmp_path / "compile" / "hpu_recipes"
     metrics = importlib.import_module("habana_frameworks.torch.hpu.metrics")
     assert metrics.RECIPE_CACHE == f"{recipes},false,64"  # what the bridge read when it loaded
