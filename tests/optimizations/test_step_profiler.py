@@ -291,7 +291,7 @@ def test_the_census_waits_for_another_units_timing_but_not_for_an_optimizer_that
                 idle.step()
             seen.append(profile_row()["reason_code"])
         started = profile_row()["figures"]["profiled_at_step"] - 2 * DECIDING_PAIRS
-        decided = 1 + fused_optimizer.SETTLED_AFTER  # the main optimizer's update decided
+        decided = 1 + fused_optimizer.TIMED_STEPS  # the main optimizer's update decided
         assert "others_measuring" in seen
         if stepped_twice:  # held back by the undecided optimizer, until its hold went stale
             assert decided < started <= decided + step_windows.STALE_STEPS, seen

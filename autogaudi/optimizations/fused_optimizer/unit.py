@@ -194,8 +194,7 @@ class FusedOptimizer(HpuDelegates, Unit):
         it was not fused (or timed: it then never ran fused)."""
         if self._trying.pop(optimizer, None) is not None:
             self._decided_in_step = True
-            if not self._trying:
-                self.session.windows.release(self)
+            self._release_windows()
             return True
         if optimizer in self._fused:
             del self._fused[optimizer]
@@ -315,13 +314,18 @@ class FusedOptimizer(HpuDelegates, Unit):
         if times.steps > TIMED_STEPS:
             self._decide(optimizer, times)
 
+    def _release_windows(self) -> None:
+        """The steps are given back once no optimizer that has stepped is still timed: one built and
+        never stepped holds no other measurement back."""
+        if not any(times.steps for times in self._trying.values()):
+            self.session.windows.release(self)
+
     def _decide(self, optimizer, times) -> None:
         """Fuse the optimizer from its next step where the trials' rule finds the fused update faster
         by a gain material to the step, else keep it on the script's own kernels, never fused; where
         a run with the same set-up, model and inputs decided, as it did."""
         del self._trying[optimizer]
-        if not self._trying:
-            self.session.windows.release(self)
+        self._release_windows()
         self._decided_in_step = True
         remembered = self.recalled_trial()
         if remembered is not None:
@@ -436,8 +440,7 @@ class FusedOptimizer(HpuDelegates, Unit):
         if self._trying.pop(of, None) is not None:
             self._fuse(of)
             self._decided_in_step = True
-            if not self._trying:
-                self.session.windows.release(self)
+            self._release_windows()
 
     def _rounding_measured(self, fused, unfused) -> None:
         """One step's fused update (``fused``: its parameters) against torch's unfused one, in the
