@@ -35,8 +35,13 @@ MAX_GRAPHS = 8  # the most graphs the buckets may cost, one more batch size (a s
 LENGTHS_KEPT = 256  # batches whose lengths are kept to choose buckets from
 
 
-def compiled_graphs():
-    """Graphs torch.compile has built in this process (Dynamo's own counter), or None before any compile."""
+def compiled_graphs(backend):
+    """Graphs compiled in this process, or None before any compile: on HPU the bridge's own count
+    (``graph_compilation``: lazy mode's graphs, HPU graphs, its torch.compile backend's), elsewhere
+    Dynamo's (``unique_graphs``)."""
+    if backend.name == "hpu":
+        metrics = sys.modules.get("habana_frameworks.torch.hpu.metrics")
+        return None if metrics is None else dict(metrics.metric_global("graph_compilation").stats())["TotalNumber"]
     utils = sys.modules.get("torch._dynamo.utils")
     return None if utils is None else utils.counters["stats"]["unique_graphs"]
 
@@ -100,7 +105,7 @@ class ShapeBuckets(Unit):
         self.because("waiting_for_profile")
 
     def _shapes(self) -> dict:
-        graphs = compiled_graphs()
+        graphs = compiled_graphs(self.backend) if self._graphs_at else None  # read once bucketing began
         start, warm = self._graphs_at.get("start"), self._graphs_at.get("warm")
         return {
             "distinct_before": len(self._before),
@@ -167,7 +172,7 @@ class ShapeBuckets(Unit):
         self._buckets = buckets.choose(self._lengths, most) if self._lengths else ()
         self._padding_idx = padding.embedding_padding_idx(model)
         self._forward = getattr(model, "_orig_mod", model).forward  # names the arguments (a compiled module's own)
-        self._graphs_at["start"] = compiled_graphs() or 0
+        self._graphs_at["start"] = compiled_graphs(self.backend) or 0
         self._scope = self.scope.child()
         self.hold(model, Layer.INPUTS, self._around, self._scope)
         self.on(Event.TRAINING_STEP, self._stepped, self._scope)
@@ -186,7 +191,7 @@ class ShapeBuckets(Unit):
             self._refuse("traced")
             return
         if "warm" not in self._graphs_at and self._checked is not None and self._met >= set(self._buckets):
-            self._graphs_at["warm"] = compiled_graphs() or 0
+            self._graphs_at["warm"] = compiled_graphs(self.backend) or 0
         self.figures["shapes"] = self._shapes()
 
     def _bucket(self, length: int) -> int:
@@ -203,9 +208,10 @@ class ShapeBuckets(Unit):
         if torch.compiler.is_compiling():  # the script's torch.compile traces this call: left as it is
             self._traced = True
             return call(*args, **kwargs)
+        via_host = self.backend.name == "hpu" and self.backend.is_lazy  # every op's shapes make its graph
         try:
             rows, length, plan = padding.fills(
-                padding.named_arguments(self._forward, args, kwargs), self._fills, self._padding_idx
+                padding.named_arguments(self._forward, args, kwargs, via_host), self._fills, self._padding_idx
             )
         except padding.NotPadded as why:
             if why.lasting:
@@ -217,7 +223,7 @@ class ShapeBuckets(Unit):
             # nothing to pad, or nothing padded before a training call is checked
             self._reached(args, kwargs, rows, length, length, training)
             return call(*args, **kwargs)
-        padded_args, padded_kwargs = padding.padded_call(self._forward, args, kwargs, plan, bucket)
+        padded_args, padded_kwargs = padding.padded_call(self._forward, args, kwargs, plan, bucket, via_host)
         checked = self._checked is not None or self._check(
             (args, kwargs), (padded_args, padded_kwargs), rows, length, bucket
         )
