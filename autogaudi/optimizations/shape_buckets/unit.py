@@ -25,8 +25,8 @@ import sys
 import torch
 
 from autogaudi.events import Event
-from autogaudi.model_call import Layer, compiled_by_the_script, holder, trains
-from autogaudi.optimizations.shape_buckets import buckets, check, padding, signature
+from autogaudi.model_call import Layer, holder, trains
+from autogaudi.optimizations.shape_buckets import buckets, check, matter, padding, signature
 from autogaudi.registry import PROFILER
 from autogaudi.status import Status
 from autogaudi.unit import RANDOM, ROUNDING, Unit
@@ -129,13 +129,7 @@ class ShapeBuckets(Unit):
             self._short_last = self._short_last or short_last_batch(iterator)
 
     def _where_shapes_matter(self, model):
-        if self.backend.name == "hpu":
-            return "HPU"
-        if compiled_by_the_script(model):
-            return "torch.compile"
-        if holder(model, Layer.CAPTURE) is not None or "graph_capture" in self.options.force:
-            return "graph capture"
-        return None
+        return matter.where_shapes_matter(self.backend, model, self.options)
 
     def _profiled(self, profile) -> None:
         model = profile.model
