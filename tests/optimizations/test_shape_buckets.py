@@ -154,6 +154,20 @@ def test_the_scripts_own_compile_gets_buckets(monkeypatch):
     assert shapes["distinct_after"] <= len(shapes["buckets"]) < shapes["distinct_before"]
 
 
+def test_the_scripts_own_compile_of_an_unmasked_mean_gets_a_dynamic_sequence_dimension(monkeypatch):
+    script = classifier_script(monkeypatch, "unmasked")
+    compiled = lambda make=script.Classifier: torch.compile(make(), backend="eager")  # noqa: E731
+    monkeypatch.setattr(script, "Classifier", compiled)
+    plain = train(script, STEPS + 6)
+    torch._dynamo.reset()
+    autogaudi.enable(device="cpu", only="step_profiler,shape_buckets")
+    losses = train(script, STEPS + 6)
+    row = autogaudi.report().unit("shape_buckets")
+    assert row["reason_code"] == "marked_dynamic" and row["reason_params"]["refused"] == "padding_moves_result"
+    assert row["reason_params"]["names"] == str(["attention_mask", "input_ids"]) and row["status"] == "applied"
+    torch.testing.assert_close(losses, plain, rtol=1e-5, atol=0)
+
+
 def test_nothing_is_padded_on_an_eager_run(monkeypatch):
     script = classifier_script(monkeypatch, "masked")
     autogaudi.enable(device="cpu", only="step_profiler,shape_buckets")

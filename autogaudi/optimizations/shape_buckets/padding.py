@@ -156,3 +156,28 @@ def cut_back(output, rows: int, length: int, bucket: int):
         if isinstance(leaf, torch.Tensor) and leaf.dim() >= 2 and leaf.shape[0] == rows and leaf.shape[1] == bucket:
             leaves[index] = leaf[:, :length]
     return pytree.tree_unflatten(leaves, spec)
+
+
+def marked_dynamic(forward, args: tuple, kwargs: dict, names: set) -> tuple:
+    """(args, kwargs) with each tensor of two or more dimensions whose name is in ``names`` replaced by
+    a view of it whose second dimension is marked dynamic for torch.compile (``mark_dynamic``): the
+    script's own tensors are left unmarked."""
+
+    def marked(value, path: str):
+        if isinstance(value, torch.Tensor):
+            if value.dim() < 2 or _leaf(path) not in names:
+                return value
+            view = value.view_as(value)
+            torch._dynamo.mark_dynamic(view, 1)
+            return view
+        if isinstance(value, collections.abc.Mapping):
+            return type(value)({key: marked(item, _join(path, key)) for key, item in value.items()})
+        if isinstance(value, (tuple, list)) and not hasattr(value, "_fields"):
+            return type(value)(marked(item, _join(path, i)) for i, item in enumerate(value))
+        return value
+
+    names_of = argument_names(forward, args)
+    return (
+        tuple(marked(arg, name) for name, arg in zip(names_of, args)),
+        {key: marked(value, key) for key, value in kwargs.items()},
+    )

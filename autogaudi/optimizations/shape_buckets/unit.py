@@ -13,7 +13,9 @@ pads each call (``padding``: mask 0, labels the ignore index, ids the batch's ow
 cuts per-position outputs back, so the script's batch and what it gets back keep their shapes.
 Evaluation calls go into the same buckets. Nothing is padded before a shadow check (``check``) on a
 copy found the padded call's outputs and gradients within its tolerance of the unpadded one's: a
-model that does not mask its padding (an unmasked mean) is refused with a reason and runs as plain.
+model that does not mask its padding (an unmasked mean) is refused with a reason and runs as plain;
+under the script's own ``torch.compile`` its varying sequence dimension is marked dynamic instead
+(``mark_dynamic`` on views: one graph for every length, within torch's own recompile limit).
 Under ``--exact`` it steps aside: a longer row sums in another order. The figures: the ``shapes``
 section of the report (docs/units/shape_buckets.md).
 """
@@ -80,6 +82,8 @@ class ShapeBuckets(Unit):
         "(tolerance {tolerance}); its result depends on the padded positions (an unmasked mean?)",
         "check_failed": "not padded: the check on a copy of {model} could not run ({error})",
         "bucket_added": "a length past every bucket: bucket {bucket} added",
+        "marked_dynamic": "not padded ({refused}): {model}'s sequence dimension of {names} marked dynamic for "
+        "its torch.compile instead (one graph for every length, up to torch's recompile limit)",
     }
     acts_for_device = True  # a model left on the host runs eagerly there, whatever the backend
     acts_on = ("<training model> call route, inputs layer (sequence tensors padded, outputs cut back)",)
@@ -96,6 +100,7 @@ class ShapeBuckets(Unit):
         self._padding_idx = None
         self._checked = None  # the check's relative difference, once it passed
         self._refused = False
+        self._dynamic = None  # names of the tensors whose sequence dimension is marked dynamic, where padding is not
         self._traced = False  # a call of the model was traced by the script's own torch.compile
         self._positions = self._padded = 0
         self._graphs_at = {}  # "start", "warm": compiled_graphs() then
@@ -174,10 +179,21 @@ class ShapeBuckets(Unit):
         self.figures["shapes"] = self._shapes()
 
     def _refuse(self, code: str, **params) -> None:
-        """Padding not provable for this model: the layer goes, the model runs as the script calls it."""
+        """Padding not provable for this model: the layer goes, the model runs as the script calls it;
+        under the script's own torch.compile its sequence dimension is marked dynamic instead."""
         self._settle(code, model=type(self._model).__name__, **params)
-        self.close_scope(self._scope)
-        self._scope = None
+        varying = signature.varying_dims(self._before)
+        self._dynamic = {path.rsplit(".", 1)[-1] for path, dims in varying.items() if 1 in dims}
+        if (
+            code != "traced"
+            and self._dynamic
+            and matter.compiled_for_shapes(self._model, self.options) == "torch.compile"
+        ):
+            self.because("marked_dynamic", refused=code, names=sorted(self._dynamic), model=type(self._model).__name__)
+        else:
+            self._dynamic = None
+            self.close_scope(self._scope)
+            self._scope = None
         self.figures["shapes"] = self._shapes()
 
     def _stepped(self, _optimizer) -> None:
@@ -202,6 +218,9 @@ class ShapeBuckets(Unit):
         if torch.compiler.is_compiling():  # the script's torch.compile traces this call: left as it is
             self._traced = True
             return call(*args, **kwargs)
+        if self._dynamic:
+            marked_args, marked_kwargs = padding.marked_dynamic(self._forward, args, kwargs, self._dynamic)
+            return call(*marked_args, **marked_kwargs)
         via_host = self.backend.name == "hpu" and self.backend.is_lazy  # every op's shapes make its graph
         try:
             rows, length, plan = padding.fills(
@@ -252,13 +271,16 @@ class ShapeBuckets(Unit):
         return True
 
     def decision(self) -> Status:
-        if self._scope is not None and self._checked is None:
+        if self._scope is not None and self._checked is None and not self._dynamic:
             return Status.DECIDING
         if self._refused or self._model is not None:
             return Status.NOT_NEEDED
         return Status.WATCHING
 
     def changes(self) -> list:
+        if self._dynamic:
+            names = ", ".join(sorted(self._dynamic))
+            return [f"{type(self._model).__name__}'s sequence dimension ({names}) marked dynamic for torch.compile"]
         if self._scope is None or self._checked is None or not self._positions:
             return []
         shapes = self._shapes()
