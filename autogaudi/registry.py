@@ -20,7 +20,6 @@ ACTS_ONLY_ON = {
     "pipelining_fwd_bwd": (("hpu",), ""),
     "fused_clip_norm": (("hpu",), "torch's clip_grad_norm_ already runs its foreach kernels there"),
     "fused_sdpa": (("hpu",), "torch already dispatches this op to its fused kernels there"),
-    "static_last_batch": (("hpu",), "shapes only need to be static under graph capture, which is not on"),
     "pin_memory": (("hpu", "cuda"), "pinning does nothing without a device to copy to"),
     "non_blocking_copy": (("hpu", "cuda"), "a CPU-only run makes no host-to-device copies"),
 }
@@ -126,7 +125,8 @@ UNITS: tuple[UnitInfo, ...] = (
     ),
     UnitInfo(
         "static_last_batch",
-        "HPU lazy mode: pad each epoch to whole batches so no short last batch triggers a recompile",
+        "where shapes matter (HPU lazy, graph capture, torch.compile): pad each epoch to whole batches so no "
+        "short last batch triggers a recompile",
         "autogaudi.optimizations.static_last_batch:StaticLastBatch",
     ),
     UnitInfo(

@@ -1,61 +1,76 @@
-"""Every batch the same shape: pad the epoch to a whole number of batches (HPU lazy mode).
+"""Every batch the same shape: an epoch's short last batch filled up (or dropped) where shapes matter.
 
-Why: in Gaudi lazy mode every new input shape is a new graph to compile, and a short last batch
-is one more shape, every epoch (recompilation is the most reported Gaudi slowdown). Default policy
-``repeat``: the epoch's index order is extended with its own first indices until it fills the last
-batch, as optimum-habana's sampler does; every original sample is still seen once per epoch.
-Zero padding is not offered: it would pollute BatchNorm statistics. Policy ``drop``: ``drop_last=True``.
-Semantic change (reported): the repeated samples are seen twice in that epoch.
+Why: where a new input shape is a new graph to compile (HPU lazy mode, graph capture, the script's
+own ``torch.compile``: :mod:`autogaudi.optimizations.shape_buckets.matter`, which shape_buckets
+decides by too), a short last batch is one more shape, every epoch (recompilation is the most
+reported Gaudi slowdown). Default policy ``repeat``: the epoch's index order is extended with its
+own first indices until it fills the last batch, as optimum-habana's sampler does; every original
+sample is still seen once per epoch. Zero padding is not offered: it would pollute BatchNorm
+statistics (shape_buckets refuses the batch dimension for the same reason). Policy ``drop``: the
+short batch's indices are left out. Semantic change (reported): the repeated samples are seen twice
+in that epoch (or, dropped, not at all).
+The sampler decides when its epoch reaches the short batch: HPU lazy mode from the first epoch;
+elsewhere once the profiled training model is compiled per shape (so a capture kept later pads the
+epochs from then on), never on an eager run.
 Untouched: ``drop_last=True`` loaders, a ``batch_sampler`` or a sampler of the script's own other
 than torch's plain Random/SequentialSampler (wrapping, say, a DistributedSampler would hide its
 ``set_epoch`` and type from the script), iterable datasets, loaders without ``batch_size``, and
-epochs that already divide evenly.
-Elsewhere skipped until graph capture (which also needs static shapes) is switched on.
-Where the training model turns out to be on the host (:mod:`autogaudi.placement`), the samplers
-padded so far stop padding from their next epoch: an epoch that started before that was known keeps
-its padding (said in the row's figures).
+epochs that already divide evenly. Where the training model turns out to be on the host
+(:mod:`autogaudi.placement`), no later epoch is padded.
 """
 
 from __future__ import annotations
 
-import weakref
-
 from torch.utils.data import IterableDataset, RandomSampler, Sampler, SequentialSampler
 
 from autogaudi.events import Event
+from autogaudi.optimizations.shape_buckets.matter import compiled_for_shapes
 from autogaudi.steps import loader_arguments
 from autogaudi.unit import DATA, Unit
 
 
 class PaddedSampler(Sampler):
-    """The indices of ``sampler`` for one epoch, extended with its own first indices up to a
-    multiple of ``multiple``."""
+    """The indices of ``sampler`` for one epoch, its short last batch (of ``multiple``) filled with the
+    epoch's own first indices (``repeat``) or left out (``drop``) where ``whole()`` says so at the time."""
 
-    def __init__(self, sampler, multiple: int):
+    def __init__(self, sampler, multiple: int, policy: str, whole):
         self.sampler = sampler
         self.multiple = multiple
-        self.padding = True  # False: the plain sampler's epoch (the unit stepped aside)
+        self.policy = policy
+        self.whole = whole
 
     def __len__(self) -> int:
-        if not self.padding:
-            return len(self.sampler)
-        return -(-len(self.sampler) // self.multiple) * self.multiple
+        count = len(self.sampler)
+        short = count % self.multiple
+        if not short or not self.whole():
+            return count
+        return count - short if self.policy == "drop" else count - short + self.multiple
 
     def __iter__(self):
-        if not self.padding:
-            yield from self.sampler
-            return
-        indices = list(self.sampler)
-        missing = len(self) - len(indices)
-        yield from indices
-        yield from (indices * (missing // max(len(indices), 1) + 1))[:missing]
+        kept = len(self.sampler) - len(self.sampler) % self.multiple
+        first, short = [], []
+        for position, index in enumerate(self.sampler):
+            if len(first) < self.multiple:
+                first.append(index)
+            if position < kept:
+                yield index
+            else:
+                short.append(index)  # held until the epoch's end, where whether to fill it is decided
+        if not short or not self.whole():
+            yield from short
+        elif self.policy == "repeat":
+            missing = self.multiple - len(short)
+            yield from short
+            yield from (first * (missing // len(first) + 1))[:missing]
 
 
 class StaticLastBatch(Unit):
     numerics = (DATA,)
     reasons = {
-        "hpu_eager": "HPU eager mode compiles nothing per shape unless graph capture is on",
         "policy": "policy {policy}",
+        "waiting": "a short last batch is kept whole once graph capture or torch.compile takes the training model",
+        "eager": "nothing padded: shapes cost nothing on this eager {backend} run (no graph capture or torch.compile)",
+        "hpu_eager": "HPU eager mode compiles nothing per shape unless graph capture or torch.compile is on",
         "own_sampler": "a loader with its own {sampler} is not padded (its sampler stays the script's)",
         "repeats_samples": "each epoch's last batch repeats samples from the epoch's start "
         "(--last-batch drop: drop it)",
@@ -64,17 +79,27 @@ class StaticLastBatch(Unit):
     acts_on = ("DataLoader construction (the session's step watcher)",)
     acts_for_device = True
 
-    def skip_reason(self):
-        reason = super().skip_reason()
-        if reason is None and not self.backend.is_lazy:
-            reason = self.reason_for("hpu_eager")
-        return reason
-
     def apply(self) -> None:
         self.figures.update(loaders_padded=0, samples_added_per_epoch=0)
-        self._samplers = weakref.WeakSet()
+        self._model = None
+        self._aside = False
         self.on(Event.LOADER_BUILT, self._adjust)
-        self.because("policy", policy=self.options.last_batch)
+        if self.backend.is_lazy:
+            self.because("policy", policy=self.options.last_batch)
+        else:
+            self.on(Event.STEP_PROFILED, self._profiled)
+            self.because("waiting")
+
+    def _profiled(self, profile) -> None:
+        self._model = profile.model
+        if compiled_for_shapes(self._model, self.options) is None:
+            code = "hpu_eager" if self.backend.name == "hpu" else "eager"
+            self.because(code, backend=self.backend.name)
+
+    def _shapes_matter(self) -> bool:
+        if self._aside:
+            return False
+        return self.backend.is_lazy or compiled_for_shapes(self._model, self.options) is not None
 
     def _adjust(self, loader, args, kwargs):
         call = loader_arguments(loader, args, kwargs, defaults=True)
@@ -100,16 +125,27 @@ class StaticLastBatch(Unit):
         remainder = len(sampler) % batch_size
         if remainder == 0:
             return None
-        self.figures["loaders_padded"] += 1
-        if self.options.last_batch == "drop":
-            self.figures["samples_added_per_epoch"] -= remainder
-            return (), {**call, "drop_last": True}
-        self.figures["samples_added_per_epoch"] += batch_size - remainder
-        self.note("repeats_samples")
-        padded = PaddedSampler(sampler, batch_size)
-        self._samplers.add(padded)
+        added = -remainder if self.options.last_batch == "drop" else batch_size - remainder
+        padded = PaddedSampler(sampler, batch_size, self.options.last_batch, self._whole_for(added))
         return (), {**call, "sampler": padded, "shuffle": None}
 
+    def _whole_for(self, added: int):
+        """A sampler's ``whole``: whether shapes matter now; the first time they do, counted."""
+        counted = []
+
+        def whole() -> bool:
+            if not self._shapes_matter():
+                return False
+            if not counted:
+                counted.append(True)
+                self.figures["loaders_padded"] += 1
+                self.figures["samples_added_per_epoch"] += added
+                self.because("policy", policy=self.options.last_batch)
+                if added > 0:
+                    self.note("repeats_samples")
+            return True
+
+        return whole
+
     def step_aside(self) -> None:
-        for sampler in list(self._samplers):
-            sampler.padding = False
+        self._aside = True

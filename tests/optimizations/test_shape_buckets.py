@@ -1,11 +1,14 @@
 """shape_buckets: buckets with the fewest padded positions, batches padded with their own padding
 values, and in a run: a masked classifier's calls bucketed where capture is on (its losses plain's
-within the check's tolerance), an unmasked mean refused and trained as plain, nothing padded eagerly."""
+within the check's tolerance), an unmasked mean refused and trained as plain, nothing padded eagerly;
+on the HPU double's lazy mode, a graph per new shape, and none after warm-up once bucketed."""
 
 import collections
 import importlib.util
 import itertools
+import json
 import pathlib
+import sys
 
 import pytest
 import torch
@@ -14,6 +17,7 @@ from torch.utils.data import DataLoader
 import autogaudi
 from autogaudi.backends.cpu import CpuBackend
 from autogaudi.optimizations.shape_buckets import buckets, padding, signature
+from tests.helpers import HPU_DOUBLE, clean_env, run_python
 from tests.optimizations.test_step_profiler import STEPS
 
 SCRIPTS = pathlib.Path(__file__).parents[1] / "scripts"
@@ -150,6 +154,20 @@ def test_the_scripts_own_compile_gets_buckets(monkeypatch):
     assert shapes["distinct_after"] <= len(shapes["buckets"]) < shapes["distinct_before"]
 
 
+def test_the_scripts_own_compile_of_an_unmasked_mean_gets_a_dynamic_sequence_dimension(monkeypatch):
+    script = classifier_script(monkeypatch, "unmasked")
+    compiled = lambda make=script.Classifier: torch.compile(make(), backend="eager")  # noqa: E731
+    monkeypatch.setattr(script, "Classifier", compiled)
+    plain = train(script, STEPS + 6)
+    torch._dynamo.reset()
+    autogaudi.enable(device="cpu", only="step_profiler,shape_buckets")
+    losses = train(script, STEPS + 6)
+    row = autogaudi.report().unit("shape_buckets")
+    assert row["reason_code"] == "marked_dynamic" and row["reason_params"]["refused"] == "padding_moves_result"
+    assert row["reason_params"]["names"] == str(["attention_mask", "input_ids"]) and row["status"] == "applied"
+    torch.testing.assert_close(losses, plain, rtol=1e-5, atol=0)
+
+
 def test_nothing_is_padded_on_an_eager_run(monkeypatch):
     script = classifier_script(monkeypatch, "masked")
     autogaudi.enable(device="cpu", only="step_profiler,shape_buckets")
@@ -197,4 +215,63 @@ def test_on_hpu_lazy_mode_a_masked_classifier_is_bucketed_with_plain_losses(monk
     shapes = autogaudi.report().as_dict()["shapes"]
     assert autogaudi.report().unit("shape_buckets")["reason_code"] == "bucketed"
     torch.testing.assert_close(losses, plain, rtol=1e-5, atol=0)
+    assert shapes["distinct_after"] <= len(shapes["buckets"]) < shapes["distinct_before"]
+
+
+def compilations() -> int:
+    metrics = sys.modules["habana_frameworks.torch.hpu.metrics"]
+    return dict(metrics.metric_global("graph_compilation").stats())["TotalNumber"]
+
+
+def test_the_double_in_lazy_mode_compiles_a_graph_per_new_shape(hpu_double):
+    hpu_double(lazy=True)
+    core = sys.modules["habana_frameworks.torch.core"]
+    model = torch.nn.Linear(4, 2).to("hpu")
+    core.mark_step()  # the parameters' copies: a graph of their own
+    counts = []
+    for rows in (8, 8, 3, 8, 3):
+        model(torch.randn(rows, 4).to("hpu")).sum().backward()
+        core.mark_step()
+        counts.append(compilations())
+    first = counts[0]
+    assert counts == [first, first, first + 1, first + 1, first + 1]  # a shape seen before is a cache hit
+    model(torch.randn(5, 4).to("hpu")).sum().item()  # a read to the host runs the graph queued so far
+    assert compilations() == first + 2
+    torch.nn.Linear(4, 2)(torch.randn(5, 4)).sum().backward()  # host tensors: no graph
+    core.mark_step()
+    assert compilations() == first + 2
+
+
+CUDA_CLASSIFIER = """
+import sys
+sys.path.insert(0, {scripts!r})
+import torch
+from torch.utils.data import DataLoader
+from bucket_classifier import BATCH, Classifier, collate, samples
+
+torch.manual_seed(0)
+generator = torch.Generator().manual_seed(0)
+device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+loader = DataLoader(samples({steps} * BATCH, generator), batch_size=BATCH, shuffle=True, collate_fn=collate)
+model = Classifier().to(device)
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+for batch in loader:
+    batch = {{key: value.to(device) for key, value in batch.items()}}
+    loss = torch.nn.functional.cross_entropy(model(batch["input_ids"], batch["attention_mask"]), batch["labels"])
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+"""
+
+
+@pytest.mark.slow
+def test_a_classifier_written_for_cuda_compiles_nothing_after_warm_up_in_lazy_mode(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(CUDA_CLASSIFIER.format(scripts=str(SCRIPTS), steps=STEPS + 8))
+    report = tmp_path / "report.json"
+    env = clean_env(PYTHONPATH=str(HPU_DOUBLE), HPU_DOUBLE_RELEASE="1.19")
+    result = run_python("-m", "autogaudi", "--report", report, script, env=env)
+    assert result.returncode == 0, result.stderr
+    shapes = json.loads(report.read_text())["shapes"]
+    assert shapes["compilations_after_warmup"] == 0 and 0 < shapes["padded_fraction"] <= 0.15
     assert shapes["distinct_after"] <= len(shapes["buckets"]) < shapes["distinct_before"]

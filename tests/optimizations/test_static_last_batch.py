@@ -1,11 +1,14 @@
 """static_last_batch against the HPU double (lazy): every batch full, every sample still seen,
-the plain order kept for the original samples, and the alternatives and exclusions."""
+the plain order kept for the original samples, and the alternatives and exclusions; on the CPU, the
+short batch filled where graph capture makes shapes matter, and left alone on an eager run."""
 
 import pytest
 import torch
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, SequentialSampler, TensorDataset
 
 import autogaudi
+from autogaudi.backends.cpu import CpuBackend
+from tests.optimizations.test_step_profiler import STEPS
 
 DATA = TensorDataset(torch.arange(10))
 
@@ -61,10 +64,39 @@ def test_loaders_it_leaves_alone(lazy, make):
     assert autogaudi.report().unit("static_last_batch")["figures"]["loaders_padded"] == 0
 
 
-def test_skipped_on_cpu_and_in_eager_mode(hpu_double):
-    autogaudi.enable(device="cpu")
-    assert autogaudi.report().unit("static_last_batch")["reason_code"] == "other_backend"
+def test_eager_runs_pad_nothing(hpu_double):
+    autogaudi.enable(device="cpu", only="step_profiler,static_last_batch")
+    assert trained_batch_sizes()[-1] == 4
+    assert autogaudi.report().unit("static_last_batch")["reason_code"] == "eager"
     autogaudi.disable()
     hpu_double(lazy=False)
-    autogaudi.enable(device="hpu")
-    assert autogaudi.report().unit("static_last_batch")["reason_code"] == "hpu_eager"
+    autogaudi.enable(device="hpu", only="step_profiler,static_last_batch")
+    assert trained_batch_sizes()[-1] == 4
+    row = autogaudi.report().unit("static_last_batch")
+    assert row["reason_code"] == "hpu_eager" and row["figures"]["loaders_padded"] == 0
+
+
+def trained_batch_sizes() -> list:
+    """Two epochs of a loader whose last batch is short (4 of 8), a training step per batch."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = DataLoader(TensorDataset(torch.randn(8 * STEPS + 4, 4)), batch_size=8, shuffle=True)
+    sizes = []
+    for _ in range(2):
+        for (inputs,) in loader:
+            model(inputs).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            sizes.append(len(inputs))
+    return sizes
+
+
+def test_where_graph_capture_makes_shapes_matter_the_short_batch_is_filled(monkeypatch):
+    monkeypatch.setattr(CpuBackend, "graph_forward", lambda self, module, **kwargs: module._call_impl)
+    autogaudi.enable(device="cpu", only="step_profiler,graph_capture,static_last_batch", force="graph_capture")
+    sizes = trained_batch_sizes()
+    assert sizes == [8] * len(sizes)  # the profile comes before the first epoch's end
+    row = autogaudi.report().unit("static_last_batch")
+    assert row["reason_code"] == "policy" and row["status"] == "applied"
+    assert row["figures"] == {"loaders_padded": 1, "samples_added_per_epoch": 4}

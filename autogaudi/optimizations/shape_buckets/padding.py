@@ -6,6 +6,8 @@ index that torch's and Hugging Face's losses skip; every other tensor along the 
 token types) gets the value the batch already holds at its masked positions, or the embedding's
 ``padding_idx``. Where no value is known, the batch is left as it is. The outputs are cut back so
 that the script sees the shapes it would have seen: only the model's call is padded, never the batch.
+Where the device compiles every op's shapes into its graph (HPU lazy mode), the batch is read and
+padded on the host and copied back: on the device, the padding's own ops would meet every length.
 """
 
 from __future__ import annotations
@@ -104,19 +106,21 @@ def embedding_padding_idx(model):
     return None
 
 
-def padded(value, plan: dict, bucket: int, path: str = ""):
+def padded(value, plan: dict, bucket: int, path: str = "", via_host: bool = False):
     """``value`` (an argument, with its dicts, tuples and lists) with the tensors ``plan`` names padded
-    along their second dimension up to ``bucket``."""
+    along their second dimension up to ``bucket`` (on the host and copied back, ``via_host``)."""
     if isinstance(value, torch.Tensor):
         if path not in plan:
             return value
+        source = value.cpu() if via_host else value
         missing = list(value.shape)
         missing[1] = bucket - value.shape[1]
-        return torch.cat([value, value.new_full(missing, plan[path])], dim=1)
+        result = torch.cat([source, source.new_full(missing, plan[path])], dim=1)
+        return result.to(value.device) if via_host else result
     if isinstance(value, collections.abc.Mapping):
-        return type(value)({key: padded(item, plan, bucket, _join(path, key)) for key, item in value.items()})
+        return type(value)({key: padded(item, plan, bucket, _join(path, key), via_host) for key, item in value.items()})
     if isinstance(value, (tuple, list)) and not hasattr(value, "_fields"):
-        return type(value)(padded(item, plan, bucket, _join(path, i)) for i, item in enumerate(value))
+        return type(value)(padded(item, plan, bucket, _join(path, i), via_host) for i, item in enumerate(value))
     return value
 
 
@@ -124,18 +128,20 @@ def _join(path: str, key) -> str:
     return f"{path}.{key}" if path else str(key)
 
 
-def named_arguments(forward, args: tuple, kwargs: dict) -> list:
-    """(path, tensor) of a call's tensors, the path starting with the parameter's name."""
+def named_arguments(forward, args: tuple, kwargs: dict, via_host: bool = False) -> list:
+    """(path, tensor) of a call's tensors, the path starting with the parameter's name (those of two
+    or more dimensions copied to the host, ``via_host``)."""
     names = argument_names(forward, args)
-    return named_tensors(dict(zip(names, args))) + named_tensors(kwargs)
+    named = named_tensors(dict(zip(names, args))) + named_tensors(kwargs)
+    return [(path, t.cpu() if via_host and t.dim() >= 2 else t) for path, t in named]
 
 
-def padded_call(forward, args: tuple, kwargs: dict, plan: dict, bucket: int) -> tuple:
+def padded_call(forward, args: tuple, kwargs: dict, plan: dict, bucket: int, via_host: bool = False) -> tuple:
     """(args, kwargs) of the call padded up to ``bucket``."""
     names = argument_names(forward, args)
     return (
-        tuple(padded(arg, plan, bucket, name) for name, arg in zip(names, args)),
-        {key: padded(value, plan, bucket, key) for key, value in kwargs.items()},
+        tuple(padded(arg, plan, bucket, name, via_host) for name, arg in zip(names, args)),
+        {key: padded(value, plan, bucket, key, via_host) for key, value in kwargs.items()},
     )
 
 
@@ -150,3 +156,28 @@ def cut_back(output, rows: int, length: int, bucket: int):
         if isinstance(leaf, torch.Tensor) and leaf.dim() >= 2 and leaf.shape[0] == rows and leaf.shape[1] == bucket:
             leaves[index] = leaf[:, :length]
     return pytree.tree_unflatten(leaves, spec)
+
+
+def marked_dynamic(forward, args: tuple, kwargs: dict, names: set) -> tuple:
+    """(args, kwargs) with each tensor of two or more dimensions whose name is in ``names`` replaced by
+    a view of it whose second dimension is marked dynamic for torch.compile (``mark_dynamic``): the
+    script's own tensors are left unmarked."""
+
+    def marked(value, path: str):
+        if isinstance(value, torch.Tensor):
+            if value.dim() < 2 or _leaf(path) not in names:
+                return value
+            view = value.view_as(value)
+            torch._dynamo.mark_dynamic(view, 1)
+            return view
+        if isinstance(value, collections.abc.Mapping):
+            return type(value)({key: marked(item, _join(path, key)) for key, item in value.items()})
+        if isinstance(value, (tuple, list)) and not hasattr(value, "_fields"):
+            return type(value)(marked(item, _join(path, i)) for i, item in enumerate(value))
+        return value
+
+    names_of = argument_names(forward, args)
+    return (
+        tuple(marked(arg, name) for name, arg in zip(names_of, args)),
+        {key: marked(value, key) for key, value in kwargs.items()},
+    )

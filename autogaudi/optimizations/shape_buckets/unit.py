@@ -13,7 +13,9 @@ pads each call (``padding``: mask 0, labels the ignore index, ids the batch's ow
 cuts per-position outputs back, so the script's batch and what it gets back keep their shapes.
 Evaluation calls go into the same buckets. Nothing is padded before a shadow check (``check``) on a
 copy found the padded call's outputs and gradients within its tolerance of the unpadded one's: a
-model that does not mask its padding (an unmasked mean) is refused with a reason and runs as plain.
+model that does not mask its padding (an unmasked mean) is refused with a reason and runs as plain;
+under the script's own ``torch.compile`` its varying sequence dimension is marked dynamic instead
+(``mark_dynamic`` on views: one graph for every length, within torch's own recompile limit).
 Under ``--exact`` it steps aside: a longer row sums in another order. The figures: the ``shapes``
 section of the report (docs/units/shape_buckets.md).
 """
@@ -25,8 +27,8 @@ import sys
 import torch
 
 from autogaudi.events import Event
-from autogaudi.model_call import Layer, compiled_by_the_script, holder, trains
-from autogaudi.optimizations.shape_buckets import buckets, check, padding, signature
+from autogaudi.model_call import Layer, holder, trains
+from autogaudi.optimizations.shape_buckets import buckets, check, matter, padding, signature
 from autogaudi.registry import PROFILER
 from autogaudi.status import Status
 from autogaudi.unit import RANDOM, ROUNDING, Unit
@@ -35,8 +37,13 @@ MAX_GRAPHS = 8  # the most graphs the buckets may cost, one more batch size (a s
 LENGTHS_KEPT = 256  # batches whose lengths are kept to choose buckets from
 
 
-def compiled_graphs():
-    """Graphs torch.compile has built in this process (Dynamo's own counter), or None before any compile."""
+def compiled_graphs(backend):
+    """Graphs compiled in this process, or None before any compile: on HPU the bridge's own count
+    (``graph_compilation``: lazy mode's graphs, HPU graphs, its torch.compile backend's), elsewhere
+    Dynamo's (``unique_graphs``)."""
+    if backend.name == "hpu":
+        metrics = sys.modules.get("habana_frameworks.torch.hpu.metrics")
+        return None if metrics is None else dict(metrics.metric_global("graph_compilation").stats())["TotalNumber"]
     utils = sys.modules.get("torch._dynamo.utils")
     return None if utils is None else utils.counters["stats"]["unique_graphs"]
 
@@ -75,6 +82,8 @@ class ShapeBuckets(Unit):
         "(tolerance {tolerance}); its result depends on the padded positions (an unmasked mean?)",
         "check_failed": "not padded: the check on a copy of {model} could not run ({error})",
         "bucket_added": "a length past every bucket: bucket {bucket} added",
+        "marked_dynamic": "not padded ({refused}): {model}'s sequence dimension of {names} marked dynamic for "
+        "its torch.compile instead (one graph for every length, up to torch's recompile limit)",
     }
     acts_for_device = True  # a model left on the host runs eagerly there, whatever the backend
     acts_on = ("<training model> call route, inputs layer (sequence tensors padded, outputs cut back)",)
@@ -91,6 +100,7 @@ class ShapeBuckets(Unit):
         self._padding_idx = None
         self._checked = None  # the check's relative difference, once it passed
         self._refused = False
+        self._dynamic = None  # names of the tensors whose sequence dimension is marked dynamic, where padding is not
         self._traced = False  # a call of the model was traced by the script's own torch.compile
         self._positions = self._padded = 0
         self._graphs_at = {}  # "start", "warm": compiled_graphs() then
@@ -100,7 +110,7 @@ class ShapeBuckets(Unit):
         self.because("waiting_for_profile")
 
     def _shapes(self) -> dict:
-        graphs = compiled_graphs()
+        graphs = compiled_graphs(self.backend) if self._graphs_at else None  # read once bucketing began
         start, warm = self._graphs_at.get("start"), self._graphs_at.get("warm")
         return {
             "distinct_before": len(self._before),
@@ -124,13 +134,7 @@ class ShapeBuckets(Unit):
             self._short_last = self._short_last or short_last_batch(iterator)
 
     def _where_shapes_matter(self, model):
-        if self.backend.name == "hpu":
-            return "HPU"
-        if compiled_by_the_script(model):
-            return "torch.compile"
-        if holder(model, Layer.CAPTURE) is not None or "graph_capture" in self.options.force:
-            return "graph capture"
-        return None
+        return matter.where_shapes_matter(self.backend, model, self.options)
 
     def _profiled(self, profile) -> None:
         model = profile.model
@@ -167,7 +171,7 @@ class ShapeBuckets(Unit):
         self._buckets = buckets.choose(self._lengths, most) if self._lengths else ()
         self._padding_idx = padding.embedding_padding_idx(model)
         self._forward = getattr(model, "_orig_mod", model).forward  # names the arguments (a compiled module's own)
-        self._graphs_at["start"] = compiled_graphs() or 0
+        self._graphs_at["start"] = compiled_graphs(self.backend) or 0
         self._scope = self.scope.child()
         self.hold(model, Layer.INPUTS, self._around, self._scope)
         self.on(Event.TRAINING_STEP, self._stepped, self._scope)
@@ -175,10 +179,21 @@ class ShapeBuckets(Unit):
         self.figures["shapes"] = self._shapes()
 
     def _refuse(self, code: str, **params) -> None:
-        """Padding not provable for this model: the layer goes, the model runs as the script calls it."""
+        """Padding not provable for this model: the layer goes, the model runs as the script calls it;
+        under the script's own torch.compile its sequence dimension is marked dynamic instead."""
         self._settle(code, model=type(self._model).__name__, **params)
-        self.close_scope(self._scope)
-        self._scope = None
+        varying = signature.varying_dims(self._before)
+        self._dynamic = {path.rsplit(".", 1)[-1] for path, dims in varying.items() if 1 in dims}
+        if (
+            code != "traced"
+            and self._dynamic
+            and matter.compiled_for_shapes(self._model, self.options) == "torch.compile"
+        ):
+            self.because("marked_dynamic", refused=code, names=sorted(self._dynamic), model=type(self._model).__name__)
+        else:
+            self._dynamic = None
+            self.close_scope(self._scope)
+            self._scope = None
         self.figures["shapes"] = self._shapes()
 
     def _stepped(self, _optimizer) -> None:
@@ -186,7 +201,7 @@ class ShapeBuckets(Unit):
             self._refuse("traced")
             return
         if "warm" not in self._graphs_at and self._checked is not None and self._met >= set(self._buckets):
-            self._graphs_at["warm"] = compiled_graphs() or 0
+            self._graphs_at["warm"] = compiled_graphs(self.backend) or 0
         self.figures["shapes"] = self._shapes()
 
     def _bucket(self, length: int) -> int:
@@ -203,9 +218,13 @@ class ShapeBuckets(Unit):
         if torch.compiler.is_compiling():  # the script's torch.compile traces this call: left as it is
             self._traced = True
             return call(*args, **kwargs)
+        if self._dynamic:
+            marked_args, marked_kwargs = padding.marked_dynamic(self._forward, args, kwargs, self._dynamic)
+            return call(*marked_args, **marked_kwargs)
+        via_host = self.backend.name == "hpu" and self.backend.is_lazy  # every op's shapes make its graph
         try:
             rows, length, plan = padding.fills(
-                padding.named_arguments(self._forward, args, kwargs), self._fills, self._padding_idx
+                padding.named_arguments(self._forward, args, kwargs, via_host), self._fills, self._padding_idx
             )
         except padding.NotPadded as why:
             if why.lasting:
@@ -217,7 +236,7 @@ class ShapeBuckets(Unit):
             # nothing to pad, or nothing padded before a training call is checked
             self._reached(args, kwargs, rows, length, length, training)
             return call(*args, **kwargs)
-        padded_args, padded_kwargs = padding.padded_call(self._forward, args, kwargs, plan, bucket)
+        padded_args, padded_kwargs = padding.padded_call(self._forward, args, kwargs, plan, bucket, via_host)
         checked = self._checked is not None or self._check(
             (args, kwargs), (padded_args, padded_kwargs), rows, length, bucket
         )
@@ -252,13 +271,16 @@ class ShapeBuckets(Unit):
         return True
 
     def decision(self) -> Status:
-        if self._scope is not None and self._checked is None:
+        if self._scope is not None and self._checked is None and not self._dynamic:
             return Status.DECIDING
         if self._refused or self._model is not None:
             return Status.NOT_NEEDED
         return Status.WATCHING
 
     def changes(self) -> list:
+        if self._dynamic:
+            names = ", ".join(sorted(self._dynamic))
+            return [f"{type(self._model).__name__}'s sequence dimension ({names}) marked dynamic for torch.compile"]
         if self._scope is None or self._checked is None or not self._positions:
             return []
         shapes = self._shapes()

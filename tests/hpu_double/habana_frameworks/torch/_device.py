@@ -11,10 +11,14 @@ as on a Gaudi (a 0-dim host tensor is a scalar there too; copies and indexing ma
 ``device="hpu"`` of factories, ``.to("hpu")`` (a copy, as a host-to-device copy is), ``.to("cpu")``
 and ``.cpu()`` (back to a plain tensor), and keeps parameters HPU ones through ``Module.to``
 (``_apply`` sets ``param.data``: the parameter's class follows the data it is given).
+In lazy mode every op on an HPU tensor joins the step's graph (its name, and the shapes and dtypes
+of its tensors), and the step's end (``mark_step``, or a value read to the host) runs that graph:
+compiled where its key is new (the ``graph_compilation`` metric), a cache hit where it is not.
 Not modelled: a second device, streams, device memory, ``non_blocking`` timing; a tensor saved with
 torch.save is a host tensor (a Gaudi's is reloaded onto hpu); torch.compile's tracing of a subclass.
 """
 
+import hashlib
 import importlib
 
 import torch
@@ -72,8 +76,11 @@ class HpuTensor(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        leaves = _pytree.tree_leaves((args, kwargs))
         if func not in _MAY_CROSS and not _is_data_setter(func) and not _is_method(func, "to"):
-            _one_device(args, kwargs)
+            _one_device(leaves)
+        if _is_lazy():
+            _queue(func, leaves)
         with torch._C.DisableTorchFunctionSubclass():
             result = func(*args, **kwargs)
         return on_hpu(result, inputs=(args, kwargs))
@@ -100,9 +107,9 @@ _MAY_CROSS = {
 }
 
 
-def _one_device(args, kwargs) -> None:
+def _one_device(leaves) -> None:
     hpu = host = False
-    for leaf in _pytree.tree_leaves((args, kwargs)):
+    for leaf in leaves:
         if isinstance(leaf, HpuTensor):
             hpu = True
         elif isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.device.type == "cpu":
@@ -111,6 +118,49 @@ def _one_device(args, kwargs) -> None:
         raise RuntimeError(
             "Expected all tensors to be on the same device, but found at least two devices, hpu:0 and cpu!"
         )
+
+
+# Lazy mode's graphs. Calls that read a tensor's metadata queue nothing; calls that read its values
+# on the host run the graph queued so far first, as the bridge must to give the value.
+_METADATA = {"__get__", "__set__", "size", "dim", "stride", "numel", "is_contiguous", "data_ptr", "element_size"}
+_READS_TO_HOST = {"item", "tolist", "__bool__", "__float__", "__int__", "__index__", "__repr__", "__format__"}
+LAZY_COMPILE_MICROS = 1000  # what each graph's compilation adds to the metric's TotalTime
+_STEP = []  # the hash of the ops queued since the last graph ran (empty: none queued)
+_GRAPHS = set()  # the keys of the graphs compiled in this process
+_LAZY = []
+
+
+def _is_lazy() -> bool:
+    if not _LAZY:
+        _LAZY.append(importlib.import_module("habana_frameworks.torch.utils.internal").is_lazy())
+    return _LAZY[0]
+
+
+def _queue(func, leaves) -> None:
+    """Lazy mode: ``func`` joins the step's graph, keyed by its name and its tensors' shapes and dtypes
+    (Python numbers are not part of the key: whether the bridge bakes them in is not read)."""
+    name = getattr(func, "__name__", None) or repr(func)
+    if name in _METADATA:
+        return
+    if name in _READS_TO_HOST:
+        run_graph()
+        return
+    if not _STEP:
+        _STEP.append(hashlib.blake2b(digest_size=16))
+    shapes = [(tuple(leaf.shape), str(leaf.dtype)) for leaf in leaves if isinstance(leaf, torch.Tensor)]
+    _STEP[0].update(repr((name, shapes)).encode())
+
+
+def run_graph() -> None:
+    """Not bridge API (core's ``mark_step`` and reads to the host call it): the ops queued since the
+    last graph ran make one graph, compiled where it is new (``graph_compilation``, and the recipe
+    cache where one is configured) and a cache hit where this process compiled it before."""
+    if not _STEP:
+        return
+    key = ("lazy_graph", _STEP.pop().hexdigest())
+    if key not in _GRAPHS:
+        _GRAPHS.add(key)
+        importlib.import_module("habana_frameworks.torch.hpu.metrics")._count_compilation(LAZY_COMPILE_MICROS, key)
 
 
 def on_hpu(result, inputs=()):
@@ -177,6 +227,8 @@ def _to(func, args, kwargs):
     if len(args) > 1 and isinstance(args[1], torch.Tensor):
         dtype = args[1].dtype
     crossing = on_hpu_now != (target.type == "hpu")
+    if on_hpu_now and target.type == "cpu" and _is_lazy():
+        run_graph()
     with torch._C.DisableTorchFunctionSubclass():
         result = torch.Tensor.to(
             source,
@@ -197,6 +249,8 @@ class _OnHpu(TorchFunctionMode):
         if _is_method(func, "to"):
             return _to(func, args, kwargs)
         if _is_method(func, "cpu") and isinstance(args[0], HpuTensor):
+            if _is_lazy():
+                run_graph()
             with torch._C.DisableTorchFunctionSubclass():
                 return torch.Tensor.clone(args[0]).as_subclass(torch.Tensor)
         if _is_method(func, "numpy") and isinstance(args[0], HpuTensor):

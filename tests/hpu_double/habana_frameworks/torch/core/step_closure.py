@@ -1,6 +1,7 @@
 """mark_step and step closures: in lazy mode a mark flushes the queued graph and runs closures."""
 
 from habana_frameworks.torch._calls import record
+from habana_frameworks.torch._device import run_graph
 
 _CLOSURES = []
 
@@ -11,6 +12,7 @@ def add_step_closure(closure, args=()):
 
 def mark_step(device_str="", sync=False):
     record("mark_step", sync=sync)
+    run_graph()
     while _CLOSURES:
         closure, args = _CLOSURES.pop(0)
         closure(*args)

@@ -4,6 +4,8 @@ the double's MEMORY table so tests can set them."""
 
 import contextlib
 
+import torch
+
 from habana_frameworks.torch import _calls
 from habana_frameworks.torch._calls import MEMORY, record
 from habana_frameworks.torch.utils.internal import is_lazy
@@ -47,6 +49,15 @@ def synchronize():
     record("synchronize")
     if _calls.DEVICE_SECONDS[0]:
         _calls.WAIT[0](_calls.DEVICE_SECONDS[0])
+
+
+def get_rng_state(device="hpu"):
+    """The device generator's state (torch.hpu.random): the double's HPU ops draw from the CPU's."""
+    return torch.get_rng_state()
+
+
+def set_rng_state(new_state, device="hpu"):
+    torch.set_rng_state(new_state)
 
 
 def is_bf16_supported():

@@ -75,7 +75,7 @@ def inject_cpu_fallback(op, count=1):
 
 
 def inject_compilation(micros=1000, key=None):
-    """Not bridge API: one graph compilation as the bridge would count it (a new shape in lazy mode,
-    outside any HPU graph the double captures), recipe cache included."""
+    """Not bridge API: one graph compilation as the bridge would count it, recipe cache included: for
+    tests whose models stay on the host (the double compiles lazy graphs of HPU tensors' ops only)."""
     _calls.record("inject_compilation", micros=micros)
     _count_compilation(micros, key if key is not None else ("injected", _METRICS["graph_compilation"]["TotalNumber"]))
