@@ -63,21 +63,34 @@ def _forget_hpu_double():
 
 
 HPU_RELEASES = ("latest", "1.19")
+# The release an in-process test runs under, unless it is marked ``each_hpu_release``.
+IN_PROCESS_RELEASE = "latest"
 
 
-@pytest.fixture(params=HPU_RELEASES)
+def pytest_generate_tests(metafunc):
+    if "hpu_double" in metafunc.fixturenames and metafunc.definition.get_closest_marker("each_hpu_release"):
+        metafunc.parametrize("hpu_double", HPU_RELEASES, indirect=True)
+
+
+@pytest.fixture
 def hpu_double(monkeypatch, request):
     """Make the Gaudi bridge double importable; call the result to load it: ``lazy=True/False`` sets
-    PT_HPU_LAZY_MODE, None keeps the modelled release's default. Every test that takes it runs once
-    per release the double models (``HPU_DOUBLE_RELEASE``).
+    PT_HPU_LAZY_MODE, None keeps the modelled release's default (``HPU_DOUBLE_RELEASE``).
+
+    One release, ``latest`` (the software as it ships): in this process the releases differ only by
+    the lazy default, since autoload happens at ``import torch``, long done here. A test that names
+    its mode runs the same under either, once; a test whose behaviour follows the release's default
+    is marked ``each_hpu_release`` and runs once per release. The releases' start-up (autoload,
+    the lazy default) is tested in the processes tests/backends/test_hpu_*.py start.
 
     The in-process tests run their models on the host with the HPU backend selected: where
     ``host_stands_for_device`` (the default), the session's placement takes host tensors for the
     device's, as those tests were written; the double's own HPU tensors report ``hpu`` either way.
     Returns the double's call record module (habana_frameworks.torch._calls).
     """
+    release = getattr(request, "param", IN_PROCESS_RELEASE)
     monkeypatch.syspath_prepend(str(HPU_DOUBLE))
-    monkeypatch.setenv("HPU_DOUBLE_RELEASE", request.param)
+    monkeypatch.setenv("HPU_DOUBLE_RELEASE", release)
 
     def load(lazy=None, host_stands_for_device=True):
         _forget_hpu_double()
@@ -92,7 +105,7 @@ def hpu_double(monkeypatch, request):
             monkeypatch.setattr(placement, "device_type_of", _host_stands_for_device)
         return calls
 
-    load.release = request.param
+    load.release = release
     yield load
     autogaudi.disable()
     _forget_hpu_double()

@@ -8,6 +8,7 @@ objects, the outcome is plain PyTorch's: ``torch.save(model)`` loads back as a p
 ``KeyboardInterrupt`` raised in the script's code reaches the script as it was, what the script
 drops dies when it drops it (as plain's does, without waiting for the garbage collector), and a checkpoint
 taken in that state resumes in plain PyTorch on the loss curve an uninterrupted plain run draws.
+Each cell first asserts that the unit is in the state it names, as the unit's report row shows it.
 
 A new unit is covered without a row written for it: it declares its states (a base class's by
 default) and the recipes below drive any unit into each. Trials are decided by the test (kept or
@@ -47,19 +48,23 @@ TOLERANCE = {"default": 1e-4, "mixed_precision": 5e-2}
 
 class ContractNet(nn.Module):
     """Small, with something for every unit: a convolution and BatchNorm (channels_last), matrix
-    products (mixed precision), attention through scaled_dot_product_attention (fused SDPA)."""
+    products (mixed precision), attention through scaled_dot_product_attention (fused SDPA),
+    repeated blocks (activation checkpointing)."""
 
     def __init__(self):
         super().__init__()
         self.conv = nn.Conv2d(3, 4, 3, padding=1)
         self.norm = nn.BatchNorm2d(4)
         self.proj = nn.Linear(4, 8)
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
         self.head = nn.Linear(8, 3)
 
     def forward(self, images):
         features = torch.relu(self.norm(self.conv(images)))
         tokens = self.proj(features.flatten(2).transpose(1, 2)).unsqueeze(1)
         attended = F.scaled_dot_product_attention(tokens, tokens, tokens).squeeze(1)
+        for block in self.blocks:
+            attended = attended + torch.tanh(block(attended))
         return self.head(attended.mean(1))
 
 
@@ -78,12 +83,56 @@ def under_ddp(info) -> bool:
 
 CELLS = [(info, state) for info in UNITS for state in unit_class(info).states]
 
+# Each state as the unit's report row shows it: (status, reason code; None: any code).
+REACHED = {
+    "watching": ("watching", None),
+    "checking": ("deciding", "checking"),
+    "trial": ("deciding", "trial_running"),
+    "kept": ("applied", "measured_faster"),
+    "rejected": ("not needed", "rejected"),
+    "in_use": ("applied", None),
+}
+# The cells whose unit, at the named state's point of this script, stands elsewhere, and where: it acts
+# before the first step, or the script gives it nothing to change. Said exactly, so a change shows.
+STANDS_ELSEWHERE = {
+    # declares no in_use (it acts before the bridge loads, done here): its failed and disabled start here
+    ("gpu_migration", "in_use"): ("watching", "bridge_loaded_first"),
+    ("step_profiler", "watching"): ("deciding", "warming_up"),  # profiles from the first step
+    ("step_profiler", "in_use"): ("watching", "host_bound"),  # its profile is what the others act on
+    ("fused_optimizer", "watching"): ("deciding", "timing"),  # the script's optimizer is timed from its build
+    ("pin_memory", "watching"): ("applied", "pinned"),  # pins the loader at its construction
+    ("ddp_tuning", "watching"): ("applied", "bucket_view"),  # tunes DDP at its construction
+    ("shape_buckets", "in_use"): ("not needed", "static_shapes"),  # the batches are all one shape
+    ("static_last_batch", "in_use"): ("watching", "policy"),  # no partial last batch
+    ("throughput_meter", "in_use"): ("watching", "final_only"),  # no --log-every
+    ("non_blocking_copy", "in_use"): ("watching", "pinned_to_device"),  # the host stands for the device
+}
+# In use, said more closely where the status alone would not tell: the reason code, a figure of what it changed.
+IN_USE_CODE = {"fused_optimizer": "torch_fused", "loader_workers": "workers"}
+IN_USE_FIGURE = {"fused_optimizer": "optimizers_fused", "activation_checkpointing": "blocks_checkpointed"}
+# Where a state is reached at another's point: failed and disabled from in use.
+REACHED_FROM = {"failed": "in_use", "disabled": "in_use"}
+
+
+class Waiting(torch.utils.data.TensorDataset):
+    """A dataset whose samples take ``wait`` seconds of ``clock`` each to build (a starved loader)."""
+
+    def __init__(self, *tensors, clock=None, wait=0.0):
+        super().__init__(*tensors)
+        self.clock, self.wait = clock, wait
+
+    def __getitem__(self, index):
+        if self.clock is not None:
+            self.clock.advance(self.wait)
+        return super().__getitem__(index)
+
 
 class Training:
     """The script: model, AdamW, a scheduler, a DataLoader, clipping; built from a seed, so that a
-    plain run and a run under autogaudi start from the same weights and see the same batches."""
+    plain run and a run under autogaudi start from the same weights and see the same batches.
+    ``loader_clock``: each sample waits 2 ms of it (the loader starves the step)."""
 
-    def __init__(self, ddp=False):
+    def __init__(self, ddp=False, loader_clock=None):
         torch.manual_seed(0)
         self.model = ContractNet()
         self.inner = self.model
@@ -93,7 +142,8 @@ class Training:
         self.scheduler = torch.optim.lr_scheduler.StepLR(self.optimizer, step_size=5, gamma=0.5)
         generator = torch.Generator().manual_seed(1)
         images, labels = torch.randn(64, 3, 8, 8, generator=generator), torch.randint(0, 3, (64,), generator=generator)
-        self.loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(images, labels), batch_size=8)
+        dataset = Waiting(images, labels, clock=loader_clock, wait=0.002)
+        self.loader = torch.utils.data.DataLoader(dataset, batch_size=8)
         self.batches = self._batches()
         self.steps = 0
 
@@ -315,6 +365,34 @@ def decided_trials(monkeypatch, trial_clock):
 
 
 @pytest.fixture
+def timed_updates(monkeypatch, step_clock):
+    """torch's unfused Adam(W) update takes 4 ms of the step clock, its fused one 1 ms: a gain material
+    to the step, which the fused optimizer keeps (where both take no time, it rightly keeps the unfused)."""
+    from torch.optim import adam
+
+    def taking(update, seconds):
+        def timed(*args, **kwargs):
+            step_clock.advance(seconds)
+            return update(*args, **kwargs)
+
+        return timed
+
+    for name, seconds in (("_single_tensor_adam", 0.004), ("_multi_tensor_adam", 0.004), ("_fused_adam", 0.001)):
+        monkeypatch.setattr(adam, name, taking(getattr(adam, name), seconds))
+
+
+def assert_reached(info, state) -> None:
+    """The unit's report row shows ``state`` (:data:`REACHED`, or where :data:`STANDS_ELSEWHERE` says)."""
+    status, code = STANDS_ELSEWHERE.get((info.name, state), REACHED[state])
+    code = IN_USE_CODE.get(info.name, code) if state == "in_use" else code
+    row = autogaudi.report().unit(info.name)
+    assert row["status"] == status and code in (None, row["reason_code"]), f"{info.name} is not {state}: {row}"
+    figure = IN_USE_FIGURE.get(info.name)
+    if state == "in_use" and figure is not None:
+        assert row["figures"].get(figure), f"{info.name} is not {state}: {row}"
+
+
+@pytest.fixture
 def cheap_capture(monkeypatch):
     """Identity graphs: what capture attaches and routes, without a compiler's seconds per cell."""
     monkeypatch.setattr(CpuBackend, "graph_forward", lambda self, module, **kwargs: module._call_impl)
@@ -346,30 +424,49 @@ def test_the_matrix_size_is_every_unit_times_its_states():
     assert len(CELLS) == sum(len(unit_class(info).states) for info in UNITS) >= 3 * len(UNITS)
 
 
-@pytest.mark.parametrize("info, state", CELLS, ids=[f"{info.name}-{state}" for info, state in CELLS])
+# A bug each of these cells meets, until it is fixed (strict: the fix turns them red, and the mark goes).
+LR_SCHEDULER_BYPASSES_FUSED_STEP = pytest.mark.xfail(
+    strict=True,
+    reason="fused_optimizer: an LR scheduler built after the optimizer (the script's StepLR) wraps its step around "
+    "the unit's route; the unit then keeps the optimizer unfused ('its step does not reach the unit')",
+)
+KNOWN_BUGS = {
+    ("fused_optimizer", state): LR_SCHEDULER_BYPASSES_FUSED_STEP for state in ("in_use", "failed", "disabled")
+}
+
+
+@pytest.mark.parametrize(
+    "info, state",
+    [pytest.param(info, state, marks=KNOWN_BUGS.get((info.name, state), ())) for info, state in CELLS],
+    ids=[f"{info.name}-{state}" for info, state in CELLS],
+)
 def test_a_unit_in_this_state_breaks_nothing_a_script_does(
-    info, state, hpu_double, decided_trials, cheap_capture, trial_clock, step_clock, world
+    info, state, request, hpu_double, decided_trials, cheap_capture, trial_clock, step_clock, world
 ):
     if on_hpu(info):
         hpu_double(lazy=True)
     if under_ddp(info):
         world()
+    if info.name == "fused_optimizer":
+        request.getfixturevalue("timed_updates")
     decided_trials["keep"] = state != "rejected"
     options, until = options_for(info, state)
     autogaudi.enable(**options)
-    training = Training(ddp=under_ddp(info))
+    training = Training(ddp=under_ddp(info), loader_clock=step_clock if info.name == "loader_workers" else None)
     unit = session().unit(info.name)
     assert unit in session().applied, autogaudi.report().unit(info.name)
     while not until(unit):
         assert training.steps < MAX_STEPS, f"{info.name} never reached {state}: {autogaudi.report().unit(info.name)}"
         training.step()
         trial_clock.advance(0.001)
-        step_clock.advance(0.001)  # computing, never waiting for a batch: no loader is starved
+        step_clock.advance(0.001)  # computing (a loader_workers cell's batches wait besides)
+    assert_reached(info, REACHED_FROM.get(state, state))
     if state == "failed":
         unit.failed_at_run_time(RuntimeError("injected by the contract test"))
         assert autogaudi.report().unit(info.name)["status"] == "failed"
     if state == "disabled":
         autogaudi.disable()
+        assert not autogaudi.is_enabled() and autogaudi.report().as_dict()["active"] is False
     steps_done, checkpoint = training.steps, training.checkpoint()
     images = torch.randn(4, 3, 8, 8)
 

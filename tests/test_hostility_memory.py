@@ -8,7 +8,6 @@ import json
 import logging
 import random
 
-import pytest
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -68,16 +67,28 @@ def seeded(make):
     return make()
 
 
-# The scripts: under --exact with a memory limit, tight or roomy, plain's stdout bit for bit.
+def trained_as_plain(make, memory_limit=1e-5, **fit_args):
+    """(the model ``make`` builds, trained under autogaudi with ``memory_limit`` GiB, the default
+    tight enough to checkpoint; its twin trained plain): their losses asserted the same."""
+    plain_model = seeded(make)
+    plain = fit(plain_model, **fit_args)
+    autogaudi.enable(device="cpu", memory_limit=memory_limit, only=ONLY)
+    model = seeded(make)
+    assert fit(model, **fit_args) == plain
+    return model, plain_model
 
 
-@pytest.mark.parametrize("script", ["batchnorm_blocks.py", "observed_forward.py"])
-def test_under_exact_with_any_memory_limit_the_scripts_print_what_plain_prints(script, tmp_path):
-    plain = run_python(SCRIPTS / script)
+# The script: under --exact with a memory limit, tight or roomy, plain's stdout bit for bit. One
+# script (its blocks BatchNorm's, random and printing, its head hooked), three interpreters.
+
+
+def test_under_exact_with_any_memory_limit_the_script_prints_what_plain_prints(tmp_path):
+    script = SCRIPTS / "observed_batchnorm_blocks.py"
+    plain = run_python(script)
     assert plain.returncode == 0, plain.stderr
     for limit in (TIGHT, ROOMY):
         report = tmp_path / f"{limit}.json"
-        ours = run_python("-m", "autogaudi", "--exact", "--memory-limit", limit, "--report", report, SCRIPTS / script)
+        ours = run_python("-m", "autogaudi", "--exact", "--memory-limit", limit, "--report", report, script)
         assert ours.returncode == 0, ours.stderr
         assert ours.stdout == plain.stdout, limit
         row = next(row for row in json.loads(report.read_text())["units"] if row["name"] == "activation_checkpointing")
@@ -88,11 +99,7 @@ def test_under_exact_with_any_memory_limit_the_scripts_print_what_plain_prints(s
 
 
 def test_a_checkpointed_recomputation_leaves_batchnorm_as_one_forward_left_it():
-    plain_model = seeded(Net)
-    plain = fit(plain_model)
-    autogaudi.enable(device="cpu", memory_limit=1e-5, only=ONLY)
-    model = seeded(Net)
-    assert fit(model) == plain
+    model, plain_model = trained_as_plain(Net)
     assert unit_row()["figures"]["blocks_checkpointed"]
     for ours, theirs in zip(model.blocks, plain_model.blocks):
         assert int(ours.norm.num_batches_tracked) == int(theirs.norm.num_batches_tracked) == 3
@@ -116,11 +123,7 @@ class Ema(nn.Module):
 
 def test_a_recomputation_puts_back_a_buffer_updated_through_data():
     make = lambda: nn.Sequential(*(Ema() for _ in range(3)))  # noqa: E731
-    plain_model = seeded(make)
-    plain = fit(plain_model)
-    autogaudi.enable(device="cpu", memory_limit=1e-5, only=ONLY)
-    model = seeded(make)
-    assert fit(model) == plain
+    model, plain_model = trained_as_plain(make)
     assert unit_row()["figures"]["blocks_checkpointed"]
     assert all(torch.equal(a.average, b.average) for a, b in zip(model, plain_model))
 
@@ -242,10 +245,7 @@ class KeywordNet(Net):
 
 
 def test_a_checkpointed_block_gets_every_keyword_of_its_call():
-    plain = fit(seeded(KeywordNet))
-    autogaudi.enable(device="cpu", memory_limit=1e-5, only=ONLY)
-    model = seeded(KeywordNet)
-    assert fit(model) == plain
+    model, _ = trained_as_plain(KeywordNet)
     assert unit_row()["figures"]["blocks_checkpointed"]
     assert all(seen == (True, "mine", "mine", "mine") for block in model.blocks for seen in block.seen)
 
@@ -262,11 +262,7 @@ def test_a_functional_call_with_fast_weights_gets_plains_gradients():
         return torch.func.functional_call(model, fast, (x,)).pow(2).mean()
 
     make = lambda: Net(blocks=3)  # noqa: E731 - no BatchNorm statistics to compare across calls
-    plain_model = seeded(make)
-    plain = fit(plain_model, step=outer)
-    autogaudi.enable(device="cpu", memory_limit=1e-5, only=ONLY)
-    model = seeded(make)
-    assert fit(model, step=outer) == plain
+    model, plain_model = trained_as_plain(make, step=outer)
     assert unit_row()["figures"]["blocks_checkpointed"]  # the inner calls' blocks checkpointed, the outer plain
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), plain_model.parameters()))
 
@@ -290,10 +286,7 @@ class Nested(nn.Module):
 
 
 def test_containers_never_called_are_not_reported_checkpointed():
-    plain = fit(seeded(Nested))
-    autogaudi.enable(device="cpu", memory_limit=1e-5, only=ONLY)
-    model = seeded(Nested)
-    assert fit(model) == plain
+    model, _ = trained_as_plain(Nested)
     blocks = unit_row()["figures"]["blocks_checkpointed"]
     modules = dict(model.named_modules())
     assert blocks and all(isinstance(modules[name], Block) for name in blocks)
@@ -308,10 +301,7 @@ class CheckpointsItself(Net):
 
 
 def test_blocks_the_script_checkpoints_itself_are_left_to_it():
-    plain = fit(seeded(CheckpointsItself))
-    autogaudi.enable(device="cpu", memory_limit=1e-5, only=ONLY)
-    model = seeded(CheckpointsItself)
-    assert fit(model) == plain
+    model, _ = trained_as_plain(CheckpointsItself)
     row = unit_row()
     assert not row["figures"].get("blocks_checkpointed")
     assert all(model_call.route_of(block) is None for block in model.blocks)

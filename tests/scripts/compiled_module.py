@@ -1,7 +1,7 @@
-"""A script that compiles its own model in the way its argument names: ``torch_compile`` (before
-the first call), ``method`` (``module.compile()``) or ``late`` (``torch.compile`` of a model already
-trained two steps: dynamo imported only then). The eager backend: what is tested is the call, not
-a compiler."""
+"""A script that compiles its own model in the ways its arguments name, one model each, in their
+order: ``torch_compile`` (before the first call), ``method`` (``module.compile()``) or ``late``
+(``torch.compile`` of a model already trained two steps: dynamo imported only then, where it is
+the first). The eager backend: what is tested is the call, not a compiler."""
 
 import sys
 
@@ -17,19 +17,23 @@ class Net(torch.nn.Module):
         return self.layer(x)
 
 
-torch.manual_seed(0)
-how = sys.argv[1]
-model = Net()
-if how == "torch_compile":
-    model = torch.compile(model, backend="eager")
-elif how == "method":
-    model.compile(backend="eager")
-optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-for step in range(4):
-    if how == "late" and step == 2:
+def train(how: str) -> None:
+    torch.manual_seed(0)
+    model = Net()
+    if how == "torch_compile":
         model = torch.compile(model, backend="eager")
-    loss = model(torch.randn(8, 4)).square().mean()
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-print(f"{how} loss {loss.item():.6f}")
+    elif how == "method":
+        model.compile(backend="eager")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(4):
+        if how == "late" and step == 2:
+            model = torch.compile(model, backend="eager")
+        loss = model(torch.randn(8, 4)).square().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    print(f"{how} loss {loss.item():.6f}")
+
+
+for how in sys.argv[1:]:
+    train(how)

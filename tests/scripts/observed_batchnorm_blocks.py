@@ -1,7 +1,9 @@
-"""A model whose forward the script watches: it prints from its forward and its blocks', a forward
-hook keeps the head's outputs (stacked and summed at the end), and each block skips itself at random
-with Python's ``random`` (stochastic depth). Whatever runs the script's code more often than plain
-(on fake tensors, or again in backward) shows in the output."""
+"""Residual blocks with BatchNorm1d and dropout that the script watches: each block prints, skips
+itself at random with Python's ``random`` (stochastic depth), a forward hook keeps the head's
+outputs; four SGD steps, then an evaluation forward. Every number a checkpointed recomputation or
+a measurement could change (the losses, the draws, BatchNorm's counters and running statistics,
+the hook's outputs, the evaluation output) is printed exactly, and whatever runs the script's code
+more often than plain (on fake tensors, or again in backward) shows in the prints."""
 
 import random
 
@@ -14,6 +16,7 @@ class Block(nn.Module):
         super().__init__()
         self.index = index
         self.linear = nn.Linear(width, width)
+        self.norm = nn.BatchNorm1d(width)
         self.dropout = nn.Dropout(0.1)
 
     def forward(self, x):
@@ -21,11 +24,11 @@ class Block(nn.Module):
             print("skipped block", self.index)
             return x
         print("block", self.index)
-        return x + self.dropout(torch.tanh(self.linear(x)))
+        return x + self.dropout(torch.relu(self.norm(self.linear(x))))
 
 
 class Net(nn.Module):
-    def __init__(self, width=64, blocks=4):
+    def __init__(self, width=64, blocks=6):
         super().__init__()
         self.blocks = nn.ModuleList(Block(width, index) for index in range(blocks))
         self.head = nn.Linear(width, 1)
@@ -51,3 +54,9 @@ for step in range(4):
     optimizer.zero_grad()
     print("loss", step, loss.item().hex(), random.random().hex())
 print("acts", len(acts), torch.stack(acts).sum().item().hex())
+for block in model.blocks:
+    norm = block.norm
+    print("norm", block.index, int(norm.num_batches_tracked), float(norm.running_mean.sum()).hex())
+model.eval()
+with torch.no_grad():
+    print("eval", float(model(data).sum()).hex())
