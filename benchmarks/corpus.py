@@ -459,14 +459,17 @@ def off_the_double(report: dict, facts) -> list:
 
 
 def compiled_again(facts) -> list:
-    """Why a second run in the first's cache folder did compile: the double's graph_compilation and
-    recipe_cache metrics at its exit (a graph whose recipe is cached compiles nothing)."""
+    """Why a second run in the first's cache folder is not the recipe cache's: by the double's
+    graph_compilation and recipe_cache metrics at its exit, it compiled a graph, or found none cached
+    (a run that compiles nothing at all shows no cache at work)."""
     metrics = (facts or {}).get("metrics")
     if metrics is None:
         return ["the double's metrics were not read (the bridge was not loaded)"]
     compiled, cache = metrics["graph_compilation"]["TotalNumber"], metrics["recipe_cache"]
     if compiled:
         return [f"the second run compiled {compiled} graph(s); recipe cache {cache}"]
+    if not cache["TotalHit"]:
+        return [f"no recipe cache hit: no graph compiled to be found again; recipe cache {cache}"]
     return []
 
 

@@ -143,6 +143,8 @@ def test_the_eager_releases_second_run_must_compile_nothing():
     assert corpus.verdict(CASE, "hpu double latest again", run(), again)["verdict"] == "same"
     again["double"]["metrics"] = metrics(2, 1, 2)
     assert corpus.verdict(CASE, "hpu double latest again", run(), again)["verdict"] == "differs"
+    again["double"]["metrics"] = metrics(0, 0, 0)  # nothing compiled in either run: no cache at work
+    assert corpus.verdict(CASE, "hpu double latest again", run(), again)["verdict"] == "differs"
     del again["double"]["metrics"]  # the bridge never loaded: nothing says what was compiled
     assert corpus.verdict(CASE, "hpu double latest again", run(), again)["verdict"] == "differs"
     assert corpus.default_name(["plain", "hpu double 1.19"]) == "corpus-hpu-double-1.19.json"
