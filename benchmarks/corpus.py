@@ -173,6 +173,7 @@ def _facts():
         from habana_frameworks.torch import _release
         from habana_frameworks.torch.hpu import metrics
         facts["release"] = _release.RELEASE
+        facts["recipe_cache_config"] = metrics.RECIPE_CACHE  # as the bridge read it when it loaded
         facts["metrics"] = {name: dict(metrics.metric_global(name).stats())
                             for name in ("graph_compilation", "recipe_cache")}
     optim = getattr(sys.modules.get("torch"), "optim", None)
