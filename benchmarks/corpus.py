@@ -16,8 +16,10 @@ torchrun and every rank runs under autogaudi):
   by measurement, driven on any machine;
 - ``exact``: ``--exact``, only the units that leave the numbers bitwise plain's: results and
   checkpoint values must equal plain's exactly;
-- on request (``--variants``): ``hpu double``, the defaults with the HPU test double as the bridge
-  (``tests/hpu_double``, placement recorded; not a Gaudi): the report must place the model on hpu;
+- on request (``--variants``): ``hpu double latest`` and ``hpu double 1.19``, the defaults with the HPU
+  test double as the bridge (``tests/hpu_double``, not a Gaudi) modelling that release: a CUDA-written
+  case must train with every parameter on hpu (see :func:`off_the_double`); ``hpu double latest again``,
+  the eager release's second run of the case in the first's cache folder (the recipe cache's);
   ``precision bf16``, ``fp16``, ``tf32`` and ``auto`` (``--precision``).
 
 Per case and variant it records the exit code (must equal plain's), the result line (the manifest's
@@ -60,9 +62,11 @@ VARIANTS = {
     "autogaudi": ["-m", "autogaudi"],
     "capture forced": ["-m", "autogaudi", "--force", "graph_capture,channels_last", "--no-trials"],
     "exact": ["-m", "autogaudi", "--exact"],
-    # The defaults with the HPU test double (tests/hpu_double) as the bridge, its placement recorded:
+    # The defaults with the HPU test double (tests/hpu_double) as the bridge, per release it models:
     # where a Gaudi is out of reach, whether a CUDA- or CPU-written case ends up with its model on hpu.
-    "hpu double": ["-m", "autogaudi"],
+    "hpu double latest": ["-m", "autogaudi"],
+    "hpu double latest again": ["-m", "autogaudi"],
+    "hpu double 1.19": ["-m", "autogaudi"],
     # On request only (--variants): mixed precision changes numerics by design.
     "precision bf16": ["-m", "autogaudi", "--precision", "bf16"],
     "precision auto": ["-m", "autogaudi", "--precision", "auto"],
@@ -81,9 +85,14 @@ TOLERANCE = {
     "autogaudi": 0.05,
     "capture forced": 0.25,
     "exact": 0.0,
-    "hpu double": 0.05,
 }  # exact: bitwise
 TOLERANCE.update((variant, 0.25) for variant in VARIANTS if variant.startswith("precision "))
+# The double's release per variant (HPU_DOUBLE_RELEASE). Its device is this machine's CPU: results are
+# held to the default's tolerance (the hpex kernels' formulas differ from torch's by rounding).
+HPU_DOUBLE_RELEASE = {"hpu double latest": "latest", "hpu double latest again": "latest", "hpu double 1.19": "1.19"}
+TOLERANCE.update(dict.fromkeys(HPU_DOUBLE_RELEASE, 0.05))
+# A second run and the variant whose cache folder it runs in (the first run's: it must compile nothing).
+AGAIN = {"hpu double latest again": "hpu double latest"}
 # Cases whose results and checkpoint values cannot be compared with another run's, and why.
 NOT_COMPARED = {
     "regression": "the script draws unseeded random data every step; its exit (converged) is compared",
@@ -149,6 +158,35 @@ for name, path in zip(sys.argv[1::2], sys.argv[2::2]):
                                 for k, v in tensors.items() if v.is_floating_point()}}
 print(json.dumps(summaries))
 """
+# The double's variants run with this as ``sitecustomize`` (a folder of the harness's first on
+# PYTHONPATH): at the script's exit, in its main process only, it writes what the double counted (its
+# metrics, as the bridge's API returns them) and the device of every parameter an optimizer holds, to
+# CORPUS_DOUBLE_FACTS. It imports nothing at start: torch and the bridge load when the script loads them.
+DOUBLE_FACTS = r"""
+import atexit, gc, json, os, sys
+_MAIN = os.getpid()
+def _facts():
+    if os.getpid() != _MAIN:
+        return
+    facts = {"bridge_loaded": "habana_frameworks.torch" in sys.modules, "optimizer_parameters": {}}
+    if facts["bridge_loaded"]:
+        from habana_frameworks.torch import _release
+        from habana_frameworks.torch.hpu import metrics
+        facts["release"] = _release.RELEASE
+        facts["recipe_cache_config"] = metrics.RECIPE_CACHE  # as the bridge read it when it loaded
+        facts["metrics"] = {name: dict(metrics.metric_global(name).stats())
+                            for name in ("graph_compilation", "recipe_cache")}
+    optim = getattr(sys.modules.get("torch"), "optim", None)
+    for held in gc.get_objects() if optim is not None else ():
+        if isinstance(held, optim.Optimizer):
+            for group in held.param_groups:
+                for parameter in group["params"]:
+                    kind = parameter.device.type
+                    facts["optimizer_parameters"][kind] = facts["optimizer_parameters"].get(kind, 0) + 1
+    with open(os.environ["CORPUS_DOUBLE_FACTS"], "w") as out:
+        json.dump(facts, out)
+atexit.register(_facts)
+"""
 
 
 def machine_name() -> str:
@@ -191,9 +229,9 @@ def clean_env(case: dict, variant: str) -> dict:
     env["PYTHONUNBUFFERED"] = "1"
     if VARIANTS[variant]:
         env["PYTHONPATH"] = os.pathsep.join(part for part in (env.get("PYTHONPATH"), str(REPO)) if part)
-    if variant == "hpu double":
+    if variant in HPU_DOUBLE_RELEASE:
         env["PYTHONPATH"] = os.pathsep.join((str(HPU_DOUBLE), env["PYTHONPATH"]))
-        env["HPU_DOUBLE_PLACEMENT"] = "recorded"
+        env["HPU_DOUBLE_RELEASE"] = HPU_DOUBLE_RELEASE[variant]
     return env
 
 
@@ -320,13 +358,22 @@ def run_variant(case: dict, variant: str, scratch: Path, timeout: float) -> dict
     before = snapshot(copy)
     report_path = root / "autogaudi-report.json"
     extra = [*VARIANTS[variant], "--report", str(report_path)] if VARIANTS[variant] else []
+    # A fresh cache folder: the figures are a first run's, with nothing remembered or compiled; a
+    # second run's (AGAIN) is its first run's.
+    cache = scratch / case["name"] / AGAIN[variant].replace(" ", "-") if variant in AGAIN else root
+    env = {**clean_env(case, variant), "AUTOGAUDI_CACHE_DIR": str(cache / "autogaudi-cache")}
+    facts_path = root / "double-facts.json"
+    if variant in HPU_DOUBLE_RELEASE:
+        (root / "site").mkdir()
+        (root / "site" / "sitecustomize.py").write_text(DOUBLE_FACTS)
+        env["PYTHONPATH"] = os.pathsep.join((str(root / "site"), env["PYTHONPATH"]))
+        env["CORPUS_DOUBLE_FACTS"] = str(facts_path)
     began = time.perf_counter()
     try:
         done = subprocess.run(
             [sys.executable, *extra, *case["command"]],
             cwd=folder,
-            # A fresh cache folder: the figures are a first run's, with nothing remembered or compiled.
-            env={**clean_env(case, variant), "AUTOGAUDI_CACHE_DIR": str(root / "autogaudi-cache")},
+            env=env,
             capture_output=True,
             text=True,
             timeout=timeout,
@@ -351,6 +398,8 @@ def run_variant(case: dict, variant: str, scratch: Path, timeout: float) -> dict
     }
     if report_path.exists():
         record["report"] = json.loads(report_path.read_text())
+    if facts_path.exists():
+        record["double"] = json.loads(facts_path.read_text())
     return record
 
 
@@ -363,8 +412,10 @@ def verdict(case: dict, variant: str, plain: dict, mine: dict) -> dict:
     same, why = compare_results(case, variant, plain["result"], mine["result"])
     if not same:
         problems["differs"].append(why)
-    if variant == "hpu double":
-        problems["differs"] += off_the_double(mine.get("report") or {})
+    if variant in HPU_DOUBLE_RELEASE:
+        problems["differs"] += off_the_double(mine.get("report") or {}, mine.get("double"))
+    if variant in AGAIN:
+        problems["differs"] += compiled_again(mine.get("double"))
     missing = sorted(set(plain["files"]) - set(mine["files"]))
     if missing:
         problems["crashed" if mine["exit_code"] else "differs"].append(f"files plain wrote are missing: {missing}")
@@ -391,15 +442,36 @@ def verdict(case: dict, variant: str, plain: dict, mine: dict) -> dict:
     }
 
 
-def off_the_double(report: dict) -> list:
+def off_the_double(report: dict, facts) -> list:
     """Why the model is not on the double's hpu where it should be: a script that asks for CUDA is
-    migrated there; one written for the CPU stays on the host, as written (gpu_migration's
-    ``script_not_cuda``), with the device units stepping aside."""
+    migrated there, every parameter its optimizers hold on hpu at exit (its batches then are too: the
+    double raises where a host tensor meets an HPU one, as a Gaudi does); one written for the CPU
+    stays on the host, as written (gpu_migration's ``script_not_cuda``), the device units stepping aside."""
     placement = report.get("backend", {}).get("placement", {})
     migration = {unit["name"]: unit for unit in report.get("units", [])}.get("gpu_migration", {})
-    if placement.get("on_device") or migration.get("reason_code") == "script_not_cuda":
+    if migration.get("reason_code") == "script_not_cuda":
         return []
-    return [f"the model's parameters on {placement.get('device', 'an unknown device')}, not hpu"]
+    if not placement.get("on_device"):
+        return [f"the model's parameters on {placement.get('device', 'an unknown device')}, not hpu"]
+    held = (facts or {}).get("optimizer_parameters", {})
+    if set(held) - {"hpu"}:
+        return [f"parameters the optimizers hold at exit, by device: {held}"]
+    return []
+
+
+def compiled_again(facts) -> list:
+    """Why a second run in the first's cache folder is not the recipe cache's: by the double's
+    graph_compilation and recipe_cache metrics at its exit, it compiled a graph, or found none cached
+    (a run that compiles nothing at all shows no cache at work)."""
+    metrics = (facts or {}).get("metrics")
+    if metrics is None:
+        return ["the double's metrics were not read (the bridge was not loaded)"]
+    compiled, cache = metrics["graph_compilation"]["TotalNumber"], metrics["recipe_cache"]
+    if compiled:
+        return [f"the second run compiled {compiled} graph(s); recipe cache {cache}"]
+    if not cache["TotalHit"]:
+        return [f"no recipe cache hit: no graph compiled to be found again; recipe cache {cache}"]
+    return []
 
 
 def run_variant_again_after_teardown_abort(case: dict, variant: str, scratch: Path, timeout: float) -> dict:
@@ -448,8 +520,9 @@ def run_case(case: dict, variants: list, scratch: Path, log, timeout: float, rep
     return row
 
 
-def what_autogaudi_did(report) -> str:
-    """The units that changed something or measured, and the trials, in one cell."""
+def what_autogaudi_did(run: dict) -> str:
+    """The units that changed something or measured, the trials, and what the double counted, in one cell."""
+    report = run.get("report")
     if not report:
         return "no report"
     parts = []
@@ -476,6 +549,16 @@ def what_autogaudi_did(report) -> str:
             f"parameters on {placement['device']} at {placement['at']}"
             + (f", asked for {migration['asked_for']}" if migration else ", not migrated")
         )
+    if "double" in run:
+        double = run["double"]
+        parts.append(
+            f"on the double ({double.get('release')}): optimizers' parameters {double['optimizer_parameters']}"
+        )
+        if "metrics" in double:
+            metrics = double["metrics"]
+            parts.append(
+                f"graphs compiled {metrics['graph_compilation']['TotalNumber']}, recipe cache {metrics['recipe_cache']}"
+            )
     for trial in report.get("trials", []):
         parts.append(
             f"trial {trial['candidate']}: {trial.get('speedup')}x, one-off {trial.get('one_off_s')} s, "
@@ -493,6 +576,8 @@ def markdown(results: dict) -> str:
     variants = results["variants"]
     lines = [
         f"# Corpus on {results['machine']} (torch {results['torch']}, {results['mode']})",
+        "",
+        f"Run {results.get('date', 'on a date not recorded')}, code of commit {results.get('commit', 'not recorded')}.",
         "",
         f"Cases run {results['jobs']} at a time; whole-process wall times (interpreter start, set-up "
         "excluded; autogaudi's bytecode compiled beforehand, as an install leaves it"
@@ -536,9 +621,7 @@ def markdown(results: dict) -> str:
             lines.append(f"- plain failed: `{row['plain_failed'][-300:]}`")
         for variant in variants[1:]:
             run = row["runs"][variant]
-            lines.append(
-                f"- {variant}: **{run['verdict']}** ({'; '.join(run['why'])}). {what_autogaudi_did(run.get('report'))}"
-            )
+            lines.append(f"- {variant}: **{run['verdict']}** ({'; '.join(run['why'])}). {what_autogaudi_did(run)}")
         lines.append("")
     return "\n".join(lines) + "\n"
 
@@ -563,8 +646,11 @@ def new_results(where: str, jobs: int, short: bool, variants: list, repeat: int 
     """A results file's header, with no case yet."""
     import torch
 
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
     return {
         "machine": machine_name(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "commit": commit.stdout.strip() or "unknown",
         "torch": torch.__version__,
         "where": where,
         "jobs": jobs,
@@ -580,6 +666,12 @@ def write(results: dict, out: Path) -> None:
     """The JSON and the Markdown table beside it."""
     out.write_text(json.dumps(results, indent=1, default=str) + "\n")
     out.with_suffix(".md").write_text(markdown(results))
+
+
+def default_name(variants: list) -> str:
+    """``corpus-<machine>.json``; on the double, ``corpus-hpu-double-<release>.json``."""
+    releases = sorted({HPU_DOUBLE_RELEASE[variant] for variant in variants if variant in HPU_DOUBLE_RELEASE})
+    return f"corpus-hpu-double-{'-'.join(releases)}.json" if releases else f"corpus-{machine_name()}.json"
 
 
 def main(argv=None) -> int:
@@ -614,12 +706,15 @@ def main(argv=None) -> int:
     variants = args.variants.split(",")
     if variants[0] != "plain" or set(variants) - set(VARIANTS):
         parser.error(f"--variants must start with plain and name only: {', '.join(VARIANTS)}")
+    for again, first in AGAIN.items():
+        if again in variants and first not in variants[: variants.index(again)]:
+            parser.error(f"--variants: {again!r} is the second run of {first!r}, which must come before it")
     where = args.where or ("gpu" if torch.cuda.is_available() else "cpu")
     corpora = args.corpus or [corpus for corpus in (DEFAULT_CORPUS, DIST_CORPUS) if (corpus / "corpus.json").exists()]
     cases = load_cases(corpora, where, args.cases.split(",") if args.cases else None)
     if args.short:
         cases = [shortened(case) for case in cases]
-    out = args.out or HERE / "results" / f"corpus-{machine_name()}.json"
+    out = args.out or HERE / "results" / default_name(variants)
     scratch = args.scratch or Path(tempfile.mkdtemp(prefix="autogaudi-corpus-"))
     results = new_results(where, args.jobs, args.short, variants, args.repeat)
     compile_bytecode()

@@ -105,23 +105,49 @@ def test_forced_capture_is_compared_more_loosely_and_unseeded_cases_not_at_all()
     assert corpus.verdict(unseeded, "autogaudi", run(), run(result="loss 9.0"))["verdict"] == "same"
 
 
-def on_the_double(device, migration="mapped") -> dict:
-    """A run under the double whose report places the model on ``device``."""
+def on_the_double(device, migration="mapped", held=None) -> dict:
+    """A run under the double whose report places the model on ``device``, its optimizers holding
+    ``held`` parameters by device at exit."""
     units = [{"name": "gpu_migration", "reason_code": migration}]
     report = {"backend": {"name": "hpu", "placement": {"device": device, "on_device": device == "hpu"}}, "units": units}
-    return {**run(), "report": report}
+    facts = {"optimizer_parameters": held if held is not None else {device: 4}}
+    return {**run(), "report": report, "double": facts}
 
 
 def test_on_the_double_a_cuda_case_left_on_the_host_differs_and_a_cpu_written_one_may_stay_there():
     corpus = load_corpus()
-    assert corpus.verdict(CASE, "hpu double", run(), on_the_double("hpu"))["verdict"] == "same"
-    assert corpus.verdict(CASE, "hpu double", run(), on_the_double("cpu"))["verdict"] == "differs"
-    assert corpus.verdict(CASE, "hpu double", run(), on_the_double("cpu", "script_not_cuda"))["verdict"] == "same"
-    # only this variant runs with the double and its recorded placement on the path
-    env = corpus.clean_env({}, "hpu double")
-    assert env["PYTHONPATH"].split(":")[0] == str(corpus.HPU_DOUBLE)
-    assert env["HPU_DOUBLE_PLACEMENT"] == "recorded"
-    assert "HPU_DOUBLE_PLACEMENT" not in corpus.clean_env({}, "autogaudi")
+    for variant in ("hpu double latest", "hpu double 1.19"):
+        assert corpus.verdict(CASE, variant, run(), on_the_double("hpu"))["verdict"] == "same"
+        assert corpus.verdict(CASE, variant, run(), on_the_double("cpu"))["verdict"] == "differs"
+        assert corpus.verdict(CASE, variant, run(), on_the_double("cpu", "script_not_cuda"))["verdict"] == "same"
+        # placed on hpu at first, but a parameter the optimizer holds at exit is on the host
+        held = {"hpu": 3, "cpu": 1}
+        assert corpus.verdict(CASE, variant, run(), on_the_double("hpu", held=held))["verdict"] == "differs"
+    # only these variants run with the double on the path, under the release each names
+    for variant, release in (("hpu double latest", "latest"), ("hpu double 1.19", "1.19")):
+        env = corpus.clean_env({}, variant)
+        assert env["PYTHONPATH"].split(":")[0] == str(corpus.HPU_DOUBLE)
+        assert env["HPU_DOUBLE_RELEASE"] == release
+    assert "HPU_DOUBLE_RELEASE" not in corpus.clean_env({}, "autogaudi")
+
+
+def test_the_eager_releases_second_run_must_compile_nothing():
+    corpus = load_corpus()
+    again = on_the_double("hpu")
+
+    def metrics(compiled, hits, misses):
+        graphs = {"TotalNumber": compiled, "TotalTime": 0, "AvgTime": 0}
+        return {"graph_compilation": graphs, "recipe_cache": {"TotalHit": hits, "TotalMiss": misses}}
+
+    again["double"]["metrics"] = metrics(0, 3, 0)
+    assert corpus.verdict(CASE, "hpu double latest again", run(), again)["verdict"] == "same"
+    again["double"]["metrics"] = metrics(2, 1, 2)
+    assert corpus.verdict(CASE, "hpu double latest again", run(), again)["verdict"] == "differs"
+    again["double"]["metrics"] = metrics(0, 0, 0)  # nothing compiled in either run: no cache at work
+    assert corpus.verdict(CASE, "hpu double latest again", run(), again)["verdict"] == "differs"
+    del again["double"]["metrics"]  # the bridge never loaded: nothing says what was compiled
+    assert corpus.verdict(CASE, "hpu double latest again", run(), again)["verdict"] == "differs"
+    assert corpus.default_name(["plain", "hpu double 1.19"]) == "corpus-hpu-double-1.19.json"
 
 
 def run_corpus(tmp_path, *args, timeout):
@@ -259,15 +285,28 @@ def test_a_set_up_that_ends_in_gloos_teardown_abort_runs_again_and_other_failure
 
 @pytest.mark.slow
 @pytest.mark.skipif(not CPU_CASES, reason=NO_CORPUS)
-def test_a_cuda_written_case_trains_on_the_doubles_hpu_with_plains_losses(tmp_path, monkeypatch):
+def test_a_cuda_written_case_trains_on_the_doubles_hpu_under_each_release_with_plains_losses(tmp_path, monkeypatch):
     """minGPT's adder (``'cuda' if torch.cuda.is_available()`` in its package) under the defaults with
-    the HPU double: migrated, its parameters on hpu, its loss plain's on the CPU within tolerance."""
+    the HPU double, once per release it models: migrated, every parameter its optimizer holds on hpu,
+    its loss plain's on the CPU within tolerance. Its run shortened further: 10 iterations."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     corpus = load_corpus()
     case = next(case for case in CPU_CASES if case["name"] == "mingpt-adder")
-    row = corpus.run_case(case, ["plain", "hpu double"], tmp_path, corpus.log, 600)
-    mine = row["runs"]["hpu double"]
-    assert mine["verdict"] in ("same", "slower"), (mine["why"], mine["output_tail"][-2000:])
-    backend = mine["report"]["backend"]
-    assert backend["placement"]["on_device"] is True and backend["placement"]["device"] == "hpu"
-    assert backend["migration"] == {**backend["migration"], "asked_for": "cuda", "ran_on": "hpu"}
+    case = {
+        **case,
+        "command": [arg.replace("max_iters=40", "max_iters=11") for arg in case["command"]],
+        "result": r"iter 10: train loss [0-9.]+",
+    }
+    variants = ["plain", "hpu double latest", "hpu double 1.19"]
+    row = corpus.run_case(case, variants, tmp_path, corpus.log, 600)
+    assert row["runs"]["plain"]["result"] is not None, row["runs"]["plain"]["output_tail"]
+    for variant, lazy in (("hpu double latest", False), ("hpu double 1.19", True)):
+        mine = row["runs"][variant]
+        assert mine["verdict"] in ("same", "slower"), (variant, mine["why"], mine["output_tail"][-2000:])
+        backend = mine["report"]["backend"]
+        assert backend["lazy"] is lazy
+        assert backend["placement"]["on_device"] is True and backend["placement"]["device"] == "hpu"
+        assert backend["migration"] == {**backend["migration"], "asked_for": "cuda", "ran_on": "hpu"}
+        assert mine["double"]["release"] == variant.split()[-1]
+        held = mine["double"]["optimizer_parameters"]
+        assert set(held) == {"hpu"} and held["hpu"] > 0, held

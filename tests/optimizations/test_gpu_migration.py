@@ -99,11 +99,14 @@ def test_a_cuda_script_trains_on_hpu_through_intels_migration_under_the_defaults
     "entry, style, release",
     [
         ("environment", "dot", "latest"),
+        ("environment", "examples", "1.19"),
         ("first", "examples", "latest"),
         ("first", "dot", "1.19"),
     ],
 )
 def test_every_entry_point_started_before_torch_lands_every_parameter_and_batch_on_hpu(tmp_path, entry, style, release):
+    """With the launcher's test above, every pair of entry point, style and release is run once (a
+    subprocess each: the whole product would be twelve)."""
     report, result = run(tmp_path, "cuda_train.py", release=release, entry=entry, STYLE=style, PLACEMENT="1")
     assert rows(report)["gpu_migration"]["figures"]["switched_on_by"] == "autogaudi"
     assert devices(result) == {"parameters": "4 of 4", "batches": "28 of 28"}
