@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-from autogaudi.backends.base import NO_BRIDGE, Backend, MemoryStats, compile_calls
+from autogaudi.backends.base import NO_BRIDGE, Backend, MemoryStats, _call_block, compile_calls
 from autogaudi.backends.hpu_signals import HpuSignals
 
 # torch.optim arguments the Gaudi fused optimizers do not have, with the value that means "unused".
@@ -94,7 +94,6 @@ class HpuBackend(Backend):
     pin_memory_device = "hpu"
     graphs_can_draw_eager_random = False  # an inductor setting; the Gaudi graph compilers have none
     least_capture_one_off_s = 1.0  # never measured (no Gaudi): the earlier, conservative floor
-    graphs_by_region = False  # ModuleCacher caches a module's graphs per instance
     capture_one_off_rate_s = 0.8  # never measured: the other backends' prior
     host_runs_ahead = True
 
@@ -118,6 +117,12 @@ class HpuBackend(Backend):
 
     def fast_bf16(self) -> bool:
         return True  # the MME's native type (Gaudi performance guide: bf16 autocast)
+
+    @property
+    def graphs_by_region(self) -> bool:
+        # Lazy: ModuleCacher caches a module's graphs per instance. Eager: torch.compile with
+        # hpu_backend, each repeated block class compiled once (regional compilation).
+        return not self.is_lazy
 
     @property
     def graphs_hold_gradients(self) -> bool:
@@ -165,6 +170,11 @@ class HpuBackend(Backend):
             vars(module).update(before)
             return cached
         return compile_calls(module, backend="hpu_backend")
+
+    def graph_blocks(self, exact_random: bool = False):
+        """Eager mode's regional compilation: each block class compiled once with ``hpu_backend``
+        (the Gaudi guide's training recommendation), not inductor."""
+        return torch.compile(_call_block, backend="hpu_backend")
 
     def graph_kind(self) -> str:
         return "HPU graphs, ModuleCacher" if self.is_lazy else "torch.compile, hpu_backend"

@@ -1,0 +1,97 @@
+"""graph_capture in HPU eager mode (the default since lazy mode became the legacy fallback): the
+training model compiled with torch.compile's ``hpu_backend``, each repeated block class once; the
+double counts each graph the backend is handed as a compilation, through the recipe cache; graph
+breaks and recompiles are named from torch's own records."""
+
+import pytest
+import torch
+from torch import nn
+
+import autogaudi
+from autogaudi import one_offs
+from tests.optimizations.test_graph_capture import Tower, batches, losses_of, row
+
+
+def _run_ends():
+    """What the session does at exit for graph_capture: torch's compile records are read."""
+    from autogaudi import runtime
+
+    for unit in runtime._STATE.session.applied:
+        if unit.name == "graph_capture":
+            unit.run_ending(None)
+
+
+def _compiles(calls):
+    return [kwargs["kind"] for name, kwargs in calls.CALLS if name == "hpu_backend_compile"]
+
+
+def test_eager_hpu_compiles_each_block_class_once_with_hpu_backend_and_trains_like_plain(hpu_double, monkeypatch):
+    monkeypatch.setattr(one_offs, "REGIONAL_KEEPS", 1.0)  # regional pays back sooner whatever its estimate
+    plain = losses_of(Tower(), batches())
+    calls = hpu_double(lazy=False)
+    from habana_frameworks.torch.hpu import metrics
+
+    autogaudi.enable(device="hpu", only="step_profiler,graph_capture", force="graph_capture")
+    losses = losses_of(Tower(), batches())
+    figures = row()["figures"]
+    assert figures["regions"] == {"container": "blocks", "block": "Sequential", "count": 4}
+    assert _compiles(calls) == ["forward", "backward"]  # one block graph for the four blocks, and its backward
+    assert dict(metrics.metric_global("graph_compilation").stats())["TotalNumber"] == 2
+    torch.testing.assert_close(losses, plain, rtol=1e-4, atol=1e-5)
+    _run_ends()
+    figures = row()["figures"]
+    assert figures["graph_breaks"]["count"] == 0 and figures["recompiles"]["count"] == 0
+
+
+class Chatty(nn.Module):
+    """A model whose forward breaks dynamo's graph (a print) and takes a Python number that changes."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.first, self.second = nn.Linear(16, 16), nn.Linear(16, 3)
+
+    def forward(self, inputs, scale=1.0):
+        hidden = torch.tanh(self.first(inputs))
+        print(end="")
+        return self.second(hidden) * scale
+
+
+def test_graph_breaks_and_recompiles_are_named_with_torchs_codes_and_the_lines(hpu_double, capsys):
+    hpu_double(lazy=False)
+    torch._dynamo.reset()  # no code compiled for Chatty by an earlier test
+    autogaudi.enable(device="hpu", only="step_profiler,graph_capture", force="graph_capture")
+    model, optimizer = Chatty(), None
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step, (inputs, labels) in zip(range(14), batches()):
+        loss = nn.functional.cross_entropy(model(inputs, scale=1.0 + (step >= 12)), labels)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    _run_ends()
+    unit = row()
+    breaks, recompiles = unit["figures"]["graph_breaks"], unit["figures"]["recompiles"]
+    assert breaks["count"] >= 1 and all(reason["code"].startswith("GB") for reason in breaks["reasons"])
+    line = Chatty.forward.__code__.co_firstlineno + 2  # the print
+    assert f"test_graph_capture_hpu_eager.py:{line} (forward)" in breaks["where"]
+    assert recompiles["count"] >= 1 and any("scale" in reason["reason"] for reason in recompiles["reasons"])
+    assert {"graph_breaks", "recompiled"} <= set(unit["note_codes"])
+
+
+@pytest.mark.parametrize("lazy", [False])
+def test_the_second_process_compiles_nothing_through_the_recipe_cache(hpu_double, tmp_path, monkeypatch, lazy):
+    monkeypatch.setenv("PT_HPU_RECIPE_CACHE_CONFIG", f"{tmp_path},false,100")
+    counted = []
+    for _run in range(2):  # each load is a fresh bridge, as a new process's
+        calls = hpu_double(lazy=lazy)
+        from habana_frameworks.torch.hpu import metrics
+
+        torch._dynamo.reset()
+        compiled = torch.compile(Tower(), backend="hpu_backend")
+        compiled(torch.randn(4, 16)).sum().backward()
+        counted.append(
+            (dict(metrics.metric_global("graph_compilation").stats())["TotalNumber"], _compiles(calls))
+        )
+        hits = dict(metrics.metric_global("recipe_cache").stats())["TotalHit"]
+    assert counted[0] == (2, ["forward", "backward"])
+    assert counted[1] == (0, ["forward", "backward"]) and hits == 2
