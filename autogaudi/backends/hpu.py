@@ -9,6 +9,7 @@ has no step marks and compiles with ``torch.compile(backend="hpu_backend")``.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -76,6 +77,24 @@ def graph_blocker(module):
     if hooked or _global_module_hooks():
         return "module_hooks", {"where": ", ".join(sorted(set(hooked))) or "all modules (global hooks)"}
     return None
+
+
+def _cached_or_plain(module, cached, plain, *args, **kwargs):
+    """ModuleCacher's cached forward, with the module's ``orig_forward`` put back for the call only:
+    past ``max_graphs`` (a new input key: shapes, a Python value, the autocast state) the cacher runs
+    the call uncached through it, the plain forward, instead of raising for want of it."""
+    had = vars(module).get("orig_forward", _MISSING)
+    vars(module)["orig_forward"] = plain
+    try:
+        return cached(*args, **kwargs)
+    finally:
+        if had is _MISSING:
+            vars(module).pop("orig_forward", None)
+        else:
+            vars(module)["orig_forward"] = had
+
+
+_MISSING = object()
 
 
 def _global_module_hooks() -> bool:
@@ -164,11 +183,11 @@ class HpuBackend(Backend):
             # forward (never the cacher's uncached path, which reads orig_forward).
             before = dict(vars(module))
             self._hpu.ModuleCacher(max_graphs=max_graphs)(model=module, inplace=True)
-            cached = vars(module)["forward"]
+            cached, plain = vars(module)["forward"], vars(module)["orig_forward"]
             for name in set(vars(module)) - set(before):
                 del vars(module)[name]
             vars(module).update(before)
-            return cached
+            return functools.partial(_cached_or_plain, module, cached, plain)
         return compile_calls(module, backend="hpu_backend")
 
     def graph_blocks(self, exact_random: bool = False):

@@ -95,3 +95,43 @@ def test_the_second_process_compiles_nothing_through_the_recipe_cache(hpu_double
         hits = dict(metrics.metric_global("recipe_cache").stats())["TotalHit"]
     assert counted[0] == (2, ["forward", "backward"])
     assert counted[1] == (0, ["forward", "backward"]) and hits == 2
+
+
+class Scaled(nn.Module):
+    """A forward taking a Python number: each value is a graph key of ModuleCacher's of its own."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = nn.Linear(16, 3)
+
+    def forward(self, inputs, scale=1.0):
+        return self.linear(inputs) * scale
+
+
+def _train_scaled(model, steps=26):
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    losses = []
+    for step, (inputs, labels) in zip(range(steps), batches()):
+        loss = nn.functional.cross_entropy(model(inputs, scale=1.0 + step / 10), labels)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_past_module_cachers_graph_limit_the_call_runs_the_plain_forward_and_capture_stays(hpu_double, monkeypatch):
+    from autogaudi.optimizations.graph_capture import captured_call
+
+    monkeypatch.setattr(captured_call, "MAX_SHAPES", 100)  # the capture layer's limit lifted: the cacher's comes first
+    plain = _train_scaled(Scaled())
+    calls = hpu_double(lazy=True)
+    autogaudi.enable(device="hpu", only="step_profiler,graph_capture", force="graph_capture")
+    model = Scaled()
+    losses = _train_scaled(model)
+    names = calls.names()
+    assert names.count("module_cacher_capture") == 10 and "module_cacher_uncached" in names
+    assert row()["status"] == "applied" and row()["reason_code"] == "captured_forced"
+    assert "orig_forward" not in vars(model)
+    torch.testing.assert_close(losses, plain, rtol=1e-5, atol=1e-6)
