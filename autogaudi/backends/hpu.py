@@ -172,7 +172,17 @@ class HpuBackend(Backend):
     def graph_refusal(self, module):
         if not self.is_lazy:
             return None
-        return graph_blocker(module)
+        return graph_blocker(module) or self._fallback_refusal()
+
+    def _fallback_refusal(self):
+        """An HPU graph capture asserts on an op that falls back to the CPU (the bridge's graphs hold
+        device ops only): where the bridge has counted any fallback in this process, capture is
+        refused first, naming the ops."""
+        metrics = importlib.import_module("habana_frameworks.torch.hpu.metrics")
+        ops = dict(metrics.metric_global("cpu_fallback").stats()).get("FallbackOps") or {}
+        if ops:
+            return "cpu_fallback_ops", {"ops": ", ".join(sorted(ops))}
+        return None
 
     def graph_forward(self, module, exact_random: bool = False, static_outputs: bool = True, max_graphs: int = 10):
         if self.is_lazy:

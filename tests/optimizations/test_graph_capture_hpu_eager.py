@@ -135,3 +135,30 @@ def test_past_module_cachers_graph_limit_the_call_runs_the_plain_forward_and_cap
     assert row()["status"] == "applied" and row()["reason_code"] == "captured_forced"
     assert "orig_forward" not in vars(model)
     torch.testing.assert_close(losses, plain, rtol=1e-5, atol=1e-6)
+
+
+class FallingBack(nn.Module):
+    """A forward with an op the bridge runs on the CPU (injected: the double itself never falls back)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = nn.Linear(16, 3)
+
+    def forward(self, inputs):
+        from habana_frameworks.torch.hpu import metrics
+
+        metrics.inject_cpu_fallback("aten::nonzero")
+        return self.linear(inputs)
+
+
+def test_a_model_with_cpu_fallbacks_is_never_captured_even_forced(hpu_double):
+    plain = losses_of(Scaled(), batches())
+    calls = hpu_double(lazy=True)
+    autogaudi.enable(device="hpu", only="step_profiler,graph_capture", force="graph_capture")
+    model = FallingBack()
+    model.linear = Scaled().linear  # the same start as the plain run's
+    losses = losses_of(model, batches())
+    assert (row()["reason_code"], row()["reason_params"]) == ("cpu_fallback_ops", {"ops": "aten::nonzero"})
+    assert "module_cacher" not in calls.names()
+    torch.testing.assert_close(losses, plain, rtol=1e-5, atol=1e-6)

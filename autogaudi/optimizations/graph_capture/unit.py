@@ -78,6 +78,8 @@ class GraphCapture(CapturedCall, DecidesCandidate):
         "sub-modules yourself",
         "positional_forward": "not captured: {model}.forward takes *args or positional-only arguments, which "
         "ModuleCacher refuses",
+        "cpu_fallback_ops": "not captured: {ops} ran on the CPU in this run (the bridge's cpu_fallback count), "
+        "and an HPU graph capture asserts on a CPU fallback",
         "module_hooks": "not captured: module hooks on {where} would not run when HPU graphs replay",
         "called_several_times": "not captured: {model} is called {calls} times per step, and {backend} graphs "
         "overwrite an earlier call's outputs",
