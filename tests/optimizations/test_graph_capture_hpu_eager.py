@@ -89,9 +89,7 @@ def test_the_second_process_compiles_nothing_through_the_recipe_cache(hpu_double
         torch._dynamo.reset()
         compiled = torch.compile(Tower(), backend="hpu_backend")
         compiled(torch.randn(4, 16)).sum().backward()
-        counted.append(
-            (dict(metrics.metric_global("graph_compilation").stats())["TotalNumber"], _compiles(calls))
-        )
+        counted.append((dict(metrics.metric_global("graph_compilation").stats())["TotalNumber"], _compiles(calls)))
         hits = dict(metrics.metric_global("recipe_cache").stats())["TotalHit"]
     assert counted[0] == (2, ["forward", "backward"])
     assert counted[1] == (0, ["forward", "backward"]) and hits == 2

@@ -1,8 +1,9 @@
 """Graph breaks and recompiles of what torch.compile captured, from torch's own records: dynamo's
 ``counters["graph_break"]`` (reason -> count; the reason names torch's graph-break code, ``GB0064``)
 and its compilation metrics (one per frame compiled: the frame's file and first line, the guard that
-failed where it was a recompile; the code dynamo resumes after a break is named for the break's line). Why: each break runs part of the step eagerly and each
-recompile is a compile more; the report names them where the user can act, with torch's words."""
+failed where it was a recompile; the code dynamo resumes after a break is named for the break's line).
+Why: each break runs part of the step eagerly and each recompile is a compile more; the report names
+them where the user can act, in torch's words."""
 
 from __future__ import annotations
 

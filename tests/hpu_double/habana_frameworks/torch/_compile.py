@@ -27,7 +27,9 @@ _DEVICE_MODULE = "habana_frameworks.torch._device"
 def _graph_key(kind, graph_module, example_inputs):
     """What a recipe depends on: the graph's code and its inputs' shapes, strides and dtypes."""
     inputs = tuple(
-        (tuple(value.shape), tuple(value.stride()), str(value.dtype)) if isinstance(value, torch.Tensor) else repr(value)
+        (tuple(value.shape), tuple(value.stride()), str(value.dtype))
+        if isinstance(value, torch.Tensor)
+        else repr(value)
         for value in example_inputs
     )
     return kind, graph_module.code, inputs
