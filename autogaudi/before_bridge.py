@@ -19,6 +19,7 @@ import sys
 
 from autogaudi.cache import RECIPE_CACHE, Cache, compile_cache_environment, note
 from autogaudi.main_script import script_path
+from autogaudi.optimizations.hpu_mode import modes
 from autogaudi.script_source import read_script
 
 BRIDGE = "habana_frameworks.torch"
@@ -42,7 +43,33 @@ def decide(options) -> dict:
         migration = None if options.unit_switched_off("gpu_migration") else switch_on_migration(options)
     except Exception as error:  # fail open: the script runs as written
         migration = {"error": repr(error)}
+    try:
+        mode = None if options.unit_switched_off("hpu_mode") else choose_hpu_mode(options, caches)
+    except Exception as error:  # fail open: the release's default mode
+        mode = {"code": "error", "error": repr(error)}
+    LAST_MODE.clear()
+    LAST_MODE.update(mode or {"code": "switched_off"})
     return {"caches": caches, "migration": migration}
+
+
+# The hpu_mode unit's decision, as the latest decide() took it (the unit reads it once torch is in).
+LAST_MODE: dict = {}
+
+
+def choose_hpu_mode(options, caches: dict):
+    """Lazy or eager for this run (:mod:`autogaudi.optimizations.hpu_mode.modes`), set before the bridge
+    reads it; a variable autogaudi set goes in ``caches["set"]``, taken back off at the run's end."""
+    if options.device not in ("auto", "hpu") or not bridge_installed():
+        return {"code": "other_device"}
+    path = script_path()
+    source = ""
+    if path is not None:
+        with open(path, encoding="utf-8", errors="replace") as handle:
+            source = handle.read()
+    decided = modes.decide(caches["cache"], path, source, bridge_loaded())
+    if decided.get("set"):
+        caches["set"][modes.VARIABLE] = os.environ[modes.VARIABLE]
+    return decided
 
 
 def open_caches(options) -> dict:

@@ -16,6 +16,7 @@ PROFILER = "step_profiler"
 # start-up, and may need that backend's libraries. A unit reads its own from here.
 ACTS_ONLY_ON = {
     "gpu_migration": (("hpu",), "the toolkit maps CUDA calls onto a Gaudi only"),
+    "hpu_mode": (("hpu",), "lazy and eager are Gaudi's execution modes"),
     "step_marks": (("hpu",), ""),
     "pipelining_fwd_bwd": (("hpu",), ""),
     "fused_clip_norm": (("hpu",), "torch's clip_grad_norm_ already runs its foreach kernels there"),
@@ -50,6 +51,12 @@ UNITS: tuple[UnitInfo, ...] = (
         "HPU: a script written for CUDA runs on Gaudi through Intel's GPU migration toolkit, switched on before "
         "the bridge loads",
         "autogaudi.optimizations.gpu_migration:GpuMigration",
+    ),
+    UnitInfo(
+        "hpu_mode",
+        "HPU: lazy or eager, measured once each where the script runs in both, the faster set before the bridge "
+        "loads in later runs",
+        "autogaudi.optimizations.hpu_mode.unit:HpuMode",
     ),
     UnitInfo(
         "step_marks",

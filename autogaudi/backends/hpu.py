@@ -9,6 +9,7 @@ has no step marks and compiles with ``torch.compile(backend="hpu_backend")``.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -17,7 +18,7 @@ import sys
 
 import torch
 
-from autogaudi.backends.base import NO_BRIDGE, Backend, MemoryStats, compile_calls
+from autogaudi.backends.base import NO_BRIDGE, Backend, MemoryStats, _call_block, compile_calls
 from autogaudi.backends.hpu_signals import HpuSignals
 
 # torch.optim arguments the Gaudi fused optimizers do not have, with the value that means "unused".
@@ -78,6 +79,24 @@ def graph_blocker(module):
     return None
 
 
+def _cached_or_plain(module, cached, plain, *args, **kwargs):
+    """ModuleCacher's cached forward, with the module's ``orig_forward`` put back for the call only:
+    past ``max_graphs`` (a new input key: shapes, a Python value, the autocast state) the cacher runs
+    the call uncached through it, the plain forward, instead of raising for want of it."""
+    had = vars(module).get("orig_forward", _MISSING)
+    vars(module)["orig_forward"] = plain
+    try:
+        return cached(*args, **kwargs)
+    finally:
+        if had is _MISSING:
+            vars(module).pop("orig_forward", None)
+        else:
+            vars(module)["orig_forward"] = had
+
+
+_MISSING = object()
+
+
 def _global_module_hooks() -> bool:
     module = torch.nn.modules.module
     return bool(
@@ -94,7 +113,6 @@ class HpuBackend(Backend):
     pin_memory_device = "hpu"
     graphs_can_draw_eager_random = False  # an inductor setting; the Gaudi graph compilers have none
     least_capture_one_off_s = 1.0  # never measured (no Gaudi): the earlier, conservative floor
-    graphs_by_region = False  # ModuleCacher caches a module's graphs per instance
     capture_one_off_rate_s = 0.8  # never measured: the other backends' prior
     host_runs_ahead = True
 
@@ -118,6 +136,12 @@ class HpuBackend(Backend):
 
     def fast_bf16(self) -> bool:
         return True  # the MME's native type (Gaudi performance guide: bf16 autocast)
+
+    @property
+    def graphs_by_region(self) -> bool:
+        # Lazy: ModuleCacher caches a module's graphs per instance. Eager: torch.compile with
+        # hpu_backend, each repeated block class compiled once (regional compilation).
+        return not self.is_lazy
 
     @property
     def graphs_hold_gradients(self) -> bool:
@@ -148,7 +172,17 @@ class HpuBackend(Backend):
     def graph_refusal(self, module):
         if not self.is_lazy:
             return None
-        return graph_blocker(module)
+        return graph_blocker(module) or self._fallback_refusal()
+
+    def _fallback_refusal(self):
+        """An HPU graph capture asserts on an op that falls back to the CPU (the bridge's graphs hold
+        device ops only): where the bridge has counted any fallback in this process, capture is
+        refused first, naming the ops."""
+        metrics = importlib.import_module("habana_frameworks.torch.hpu.metrics")
+        ops = dict(metrics.metric_global("cpu_fallback").stats()).get("FallbackOps") or {}
+        if ops:
+            return "cpu_fallback_ops", {"ops": ", ".join(sorted(ops))}
+        return None
 
     def graph_forward(self, module, exact_random: bool = False, static_outputs: bool = True, max_graphs: int = 10):
         if self.is_lazy:
@@ -159,12 +193,17 @@ class HpuBackend(Backend):
             # forward (never the cacher's uncached path, which reads orig_forward).
             before = dict(vars(module))
             self._hpu.ModuleCacher(max_graphs=max_graphs)(model=module, inplace=True)
-            cached = vars(module)["forward"]
+            cached, plain = vars(module)["forward"], vars(module)["orig_forward"]
             for name in set(vars(module)) - set(before):
                 del vars(module)[name]
             vars(module).update(before)
-            return cached
+            return functools.partial(_cached_or_plain, module, cached, plain)
         return compile_calls(module, backend="hpu_backend")
+
+    def graph_blocks(self, exact_random: bool = False):
+        """Eager mode's regional compilation: each block class compiled once with ``hpu_backend``
+        (the Gaudi guide's training recommendation), not inductor."""
+        return torch.compile(_call_block, backend="hpu_backend")
 
     def graph_kind(self) -> str:
         return "HPU graphs, ModuleCacher" if self.is_lazy else "torch.compile, hpu_backend"

@@ -2,7 +2,7 @@
 after warm-up, with what the Gaudi guides do about each.
 
 Why: both cost every step they happen in and neither shows in a plain run's output (the bridge logs
-fallbacks only under ``LOG_LEVEL_PT_FALLBACK=1``). The bridge counts them itself
+fallbacks only under ``PT_HPU_LOG_MOD_MASK=0x80 PT_HPU_LOG_TYPE_MASK=0x8``). The bridge counts them itself
 (``habana_frameworks.torch.hpu.metrics.metric_global``: ``cpu_fallback`` with ``TotalNumber`` and
 ``FallbackOps`` {op: count}, ``graph_compilation`` with ``TotalNumber`` and ``TotalTime`` in µs);
 this module reads those counts at each training step's end and keeps what changed in that step. The
@@ -27,7 +27,7 @@ from autogaudi.reasons import Reason
 REASONS = {
     "cpu_fallback": "{op} ran on the CPU {count}x in {steps} step(s) after warm-up (script line: {line}): "
     "each run is a round trip to the host; use a dtype the device supports (float32 or bfloat16, not float64) or an op "
-    "it has (the bridge lists them with LOG_LEVEL_PT_FALLBACK=1 ENABLE_CONSOLE=true)",
+    "it has (the bridge logs each fallback with PT_HPU_LOG_MOD_MASK=0x80 PT_HPU_LOG_TYPE_MASK=0x8)",
     "recompiled_short_batch": "{count} graph compilation(s) after warm-up on a shorter batch {shapes} (warm-up: "
     "{warmup_shapes}): keep the last batch whole (DataLoader drop_last=True, or autogaudi's static_last_batch)",
     "recompiled_new_shapes": "{count} graph compilation(s) after warm-up on new input shapes {shapes} (warm-up: "

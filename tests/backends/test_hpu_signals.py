@@ -143,3 +143,12 @@ def test_a_fallback_names_the_scripts_line_that_calls_the_op(hpu_double, tmp_pat
     )
     assert signals["cpu_fallback_ops"]["aten::nonzero"]["where"] == "train.py:3"
     assert signals["findings"][0]["params"]["line"] == "train.py:3"
+
+
+def test_the_fallback_hint_names_the_logging_variables_of_the_current_docs():
+    """docs.habana.ai (Placement of Ops on HPU): fallback logs with PT_HPU_LOG_MOD_MASK=0x80
+    PT_HPU_LOG_TYPE_MASK=0x8; the older LOG_LEVEL_PT_FALLBACK is gone from the current pages."""
+    from autogaudi.backends.hpu_signals import REASONS
+
+    assert "PT_HPU_LOG_MOD_MASK=0x80 PT_HPU_LOG_TYPE_MASK=0x8" in REASONS["cpu_fallback"]
+    assert "LOG_LEVEL_PT_FALLBACK" not in REASONS["cpu_fallback"]

@@ -32,6 +32,7 @@ from autogaudi.candidate import Candidate, DecidesCandidate
 from autogaudi.engines import fsdp2_managed
 from autogaudi.events import Event
 from autogaudi.model_call import Layer, compiled_by_the_script, holder
+from autogaudi.optimizations.graph_capture import compile_counts
 from autogaudi.optimizations.graph_capture.captured_call import CapturedCall, own_gradient_tensors
 from autogaudi.optimizations.graph_capture.host_reads import forward_reading, read_sites
 from autogaudi.ranks import rank_zero_choice
@@ -77,6 +78,8 @@ class GraphCapture(CapturedCall, DecidesCandidate):
         "sub-modules yourself",
         "positional_forward": "not captured: {model}.forward takes *args or positional-only arguments, which "
         "ModuleCacher refuses",
+        "cpu_fallback_ops": "not captured: {ops} ran on the CPU in this run (the bridge's cpu_fallback count), "
+        "and an HPU graph capture asserts on a CPU fallback",
         "module_hooks": "not captured: module hooks on {where} would not run when HPU graphs replay",
         "called_several_times": "not captured: {model} is called {calls} times per step, and {backend} graphs "
         "overwrite an earlier call's outputs",
@@ -106,6 +109,9 @@ class GraphCapture(CapturedCall, DecidesCandidate):
         "leaves the script's generator elsewhere, so later draws differ too, kept or rejected; --exact-random "
         "makes them the same, at a cost in speed",
         "gradients_reused": "zero_grad(set_to_none=False) while graphs are on: gradient tensors are reused, not freed",
+        "graph_breaks": "torch.compile broke the captured code's graph {count}x at {where} ({reasons}): the "
+        "code between breaks compiles apart, and the break itself runs eagerly",
+        "recompiled": "torch.compile recompiled the captured code {count}x ({reasons})",
         "eager_outside_training": "calls outside training (eval mode or no_grad) run eagerly: only training steps "
         "were measured",
     }
@@ -127,6 +133,7 @@ class GraphCapture(CapturedCall, DecidesCandidate):
         self._estimate = None  # this model's one-off, predicted (autogaudi.one_offs)
         self._artifacts_key = None  # what its compiled code depends on, naming the saved compile caches
         self._set_up_seconds = 0.0
+        self._compile_mark = None  # torch's compile records when capture began (compile_counts.mark)
         if self.backend.graphs_hold_gradients:
             self.wrap(torch.utils.checkpoint, "checkpoint", self._count_checkpoint)
         self.because("waiting_for_profile")
@@ -272,6 +279,7 @@ class GraphCapture(CapturedCall, DecidesCandidate):
         if several:
             self.note("captured_called_several_times", model=name, calls=profile.calls_per_step)
         # What an earlier run compiled for this script, model and inputs, into the compiler's caches first.
+        self._compile_mark = self._compile_mark or compile_counts.mark()
         self.figures["compile_artifacts"] = one_offs.load_artifacts(
             self.session.cache, self._artifacts_key, self.backend
         )
@@ -289,6 +297,21 @@ class GraphCapture(CapturedCall, DecidesCandidate):
         self._numerics_pending = True  # measured on the first captured call
         if dropout:
             self.note("dropout_exact" if exact else "dropout_differs")
+
+    def run_ending(self, error) -> None:
+        """Graph breaks and recompiles since capture began, by torch's counters, with the lines torch
+        names (none where graphs are not torch.compile's: HPU lazy's ModuleCacher)."""
+        if self._compile_mark is None:
+            return
+        found = compile_counts.since(self._compile_mark)
+        self.figures.update(graph_breaks=found["graph_breaks"], recompiles=found["recompiles"])
+        breaks, recompiles = found["graph_breaks"], found["recompiles"]
+        if breaks["count"]:
+            reasons = "; ".join(f"{r['code'] or 'no code'}: {r['reason']} ({r['count']}x)" for r in breaks["reasons"])
+            self.note("graph_breaks", count=breaks["count"], where=", ".join(breaks["where"]) or "?", reasons=reasons)
+        if recompiles["count"]:
+            reasons = "; ".join(f"{r['where']}: {r['reason']}" for r in recompiles["reasons"])
+            self.note("recompiled", count=recompiles["count"], reasons=reasons)
 
     def _when_to_try(self, profile) -> tuple:
         """(None, or the figures of why no trial could pay for itself; the training step from which one may start).

@@ -15,6 +15,7 @@ import torch  # noqa: E402
 _native_library_loaded = True
 
 from habana_frameworks.torch import (  # noqa: E402, F401
+    _compile,
     _device,
     _release,
     core,
@@ -31,6 +32,7 @@ if getattr(torch, "hpu", None) is not hpu:
         delattr(torch, "hpu")
     torch._register_device_module("hpu", hpu)
 _device.install()
+_compile.install()  # torch.compile's hpu_backend (found through its entry point)
 
 # The bridge reads PT_HPU_GPU_MIGRATION when it loads and then loads Intel's GPU migration toolkit.
 if os.environ.get("PT_HPU_GPU_MIGRATION") == "1":

@@ -14,6 +14,7 @@ from torch.utils import _pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from habana_frameworks.torch._calls import record
+from habana_frameworks.torch.hpu import metrics
 from habana_frameworks.torch.hpu.metrics import _count_compilation
 from habana_frameworks.torch.utils.internal import is_lazy
 
@@ -276,8 +277,11 @@ class ModuleCacher(torch.nn.Module):
             "Use DataParallel/DistributedDataParallel only after wrapping with ModuleCacher"
         )
         recording = _Recording(self._inputs(arguments))
+        fallbacks = _fallbacks()
         with recording:
             outputs = self.orig_model(**arguments)
+        # the bridge's graphs hold device ops only: an op that fell back to the CPU fails the capture
+        assert _fallbacks() == fallbacks, "CPU fallback during HPU graph capture"
         recording.finish(outputs)
         trainable = [parameter for parameter in self.orig_model.parameters() if parameter.requires_grad]
         differentiable = [tensor for tensor in _tensors(outputs) if tensor.requires_grad]
@@ -317,6 +321,10 @@ class ModuleCacher(torch.nn.Module):
         self._previous_gradients = current
         record("module_cacher_replay", shapes=_shapes(arguments), gradients_reused=reused)
         return outputs
+
+
+def _fallbacks():
+    return dict(metrics.metric_global("cpu_fallback").stats())["TotalNumber"]
 
 
 def _shapes(arguments):
