@@ -74,9 +74,11 @@ def optimizer_tensors(optimizer) -> list:
 
 
 def plain_tensors(optimizer) -> bool:
-    """Whether every parameter is a plain tensor (not a DTensor, whose reductions are collectives)."""
+    """Whether every parameter computes as a plain tensor: none dispatches ops its own way (a DTensor,
+    whose reductions are collectives; a float8 or quantized subclass). A subclass that only changes
+    what Python sees (``__torch_function__``, as a device's tensor type may) computes plainly."""
     return all(
-        type(param) in (torch.Tensor, torch.nn.Parameter)
+        type(param).__torch_dispatch__ is torch.Tensor.__torch_dispatch__
         for group in optimizer.param_groups
         for param in group["params"]
     )

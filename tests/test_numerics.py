@@ -53,6 +53,25 @@ def test_torchs_unfused_update_is_computed_on_copies():
     assert all(map(torch.equal, update, model.parameters()))
 
 
+class _SeenAsDevice(torch.Tensor):
+    """Changes only what Python sees, as the HPU double's tensors do."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_parameters_count_as_plain_unless_they_dispatch_ops_their_own_way():
+    from torch.distributed.tensor import DTensor
+
+    seen_as_device = torch.ones(2).as_subclass(_SeenAsDevice).requires_grad_()
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.ones(2)), seen_as_device], lr=0.1)
+    assert numerics.plain_tensors(optimizer)
+    distributed = type("LikeDTensor", (torch.Tensor,), {"__torch_dispatch__": DTensor.__torch_dispatch__})
+    optimizer.param_groups[0]["params"].append(torch.ones(2).as_subclass(distributed))
+    assert not numerics.plain_tensors(optimizer)
+
+
 def test_a_copy_is_made_only_where_it_fits_in_a_share_of_the_memory_free(monkeypatch):
     tensors = [torch.zeros(1024)]  # 4 KiB
     monkeypatch.setattr(numerics, "free_bytes", lambda backend, device: 4096 / numerics.FREE_SHARE)
