@@ -73,7 +73,7 @@ def measure_case(case: dict, pairs: int, scratch: Path, timeout: float) -> dict:
     differences, claims, walls = [], [], {"plain": [], "autogaudi": []}
     for pair in range(pairs + 1):
         order = ("plain", "autogaudi") if pair % 2 else ("autogaudi", "plain")
-        seconds = {name: timed_run(*commands[name], folder=folder, timeout=timeout) for name in order}
+        seconds = {name: timed_run(commands[name][0], folder, commands[name][1], timeout) for name in order}
         if pair:  # the first pair warms the disk cache and fills autogaudi's cache folder
             differences.append(seconds["autogaudi"] - seconds["plain"])
             claims.append(claimed_slower_s(json.loads(report.read_text())))
