@@ -141,8 +141,8 @@ def whole_run(
     its imports and start, ``per_call_s``: its wrappers' and hooks' time in the user's calls), ``saved_s``
     what the kept changes saved net of their one-offs, ``net_s`` the two together (None where a
     change was not timed against the step without it: plain's time is not known then), ``noise_s``
-    its noise (None where unknown), and ``plain_s``, the steps' time plain would have taken, where
-    ``net_s`` is known."""
+    its noise (None where unknown), and ``plain_s``, the steps' time plain would have taken (the
+    start is outside the steps), where ``net_s`` is known."""
     decided = [record for record in trials if "check" not in record]
     one_offs = sum(record["one_off_s"] for record in decided)
     arms = sum(trial_cost_s(record) - record["one_off_s"] for record in decided if record["decision"] != "kept")
@@ -178,7 +178,8 @@ def whole_run(
         "net_s": round(net, 3) if net is not None else None,
         "noise_s": noise,
         "claimed": net is not None and (noise is None or abs(net) > noise),
-        "plain_s": round(seconds + net, 3) if net is not None and seconds is not None else None,
+        # the steps' time plain would have taken: autogaudi's start is no part of the steps' seconds
+        "plain_s": round(seconds + net + start_up_s, 3) if net is not None and seconds is not None else None,
     }
 
 
