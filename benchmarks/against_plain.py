@@ -103,6 +103,7 @@ def main() -> None:
     corpora = [path for path in (args.corpus, HERE / "corpus_rl") if (path / "corpus.json").exists()]
     cases = corpus.load_cases(corpora, "cpu", args.cases.split(",") if args.cases else None)
     cases = [corpus.shortened(case) if args.short else case for case in cases]
+    facts = {"machine": corpus.machine_name(), "date": time.strftime("%Y-%m-%d"), "commit": _commit()}  # the code run
     results = []
     with tempfile.TemporaryDirectory(prefix="autogaudi-against-plain-") as folder:
         for case in cases:
@@ -120,7 +121,6 @@ def main() -> None:
                 + {True: "within", False: "OUTSIDE", None: "not checked"}[result["agrees"]]
             )
     if args.out:
-        facts = {"machine": corpus.machine_name(), "date": time.strftime("%Y-%m-%d"), "commit": _commit()}
         args.out.write_text(json.dumps({**facts, "pairs": args.pairs, "results": results}, indent=2) + "\n")
 
 
