@@ -5,6 +5,7 @@ Three ways in, one behaviour: ``python -m autogaudi train.py``, ``autogaudi.enab
 optimizations are applied when torch is imported (or at once if it already is).
 """
 
+from autogaudi import timeline as _timeline  # noqa: F401  (first: autogaudi's start is timed from its import)
 from autogaudi._version import __version__
 from autogaudi.errors import OptionsError
 from autogaudi.runtime import active_options, disable, enable, is_enabled, report, settled

@@ -6,12 +6,28 @@ importing wrapt costs 110-150 ms here (it pulls in asyncio and importlib.metadat
 start-up budget of 20 ms for every Python process under ``AUTOGAUDI=1``; this one-shot finder costs
 nothing until torch is imported, and wrapt is loaded only then, when patching starts. What must
 precede the Gaudi bridge runs as the first of torch and the bridge *starts* importing
-(:func:`call_before_import`).
+(:func:`call_before_import`). The callbacks' time is autogaudi's start (the report counts it).
 """
 
 from __future__ import annotations
 
 import sys
+import time
+
+from autogaudi import timeline
+
+_RUNNING = [0]  # callbacks under way: one run inside another (an import the session makes) counts once
+
+
+def _timed(callback, *args) -> None:
+    started = time.perf_counter()
+    _RUNNING[0] += 1
+    try:
+        callback(*args)
+    finally:
+        _RUNNING[0] -= 1
+        if not _RUNNING[0]:
+            timeline.add_start_up(time.perf_counter() - started)
 
 
 class _NotifyingLoader:
@@ -37,7 +53,7 @@ class _NotifyingLoader:
         module.__loader__ = loader
         if getattr(module, "__spec__", None) is not None:
             module.__spec__.loader = loader
-        self._on_loaded(module)
+        _timed(self._on_loaded, module)
 
 
 class _ImportWatcher:
@@ -68,7 +84,7 @@ def call_after_import(name: str, on_loaded) -> None:
     """Call ``on_loaded(module)`` now if ``name`` is imported, else right after its import."""
     module = sys.modules.get(name)
     if module is not None:
-        on_loaded(module)
+        _timed(on_loaded, module)
         return
     if not any(isinstance(f, _ImportWatcher) and f.name == name and f.on_loaded == on_loaded for f in sys.meta_path):
         sys.meta_path.insert(0, _ImportWatcher(name, on_loaded))
@@ -90,7 +106,7 @@ class _BeforeImport:
     def find_spec(self, fullname, path=None, target=None):
         if fullname in self.names and self in sys.meta_path:
             sys.meta_path.remove(self)
-            self.callback()
+            _timed(self.callback)
         return None
 
 

@@ -13,13 +13,14 @@ import sys
 def enable_from_environment(source: str) -> None:
     """Enable autogaudi if ``AUTOGAUDI`` says so; a bad value stops the process with exit code 2
     once it imports torch (:func:`_refuse`)."""
-    from autogaudi import runtime
+    from autogaudi import runtime, timeline
     from autogaudi.errors import OptionsError
     from autogaudi.options import parse_bool
 
     try:
         if parse_bool("AUTOGAUDI", os.environ.get("AUTOGAUDI", "")):
             runtime.enable_with_source({}, source)
+            timeline.entered_until_now()
     except OptionsError as error:
         from autogaudi._after_import import call_after_import
 

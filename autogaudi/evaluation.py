@@ -8,18 +8,19 @@ is open, and steps aside during each outermost call, so the training step and th
 pass run without it. Eval mode with gradients on is not told apart: that would need hooks on every
 module call of every step.
 
-Counting costs each outermost call a hook's registration (25-90 microseconds per call on the 2-core
-CPU, docs/report.md). A loop that calls models without gradients in each of its first
-``EVALUATION_CHECKED_AT_STEP`` steps, more than once a step on average (an RL rollout: the policy
-called per environment step; a teacher called once a step is counted), would
-pay that in every step, so its regions are left to torch from there and the report says from which
-step the count stopped. A loop that evaluates now and then (an evaluation every few hundred steps, a
-``generate()`` at the end) is counted for the whole run.
+Counting costs each outermost call a hook's registration and each region its two wrappers (the
+report adds their time to autogaudi's own cost). A loop that calls models without gradients more
+than once a step on average by step ``EVALUATION_CHECKED_AT_STEP``, in every step or in more regions
+than steps (an RL rollout: the policy called per environment step, then several updates; a teacher
+called once a step is counted), would pay that all run long, so its regions are left to torch from
+there and the report says from which step the count stopped. A loop that evaluates now and then (an
+evaluation every few hundred steps, a ``generate()`` at the end) is counted for the whole run.
 """
 
 from __future__ import annotations
 
 import sys
+import time
 import weakref
 
 import torch
@@ -45,6 +46,9 @@ class EvaluationPasses:
         self._outermost_calls = 0  # forward passes without gradients seen, of any model
         self._calls_at_last_step = 0
         self._steps_with_calls = 0  # training steps in which some model was called without gradients
+        self._regions_with_calls = 0  # regions without gradients in which some model was called
+        self._called_in_region = False
+        self.own_s = 0.0  # the time its wrappers and hooks took inside the user's calls
         self._regions = Scope(guard)  # the region watch, closed on its own where it costs too much
         self._region = None  # the no_grad, inference_mode or set_grad_enabled(False) that turned gradients off
         self._calls_hook = None  # while in a region: the global hook that sees the next module call
@@ -55,6 +59,8 @@ class EvaluationPasses:
         self._trained = weakref.WeakKeyDictionary()  # module -> whether it is a model being trained
 
     def install(self) -> None:
+        self.watch.timeline.count_own_work(lambda: self.own_s)
+        self._regions.add(module_hooks.keep())  # its hook comes and goes per call: the compiled-call wrapper stays
         for region in NO_GRAD_REGIONS:
             self._regions.wrap(region, "__enter__", self._region_entered)
             self._regions.wrap(region, "__exit__", self._region_left)
@@ -72,28 +78,35 @@ class EvaluationPasses:
         self._calls_at_last_step = self._outermost_calls
         self._steps_with_calls += min(steps, new_calls)
         crossed = now_at >= EVALUATION_CHECKED_AT_STEP > now_at - steps
-        every_step = self._steps_with_calls >= now_at and self._outermost_calls > now_at
-        if crossed and every_step and self.counted_until is None:
+        often = self._steps_with_calls >= now_at or self._regions_with_calls > now_at
+        if crossed and often and self._outermost_calls > now_at and self.counted_until is None:
             self.uninstall()
             self.counted_until = now_at
 
     def _region_entered(self, wrapped, instance, args, kwargs):
         # set_grad_enabled(False) turns gradients off when made, before it is entered: its ``prev``
         # says what it found. A region inside gradients already off (an optimizer's step) is not one.
+        started = time.perf_counter()
         enabled_before = instance.prev if isinstance(instance, torch.set_grad_enabled) else torch.is_grad_enabled()
+        own = time.perf_counter() - started
         result = wrapped(*args, **kwargs)
+        started = time.perf_counter()
         if self._region is None and enabled_before and not torch.is_grad_enabled() and not compiling():
             self._region = instance
+            self._called_in_region = False
             self._watch_module_calls()
+        self.own_s += own + time.perf_counter() - started
         return result
 
     def _region_left(self, wrapped, instance, args, kwargs):
         result = wrapped(*args, **kwargs)
         if instance is self._region:
+            started = time.perf_counter()
             self._region = None
             self._stop_watching_module_calls()
             self.watch.region_left()
             self.tell()
+            self.own_s += time.perf_counter() - started
         return result
 
     # Inside a region without gradients one global pre-hook sees the next module call; it steps aside
@@ -110,20 +123,26 @@ class EvaluationPasses:
         self._calls_hook = self._returned_hook = None
 
     def _module_called(self, module, args):
+        started = time.perf_counter()
         if compiling() or _inside_a_module_call():  # a region opened inside a forward: no pass of its own
             return
         self._calls_hook.remove()
         self._calls_hook = None
         self._outermost_calls += 1
+        self._regions_with_calls += not self._called_in_region
+        self._called_in_region = True
         self._returned_hook = module.register_forward_hook(self._guarded_return, always_call=True)
         if not self.watch.in_own_work and not torch.is_grad_enabled():
             self._evaluated[module] = self._evaluated.get(module, 0) + 1
+        self.own_s += time.perf_counter() - started
 
     def _module_returned(self, module, args, output):
+        started = time.perf_counter()
         self._returned_hook.remove()
         self._returned_hook = None
         if self._region is not None:
             self._watch_module_calls()
+        self.own_s += time.perf_counter() - started
 
     def tell(self) -> None:
         """Count the passes of the models being trained, once it is known which those are (an

@@ -17,7 +17,7 @@ import argparse
 import os
 import sys
 
-from autogaudi import report_file, runtime
+from autogaudi import report_file, runtime, timeline
 from autogaudi._paths import bootstrap_dir
 from autogaudi._version import __version__
 from autogaudi.cache import refusal as cache_refusal
@@ -89,6 +89,7 @@ def main(argv=None):
     _export_to_children(options, given)
     if not (is_module and target in PROCESS_LAUNCHERS):
         runtime.enable_with_source(given, "launcher")
+    timeline.entered_until_now()
     return run_as_main(target, target_args, is_module)
 
 

@@ -12,8 +12,10 @@ script's first ``torch.compile`` imports it: a module compiled before or after t
 covered alike): for the length of each call autogaudi's hooks move from torch's global dictionaries
 onto the called ``OptimizedModule`` (torch runs them in its own ``_call_impl``, where the global
 ones would have run, and dynamo never sees them) and back to the global ones after. The script's own
-global hooks stay where they are. The wrapper (and the wait for dynamo's import) is in place only
-while a hook is registered here; the last hook's removal takes it off, so ``disable()`` leaves
+global hooks stay where they are. The wrapper (and the wait for dynamo's import) is in place while a
+hook is registered here or a watcher keeps it (:func:`keep`: one that registers and removes a hook per
+module call must not wrap and unwrap ``OptimizedModule.__call__`` each time: with no hook held it
+only calls through); the last release takes it off, so ``disable()`` leaves
 ``OptimizedModule.__call__`` the very original object.
 """
 
@@ -25,6 +27,7 @@ from autogaudi._after_import import call_after_import, forget_after_import
 from autogaudi.guard import guarded_call
 
 _HELD: list = []  # the hooks registered here, in the order they were
+_KEEPERS: list = []  # the watchers keeping the OptimizedModule wrapper between their hooks (see keep())
 _unwrap = None  # while _HELD is not empty and dynamo is loaded: what takes the OptimizedModule wrapper off
 EVAL_FRAME = "torch._dynamo.eval_frame"  # where OptimizedModule is defined
 
@@ -63,7 +66,7 @@ class _Hook:
         self.removed = True
         self._handle.remove()
         _HELD.remove(self)
-        if not _HELD:
+        if not _HELD and not _KEEPERS:
             _release()
 
 
@@ -79,16 +82,33 @@ def register_forward_hook(hook, always_call: bool = True) -> _Hook:
     return _hold(_Hook(hook, pre=False))
 
 
+def keep():
+    """Keep the ``OptimizedModule`` wrapper in place until the returned release runs, whether or not
+    a hook is held meanwhile: for a watcher that registers and removes its hooks call by call."""
+    keeper = object()
+    _KEEPERS.append(keeper)
+    if len(_KEEPERS) == 1 and not _HELD:
+        call_after_import(EVAL_FRAME, _wrap_compiled_calls)
+
+    def release() -> None:
+        if keeper in _KEEPERS:
+            _KEEPERS.remove(keeper)
+            if not _KEEPERS and not _HELD:
+                _release()
+
+    return release
+
+
 def _hold(hook: _Hook) -> _Hook:
     _HELD.append(hook)
-    if len(_HELD) == 1:  # now, or once the script's torch.compile loads dynamo
+    if len(_HELD) == 1 and not _KEEPERS:  # now, or once the script's torch.compile loads dynamo
         call_after_import(EVAL_FRAME, _wrap_compiled_calls)
     return hook
 
 
 def _wrap_compiled_calls(eval_frame) -> None:
     global _unwrap
-    if _HELD and _unwrap is None:  # not where the hooks were removed while dynamo loaded
+    if (_HELD or _KEEPERS) and _unwrap is None:  # not where everything was released while dynamo loaded
         from autogaudi.unit import wrap_attribute
 
         _unwrap = wrap_attribute(eval_frame.OptimizedModule, "__call__", _compiled_call)
@@ -124,6 +144,8 @@ _MOVER = _Mover()
 
 
 def _compiled_call(wrapped, instance, args, kwargs):
+    if not _HELD:  # kept between a watcher's hooks: nothing to move
+        return wrapped(*args, **kwargs)
     return guarded_call(_MOVER, lambda call, a, kw: _moved_for_the_call(call, instance, a, kw), wrapped, args, kwargs)
 
 

@@ -125,15 +125,24 @@ def figures_sum(units: list, names: tuple) -> float:
     return sum((row.get("figures") or {}).get(name) or 0.0 for row in units for name in names)
 
 
-def whole_run(changed: list, trials: list, units: list, seconds, memory_s: float = 0.0) -> dict:
+def whole_run(
+    changed: list,
+    trials: list,
+    units: list,
+    seconds,
+    memory_s: float = 0.0,
+    start_up_s: float = 0.0,
+    per_call_s: float = 0.0,
+) -> dict:
     """The run against plain PyTorch, autogaudi's own cost included: ``cost_s`` what autogaudi paid
     that plain would not (the trials' one-offs, the "with" arms of trials not kept beyond their
     "without", later one-offs, a change's measuring steps whether kept or put back, the step
-    profile's census steps, ``memory_s``: the step's memory forecast and tracked step), ``saved_s``
+    profile's census steps, ``memory_s``: the step's memory forecast and tracked step, ``start_up_s``:
+    its imports and start, ``per_call_s``: its wrappers' and hooks' time in the user's calls), ``saved_s``
     what the kept changes saved net of their one-offs, ``net_s`` the two together (None where a
     change was not timed against the step without it: plain's time is not known then), ``noise_s``
-    its noise (None where unknown), and ``plain_s``, the steps' time plain would have taken, where
-    ``net_s`` is known."""
+    its noise (None where unknown), and ``plain_s``, the steps' time plain would have taken (the
+    start is outside the steps), where ``net_s`` is known."""
     decided = [record for record in trials if "check" not in record]
     one_offs = sum(record["one_off_s"] for record in decided)
     arms = sum(trial_cost_s(record) - record["one_off_s"] for record in decided if record["decision"] != "kept")
@@ -151,7 +160,7 @@ def whole_run(changed: list, trials: list, units: list, seconds, memory_s: float
         + figures_sum(units, MEASURING_STEPS)
         + sum(effect.get("measuring_s", 0.0) for effect in effects if effect is not None)
     )
-    cost = one_offs + arms + later + measuring
+    cost = one_offs + arms + later + measuring + start_up_s + per_call_s
     timed = all(effect is not None for effect in effects)
     # the kept changes' savings before their one-offs, which cost_s holds
     gross = sum(effect["saved_s"] + effect["one_off_s"] for effect in effects if effect is not None)
@@ -163,11 +172,14 @@ def whole_run(changed: list, trials: list, units: list, seconds, memory_s: float
         "one_offs_s": round(one_offs + later, 3),
         "trial_arms_s": round(arms, 3),
         "measuring_s": round(measuring, 3),
+        "start_up_s": round(start_up_s, 3),
+        "per_call_s": round(per_call_s, 3),
         "saved_s": round(gross, 3),
         "net_s": round(net, 3) if net is not None else None,
         "noise_s": noise,
         "claimed": net is not None and (noise is None or abs(net) > noise),
-        "plain_s": round(seconds + net, 3) if net is not None and seconds is not None else None,
+        # the steps' time plain would have taken: autogaudi's start is no part of the steps' seconds
+        "plain_s": round(seconds + net + start_up_s, 3) if net is not None and seconds is not None else None,
     }
 
 

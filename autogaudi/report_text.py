@@ -65,8 +65,14 @@ def format_whole_run(whole: dict, changed: list) -> str:
         return ""
     text = ""
     if whole["cost_s"]:
-        parts = (("one-offs", "one_offs_s"), ("trials' arms", "trial_arms_s"), ("measuring", "measuring_s"))
-        detail = ", ".join(f"{words} {whole[key]} s" for words, key in parts if whole[key])
+        parts = (
+            ("start", "start_up_s"),
+            ("per-call work", "per_call_s"),
+            ("one-offs", "one_offs_s"),
+            ("trials' arms", "trial_arms_s"),
+            ("measuring", "measuring_s"),
+        )
+        detail = ", ".join(f"{words} {whole[key]} s" for words, key in parts if whole.get(key))
         text = f"autogaudi's own cost {whole['cost_s']} s ({detail}); "
     if whole["net_s"] is None:
         untimed = ", ".join(change["unit"] for change in changed if change["effect"] is None)
@@ -154,7 +160,7 @@ def _not_steps(steps: dict) -> str:
     if until is not None:  # a rollout-like loop: its count stopped there (autogaudi.evaluation)
         named.append(
             f"{steps.get('evaluation_forward_passes', 0)} evaluation forward passes counted in the first {until} "
-            "steps, none after: the loop makes them in every step, and counting each would slow it"
+            "steps, none after: the loop makes them more often than it steps, and counting each would slow it"
         )
     return ", ".join(named)
 

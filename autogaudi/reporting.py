@@ -159,7 +159,13 @@ class Report:
             "seconds": seconds,
             "ms_per_step": ms_per_step,
             "whole_run": whole_run(
-                changed, self.trials, self.units, seconds, (self.memory or {}).get("measuring_s", 0.0)
+                changed,
+                self.trials,
+                self.units,
+                seconds,
+                (self.memory or {}).get("measuring_s", 0.0),
+                start_up_s=(self.timeline or {}).get("start_up_s", 0.0),
+                per_call_s=(self.timeline or {}).get("per_call_s", 0.0),
             ),
             "changed": changed,
             "tried": [

@@ -10,12 +10,36 @@ Why two flat lists: a point per step as a pair object would hand the garbage col
 object every step. A short run that allocates nothing net otherwise then pays the full collection
 that importing torch left due (85-97 ms on the 2-core CPU) where plain PyTorch would not; floats and
 ints in a list are not tracked.
+
+Autogaudi's own time outside the steps' measured parts is kept here too: its start (its imports
+before the script, its work when the script imports torch: :func:`add_start_up`) and the time its
+per-call wrappers and hooks take inside the user's calls (each watcher's running total, read at the
+report), so the report's own cost holds everything autogaudi adds.
 """
 
 from __future__ import annotations
 
+import time
+
+ENTERED = time.perf_counter()  # the package imports this module first: autogaudi's start begins here
 MAX_POINTS = 1000
 MAX_EVENTS = 200
+_START_UP: list = [0.0]  # seconds of autogaudi's start in this process
+
+
+def add_start_up(seconds: float) -> None:
+    """``seconds`` more of autogaudi's start in this process (its imports, its session's start)."""
+    _START_UP[0] += seconds
+
+
+def entered_until_now() -> None:
+    """Count the time from autogaudi's first import until now as its start (the launcher, before the
+    script; the environment's bootstrap, before the program)."""
+    add_start_up(time.perf_counter() - ENTERED)
+
+
+def start_up_s() -> float:
+    return _START_UP[0]
 
 
 class Timeline:
@@ -29,6 +53,16 @@ class Timeline:
         # backward pass: its forward and lazy initialisation included) or "start" (autogaudi's start,
         # where no DataLoader feeds the loop; an evaluation before training is left out either way)
         self.first_step_from = "start"
+        self._own_work: list = []  # callables: each watcher's seconds inside the user's calls so far
+
+    def count_own_work(self, seconds) -> None:
+        """Count ``seconds()`` (a watcher's running total of its time inside the user's calls) as
+        autogaudi's own per-call work."""
+        self._own_work.append(seconds)
+
+    @property
+    def per_call_s(self) -> float:
+        return sum(seconds() for seconds in self._own_work)
 
     def step(self, seconds: float) -> None:
         """One more training step, ``seconds`` long (boundary to boundary)."""
@@ -73,4 +107,6 @@ class Timeline:
             "first_step_from": self.first_step_from,
             "events": list(self.events),
             "events_left_out": self.events_left_out,
+            "start_up_s": round(start_up_s(), 4),
+            "per_call_s": round(self.per_call_s, 4),
         }

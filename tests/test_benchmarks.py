@@ -150,3 +150,30 @@ def test_the_second_run_benchmark_runs_the_corpus_gpt_under_the_forced_variant(m
     ((name, command),) = pairs
     assert name == "gpt" and command[:5] == ["-m", "autogaudi", "--force", "graph_capture,channels_last", "--no-trials"]
     assert "projects/chargpt/chargpt.py" in command
+
+
+def load_benchmark(name):
+    spec = importlib.util.spec_from_file_location(f"benchmark_{name}", REPO / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_start_up_budget_is_judged_on_the_pairs_median_unless_their_spread_hides_it():
+    startup = load_benchmark("startup")
+
+    def figures(median, low, high):
+        return {"wall_ms": {"added": {"median": median, "min": low, "max": high}}}
+
+    assert startup.verdict(figures(20.0, 10.0, 30.0)) == "within"
+    assert startup.verdict(figures(40.0, 30.0, 50.0)) == "over"
+    assert startup.verdict(figures(40.0, -900.0, 900.0)) == "unresolved"  # a busy machine's pairs
+
+
+def test_a_reports_claim_agrees_only_within_what_the_pairs_measured():
+    against_plain = load_benchmark("against_plain")
+    assert against_plain.judge([0.4, 0.5, 0.6], [0.45, 0.5, None])["agrees"] is True
+    assert against_plain.judge([0.4, 0.5, 0.6], [0.01, 0.02])["agrees"] is False  # the cost nothing counted
+    assert against_plain.judge([0.4, 0.5], [None])["agrees"] is None
+    report = {"summary": {"whole_run": {"net_s": -0.3}}}
+    assert against_plain.claimed_slower_s(report) == 0.3

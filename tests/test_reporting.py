@@ -41,7 +41,7 @@ def test_quiet_keeps_stderr_clean_but_still_writes_json(tmp_path):
 
 def test_launcher_reports_even_without_training():
     result = run_python("-m", "autogaudi", SCRIPTS / "train_tiny.py", env=clean_env(TRAIN="0"))
-    assert "  run      0 training steps\n" in result.stderr
+    assert re.search(r"  run      0 training steps(;|\n)", result.stderr)  # then its start's cost, if any
 
 
 def test_only_rank_zero_reports(tmp_path):
@@ -281,6 +281,45 @@ def test_the_run_line_sets_autogaudis_own_cost_against_what_the_kept_changes_sav
     assert whole["cost_s"] == pytest.approx(0.5 + rejected_cost)
     assert whole["net_s"] == pytest.approx(saved - 0.5 - rejected_cost)
     assert "autogaudi's own cost" in line(report, "run") and "against plain: " in line(report, "run")
+
+
+def test_autogaudis_start_and_per_call_work_are_its_own_cost_against_plain():
+    """Nothing changed, but autogaudi started and its wrappers ran in the user's calls: a run slower
+    than plain by that much, and the run line says so with the parts."""
+    timeline = {"every": 1, "step_s": [0.01] * 100, "start_up_s": 0.05, "per_call_s": 0.02}
+    report = bare_report(steps={"steps": 100}, timeline=timeline)
+    whole = summary_of(report)["whole_run"]
+    assert (whole["start_up_s"], whole["per_call_s"]) == (0.05, 0.02)
+    assert whole["cost_s"] == pytest.approx(0.07) and whole["net_s"] == pytest.approx(-0.07)
+    assert whole["plain_s"] == pytest.approx(1.0 - 0.02)  # the per-call work ran inside the steps, the start did not
+    assert "start 0.05 s, per-call work 0.02 s" in line(report, "run")
+
+
+ROLLOUT = """
+import torch
+from torch import nn
+policy = nn.Linear(4, 2)
+optimizer = torch.optim.SGD(policy.parameters(), lr=0.01)
+for _ in range(3):
+    for _ in range(8):
+        with torch.no_grad():
+            policy(torch.randn(1, 4))
+    for _ in range(4):
+        policy(torch.randn(2, 4)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+"""
+
+
+def test_a_launched_run_reports_its_start_and_the_evaluation_watchs_time_as_its_own(tmp_path):
+    script, out = tmp_path / "rollout.py", tmp_path / "report.json"
+    script.write_text(ROLLOUT)
+    result = run_python("-m", "autogaudi", "--quiet", "--only", "throughput_meter", "--report", out, script)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    timeline, whole = report["timeline"], report["summary"]["whole_run"]
+    assert timeline["start_up_s"] > 0 and timeline["per_call_s"] > 0
+    assert whole["cost_s"] >= whole["start_up_s"] + whole["per_call_s"] - 0.002
 
 
 def test_where_a_change_was_not_timed_the_run_line_gives_the_cost_and_no_ratio():

@@ -258,6 +258,45 @@ def test_a_loop_that_evaluates_in_every_step_stops_being_counted_and_says_so():
     assert figures["evaluation_forward_passes"] == 3 * evaluation.EVALUATION_CHECKED_AT_STEP
 
 
+def test_a_rollout_then_several_updates_stops_being_counted_and_says_so():
+    """CleanRL's PPO: a rollout of one no_grad region per environment step, then several updates
+    with no calls between them. Not every step has passes, but there are more regions than steps."""
+    entered = torch.no_grad.__enter__
+    autogaudi.enable(device="cpu", only="throughput_meter")
+    policy = nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(policy.parameters(), lr=0.01)
+    for _ in range(4):
+        for _ in range(8):
+            with torch.no_grad():
+                policy(torch.randn(1, 4))
+        for _ in range(4):
+            policy(torch.randn(2, 4)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    assert torch.no_grad.__enter__ is entered
+    figures = steps_figures()
+    assert figures["evaluation_counted_until_step"] == evaluation.EVALUATION_CHECKED_AT_STEP
+    assert figures["evaluation_forward_passes"] == 3 * 8
+
+
+def test_the_compiled_module_wrapper_stays_on_while_passes_are_counted():
+    """With dynamo loaded, the watcher's hook comes and goes per call; OptimizedModule's call wrapper
+    does not (wrapping a class attribute per call is per-call work), and disable() takes it off."""
+    from torch._dynamo import eval_frame
+
+    original = vars(eval_frame.OptimizedModule)["__call__"]
+    autogaudi.enable(device="cpu", only="throughput_meter")
+    model = nn.Linear(4, 1)
+    seen = set()
+    for _ in range(3):
+        with torch.no_grad():
+            model(torch.randn(1, 4))
+        seen.add(id(vars(eval_frame.OptimizedModule)["__call__"]))
+    assert len(seen) == 1 and id(original) not in seen
+    autogaudi.disable()
+    assert vars(eval_frame.OptimizedModule)["__call__"] is original
+
+
 def test_a_loop_that_evaluates_now_and_then_is_counted_for_the_whole_run():
     """A bigram LM's script: many evaluation passes before the first steps (more than steps by the
     check step), a few later, and generate() at the end: every one counted, none left out."""

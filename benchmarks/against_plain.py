@@ -1,0 +1,133 @@
+"""Whether the report's "against plain" is what a user measures: plain beside autogaudi, whole processes.
+
+    python benchmarks/against_plain.py [--cases regression,...] [--pairs 5] [--short] [--out FILE.json]
+
+For each corpus case (benchmarks/corpus.py's manifests: the shared corpus and this folder's), plain
+and ``python -m autogaudi --quiet --report`` run in interleaved pairs (the order alternating each
+pair, one warm-up pair first, so the cache is warm and a machine growing slower weighs on both
+alike) in one copy of the case's folder. Each pair gives what the user pays: autogaudi's wall time
+less plain's. Each autogaudi run's report says what it thinks it paid (``-net_s`` of its
+``whole_run``: start, per-call work, measuring and trials, less what its changes saved). The case
+agrees where the reports' median claim lies within the pairs' differences (their minimum to
+maximum): a claim outside what the pairs measured is a report that misses (or invents) a cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import corpus  # noqa: E402  (benchmarks/ is not a package)
+
+
+def claimed_slower_s(report: dict):
+    """What the report says autogaudi cost the run against plain, in seconds (negative: it saved), or None."""
+    net = report["summary"]["whole_run"]["net_s"]
+    return None if net is None else -net
+
+
+def judge(differences: list, claims: list) -> dict:
+    """The pairs' measured differences (autogaudi less plain, seconds) against the reports' claims."""
+    known = [claim for claim in claims if claim is not None]
+    measured = {"median": statistics.median(differences), "min": min(differences), "max": max(differences)}
+    if not known:
+        return {"measured_s": measured, "claimed_s": None, "agrees": None}
+    claimed = statistics.median(known)
+    return {"measured_s": measured, "claimed_s": claimed, "agrees": measured["min"] <= claimed <= measured["max"]}
+
+
+def timed_run(command: list, folder: Path, env: dict, timeout: float) -> float:
+    began = time.perf_counter()
+    done = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True, timeout=timeout)
+    seconds = time.perf_counter() - began
+    if done.returncode != 0:
+        sys.exit(f"{' '.join(command)} failed ({done.returncode}):\n{done.stderr[-4000:]}")
+    return seconds
+
+
+def measure_case(case: dict, pairs: int, scratch: Path, timeout: float) -> dict:
+    copy = scratch / case["name"]
+    shutil.rmtree(copy, ignore_errors=True)
+    shutil.copytree(case["corpus"], copy, ignore=shutil.ignore_patterns("__pycache__"))
+    folder = copy / case["dir"]
+    corpus.run_setup(case, folder)
+    report = scratch / f"{case['name']}-report.json"
+    cache = scratch / f"{case['name']}-cache"
+    commands = {
+        "plain": ([sys.executable, *case["command"]], corpus.clean_env(case, "plain")),
+        "autogaudi": (
+            [sys.executable, "-m", "autogaudi", "--quiet", "--report", str(report), *case["command"]],
+            {**corpus.clean_env(case, "autogaudi"), "AUTOGAUDI_NO_CACHE": "0", "AUTOGAUDI_CACHE_DIR": str(cache)},
+        ),
+    }
+    differences, claims, walls = [], [], {"plain": [], "autogaudi": []}
+    for pair in range(pairs + 1):
+        order = ("plain", "autogaudi") if pair % 2 else ("autogaudi", "plain")
+        seconds = {name: timed_run(commands[name][0], folder, commands[name][1], timeout) for name in order}
+        if pair:  # the first pair warms the disk cache and fills autogaudi's cache folder
+            differences.append(seconds["autogaudi"] - seconds["plain"])
+            claims.append(claimed_slower_s(json.loads(report.read_text())))
+            for name, value in seconds.items():
+                walls[name].append(value)
+    medians = {name: statistics.median(values) for name, values in walls.items()}
+    return {
+        "case": case["name"],
+        "pairs": pairs,
+        "wall_s": medians,
+        "ratio_plain_over_autogaudi": round(medians["plain"] / medians["autogaudi"], 3),
+        "differences_s": [round(value, 3) for value in differences],
+        "claims_s": claims,
+        **judge(differences, claims),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", help="comma-separated case names (default: every case that runs on the CPU)")
+    parser.add_argument("--corpus", type=Path, default=corpus.DEFAULT_CORPUS, help="the shared corpus folder")
+    parser.add_argument("--pairs", type=int, default=5, help="interleaved pairs counted per case (default 5)")
+    parser.add_argument("--short", action="store_true", help="the corpus's shortened commands (benchmarks/corpus.py)")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds one run may take")
+    parser.add_argument("--out", type=Path, help="also write the results as JSON here")
+    args = parser.parse_args()
+    corpora = [path for path in (args.corpus, HERE / "corpus_rl") if (path / "corpus.json").exists()]
+    cases = corpus.load_cases(corpora, "cpu", args.cases.split(",") if args.cases else None)
+    cases = [corpus.shortened(case) if args.short else case for case in cases]
+    facts = {"machine": corpus.machine_name(), "date": time.strftime("%Y-%m-%d"), "commit": _commit()}  # the code run
+    results = []
+    with tempfile.TemporaryDirectory(prefix="autogaudi-against-plain-") as folder:
+        for case in cases:
+            missing = corpus.missing_requirements(case)
+            if missing:
+                print(f"{case['name']}: skipped, needs {', '.join(missing)}")
+                continue
+            result = measure_case(case, args.pairs, Path(folder), args.timeout)
+            results.append(result)
+            measured, claimed = result["measured_s"], result["claimed_s"]
+            print(
+                f"{case['name']}: plain/autogaudi {result['ratio_plain_over_autogaudi']}x; autogaudi less plain "
+                f"{measured['median']:+.3f} s ({measured['min']:+.3f} to {measured['max']:+.3f}) over {args.pairs} "
+                f"pairs; the reports say {'not known' if claimed is None else f'{claimed:+.3f} s'}: "
+                + {True: "within", False: "OUTSIDE", None: "not checked"}[result["agrees"]]
+            )
+    if args.out:
+        args.out.write_text(json.dumps({**facts, "pairs": args.pairs, "results": results}, indent=2) + "\n")
+
+
+def _commit() -> str:
+    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True)
+    return done.stdout.strip()
+
+
+if __name__ == "__main__":
+    main()
