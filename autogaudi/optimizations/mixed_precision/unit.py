@@ -172,7 +172,6 @@ class MixedPrecision(DecidesCandidate):
             elif self._loss_scale is not None:  # still being checked or tried
                 self.session.trials.cancel(self)
                 self.candidate.release("script_scaler")
-                self.session.check_settled()
         return wrapped(*args, **kwargs)
 
     def changes(self) -> list:
@@ -305,7 +304,6 @@ class MixedPrecision(DecidesCandidate):
             self._guarded()
         elif self._guard.backward_passes >= GUARD_PATIENCE:
             self.candidate.release("not_checked", passes=GUARD_PATIENCE)
-            self.session.check_settled()
 
     def _guarded(self) -> None:
         guard, guarding, self._guard, self._guarding = self._guard, self._guarding, None, None
@@ -330,7 +328,6 @@ class MixedPrecision(DecidesCandidate):
             self.candidate.release("guard_failed", precision=self._precision, outside=", ".join(outside))
         else:
             self._use()
-        self.session.check_settled()
 
     def _use(self) -> None:
         """Checked: on now (``bf16``, ``tf32``), or through a speed trial (``auto``: the trial of an
