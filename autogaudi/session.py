@@ -221,17 +221,19 @@ class Session:
         measurement holding the steps) and no unit in force reads ``DECIDING``. From here on
         the run's steps are its steady state; what autogaudi changed stays as it is unless a unit
         fails or a guard switches it off."""
-        if not self.trials.idle or self.windows.measuring:  # the runner has something left to run
-            return False
-        return not any(unit.status() is Status.DECIDING for unit in self.applied)
+        return self._settled([unit.status() for unit in self.applied])
+
+    def _settled(self, statuses: list) -> bool:
+        runner_busy = not self.trials.idle or self.windows.measuring  # the runner has something left to run
+        return not runner_busy and Status.DECIDING not in statuses
 
     def check_settled(self) -> None:
         """Read where the decisions stand: settled from this step where none is open any more; and the
         decisions made so far remembered where they changed. Units never push this: the session reads
         it at the end of every step until settled, and where a unit leaves the run."""
-        if self.settled_at_step is None and self.settled():
-            self.settled_at_step = self.steps.steps
         decisions = [(unit.name, unit.status()) for unit in self.applied]
+        if self.settled_at_step is None and self._settled([status for _name, status in decisions]):
+            self.settled_at_step = self.steps.steps
         # Written as decisions are made, not only once all are: a run that ends with one still open (a
         # trial waiting for its step) remembers the rest, while its model is alive to be keyed by.
         decisions.append(len(self.trials.records))
