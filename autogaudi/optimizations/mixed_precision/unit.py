@@ -241,6 +241,9 @@ class MixedPrecision(DecidesCandidate):
             self._loss_scale = LossScale(self._scaled_parameters, device, lambda: self.candidate.on, self._overflowing)
             self._loss_scale.install(self, scope)
         self._guarding = scope.child()
+        # The shadow steps on a copy are work inside the user's steps: no measurement times those steps.
+        self.session.windows.take(self)
+        self._guarding.add(lambda: self.session.windows.release(self))
         self.hold(model, Layer.OBSERVE, self._guard_forward, self._guarding)
         self.on(Event.BEFORE_BACKWARD, self._guard_loss, self._guarding)
         self.on(Event.AFTER_BACKWARD, self._guard_check, self._guarding)
@@ -299,6 +302,7 @@ class MixedPrecision(DecidesCandidate):
             self._history.append(self._guard.loss)
 
     def _guard_check(self) -> None:
+        self.session.windows.take(self)  # still checking: the hold stays fresh
         self._guard.check()
         if len(self._guard.figures) >= GUARD_CHECKS:
             self._guarded()
