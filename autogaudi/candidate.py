@@ -20,7 +20,7 @@ from autogaudi.events import Event
 from autogaudi.memory import origin
 from autogaudi.reasons import CORE
 from autogaudi.status import Status
-from autogaudi.trials import WARMUP, Check, Trial
+from autogaudi.trials import WARMUP, Check, Trial, materiality_of
 from autogaudi.unit import ActsOnProfile
 
 
@@ -95,7 +95,6 @@ class Candidate:
                 return
             unit.close_scope(waiting)
             then()
-            unit.session.check_settled()
 
         unit.on(Event.TRAINING_STEP, due, waiting)
 
@@ -129,7 +128,9 @@ class Candidate:
         set_up_s = self.set_up_figures.get("set_up_s", 0.0)
         self._unkeep()  # a remembered keep tried again: both arms start from the set-up alone
         self.state = State.TRIAL
-        unit.session.trials.submit(Trial(unit, unit.name, self.switch, self._trial_decided, set_up_s=set_up_s, **trial))
+        materiality = materiality_of(unit)  # a candidate that changes the numbers must save its share
+        trial = Trial(unit, unit.name, self.switch, self._trial_decided, set_up_s, materiality=materiality, **trial)
+        unit.session.trials.submit(trial)
         self._because("trial")
 
     def follow(self, record: dict, profile=None) -> None:

@@ -29,9 +29,8 @@ from autogaudi.reasons import Reason
 from autogaudi.registry import PROFILER, UNITS
 from autogaudi.reporting import Report, UnitRow
 from autogaudi.status import Status
-from autogaudi.step_windows import StepWindows
 from autogaudi.steps import TrainingSteps
-from autogaudi.trials import TrialRunner
+from autogaudi.trials import StepWindows, TrialRunner
 from autogaudi.unit import Scope, warn
 
 # What the session itself patches, besides its step watcher's (steps.TARGETS).
@@ -79,6 +78,7 @@ class Session:
         self.core_failure = None  # what switched the session's own watcher off at run time, if anything did
         self._scope = Scope(self)
         self.settled_at_step = None  # the training step after which every decision was made
+        self._decisions_seen = None  # the units' statuses and the trials' records when last remembered
         self.cache = None  # the cache folder (autogaudi.cache), unless --no-cache or it is not usable
         self.memory = None  # remembered decisions (autogaudi.memory), with the cache
         self.compile_caches: dict = {}  # environment variable -> {"value", "set_by"}
@@ -111,7 +111,8 @@ class Session:
             self.step_memory.install()
             self._scope.add(self.step_memory.uninstall)
         self.windows = StepWindows(self.steps)  # who measures the steps now: trials, timings, the census
-        self.trials = TrialRunner(self.steps, self.events, self.windows, on_idle=self.check_settled)
+        self.trials = TrialRunner(self.steps, self.events, self.windows)
+        self.steps.after_each_step = self._step_over
         if torch.distributed.is_available():
             self._scope.wrap(torch.distributed, "destroy_process_group", self._before_destroy)
         self.active = True
@@ -216,19 +217,34 @@ class Session:
             self.unit_failed_at_run_time(unit, error)
 
     def settled(self) -> bool:
-        """Every decision made: no unit in force reads ``DECIDING`` (the step profiler until it
-        publishes the profile, a unit with a trial or check pending, a timing under way). From here on
+        """Every decision made: the runner has nothing left to run (no trial queued or running, no
+        measurement holding the steps) and no unit in force reads ``DECIDING``. From here on
         the run's steps are its steady state; what autogaudi changed stays as it is unless a unit
         fails or a guard switches it off."""
-        return not any(unit.status() is Status.DECIDING for unit in self.applied)
+        return self._settled([unit.status() for unit in self.applied])
+
+    def _settled(self, statuses: list) -> bool:
+        runner_busy = not self.trials.idle or self.windows.measuring  # the runner has something left to run
+        return not runner_busy and Status.DECIDING not in statuses
 
     def check_settled(self) -> None:
-        """Called when a decision may have been made: the profile published, a trial or check decided."""
-        if self.settled_at_step is None and self.settled():
+        """Read where the decisions stand: settled from this step where none is open any more; and the
+        decisions made so far remembered where they changed. Units never push this: the session reads
+        it at the end of every step until settled, and where a unit leaves the run."""
+        decisions = [(unit.name, unit.status()) for unit in self.applied]
+        if self.settled_at_step is None and self._settled([status for _name, status in decisions]):
             self.settled_at_step = self.steps.steps
         # Written as decisions are made, not only once all are: a run that ends with one still open (a
         # trial waiting for its step) remembers the rest, while its model is alive to be keyed by.
-        self.remember()
+        decisions.append(len(self.trials.records))
+        if decisions != self._decisions_seen:
+            self._decisions_seen = decisions
+            self.remember()
+
+    def _step_over(self) -> None:
+        """A training step is over, every listener heard it: a decision made in it counts from here."""
+        if self.settled_at_step is None:
+            self.check_settled()
 
     def _check_inductor_cache(self) -> None:
         """Say where torch.compile's own cache (the environment's, or torch's default in the temporary

@@ -104,6 +104,7 @@ class TrainingSteps:
         self._passing = 0  # > 0 while a backward pass runs: one started inside it is part of it
         self.optimizers = weakref.WeakSet()  # every optimizer that has stepped
         self.timeline = Timeline()
+        self.after_each_step = lambda: None  # the session's: once every listener heard the step
         self.began = clock()  # the run so far is timed from here (the session's start)
         self._start_first_step()
         self.evaluation = EvaluationPasses(self, guard)
@@ -301,6 +302,7 @@ class TrainingSteps:
             self._timed_from = (self.steps, now)
         self.evaluation.steps_ended(steps, self.steps)
         self.events.emit(Event.TRAINING_STEP, optimizer)
+        self.after_each_step()
 
     @property
     def timed(self):

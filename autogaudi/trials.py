@@ -1,43 +1,41 @@
-"""Keep only what is faster: A/B trials run inside the user's own training.
+"""Every measurement autogaudi makes inside the user's steps, run by one runner under one rule.
 
-Why: whether torch.compile, CUDA graphs or channels_last pay off depends on the model, the batch,
-the machine and the run's length (measured on a 2-core CPU: compile 1.20x on a small CNN, 0.89x on
-an MNIST MLP). No static rule gets that right, so a unit whose benefit depends on the workload hands
-the decision to a trial: its ``switch(on)`` is flipped between real training steps, in blocks of
-``BLOCK`` steps in the order on-off-off-on (so drift over the trial cancels), after ``WARMUP``
-"on" steps that absorb the one-off cost (compilation, graph recording), which is measured and
-reported apart, together with what the unit spent setting the candidate up (importing the compiler).
-The candidate is kept only when its median step is at least ``MARGIN`` faster than the "without"
-arm, read as the faster of two figures: the off steps between on steps, and a block of off steps
-timed before the candidate was ever switched on (an "off" arm can be slowed by what the "on" arm
-left behind); and only where that gain is more than the two arms' spread together (on a busy
-machine steps stray, and a gain inside their spread is not one). A trial whose one-off runs past
-the high end of its estimate (a compile the load or the model made far dearer than predicted) is
-stopped there and not kept: no further one-off is paid for it.
+Why: whether torch.compile, channels_last, a fused update or loader workers pay off depends on the
+model, the machine and its load; no static rule gets that right, so each is measured on the run's own
+steps. Every measurement holds the steps' windows (:class:`StepWindows`) while it runs, so none reads
+another's work as its own, and every decision is :func:`decide`'s: at least ``MARGIN`` faster, by
+more than the arms' spread together, and, for a change to the run's numbers, by ``MATERIAL`` of the
+step (a gain no plausible noise flips, so quiet and busy runs decide alike).
 
-Faithfulness: trial steps are the user's real steps, each batch seen exactly once; both arms compute
-the same math (the units that use trials change only how it is executed, up to float reassociation).
-Trials run one at a time (two at once would confound each other), in the order they were asked for.
-Steps are timed boundary to boundary at training steps (the session's: whole iterations), with no
-added device synchronisation: the
-user's loop syncs where it reads a loss, and a block of several steps smooths what it does not.
-On distributed runs each rank measures its own steps; the decision is rank 0's, broadcast to the
-others when a process group is up, so every rank runs the same code path.
+A trial flips a unit's ``switch(on)`` between real training steps, in blocks of ``BLOCK`` steps in the
+order on-off-off-on (drift cancels), after ``WARMUP`` "on" steps that absorb the one-off cost (a
+compile), measured and reported apart. The "without" arm is the faster of the off steps between on
+steps and a block timed before the candidate was ever on (an "off" arm can be slowed by what the "on"
+arm left behind). A trial whose one-off runs past its estimate's high end is stopped and not kept.
+Trial steps are the user's real steps, each batch seen once; trials run one at a time, in the order
+asked, timed boundary to boundary with no added device synchronisation. On distributed runs each rank
+measures its own steps and rank 0's decision is broadcast, so every rank runs the same code path.
+The run is settled when the runner has nothing left to run and no unit measures (:attr:`idle`).
 """
 
 from __future__ import annotations
 
 import time
+import typing
+import weakref
 
 from autogaudi import machine_load
 from autogaudi.events import Event
 from autogaudi.ranks import rank_zero_choice, several_ranks
-from autogaudi.step_windows import StepWindows
 
 BLOCK = 3  # steps per block
 ROUNDS = 2  # each round is on, off, off, on
 WARMUP = 3  # "on" steps before measuring (compile, CUDA-graph warm-up and recording)
 MARGIN = 0.03  # the candidate must be this much faster to be kept
+# The share of the training step a change to the run's numbers must save to be kept (every unit that
+# can change them, by trial, timing or window alike): far enough from the margin that a busy run does
+# not read it on the other side (a CPU fused update's usual gain, ~1% of the step, flipped there).
+MATERIAL = 0.05
 # a remembered step time still holds while this run's is within this factor of it, widened by this
 # run's own spread and by the load then and now
 CHECK_TOLERANCE = 1.25
@@ -49,12 +47,6 @@ def median(values) -> float:
     import statistics
 
     return statistics.median(values)
-
-
-def faster(with_s: float, without_s: float) -> bool:
-    """The trials' rule on two figures: a candidate is kept only where it is at least ``MARGIN``
-    faster (a tie keeps the script as written)."""
-    return with_s <= without_s * (1 - MARGIN)
 
 
 def spread(seconds: list) -> float:
@@ -70,24 +62,84 @@ def relative_spread(seconds: list) -> float:
     return round(spread(seconds) / middle, 4) if middle else 0.0
 
 
-def clearly_faster(with_times: list, without_times: list) -> bool:
-    """The trials' rule on two arms: :func:`faster` on their medians, by more than the arms' spread
-    together (a gain within the noise of a busy machine keeps the script as written)."""
+class Verdict(typing.NamedTuple):
+    """What :func:`decide` found: ``why`` is ``kept``, ``slower`` (not ``margin`` faster on the
+    medians), ``within_spread`` (a gain inside the arms' spread together) or ``not_material`` (a change
+    to the numbers saving less than its share of the step); ``gain_s`` and ``spread_s`` the figures."""
+
+    keep: bool
+    why: str
+    gain_s: float
+    spread_s: float
+
+
+def decide(with_times: list, without_times: list, margin: float = MARGIN, materiality: float = 0.0, step_s=None):
+    """The one rule every measured decision takes (a trial's arms, a fused update timed on copies, a
+    loader's windows): ``with`` is kept only where its median is at least ``margin`` faster than
+    ``without``'s, by more than the two arms' spread together (a gain inside the noise of a busy
+    machine is not one), and, for a change to the run's numbers (``materiality`` > 0, the unit's
+    :data:`MATERIAL`), by at least that share of the training step (``step_s``; None: the ``without``
+    median). A change to the numbers that saves less is not worth them, and one that saves that much
+    stays clear of the margin and of the spread on a busy machine: a quiet and a busy run decide alike."""
     with_s, without_s = median(with_times), median(without_times)
-    return faster(with_s, without_s) and without_s - with_s > spread(with_times) + spread(without_times)
+    gain, noise = without_s - with_s, spread(with_times) + spread(without_times)
+    if with_s > without_s * (1 - margin):
+        why = "slower"
+    elif gain <= noise:
+        why = "within_spread"
+    elif materiality and gain < materiality * (without_s if step_s is None else step_s):
+        why = "not_material"
+    else:
+        why = "kept"
+    return Verdict(why == "kept", why, gain, noise)
 
 
-def keeps(with_times: list, without_times: list, step_s=None, materiality: float = 0.0) -> bool:
-    """The one rule every measured decision takes: ``with`` is kept only where it is
-    :func:`clearly_faster` and, for a change to the run's numbers (``materiality`` > 0), where the
-    medians' gain is also at least that share of the training step (``step_s``; None: not shown).
-    A change to the numbers that saves less than that is not worth them, and one that saves far more
-    stays clear of the margin and of the spread on a busy machine: a quiet and a busy run take the same
-    decision, and the run keeps plain's numbers for anything less."""
-    if not clearly_faster(with_times, without_times):
-        return False
-    gain = median(without_times) - median(with_times)
-    return not materiality or (step_s is not None and gain >= materiality * step_s)
+def materiality_of(unit) -> float:
+    """The share of the step a unit's change must save: :data:`MATERIAL` for one that can change the
+    run's numbers on this backend, 0 for one that leaves them as they are."""
+    return MATERIAL if unit.numerics_on(unit.backend) else 0.0
+
+
+STALE_STEPS = 16  # steps after which a hold not refreshed is lost to the next asker
+
+
+class StepWindows:
+    """Who measures the training steps now: one holder at a time for every measurement autogaudi
+    makes inside them (a trial's arms, a fused update timed on copies, a loader's windows, the
+    profiler's census), since each would read another's work as the step's own. A holder refreshes
+    its hold at every step it measures; one that has not for ``STALE_STEPS`` steps (an optimizer timed
+    until it stopped stepping) loses it to the next asker. A holder that measures what only its own
+    process decides (a loader's batches) ``yields``: any other asker takes the steps at once (on a
+    distributed run the census and the trials start at the same step on every rank)."""
+
+    def __init__(self, steps):
+        self._steps = steps  # the session's step watcher: its count is the steps' clock here
+        self.holder = None
+        self._used_at = 0
+        self._yields = False
+
+    def take(self, owner, yields: bool = False) -> bool:
+        """Hold the steps for ``owner`` from this step (True), or False while another holds them.
+        Taking again refreshes the hold; ``yields``: any other asker may take it at once."""
+        if self.holder is not None and self.holder is not owner and not (self._yields or self._stale()):
+            return False
+        self.holder, self._used_at, self._yields = owner, self._steps.steps, yields
+        return True
+
+    def release(self, owner) -> None:
+        if self.holder is owner:
+            self.holder = None
+
+    @property
+    def measuring(self) -> bool:
+        """Whether a measurement holds the steps now (a stale hold measures nothing)."""
+        return self.holder is not None and not self._stale()
+
+    def holder_name(self) -> str:
+        return getattr(self.holder, "name", type(self.holder).__name__)
+
+    def _stale(self) -> bool:
+        return self._steps.steps - self._used_at >= STALE_STEPS
 
 
 def clock() -> float:
@@ -109,6 +161,7 @@ class Trial:
         set_up_s: float = 0.0,
         not_before_step: int = 0,
         one_off_limit_s=None,
+        materiality: float = 0.0,
     ):
         self.unit = unit
         self.candidate = candidate
@@ -118,6 +171,7 @@ class Trial:
         self.not_before_step = not_before_step  # the training step from which it may start
         # the high end of the one-off's estimate: stopped beyond it (None or 0: an estimate that says nothing)
         self.one_off_limit_s = one_off_limit_s
+        self.materiality = materiality  # :func:`decide`'s, for a candidate that changes the numbers
         self.overran = False
         self.one_off_so_far = 0.0  # in warm-up, where a limit is set: what the one-off has cost until now
         self.schedule = (
@@ -182,7 +236,7 @@ class Trial:
         before = median(self.before)
         without = self.times[False] if interleaved <= before else self.before
         off = min(interleaved, before)
-        keep = clearly_faster(self.times[True], without)
+        keep = decide(self.times[True], without, materiality=self.materiality).keep
         one_off = self.set_up_s + max(0.0, self.warmup_seconds - WARMUP * on)
         record = {
             "candidate": self.candidate,
@@ -265,15 +319,23 @@ class Check(Trial):
         }
 
 
+class _Done:
+    """A measurement decided outside the steps: nothing left to run."""
+
+    deciding, done = False, True
+
+
+_DONE = _Done()
+
+
 class TrialRunner:
     """Runs the session's trials one after another at optimizer-step boundaries."""
 
     name = "trials"  # as the step windows name their holder
 
-    def __init__(self, steps, events, windows=None, on_idle=lambda: None):
+    def __init__(self, steps, events, windows=None):
         self.steps = steps
         self.events = events
-        self.on_idle = on_idle  # called whenever the last queued trial is decided or cancelled
         # A trial or check starts once it can hold the steps: another measurement's work in them would
         # be in one arm's times only.
         self.windows = windows if windows is not None else StepWindows(steps)
@@ -283,6 +345,7 @@ class TrialRunner:
         self._waiting = None  # the handle of the listener that looks for a trial whose step has come
         self.last_clock = None
         self.records: list = []
+        self._measurements: dict = {}  # unit -> its measurements outside trials (see measuring())
 
     def submit(self, trial: Trial) -> None:
         self.queue.append(trial)
@@ -307,8 +370,6 @@ class TrialRunner:
             self._flip(self.current.schedule[0])
         elif self.queue:
             self._waiting = self.events.on(Event.TRAINING_STEP, self.queue[0].unit, self._look_again)
-        else:
-            self.on_idle()
 
     def _look_again(self, _optimizer) -> None:
         if any(trial.not_before_step <= self.steps.steps for trial in self.queue) and self.windows.take(self):
@@ -347,9 +408,29 @@ class TrialRunner:
         trial.decided(keep, record)
         self._start_next()
 
+    def measuring(self, unit, measurement) -> None:
+        """``measurement`` decides for ``unit`` outside a trial, as data the runner reads: its
+        ``deciding`` (measuring now, or about to) and ``done`` (decided, nothing left to measure).
+        A loader's windows, an optimizer's update times, the step profile, the memory forecast. Held
+        weakly: a measurement whose subject is gone (an optimizer dropped) is no longer the unit's."""
+        self._measurements.setdefault(unit, weakref.WeakSet()).add(measurement)
+
     def pending(self, unit) -> bool:
-        """Whether a trial of ``unit`` is running or waiting to start."""
-        return any(trial.unit is unit for trial in (self.current, *self.queue) if trial is not None)
+        """Whether ``unit`` has something left for the runner: a trial running or waiting to start,
+        or a measurement deciding."""
+        if any(trial.unit is unit for trial in (self.current, *self.queue) if trial is not None):
+            return True
+        return any(measurement.deciding for measurement in self._measurements.get(unit, ()))
+
+    def measured(self, unit) -> None:
+        """``unit`` decided on what it measured outside the steps (a memory forecast, a remembered
+        decision): nothing left to run for it."""
+        self.measuring(unit, _DONE)
+
+    def decided(self, unit) -> bool:
+        """Whether ``unit``'s measurements outside trials are all done (at least one)."""
+        measurements = list(self._measurements.get(unit, ()))
+        return bool(measurements) and all(measurement.done for measurement in measurements)
 
     def trying(self, unit) -> bool:
         """Whether a trial of ``unit`` (not a check of a remembered decision, which it follows) is
@@ -366,7 +447,8 @@ class TrialRunner:
         return self.current is None and not self.queue
 
     def cancel(self, unit) -> None:
-        """Drop a unit's trials (the unit was reverted)."""
+        """Drop a unit's trials and measurements (the unit was reverted)."""
+        self._measurements.pop(unit, None)
         self.queue = [trial for trial in self.queue if trial.unit is not unit]
         if self.current is not None and self.current.unit is unit:
             self._running.remove()

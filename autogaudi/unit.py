@@ -243,10 +243,14 @@ class Unit:
         return [] if self.session.trials.trying(self) else self.changes()
 
     def decision(self) -> Status:
-        """Where this unit's decision stands while it is in force: ``WATCHING`` while it waits for
-        what it acts on, ``DECIDING`` while it measures or checks what changes the run's steps,
-        ``NOT_NEEDED`` once it decided nothing needs changing. Units that decide override it."""
-        return Status.WATCHING
+        """Where this unit's decision stands while it is in force, as the measurement runner
+        (:mod:`autogaudi.trials`) has it: ``DECIDING`` while a trial or measurement of it has something
+        left to run, ``NOT_NEEDED`` once its measurements are all done (nothing it changed is kept),
+        else ``WATCHING`` (waiting for what it acts on). Units say it through the runner, never here."""
+        runner = self.session.trials
+        if runner.pending(self):
+            return Status.DECIDING
+        return Status.NOT_NEEDED if runner.decided(self) else Status.WATCHING
 
     def status(self) -> Status:
         """Where the unit stands, one value for the report and for the session's ``settled()``: a

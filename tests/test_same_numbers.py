@@ -1,10 +1,14 @@
 """A seeded script under the defaults gives the same numbers run after run: on an empty cache (a
 first run, which measures) and on a warm one (which follows what the first remembered), and plain
-PyTorch's wherever the report names no unit that changed them. Whole processes, the real clock: the
+PyTorch's wherever the report names no unit that changed them; and beside two busy processes as on
+the machine as it is. Whole processes, the real clock: the
 decisions that change numbers are taken at the same step in every run, on gains far from any line
 noise could move (tests/optimizations/test_fused_optimizer.py decides them on injected timings)."""
 
+import contextlib
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -32,3 +36,28 @@ def test_a_seeded_script_prints_the_same_numbers_on_an_empty_and_on_a_warm_cache
     assert runs["warm"] == runs["empty"]
     measured, named = runs["empty"]
     assert (measured == plain) == (not named), named
+
+
+@contextlib.contextmanager
+def two_busy_processes():
+    """Two processes spinning on the CPU (``python3 -c "while True: pass"``), stopped after."""
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        yield
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", SCRIPTS_RUN, ids=lambda path: path.stem)
+def test_a_seeded_script_prints_the_same_numbers_beside_two_busy_processes(tmp_path, script):
+    """Each run on an empty cache of its own, so each measures and decides: the load must not move
+    a decision that changes the numbers."""
+    runs = {}
+    for name in ("as_is", "busy"):
+        env = clean_env(AUTOGAUDI_NO_CACHE="0", AUTOGAUDI_CACHE_DIR=tmp_path / name)
+        with two_busy_processes() if name == "busy" else contextlib.nullcontext():
+            runs[name] = numbers(run_python("-m", "autogaudi", "--quiet", script, env=env))
+    assert runs["busy"] == runs["as_is"]

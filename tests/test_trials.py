@@ -3,7 +3,7 @@ apart, runs every step exactly once, and leaves the candidate in the state it de
 
 import pytest
 
-from autogaudi import machine_load, step_windows, trials
+from autogaudi import machine_load, trials
 from autogaudi.events import Dispatcher, Event
 from autogaudi.timeline import Timeline
 
@@ -106,13 +106,13 @@ def test_a_trial_waits_for_its_step_then_runs_its_whole_schedule(trial_clock):
 
 
 def test_cancelling_a_waiting_trial_leaves_no_listener_and_reports_idle():
-    steps, idle = FakeSteps(), []
+    steps = FakeSteps()
     unit = FakeUnit()
-    runner = trials.TrialRunner(steps, steps.events, on_idle=lambda: idle.append(True))
+    runner = trials.TrialRunner(steps, steps.events)
     runner.submit(trials.Trial(unit, "later", lambda on: None, lambda keep, record: None, not_before_step=100))
     assert steps.listening and not runner.idle
     runner.cancel(unit)
-    assert not steps.listening and runner.idle and idle
+    assert not steps.listening and runner.idle
 
 
 def test_reverts_a_candidate_that_is_slower(trial_clock):
@@ -238,7 +238,7 @@ def test_no_trial_starts_while_another_measurement_holds_the_steps(trial_clock):
     """A unit's own work in the steps (fused_optimizer timing an update twice) would weigh on one arm:
     the trial starts at the step after its hold is released."""
     steps, started = FakeSteps(), []
-    windows, timing = step_windows.StepWindows(steps), FakeUnit()
+    windows, timing = trials.StepWindows(steps), FakeUnit()
     assert windows.take(timing)
     runner = trials.TrialRunner(steps, steps.events, windows)
     runner.submit(trials.Trial(FakeUnit(), "fake", lambda on: started.append(steps.steps), lambda keep, record: None))
@@ -249,3 +249,124 @@ def test_no_trial_starts_while_another_measurement_holds_the_steps(trial_clock):
     windows.release(timing)
     steps.end_step()
     assert started == [5] and windows.holder is runner
+
+
+# The steps' measurement windows: one holder at a time, refreshed by measuring, lost when stale.
+
+
+def test_one_holder_at_a_time_until_it_releases():
+    steps = FakeSteps()
+    windows, first, second = trials.StepWindows(steps), FakeUnit(), FakeUnit()
+    assert windows.take(first) and windows.take(first)  # taking again refreshes
+    assert not windows.take(second) and windows.holder is first
+    windows.release(second)  # only the holder releases
+    assert windows.holder is first
+    windows.release(first)
+    assert windows.take(second) and windows.holder is second
+
+
+def test_a_hold_not_refreshed_for_stale_steps_is_lost_to_the_next_asker():
+    """An optimizer timed until it stopped stepping must not hold every other measurement back."""
+    steps = FakeSteps()
+    windows, stopped, asker = trials.StepWindows(steps), FakeUnit(), FakeUnit()
+    assert windows.take(stopped)
+    for _ in range(trials.STALE_STEPS - 1):
+        steps.end_step()
+        assert not windows.take(asker)
+    steps.end_step()
+    assert windows.take(asker) and windows.holder is asker
+
+
+def test_a_yielding_hold_is_taken_by_any_asker_at_once_and_then_waits():
+    """A loader's windows measure for one rank only: the census and the trials, which start at the
+    same step on every rank, never wait for them."""
+    steps = FakeSteps()
+    windows, loader, census = trials.StepWindows(steps), FakeUnit(), FakeUnit()
+    assert windows.take(loader, yields=True) and windows.take(loader, yields=True)
+    assert windows.take(census) and windows.holder is census
+    assert not windows.take(loader, yields=True)
+    windows.release(census)
+    assert windows.take(loader, yields=True)
+
+
+def test_a_unit_switched_off_gives_the_steps_back_whatever_it_was_measuring():
+    """The session's revert releases the windows, as it cancels the unit's trials: a fused update
+    still timed when its unit fails holds nothing after."""
+    import torch
+
+    import autogaudi
+    from autogaudi import runtime
+
+    autogaudi.enable(device="cpu", only="fused_optimizer")
+    session = runtime._STATE.session
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.AdamW(model.parameters())
+    for _ in range(2):
+        model(torch.randn(2, 4)).sum().backward()
+        optimizer.step()
+    unit = session.unit("fused_optimizer")
+    assert session.windows.holder is unit  # timing its fused update against torch's
+    unit.failed_at_run_time(RuntimeError("injected"))
+    assert session.windows.holder is None
+
+
+# The one rule, and the measurements outside trials the runner reads.
+
+
+@pytest.mark.parametrize(
+    "with_ms, without_ms, materiality, why",
+    [
+        ([9.8] * 4, [10.0] * 4, 0.0, "slower"),  # 2%: under the margin
+        ([9.0, 12.0, 9.0, 12.0], [10.0, 13.0, 10.0, 13.0], 0.0, "within_spread"),  # 1 ms saved, 3 ms spread
+        ([9.6] * 4, [10.0] * 4, 0.0, "kept"),  # 4%, no spread: the margin is enough for the numbers kept
+        ([9.6] * 4, [10.0] * 4, trials.MATERIAL, "not_material"),  # but not for a change to the numbers
+        ([9.4] * 4, [10.0] * 4, trials.MATERIAL, "kept"),
+    ],
+)
+def test_decide_names_the_test_a_gain_fails(with_ms, without_ms, materiality, why):
+    verdict = trials.decide([ms / 1000 for ms in with_ms], [ms / 1000 for ms in without_ms], materiality=materiality)
+    assert verdict.why == why and verdict.keep is (why == "kept")
+
+
+def test_a_change_to_the_numbers_is_material_against_the_step_it_is_given():
+    """A fused update saving 2 ms of a 10 ms update is 20% of the update, 2% of a 100 ms step."""
+    fused, unfused = [0.008] * 4, [0.010] * 4
+    assert trials.decide(fused, unfused, materiality=trials.MATERIAL).keep
+    assert trials.decide(fused, unfused, materiality=trials.MATERIAL, step_s=0.1).why == "not_material"
+
+
+class Measured:
+    """A measurement as the runner reads it: two facts, nothing else."""
+
+    def __init__(self):
+        self.deciding, self.done = False, False
+
+
+def test_a_unit_is_pending_while_a_measurement_decides_and_decided_once_all_are_done():
+    steps, unit = FakeSteps(), FakeUnit()
+    runner = trials.TrialRunner(steps, steps.events)
+    first, second = Measured(), Measured()
+    runner.measuring(unit, first)
+    runner.measuring(unit, second)
+    assert not runner.pending(unit) and not runner.decided(unit)  # waiting for what it measures
+    first.deciding = True
+    assert runner.pending(unit) and not runner.decided(unit)
+    first.deciding, first.done = False, True
+    assert not runner.pending(unit) and not runner.decided(unit)  # the second is not done
+    second.done = True
+    assert runner.decided(unit)
+    runner.cancel(unit)
+    assert not runner.decided(unit)
+
+
+def test_a_measurement_whose_subject_is_gone_is_nobodys_and_a_decision_marked_stays():
+    steps, unit = FakeSteps(), FakeUnit()
+    runner = trials.TrialRunner(steps, steps.events)
+    measurement = Measured()
+    measurement.deciding = True
+    runner.measuring(unit, measurement)
+    assert runner.pending(unit)
+    del measurement  # held weakly: an optimizer dropped takes its update times with it
+    assert not runner.pending(unit)
+    runner.measured(unit)  # decided outside the steps (a forecast): stays decided
+    assert runner.decided(unit) and not runner.pending(unit)

@@ -41,7 +41,6 @@ from torch.utils.checkpoint import checkpoint
 from autogaudi import forward_state, module_hooks, out_of_memory
 from autogaudi.events import Event
 from autogaudi.model_call import Layer, compiled_by_the_script, route_of, trains
-from autogaudi.status import Status
 from autogaudi.steps import clock
 from autogaudi.unit import Unit
 
@@ -155,7 +154,6 @@ class ActivationCheckpointing(Unit):
     acts_on = ("<training model>'s repeated blocks: call route, recompute layer (torch.utils.checkpoint)",)
 
     def apply(self) -> None:
-        self._decided = False
         self._recompute_s = 0.0
         self._steps_since = None
         self._model = None  # the training model (weakly), once called
@@ -170,7 +168,7 @@ class ActivationCheckpointing(Unit):
         self._first.hook(module_hooks.register_forward_pre_hook, self._called)
         self.on_revert(self._forget)
         if self.session.step_memory is None or self.session.step_memory.budget is None:
-            self._decided = True
+            self.session.trials.measured(self)
             self.because("no_budget")
             return
         self.because("waiting_for_forecast")
@@ -207,7 +205,7 @@ class ActivationCheckpointing(Unit):
         names = tuple(name for name in names if name in remembered["blocks"]) or names
         if not self._checkpoint(model, names):
             return
-        self._decided = True
+        self.session.trials.measured(self)
         self.figures.update(checkpointed_from_step=self.session.steps.steps, remembered_on=remembered["date"])
         self.because(
             "out_of_memory_remembered",
@@ -340,13 +338,10 @@ class ActivationCheckpointing(Unit):
             next_run = self.reason_for("next_run", **sizes)
         self.figures["next_run"] = {"code": next_run.code, "what": next_run.text}
 
-    def decision(self) -> Status:
-        return Status.NOT_NEEDED if self._decided else Status.WATCHING
-
     def _forecast(self, model, memory) -> None:
         """A step was measured (or could not be): checkpoint the fewest more blocks that bring the
         forecast of the steps after it under the budget, and have the next step measured."""
-        self._decided = True
+        self.session.trials.measured(self)
         forecast, budget = memory.forecast, memory.budget
         if memory.state == "far_below":
             self.because("far_below", state=_mb(memory.state_bytes), budget=_mb(budget))

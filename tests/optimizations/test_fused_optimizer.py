@@ -699,7 +699,7 @@ def test_the_fused_update_is_kept_only_where_the_trials_rule_finds_it_faster(mon
 
 
 # A unit that changes the run's numbers keeps them changed only for a gain that matters: the fused
-# update must save at least MATERIAL_SHARE (5%) of the training step, and more than the two
+# update must save at least trials.MATERIAL (5%) of the training step, and more than the two
 # arms' spread (their median absolute deviations added). The step's own work is the test's clock.
 @pytest.mark.parametrize(
     "fused_ms, step_ms, kept",
@@ -736,19 +736,22 @@ def test_a_faster_fused_update_is_kept_only_where_its_gain_is_material_to_the_st
     assert row["numerics"] == (["rounding"] if kept else [])
 
 
-def test_gain_not_material_weighs_the_medians_gain_against_the_step_and_the_spread():
-    from autogaudi.optimizations.fused_optimizer.update_times import UpdateTimes, gain_not_material
+def test_why_not_fused_weighs_the_medians_gain_against_the_step_and_the_spread():
+    from autogaudi.optimizations.fused_optimizer.update_times import UpdateTimes, why_not_fused
 
     times = UpdateTimes(unfused=[0.010] * 4, fused=[0.008] * 4)  # 2 ms saved, no spread
-    assert gain_not_material(times, step_s=0.04) is None  # 5% of the step exactly
-    assert gain_not_material(times, step_s=0.041)["gain"] == 2.0  # under 5%
-    assert gain_not_material(times, step_s=None) is not None  # no step measured: not shown material
+    assert why_not_fused(times, step_s=0.04) is None  # 5% of the step exactly
+    under = {"gain": 2.0, "step": 41.0, "share": 0.05, "spread": 0.0}
+    assert why_not_fused(times, step_s=0.041) == ("gain_not_material", under)
+    assert why_not_fused(times, step_s=None)[0] == "gain_not_material"  # no step measured: not shown material
     noisy = UpdateTimes(unfused=[0.010, 0.013, 0.010, 0.013], fused=[0.008, 0.011, 0.008, 0.011])
-    assert gain_not_material(noisy, step_s=0.05)["spread"] == 3.0  # 2 ms saved, 1.5 + 1.5 ms spread
+    assert why_not_fused(noisy, step_s=0.05)[1]["spread"] == 3.0  # 2 ms saved, 1.5 + 1.5 ms spread
     stray = UpdateTimes(unfused=[0.010, 0.0105] * 2, fused=[0.008, 0.0085] * 2)  # 2 ms, 0.25 + 0.25 ms spread
-    assert gain_not_material(stray, step_s=0.04) is None
+    assert why_not_fused(stray, step_s=0.04) is None
     outliers = UpdateTimes(unfused=[0.010] * 4, fused=[0.008, 0.008, 0.008, 0.5])  # one preempted
-    assert gain_not_material(outliers, step_s=0.04) is None
+    assert why_not_fused(outliers, step_s=0.04) is None
+    slower = UpdateTimes(unfused=[0.010] * 4, fused=[0.0099] * 4)  # 1% faster: under the margin
+    assert why_not_fused(slower, step_s=0.001) == ("fused_slower", {"fused": 9.9, "unfused": 10.0})
 
 
 def quiet_and_noisy(base_ms: float, seed: int, noisy: bool) -> list:

@@ -312,7 +312,7 @@ def starving(monkeypatch):
     monkeypatch.setattr(unit, "INPUT_BOUND", 0.0)
     monkeypatch.setattr(unit, "CLEARLY_INPUT_BOUND", 0.0)  # decided after the short window
     monkeypatch.setattr(unit, "MEASURED_BATCHES", EARLY_BATCHES)  # re-timed as briefly
-    monkeypatch.setattr(unit, "workers_faster", lambda before, after: True)  # and never put back
+    monkeypatch.setattr(unit, "workers_faster", lambda before, after, materiality: True)  # and never put back
 
 
 @pytest.mark.slow
@@ -603,13 +603,13 @@ def test_sys_exit_in_a_worker_exits_the_script_once_as_in_process(starving, tmp_
 def test_a_loaders_window_waits_while_another_measurement_holds_the_steps(step_clock):
     """A census or a timed update holding the steps would read as the loader's compute: its window
     starts once they let go (here, once the other hold goes stale) and gives them back decided."""
-    from autogaudi import runtime, step_windows
+    from autogaudi import runtime, trials
 
     only_loader_workers()
     windows = runtime._STATE.session.windows
     assert windows.take(SimpleNamespace(name="other"))
     loader = DataLoader(Slow(clock=step_clock), batch_size=8)
-    held = step_windows.STALE_STEPS - WARMUP_BATCHES  # counted batches while the other holds
+    held = trials.STALE_STEPS - WARMUP_BATCHES  # counted batches while the other holds
     train(lambda: loader, epochs=1, batches=WARMUP_BATCHES + held + 2, clock=step_clock, compute_s=0.1)
     assert windows.holder is runtime._STATE.session.unit("loader_workers")
     assert row()["status"] == "deciding" and "input_bound_fraction" not in row()["figures"]
@@ -623,3 +623,20 @@ def test_a_decided_loader_still_reads_decided_once_the_script_dropped_it(step_cl
     train(lambda: DataLoader(Slow(clock=step_clock), batch_size=8), epochs=1, clock=step_clock, compute_s=0.1)
     gc.collect()
     assert row()["status"] == "not needed" and row()["reason_code"] == "none_starved"
+
+
+@pytest.mark.parametrize("with_workers_ms, kept", [(9.6, False), (9.4, True)])
+def test_workers_are_kept_only_for_a_gain_material_to_the_batch_as_every_change_to_the_numbers(with_workers_ms, kept):
+    """Workers change the numbers (their random streams, the thread cut's rounding): 4% faster, beyond
+    the margin and with no spread, is still under the 5% of the batch's period every such change must
+    save; 6% is not."""
+    from autogaudi import trials
+    from autogaudi.optimizations.loader_workers.loader_state import Timing
+    from autogaudi.optimizations.loader_workers.unit import workers_faster
+
+    before, after = Timing(), Timing()
+    for _ in range(16):
+        before.add(0.008, 0.002)
+        after.add(with_workers_ms / 1000 - 0.002, 0.002)
+    assert workers_faster(before, after, trials.MATERIAL) is kept
+    assert workers_faster(before, after, 0.0)  # a change that left the numbers alone: the margin is enough

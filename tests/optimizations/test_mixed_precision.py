@@ -403,3 +403,20 @@ def test_the_guards_copy_leaves_the_scripts_hooks_and_follows_the_models_weights
     numerics.sync_copy(shadow, net)
     assert torch.equal(shadow[0].weight, net[0].weight) and shadow[0].weight is not net[0].weight
     assert shadow.training and not shadow[2].training  # each submodule's mode, as the script set it
+
+
+def test_the_guards_shadow_steps_hold_the_steps_windows_until_it_decided():
+    """The shadow steps on a copy run inside the user's steps: no other measurement may time them."""
+    from autogaudi import runtime
+
+    autogaudi.enable(device="cpu", only=UNITS, precision="bf16")
+    net, holders = model(), []
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    for _ in range(STEPS + 20):
+        nn.functional.cross_entropy(net(torch.randn(16, 32)), torch.randint(0, 5, (16,))).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        holders.append(runtime._STATE.session.windows.holder_name() if runtime._STATE.session.windows.holder else None)
+    assert row()["reason_code"] == "on"
+    checking = [index for index, holder in enumerate(holders) if holder == "mixed_precision"]
+    assert len(checking) >= mixed_precision.GUARD_CHECKS - 1 and holders[-1] is None, holders

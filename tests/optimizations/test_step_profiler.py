@@ -273,7 +273,7 @@ def test_the_census_waits_for_another_units_timing_but_not_for_an_optimizer_that
     """The census starts once fused_optimizer's update is decided and its hold on the steps released;
     an optimizer stepped twice and then never again (its update never decided) holds it back no more
     than STALE_STEPS after the unit's last timed update."""
-    from autogaudi import step_windows
+    from autogaudi import trials
     from autogaudi.optimizations.fused_optimizer import unit as fused_optimizer
 
     autogaudi.enable(device="cpu", only="step_profiler,fused_optimizer")
@@ -295,7 +295,7 @@ def test_the_census_waits_for_another_units_timing_but_not_for_an_optimizer_that
         decided = 1 + fused_optimizer.TIMED_STEPS  # the main optimizer's update decided
         assert "others_measuring" in seen
         if stepped_twice:  # held back by the undecided optimizer, until its hold went stale
-            assert decided < started <= decided + step_windows.STALE_STEPS, seen
+            assert decided < started <= decided + trials.STALE_STEPS, seen
         else:
             assert started == decided, seen
         autogaudi.disable()

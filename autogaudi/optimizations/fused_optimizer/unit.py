@@ -35,9 +35,8 @@ from autogaudi.optimizations.fused_optimizer.kernels import (
     user_hyperparameters,
 )
 from autogaudi.optimizations.fused_optimizer.reasons import REASONS
-from autogaudi.optimizations.fused_optimizer.update_times import UpdateTimes, gain_not_material, update_ms
+from autogaudi.optimizations.fused_optimizer.update_times import UpdateTimes, update_ms, why_not_fused
 from autogaudi.ranks import several_ranks
-from autogaudi.status import Status
 from autogaudi.unit import FORMULA, ROUNDING, Unit
 
 FUSABLE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
@@ -88,7 +87,6 @@ class FusedOptimizer(HpuDelegates, Unit):
         self._trying = weakref.WeakKeyDictionary()
         self._timed = []  # the UpdateTimes of every optimizer timed (the report's update_ms)
         self._steps_seen = weakref.WeakKeyDictionary()  # optimizer being decided -> its steps counted at the last step
-        self._decided_in_step = False  # a timing decided (or given up) in the step now running
         self._record = None  # the last decision timed, for a later run to follow (measured_decision)
         if not self.backend.host_runs_ahead:
             self.on(Event.TRAINING_STEP, self._step_ended)
@@ -118,8 +116,9 @@ class FusedOptimizer(HpuDelegates, Unit):
             self._kept(owner, unfusable.text, refusal=unfusable.code)
             self._count_refusal(unfusable)
         elif self._native and self._timed_here():
-            self._trying[instance] = UpdateTimes()
-            self._timed.append(self._trying[instance])
+            times = self._trying[instance] = UpdateTimes(optimizer=instance)
+            self._timed.append(times)
+            self.session.trials.measuring(self, times)
             self._route_steps(owner)
             self.because("timing")
         elif self._native:
@@ -192,8 +191,9 @@ class FusedOptimizer(HpuDelegates, Unit):
     def _stop_fusing(self, optimizer) -> bool:
         """Give ``optimizer`` back to torch's own step, its state in the unfused format; False where
         it was not fused (or timed: it then never ran fused)."""
-        if self._trying.pop(optimizer, None) is not None:
-            self._decided_in_step = True
+        times = self._trying.pop(optimizer, None)
+        if times is not None:
+            times.stop(decided=False)
             self._release_windows()
             return True
         if optimizer in self._fused:
@@ -202,7 +202,6 @@ class FusedOptimizer(HpuDelegates, Unit):
             return False
         unfused_format_steps(optimizer)
         self._count_fused(-1)
-        self._decided_in_step = True  # it was perhaps still timed
         return True
 
     def _count_fused(self, change: int) -> None:
@@ -212,12 +211,6 @@ class FusedOptimizer(HpuDelegates, Unit):
     def numerics_in_run(self) -> tuple:
         # An optimizer timed and kept unfused never ran fused: only a fused one's rounding is in the run.
         return self.numerics_on(self.backend) if self._fused_count else ()
-
-    def decision(self) -> Status:
-        if self._trying:
-            return Status.DECIDING
-        # With none fused: waiting for an optimizer, unless one was timed and put back (decided).
-        return Status.NOT_NEEDED if self._put_back_count else Status.WATCHING
 
     # Each step of an optimizer it fused --------------------------------------------------------
 
@@ -325,8 +318,8 @@ class FusedOptimizer(HpuDelegates, Unit):
         by a gain material to the step, else keep it on the script's own kernels, never fused; where
         a run with the same set-up, model and inputs decided, as it did."""
         del self._trying[optimizer]
+        times.stop(decided=True)
         self._release_windows()
-        self._decided_in_step = True
         remembered = self.recalled_trial()
         if remembered is not None:
             self._follow(optimizer, remembered)
@@ -340,10 +333,9 @@ class FusedOptimizer(HpuDelegates, Unit):
             "ms_per_step_without": round(1000 * unfused, 3),
             "load": machine_load.slowdown(),
         }
-        if not trials.faster(fused, unfused):
-            self._put_back(optimizer, "fused_slower", fused=fused, unfused=unfused, steps=len(times.fused))
-        elif (why := gain_not_material(times, self._step_s())) is not None:
-            self._put_back(optimizer, "gain_not_material", **why)
+        why = why_not_fused(times, self._step_s())
+        if why is not None:
+            self._put_back(optimizer, why[0], steps=len(times.fused), **why[1])
         else:
             self._record["decision"] = "kept"
             self._fuse(optimizer)
@@ -369,8 +361,6 @@ class FusedOptimizer(HpuDelegates, Unit):
         too small to be worth its rounding."""
         self._put_back_count += 1
         self.figures["optimizers_put_back"] = self._put_back_count
-        if code == "fused_slower":
-            values.update(fused=round(1000 * values["fused"], 3), unfused=round(1000 * values["unfused"], 3))
         said = dict(optimizer=type(optimizer).__name__, **values)
         self.note(code, **said)
         if not self._fused_count:
@@ -391,9 +381,6 @@ class FusedOptimizer(HpuDelegates, Unit):
         if self._last_step_end is not None and self._trying:
             self._step_seconds.append(now - self._last_step_end)
         self._last_step_end = now
-        if self._decided_in_step:
-            self._decided_in_step = False
-            self.session.check_settled()
 
     def _update_figure(self) -> None:
         """``update_ms``: every optimizer's updates timed, fused (on copies) against torch's unfused
@@ -439,7 +426,6 @@ class FusedOptimizer(HpuDelegates, Unit):
         self.note(code, **params)
         if self._trying.pop(of, None) is not None:
             self._fuse(of)
-            self._decided_in_step = True
             self._release_windows()
 
     def _rounding_measured(self, fused, unfused) -> None:

@@ -1,42 +1,57 @@
 """An optimizer's updates timed both ways, torch's unfused one (the run's) and the fused one (on
-copies), and whether the fused update's gain is worth the rounding it would add to the run's
-numbers: the trials' one rule (:func:`autogaudi.trials.keeps`) with the materiality of a change to
-the numbers."""
+copies), decided by the runner's one rule (:func:`autogaudi.trials.decide`) with the materiality of
+a change to the run's numbers (:data:`autogaudi.trials.MATERIAL` of the training step)."""
 
 from __future__ import annotations
 
-from autogaudi import trials
+import math
+import weakref
 
-# The share of the training step the fused update must save to be kept: a unit that changes the run's
-# numbers does so only for a gain that matters to the run, and far enough from the line that a busy
-# run does not read it on the other side (a CPU update's usual gain, ~1% of the step, flipped there).
-MATERIAL_SHARE = 0.05
+from autogaudi import trials
 
 
 class UpdateTimes:
     """One optimizer's updates timed (seconds): torch's unfused one, the run's own, and the fused
-    one on copies; ``steps``: its steps seen while deciding. A plain class, not a dataclass: the
-    unit imports it at start, where making a dataclass costs more than the rest of its module."""
+    one on copies; ``steps``: its steps seen while deciding. The measurement the runner reads
+    (:meth:`autogaudi.trials.TrialRunner.measuring`): ``deciding`` while its optimizer lives and is
+    timed, ``done`` once decided. A plain class, not a dataclass: the unit imports it at start, where
+    making a dataclass costs more than the rest of its module."""
 
-    def __init__(self, unfused=None, fused=None):
+    def __init__(self, unfused=None, fused=None, optimizer=None):
         self.unfused: list = [] if unfused is None else unfused
         self.fused: list = [] if fused is None else fused
         self.steps = 0
+        self._optimizer = weakref.ref(optimizer) if optimizer is not None else lambda: None
+        self.timing = optimizer is not None  # False once decided, or given back untimed
+        self.done = False
+
+    @property
+    def deciding(self) -> bool:
+        return self.timing and self._optimizer() is not None
+
+    def stop(self, decided: bool) -> None:
+        """No longer timed: ``decided`` (kept or put back), or given back untimed (not decided)."""
+        self.timing, self.done = False, decided
 
 
-def gain_not_material(times: UpdateTimes, step_s) -> dict | None:
-    """Why the fused update is not kept, as a reason's values, or None where it is: by the trials'
-    rule with ``MATERIAL_SHARE`` of the step (``step_s``, the median training step measured
-    meanwhile; None where no step was measured)."""
-    if trials.keeps(times.fused, times.unfused, step_s, materiality=MATERIAL_SHARE):
+def why_not_fused(times: UpdateTimes, step_s) -> tuple | None:
+    """Why the fused update is not kept, as (reason code, its values), or None where it is:
+    ``fused_slower`` where it is not the rule's margin faster on the medians, ``gain_not_material``
+    where its gain is within the arms' spread or under ``MATERIAL`` of the step (``step_s``, the median
+    training step measured meanwhile; None where none was: not shown material)."""
+    verdict = trials.decide(
+        times.fused, times.unfused, materiality=trials.MATERIAL, step_s=math.inf if step_s is None else step_s
+    )
+    if verdict.keep:
         return None
-    gain = trials.median(times.unfused) - trials.median(times.fused)
-    noise = trials.spread(times.fused) + trials.spread(times.unfused)
-    return {
-        "gain": round(1000 * gain, 3),
+    fused, unfused = trials.median(times.fused), trials.median(times.unfused)
+    if verdict.why == "slower":
+        return "fused_slower", {"fused": round(1000 * fused, 3), "unfused": round(1000 * unfused, 3)}
+    return "gain_not_material", {
+        "gain": round(1000 * verdict.gain_s, 3),
         "step": None if step_s is None else round(1000 * step_s, 3),
-        "share": MATERIAL_SHARE,
-        "spread": round(1000 * noise, 3),
+        "share": trials.MATERIAL,
+        "spread": round(1000 * verdict.spread_s, 3),
     }
 
 

@@ -38,7 +38,8 @@ class Timing:
 
 
 class LoaderState:
-    """One loader the unit measures, held weakly, and what tuning it changed."""
+    """One loader the unit measures, held weakly, and what tuning it changed: a measurement the
+    runner reads (``deciding``, ``done``: :meth:`autogaudi.trials.TrialRunner.measuring`)."""
 
     def __init__(self, loader):
         self.loader = weakref.ref(loader)  # the script owns the loader; this must not keep it alive
@@ -62,3 +63,8 @@ class LoaderState:
     def deciding(self) -> bool:
         """Timed, or raised in place and waiting for the epoch that times it."""
         return self.timed or self.phase is Phase.NEXT_EPOCH
+
+    @property
+    def done(self) -> bool:
+        """Decided: kept in-process, tuned and checked, or put back."""
+        return self.phase is Phase.DONE

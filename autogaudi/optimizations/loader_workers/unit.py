@@ -25,7 +25,6 @@ from autogaudi.events import Event
 from autogaudi.model_call import Layer, compiled_by_the_script
 from autogaudi.optimizations.loader_workers.loader_state import LoaderState, Phase, Timing
 from autogaudi.optimizations.loader_workers.thread_cut import ThreadCut, with_threads
-from autogaudi.status import Status
 from autogaudi.steps import loader_arguments
 from autogaudi.unit import RANDOM, ROUNDING, Unit
 
@@ -57,11 +56,12 @@ def measured_enough(timing: Timing, phase: Phase) -> bool:
     return timing.batches >= MEASURED_BATCHES
 
 
-def workers_faster(before: Timing, after: Timing) -> bool:
+def workers_faster(before: Timing, after: Timing, materiality: float) -> bool:
     """Whether the batches came faster with workers (their start-up included) than in-process, by the
-    trials' one rule: at least its margin faster on the medians and beyond the two windows' spread.
-    Workers change no number the unit does not check, so no materiality is asked beyond that."""
-    return trials.keeps(after.seconds, before.seconds)
+    runner's one rule (:func:`autogaudi.trials.decide`): its margin on the medians, beyond the two
+    windows' spread, and, since workers change the numbers (their random streams, the thread cut's
+    rounding), by ``materiality`` of the in-process batch's period."""
+    return trials.decide(after.seconds, before.seconds, materiality=materiality).keep
 
 
 def set_attributes(scope, owner, **values) -> None:
@@ -161,14 +161,6 @@ class LoaderWorkers(Unit):
         # Workers that ran and were put back (no faster) ran their checked batches with the threads cut.
         return self.numerics_on(self.backend) if self._ever_tuned else ()
 
-    def decision(self) -> Status:
-        states = list(self._loaders.values())
-        if any(state.deciding for state in states):
-            return Status.DECIDING
-        if self._decided and all(state.phase is Phase.DONE for state in states):
-            return Status.NOT_NEEDED
-        return Status.WATCHING  # no loader it may tune yet, or one whose window has not begun
-
     def _kept(self, code: str, **values) -> None:
         self.figures["loaders_kept"] += 1
         self.note(code, **values)
@@ -206,7 +198,8 @@ class LoaderWorkers(Unit):
             self._kept_as_built("iterable_dataset")
             self._iterable_loaders += 1
         else:
-            self._loaders[loader] = LoaderState(loader)
+            state = self._loaders[loader] = LoaderState(loader)
+            self.session.trials.measuring(self, state)
             if not self._tuned:
                 self.because("measuring")
             if raisable:
@@ -339,6 +332,7 @@ class LoaderWorkers(Unit):
         loader = state.loader()
         before, after = state.windows[Phase.MEASURING], state.windows[Phase.CHECKING]
         self._decided = True
+        self.session.trials.measured(self)  # decided, whether or not the loader outlives its windows
         if state.phase is Phase.MEASURING:
             state.phase = Phase.DONE
             self.figures["input_bound_fraction"] = round(before.input_bound, 3)
@@ -356,7 +350,7 @@ class LoaderWorkers(Unit):
         else:
             state.phase = Phase.DONE
             self.figures["ms_per_batch_after"] = round(after.ms_per_batch, 3)
-            if not workers_faster(before, after):
+            if not workers_faster(before, after, trials.materiality_of(self)):
                 self._untune(state)
                 self._keep(state, "no_faster", after=after.ms_per_batch, before=before.ms_per_batch)
 

@@ -172,7 +172,6 @@ class MixedPrecision(DecidesCandidate):
             elif self._loss_scale is not None:  # still being checked or tried
                 self.session.trials.cancel(self)
                 self.candidate.release("script_scaler")
-                self.session.check_settled()
         return wrapped(*args, **kwargs)
 
     def changes(self) -> list:
@@ -242,6 +241,9 @@ class MixedPrecision(DecidesCandidate):
             self._loss_scale = LossScale(self._scaled_parameters, device, lambda: self.candidate.on, self._overflowing)
             self._loss_scale.install(self, scope)
         self._guarding = scope.child()
+        # The shadow steps on a copy are work inside the user's steps: no measurement times those steps.
+        self.session.windows.take(self)
+        self._guarding.add(lambda: self.session.windows.release(self))
         self.hold(model, Layer.OBSERVE, self._guard_forward, self._guarding)
         self.on(Event.BEFORE_BACKWARD, self._guard_loss, self._guarding)
         self.on(Event.AFTER_BACKWARD, self._guard_check, self._guarding)
@@ -300,12 +302,12 @@ class MixedPrecision(DecidesCandidate):
             self._history.append(self._guard.loss)
 
     def _guard_check(self) -> None:
+        self.session.windows.take(self)  # still checking: the hold stays fresh
         self._guard.check()
         if len(self._guard.figures) >= GUARD_CHECKS:
             self._guarded()
         elif self._guard.backward_passes >= GUARD_PATIENCE:
             self.candidate.release("not_checked", passes=GUARD_PATIENCE)
-            self.session.check_settled()
 
     def _guarded(self) -> None:
         guard, guarding, self._guard, self._guarding = self._guard, self._guarding, None, None
@@ -330,7 +332,6 @@ class MixedPrecision(DecidesCandidate):
             self.candidate.release("guard_failed", precision=self._precision, outside=", ".join(outside))
         else:
             self._use()
-        self.session.check_settled()
 
     def _use(self) -> None:
         """Checked: on now (``bf16``, ``tf32``), or through a speed trial (``auto``: the trial of an

@@ -30,7 +30,6 @@ from autogaudi.optimizations.step_profiler.profile import StepFigures, StepProfi
 from autogaudi.optimizations.step_profiler.training_model import RootModules, model_name, training_root
 from autogaudi.ranks import rank_zero_choice, several_ranks
 from autogaudi.run_length import remaining_steps
-from autogaudi.status import Status
 from autogaudi.trials import median
 from autogaudi.unit import ROUNDING, Unit
 
@@ -72,9 +71,10 @@ class StepProfiler(Unit):
         # not (by reading). Elsewhere it only observes: the census runs the step's own ops.
         return (ROUNDING,) if backend.name == "hpu" and backend.is_lazy else ()
 
-    def decision(self) -> Status:
-        # The run's bound is the decision every unit acting on the profile waits for.
-        return Status.DECIDING if self.profile is None else Status.WATCHING
+    # The step profile, as the measurement runner reads it: the run's bound is the decision every unit
+    # acting on the profile waits for; once published the profiler watches, having decided nothing.
+    deciding = property(lambda self: self.profile is None)
+    done = False
 
     def apply(self) -> None:
         self.profile = None
@@ -98,6 +98,7 @@ class StepProfiler(Unit):
         self.on(Event.TRAINING_STEP, self._after_step, self._listening)
         self.on(Event.BATCH_FETCHED, self._after_batch, self._listening)
         self.on_revert(self._abandon_census)
+        self.session.trials.measuring(self, self)
         self.because("warming_up", steps=self.options.warmup_steps)
 
     def _after_batch(self, _iterator, _batch, waited: float) -> None:
@@ -208,7 +209,6 @@ class StepProfiler(Unit):
         self.moment("profiled", bound=self.profile.bound)
         self.close_scope(self._listening)  # classified once: no more work on every step and batch
         self.session.events.emit(Event.STEP_PROFILED, self.profile)
-        self.session.check_settled()
 
     def _recalled(self, optimizer) -> bool:
         """Where earlier runs with this set-up left decisions, the first step after warm-up runs with
