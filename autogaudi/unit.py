@@ -40,6 +40,20 @@ NUMERICS = {
 }
 
 
+class _BoundWrapper(wrapt.BoundFunctionWrapper):
+    """A wrapped method bound to an instance whose ``__func__`` is the wrapper, not the original: code
+    that rebinds a method through ``__func__`` (torch's LR schedulers wrap ``optimizer.step`` so)
+    would otherwise call the original and step around the unit."""
+
+    @property
+    def __func__(self):
+        return self._self_parent
+
+
+class _MethodWrapper(wrapt.FunctionWrapper):
+    __bound_function_wrapper__ = _BoundWrapper
+
+
 def wrap_attribute(owner, attribute: str, wrapper):
     """Replace ``owner.attribute`` by a wrapt wrapper; return a function that puts it back.
 
@@ -51,7 +65,7 @@ def wrap_attribute(owner, attribute: str, wrapper):
     namespace = vars(owner)
     owned = attribute in namespace
     original = namespace[attribute] if owned else getattr(owner, attribute)
-    patched = wrapt.FunctionWrapper(original, wrapper)
+    patched = _MethodWrapper(original, wrapper)
     setattr(owner, attribute, patched)
 
     def undo():

@@ -424,20 +424,9 @@ def test_the_matrix_size_is_every_unit_times_its_states():
     assert len(CELLS) == sum(len(unit_class(info).states) for info in UNITS) >= 3 * len(UNITS)
 
 
-# A bug each of these cells meets, until it is fixed (strict: the fix turns them red, and the mark goes).
-LR_SCHEDULER_BYPASSES_FUSED_STEP = pytest.mark.xfail(
-    strict=True,
-    reason="fused_optimizer: an LR scheduler built after the optimizer (the script's StepLR) wraps its step around "
-    "the unit's route; the unit then keeps the optimizer unfused ('its step does not reach the unit')",
-)
-KNOWN_BUGS = {
-    ("fused_optimizer", state): LR_SCHEDULER_BYPASSES_FUSED_STEP for state in ("in_use", "failed", "disabled")
-}
-
-
 @pytest.mark.parametrize(
     "info, state",
-    [pytest.param(info, state, marks=KNOWN_BUGS.get((info.name, state), ())) for info, state in CELLS],
+    CELLS,
     ids=[f"{info.name}-{state}" for info, state in CELLS],
 )
 def test_a_unit_in_this_state_breaks_nothing_a_script_does(
