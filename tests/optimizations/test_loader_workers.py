@@ -312,7 +312,7 @@ def starving(monkeypatch):
     monkeypatch.setattr(unit, "INPUT_BOUND", 0.0)
     monkeypatch.setattr(unit, "CLEARLY_INPUT_BOUND", 0.0)  # decided after the short window
     monkeypatch.setattr(unit, "MEASURED_BATCHES", EARLY_BATCHES)  # re-timed as briefly
-    monkeypatch.setattr(unit, "workers_faster", lambda before, after, materiality: True)  # and never put back
+    monkeypatch.setattr(unit, "workers_faster", lambda before, after, materiality, workers: True)  # and never put back
 
 
 @pytest.mark.slow
@@ -640,3 +640,19 @@ def test_workers_are_kept_only_for_a_gain_material_to_the_batch_as_every_change_
         after.add(with_workers_ms / 1000 - 0.002, 0.002)
     assert workers_faster(before, after, trials.MATERIAL) is kept
     assert workers_faster(before, after, 0.0)  # a change that left the numbers alone: the margin is enough
+
+
+def test_workers_are_judged_on_rounds_of_one_batch_per_worker():
+    """Two workers hand over a batch that waited its whole build, then one ready at once: single
+    batches alternate 45 and 12 ms, whose spread hides a period of 28.5 ms against 35 in-process."""
+    from autogaudi import trials
+    from autogaudi.optimizations.loader_workers.loader_state import Timing
+    from autogaudi.optimizations.loader_workers.unit import workers_faster
+
+    before, after = Timing(), Timing()
+    for index in range(6):
+        before.add(0.033 + 0.001 * (index % 2), 0.001)
+    for index in range(16):
+        after.add((0.044 if index % 2 == 0 else 0.011) + 0.002 * (index % 3 == 0), 0.001)
+    assert not workers_faster(before, after, trials.MATERIAL, workers=1)  # batch by batch: within the spread
+    assert workers_faster(before, after, trials.MATERIAL, workers=2)

@@ -28,6 +28,15 @@ class Timing:
         self.computed += computed
         self.seconds.append(waited + computed)
 
+    def rounds(self, size: int) -> list:
+        """The mean batch time over each ``size`` consecutive batches (a trailing part dropped unless
+        it is all there is). Workers hand batches over in turn, each after its own build: one batch
+        waits the whole build and the next comes at once, so single batches alternate long and short
+        and their spread hides the gain; a round of one batch per worker is the loader's period."""
+        size = max(1, size)
+        whole = len(self.seconds) - len(self.seconds) % size or len(self.seconds)
+        return [sum(self.seconds[i : i + size]) / len(self.seconds[i : i + size]) for i in range(0, whole, size)]
+
     @property
     def input_bound(self) -> float:
         return self.waited / max(self.waited + self.computed, 1e-12)

@@ -56,12 +56,13 @@ def measured_enough(timing: Timing, phase: Phase) -> bool:
     return timing.batches >= MEASURED_BATCHES
 
 
-def workers_faster(before: Timing, after: Timing, materiality: float) -> bool:
-    """Whether the batches came faster with workers (their start-up included) than in-process, by the
-    runner's one rule (:func:`autogaudi.trials.decide`): its margin on the medians, beyond the two
-    windows' spread, and, since workers change the numbers (their random streams, the thread cut's
-    rounding), by ``materiality`` of the in-process batch's period."""
-    return trials.decide(after.seconds, before.seconds, materiality=materiality).keep
+def workers_faster(before: Timing, after: Timing, materiality: float, workers: int = 1) -> bool:
+    """Whether the batches came faster with ``workers`` workers (their start-up included) than
+    in-process, by the runner's one rule (:func:`autogaudi.trials.decide`) on rounds of one batch per
+    worker: its margin on the medians, beyond the two windows' spread, and, since workers change the
+    numbers (their random streams, the thread cut's rounding), by ``materiality`` of the in-process
+    batch's period."""
+    return trials.decide(after.rounds(workers), before.rounds(workers), materiality=materiality).keep
 
 
 def set_attributes(scope, owner, **values) -> None:
@@ -350,7 +351,7 @@ class LoaderWorkers(Unit):
         else:
             state.phase = Phase.DONE
             self.figures["ms_per_batch_after"] = round(after.ms_per_batch, 3)
-            if not workers_faster(before, after, trials.materiality_of(self)):
+            if not workers_faster(before, after, trials.materiality_of(self), worker_budget()[0]):
                 self._untune(state)
                 self._keep(state, "no_faster", after=after.ms_per_batch, before=before.ms_per_batch)
 
