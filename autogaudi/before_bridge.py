@@ -48,7 +48,7 @@ def decide(options) -> dict:
     except Exception as error:  # fail open: the release's default mode
         mode = {"code": "error", "error": repr(error)}
     LAST_MODE.clear()
-    LAST_MODE.update(mode or {"code": "switched_off"})
+    LAST_MODE.update(mode or {})  # switched off: the unit is not applied, the core's row says so
     return {"caches": caches, "migration": migration}
 
 

@@ -39,7 +39,6 @@ class HpuMode(Unit):
         "no_cache": "not chosen: no cache to remember the modes' step times in",
         "no_script": "not chosen: no script file to remember the modes' step times for",
         "other_device": "not chosen: not a Gaudi run",
-        "switched_off": "switched off",
         "error": "not chosen: {error}",
     }
 
