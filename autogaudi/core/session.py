@@ -427,7 +427,7 @@ def budget_possible(options, backend) -> bool:
 
 def where_raised(error: BaseException) -> str:
     """The innermost line of autogaudi's own code in ``error``'s traceback (``file:line in function``)."""
-    package = os.path.dirname(os.path.abspath(__file__))
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the package, not core/
     frames = [frame for frame in traceback.extract_tb(error.__traceback__) if frame.filename.startswith(package)]
     if not frames:
         return "autogaudi"
