@@ -117,7 +117,7 @@ def test_version():
     "args, message",
     [
         (["--device", "tpu"], "valid choices for device: auto, hpu, cuda, cpu"),
-        (["--disable", "nonsense"], "valid choices for disable: gpu_migration, step_marks"),
+        (["--disable", "nonsense"], "valid choices for disable: gpu_migration, hpu_mode, step_marks"),
         (["--log-every", "-1"], "must be a whole number >= 0"),
         (["--trial", "fused_optimizer"], "valid choices for trial: graph_capture, channels_last"),
         (["--trial", "graph_capture", "--no-trials"], "no_trials rules out; choose one"),

@@ -63,7 +63,7 @@ def test_bad_keyword_raises_before_anything_is_patched():
     original = torch.autograd.backward
     with pytest.raises(autogaudi.OptionsError, match="valid choices for options: device, disable"):
         autogaudi.enable(devise="cpu")
-    with pytest.raises(autogaudi.OptionsError, match="valid choices for only: gpu_migration, step_marks"):
+    with pytest.raises(autogaudi.OptionsError, match="valid choices for only: gpu_migration, hpu_mode, step_marks"):
         autogaudi.enable(only=["step_marks", "warp_drive"])
     assert not autogaudi.is_enabled()
     assert torch.autograd.backward is original
