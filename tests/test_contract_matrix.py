@@ -104,7 +104,9 @@ STANDS_ELSEWHERE = {
     ("pin_memory", "watching"): ("applied", "pinned"),  # pins the loader at its construction
     ("ddp_tuning", "watching"): ("applied", "bucket_view"),  # tunes DDP at its construction
     ("shape_buckets", "in_use"): ("not needed", "static_shapes"),  # the batches are all one shape
-    ("static_last_batch", "in_use"): ("watching", "policy"),  # no partial last batch
+    ("static_last_batch", "in_use"): ("watching", "eager"),  # shapes cost nothing on an eager CPU run
+    # the double is started with its mode given (PT_HPU_LAZY_MODE), which hpu_mode never overrides
+    ("hpu_mode", "in_use"): ("watching", "set_by_environment"),
     ("throughput_meter", "in_use"): ("watching", "final_only"),  # no --log-every
     ("non_blocking_copy", "in_use"): ("watching", "pinned_to_device"),  # the host stands for the device
 }
