@@ -4,6 +4,7 @@ script's model. Trials are decided by the test (the contract matrix's fixtures) 
 so each case reaches its state whatever the machine's load."""
 
 import dataclasses
+import sys
 
 import pytest
 import torch
@@ -84,6 +85,8 @@ def following(clocks, keep, monkeypatch, tmp_path):
     """A second run of the same script, model and inputs, the first's kept decision in the cache:
     it is on at once, and this run's steps are checked against the trial's time meanwhile."""
     monkeypatch.setenv("AUTOGAUDI_NO_CACHE", "0")
+    # decisions are remembered per script file: pytest's is one, an xdist worker's __main__ has none
+    monkeypatch.setattr(sys.modules["__main__"], "__file__", __file__, raising=False)
     cache = {"cache_dir": str(tmp_path / "cache")}
     decided(clocks, keep, "kept", **cache)
     autogaudi.disable()

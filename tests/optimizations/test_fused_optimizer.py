@@ -4,6 +4,7 @@ import copy
 import gc
 import io
 import pickle
+import sys
 import types
 
 import pytest
@@ -88,13 +89,31 @@ def untimed(monkeypatch):
     monkeypatch.setattr(fused_optimizer.FusedOptimizer, "_timed_here", lambda unit: False)
 
 
+def as_bridge_adamw(make_optimizer):
+    """``make_optimizer``'s groups and hyperparameters, updated by the bridge's FusedAdamW formula."""
+
+    def make(net):
+        built = make_optimizer(net)
+        keys = ("params", "lr", "betas", "eps", "weight_decay")
+        groups = [{key: group[key] for key in keys} for group in built.param_groups]
+        return BridgeAdamW(groups, **{key: built.defaults[key] for key in keys[1:]})
+
+    return make
+
+
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_losses_match_plain_pytorch_over_50_steps(backend, name):
+    """With an LR scheduler built after the optimizer, as most scripts do. On the HPU the Adam family
+    runs the bridge's formula: its weights equal that formula's, its losses plain's within its bound."""
     plain, plain_net, _ = train(OPTIMIZERS[name], scheduler=True)
+    formula = backend == "hpu" and name != "sgd_momentum"
+    _, expected_net, _ = train(as_bridge_adamw(OPTIMIZERS[name]), scheduler=True) if formula else (0, plain_net, 0)
     enable(backend)
     fused, fused_net, optimizer = train(OPTIMIZERS[name], scheduler=True)
     torch.testing.assert_close(fused, plain, **tolerance(backend, name))
-    torch.testing.assert_close(list(fused_net.parameters()), list(plain_net.parameters()), **tolerance(backend, name))
+    torch.testing.assert_close(list(fused_net.parameters()), list(expected_net.parameters()), **TOLERANCE)
+    if backend == "hpu":  # on the CPU the fused update is timed, and kept only where it is material
+        assert autogaudi.report().unit("fused_optimizer")["figures"]["optimizers_fused"] == 1
 
 
 class BridgeAdamW(torch.optim.Optimizer):
@@ -937,10 +956,13 @@ def test_a_warm_run_takes_the_remembered_decision_at_the_step_the_first_run_took
     assert "update_ms" not in row["figures"]
 
 
-def test_an_optimizer_whose_step_bypasses_the_route_is_left_as_built_and_the_run_settles():
-    """An LR scheduler built after the optimizer wraps its step around the class's (torch's
-    ``patch_track_step_called``), so the unit never sees the step: it is not left deciding for the
-    whole run, nor reported fused; the run is plain's."""
+def test_an_lr_scheduler_built_after_the_optimizer_leaves_its_step_on_the_units_route(monkeypatch, untimed):
+    """torch's LR schedulers rebind ``optimizer.step`` through its ``__func__``: the fused kernel still
+    runs every step (it once stepped around the unit, which then reported it fused all the same)."""
+    adam = sys.modules["torch.optim.adam"]  # the attribute torch.optim.adam is the function
+    fused_steps = []
+    kernel = adam._fused_adam
+    monkeypatch.setattr(adam, "_fused_adam", lambda *a, **k: fused_steps.append(1) or kernel(*a, **k))
     enable("cpu")
     net = model()
     optimizer = OPTIMIZERS["adamw"](net)
@@ -950,6 +972,5 @@ def test_an_optimizer_whose_step_bypasses_the_route_is_left_as_built_and_the_run
         optimizer.step()
         optimizer.zero_grad()
         schedule.step()
-    row = autogaudi.report().unit("fused_optimizer")
-    assert row["status"] != "deciding" and row["figures"]["optimizers_fused"] == 0
-    assert row["figures"]["optimizers_kept"] == 1 and row["numerics"] == []
+    assert len(fused_steps) == 3
+    assert autogaudi.report().unit("fused_optimizer")["figures"]["optimizers_fused"] == 1
