@@ -5,10 +5,13 @@ Three ways in, one behaviour: ``python -m autogaudi train.py``, ``autogaudi.enab
 optimizations are applied when torch is imported (or at once if it already is).
 """
 
-from autogaudi import timeline as _timeline  # noqa: F401  (first: autogaudi's start is timed from its import)
+# first: autogaudi's start is timed from this import
+from autogaudi.measure import timeline as _timeline  # noqa: F401
+
+# isort: split
 from autogaudi._version import __version__
-from autogaudi.errors import OptionsError
-from autogaudi.runtime import active_options, disable, enable, is_enabled, report, settled
+from autogaudi.core.errors import OptionsError
+from autogaudi.entry.runtime import active_options, disable, enable, is_enabled, report, settled
 
 
 def doctor(script: str, *args: str, steps: int = 20, module: bool = False):

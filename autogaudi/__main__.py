@@ -1,7 +1,7 @@
-"""``python -m autogaudi``: see :mod:`autogaudi.launcher`."""
+"""``python -m autogaudi``: see :mod:`autogaudi.entry.launcher`."""
 
 import sys
 
-from autogaudi.launcher import main
+from autogaudi.entry.launcher import main
 
 sys.exit(main())

@@ -209,7 +209,7 @@ def child(name: str, kind: str, corpus_folder: Path, device: str, quick: bool) -
     import torch
 
     import autogaudi
-    from autogaudi import one_offs
+    from autogaudi.measure import one_offs
 
     torch.manual_seed(0)
     model, batch, loss_of = REGION_MODELS[name](corpus_folder, device)

@@ -32,7 +32,7 @@ import psutil
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-from autogaudi.registry import UNIT_NAMES  # noqa: E402
+from autogaudi.core.registry import UNIT_NAMES  # noqa: E402
 
 LOSS_TOLERANCE = 1e-2  # the largest |loss - plain loss| / plain loss accepted at any step
 # bf16 keeps 8 significant bits (fp16 11): their losses are held to what the hand-written autocast script gets.

@@ -53,8 +53,8 @@ import json, sys, time
 import torch  # first: the modules torch imports itself are not autogaudi's cost
 
 marks = [(time.perf_counter(), time.process_time())]
-import autogaudi.launcher  # noqa: E402,F401  (what `python -m autogaudi` imports before the script)
-from autogaudi import runtime  # noqa: E402
+import autogaudi.entry.launcher  # noqa: E402,F401  (what `python -m autogaudi` imports before the script)
+from autogaudi.entry import runtime
 
 marks.append((time.perf_counter(), time.process_time()))
 runtime.enable_with_source({"quiet": True}, "launcher")  # torch is in: the session starts now

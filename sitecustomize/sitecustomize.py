@@ -15,7 +15,7 @@ def _enable_autogaudi():
     if not os.environ.get("AUTOGAUDI"):
         return
     try:
-        from autogaudi._bootstrap import enable_from_environment
+        from autogaudi.entry.bootstrap import enable_from_environment
     except ImportError as error:
         # Another interpreter (a system python the script runs) inherits our PYTHONPATH but not
         # autogaudi: it runs as it would without us, and a caller parsing its stderr sees nothing.

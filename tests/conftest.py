@@ -9,8 +9,9 @@ import pytest
 import torch
 
 import autogaudi
-from autogaudi import machine_load, placement, steps, trials
+from autogaudi.measure import machine_load, trials
 from autogaudi.optimizations import step_profiler
+from autogaudi.watch import placement, steps
 from tests.helpers import HPU_DOUBLE, REPO, SimulatedClock
 
 # Test files that read torch's own thread count: loader_workers cuts it while its workers run, which

@@ -21,7 +21,7 @@ TRIAL_BY = {"mixed_precision": {"precision": "auto"}}
 
 def bare_report(**fields):
     """A Report of a CPU run with nothing in it but ``fields`` (trials, cache, ranks...)."""
-    from autogaudi.reporting import Report
+    from autogaudi.reporting.record import Report
 
     empty = dict(
         torch_version="2.13.0",
@@ -54,7 +54,7 @@ class GuardOwner:
 
 class SimulatedClock:
     """A clock that moves only when told: decisions taken on the times a test gives, with no sleeps
-    and whatever else the machine runs (``autogaudi.trials.clock`` and ``autogaudi.steps.clock``, see
+    and whatever else the machine runs (``autogaudi.measure.trials.clock`` and ``autogaudi.watch.steps.clock``, see
     the fixtures). With ``tick``, each reading moves it on by that much: every stretch timed from one
     reading to the next lasts one tick."""
 

@@ -2,7 +2,7 @@
 ``targets`` (dotted owner.attribute paths), in the spirit of dd-trace's PatchTestCase: on the HPU
 double, where every unit applies, each target is patched exactly once while the unit is on (also
 after enable() again, and after a reconfiguring enable()), and after disable() the owner holds the
-very object it held before. Orders of importing torch and enabling: tests/test_runtime.py."""
+very object it held before. Orders of importing torch and enabling: tests/entry/test_runtime.py."""
 
 import importlib
 
@@ -10,8 +10,9 @@ import pytest
 import wrapt
 
 import autogaudi
-from autogaudi import session, steps
-from autogaudi.registry import UNITS
+from autogaudi.core import session
+from autogaudi.core.registry import UNITS
+from autogaudi.watch import steps
 from tests.helpers import SWITCHED_ON_BY
 
 MISSING = object()

@@ -32,11 +32,12 @@ import torch.utils.checkpoint
 from torch import nn
 
 import autogaudi
-from autogaudi import runtime, trials
 from autogaudi.backends.cpu import CpuBackend
+from autogaudi.core.registry import UNITS
+from autogaudi.core.status import Status
+from autogaudi.entry import runtime
+from autogaudi.measure import trials
 from autogaudi.optimizations import step_profiler
-from autogaudi.registry import UNITS
-from autogaudi.status import Status
 from tests.helpers import SWITCHED_ON_BY, TRIAL_BY, collector_off
 
 RESUMED_STEPS = 3

@@ -32,7 +32,7 @@ def test_the_readme_is_a_front_page_with_no_issue_numbers():
 
 
 def test_every_unit_has_a_page_and_a_readme_row():
-    from autogaudi.registry import UNITS
+    from autogaudi.core.registry import UNITS
 
     readme = (REPO / "README.md").read_text()
     for unit in UNITS:

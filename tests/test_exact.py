@@ -11,7 +11,7 @@ import types
 
 import pytest
 
-from autogaudi.registry import OPT_IN_UNITS, UNITS
+from autogaudi.core.registry import OPT_IN_UNITS, UNITS
 from tests.helpers import HPU_DOUBLE, SCRIPTS, SWITCHED_ON_BY, clean_env, run_python
 
 SCRIPT = SCRIPTS / "seeded_train.py"

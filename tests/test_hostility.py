@@ -19,12 +19,12 @@ import pytest
 import torch
 
 import autogaudi
-from autogaudi import report_file
-from autogaudi.cache import TAG, Cache
-from autogaudi.cache import main as cache_main
-from autogaudi.errors import OptionsError
-from autogaudi.memory import Memory
-from autogaudi.options import Options
+from autogaudi.core.errors import OptionsError
+from autogaudi.core.options import Options
+from autogaudi.reporting import output_file as report_file
+from autogaudi.store.cache import TAG, Cache
+from autogaudi.store.cache import main as cache_main
+from autogaudi.store.decisions import Memory
 from tests.helpers import CORRUPTIONS, OTHER_USER, SCRIPTS, clean_env, corrupt, run_python, small_filesystem
 
 EXITS = ("normal", "exception", "sys_exit", "os_exit", "sigint", "sigterm", "sigkill")
@@ -391,7 +391,7 @@ def test_the_launcher_exits_2_on_a_memory_limit_of_no_byte(tmp_path):
 def test_the_default_cache_folder_ignores_relative_or_empty_settings(monkeypatch, environ, expected):
     import pwd
 
-    from autogaudi.cache import default_root
+    from autogaudi.store.cache import default_root
 
     monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
     for name, value in environ.items():
@@ -403,7 +403,7 @@ def test_the_default_cache_folder_ignores_relative_or_empty_settings(monkeypatch
 def test_without_a_home_folder_a_run_goes_on_without_a_cache_and_says_why(monkeypatch, tmp_path):
     import pwd
 
-    from autogaudi.cache import refusal
+    from autogaudi.store.cache import refusal
 
     def unknown(uid):
         raise KeyError(uid)

@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import autogaudi
-from autogaudi import model_call
+from autogaudi.watch import model_call
 from tests.helpers import SCRIPTS, run_python
 
 ONLY = "step_profiler,activation_checkpointing"  # no unit that rounds otherwise

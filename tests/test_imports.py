@@ -7,7 +7,7 @@ Each check runs in a fresh process and reads its ``sys.modules``.
 
 import json
 
-from autogaudi.registry import UNITS
+from autogaudi.core.registry import UNITS
 from tests.helpers import clean_env, run_python
 
 ENABLED_ON_CPU = r"""
@@ -38,7 +38,9 @@ def test_a_cpu_start_loads_no_unit_that_cannot_act_there_and_no_page_doctor_or_c
     opt_in = [info for info in UNITS if info.opt_in or info.switched_on_by]  # no option here switches one on
     assert elsewhere and opt_in
     assert not {unit_module(info) for info in elsewhere + opt_in} & modules
-    assert not {name for name in modules if name == "autogaudi.page" or name.startswith("autogaudi.diagnosis")}
+    assert not {
+        name for name in modules if name == "autogaudi.reporting.page" or name.startswith("autogaudi.diagnosis")
+    }
     assert "torch._dynamo" not in modules and "torch._inductor" not in modules
     # every unit still has its row, those not loaded for their backend with the code a loaded one gives
     assert set(seen["rows"]) == {info.name for info in UNITS}
@@ -62,12 +64,12 @@ def test_a_disabled_unit_is_not_imported(tmp_path):
 
 
 def test_the_launcher_and_the_doctor_do_not_import_each_other():
-    watched = ("autogaudi.launcher", "autogaudi.diagnosis", "torch")
+    watched = ("autogaudi.entry.launcher", "autogaudi.diagnosis", "torch")
 
     def loads(module):
         return run_python("-c", f"import sys, {module}; print(sorted(n for n in {watched!r} if n in sys.modules))")
 
-    launcher, doctor = loads("autogaudi.launcher"), loads("autogaudi.diagnosis.command")
+    launcher, doctor = loads("autogaudi.entry.launcher"), loads("autogaudi.diagnosis.command")
     assert launcher.returncode == 0 and doctor.returncode == 0, launcher.stderr + doctor.stderr
-    assert launcher.stdout.strip() == "['autogaudi.launcher']"  # neither the doctor nor torch before the script
-    assert "autogaudi.launcher" not in doctor.stdout
+    assert launcher.stdout.strip() == "['autogaudi.entry.launcher']"  # neither the doctor nor torch before the script
+    assert "autogaudi.entry.launcher" not in doctor.stdout

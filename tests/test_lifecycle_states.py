@@ -1,4 +1,4 @@
-"""Every state of a decision's lifecycle (:class:`autogaudi.candidate.State`), reached by a script
+"""Every state of a decision's lifecycle (:class:`autogaudi.core.candidate.State`), reached by a script
 and asserted as the unit's report row shows it (its status and reason code) and by what is on the
 script's model. Trials are decided by the test (the contract matrix's fixtures) on clocks it moves,
 so each case reaches its state whatever the machine's load."""
@@ -11,9 +11,10 @@ import torch
 from torch import nn
 
 import autogaudi
-from autogaudi import model_call, runtime
-from autogaudi.candidate import State
+from autogaudi.core.candidate import State
+from autogaudi.entry import runtime
 from autogaudi.optimizations import step_profiler
+from autogaudi.watch import model_call
 from tests.test_contract_matrix import MAX_STEPS, Training, decided_trials  # noqa: F401
 
 TRIAL = {"only": "step_profiler,channels_last", "trial": "channels_last"}

@@ -48,7 +48,7 @@ class Backend:
     # The smallest one-off cost (compile, capture) a capture trial was measured to add on this backend,
     # in seconds: a run that cannot save this much cannot pay back a real one (docs/units/graph_capture.md).
     least_capture_one_off_s = 2.0
-    # The prior of this model's one-off (autogaudi.one_offs): seconds per sqrt(ops per step), before
+    # The prior of this model's one-off (autogaudi.measure.one_offs): seconds per sqrt(ops per step), before
     # any one-off is measured on this machine; on the high side of the 2-core CPU's (0.6, spread 1.35x),
     # since expecting too little is what makes a short run pay.
     capture_one_off_rate_s = 0.8
@@ -71,7 +71,7 @@ class Backend:
     graphs_by_region = True
     # inductor options for graph_blocks' compile (torch.compile's ``options``: scoped to that compile).
     region_compile_options: dict = {}
-    # The replay tier (autogaudi.one_offs): graph_replay's one-off prior, seconds per sqrt(ops per step),
+    # The replay tier (autogaudi.measure.one_offs): graph_replay's one-off prior, seconds per sqrt(ops per step),
     # and the least it can cost; None where the backend has no such tier.
     replay_one_off_rate_s = None
     least_replay_one_off_s = None

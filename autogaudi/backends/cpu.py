@@ -6,8 +6,8 @@ import contextlib
 import platform
 import threading
 
-from autogaudi import machine_load
 from autogaudi.backends.base import Backend, MemoryStats
+from autogaudi.measure import machine_load
 
 
 class CpuBackend(Backend):

@@ -19,9 +19,9 @@ import re
 
 import torch
 
-from autogaudi.events import Event
-from autogaudi.main_script import script_path
-from autogaudi.reasons import Reason
+from autogaudi.core.events import Event
+from autogaudi.core.reasons import Reason
+from autogaudi.entry.main_script import script_path
 
 # code -> text: what the report says of each signal (the JSON carries code and params, as a unit's).
 REASONS = {

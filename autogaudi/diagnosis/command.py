@@ -15,9 +15,9 @@ import json
 import os
 import sys
 
-from autogaudi import runtime
 from autogaudi.diagnosis.findings import KINDS
-from autogaudi.main_script import run_as_main, split_command_line
+from autogaudi.entry import runtime
+from autogaudi.entry.main_script import run_as_main, split_command_line
 
 PROG = "python -m autogaudi doctor"
 DEFAULT_STEPS = 20

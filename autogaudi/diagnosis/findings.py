@@ -11,10 +11,10 @@ from collections import Counter, defaultdict
 
 import torch
 
-from autogaudi import step_memory
 from autogaudi.diagnosis import gaudi_facts as facts
 from autogaudi.diagnosis import memory_fit, source_findings
 from autogaudi.diagnosis.finding import SEVERITIES, Finding
+from autogaudi.measure import step_memory
 
 SCHEMA = "autogaudi.doctor/1"
 KINDS = (

@@ -2,7 +2,7 @@
 
 Why: a script written on one machine is run on another; whether its step fits there, at which
 batch, and what would make it fit, is known before the run from the step's forecast on fake
-tensors (:func:`autogaudi.fake_step.predict`: no memory touched, no random draw taken). The
+tensors (:func:`autogaudi.measure.fake_step.predict`: no memory touched, no random draw taken). The
 forecast is made at the observed batch and at twice it: the difference is what one more sample
 adds (its activations), the rest is fixed (parameters, gradients, optimizer state), so the largest
 batch that fits each device follows, with and without every repeated block checkpointed. The
@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from autogaudi import fake_step, step_memory
+from autogaudi.measure import fake_step, step_memory
 from autogaudi.optimizations.activation_checkpointing import repeated_blocks
 
 GB = 10**9  # vendors' capacities are decimal

@@ -14,7 +14,7 @@ One :class:`Observer` per diagnosis. It sees:
   numbers they are passed (each value a constant of the graph), and whether a read happens inside a
   forward (a graph-capture blocker); keyword arguments are not seen (global hooks are not given
   them); on a module the script compiled the hooks move onto it for its call
-  (:mod:`autogaudi.module_hooks`);
+  (:mod:`autogaudi.watch.module_hooks`);
 - DataLoader construction (batch size, dataset length, ``drop_last``) and the time each batch
   fetch waits;
 - optimizer steps, through ``register_optimizer_step_post_hook``: the step boundaries. After
@@ -23,7 +23,7 @@ One :class:`Observer` per diagnosis. It sees:
 Every event is filed under the step it happened in (0 = up to the end of the first optimizer step,
 which includes the script's set-up) and under the first stack frame outside torch, wrapt,
 autogaudi and the standard library: the user's file:line. Times are read on the step clock
-(:func:`autogaudi.steps.clock`), which tests replace to judge given times.
+(:func:`autogaudi.watch.steps.clock`), which tests replace to judge given times.
 """
 
 from __future__ import annotations
@@ -39,10 +39,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import dataloader
 from torch.utils.weak import WeakIdKeyDictionary
 
-from autogaudi import module_hooks, steps
-from autogaudi._paths import user_location
+from autogaudi.core.unit import Scope
 from autogaudi.diagnosis import gaudi_facts
-from autogaudi.unit import Scope
+from autogaudi.entry.paths import user_location
+from autogaudi.watch import module_hooks, steps
 
 # Ops whose output shape depends on the values of their input: every new shape a recompilation.
 DATA_DEPENDENT_SHAPE_OPS = frozenset(

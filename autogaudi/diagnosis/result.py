@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from autogaudi._paths import short_location
 from autogaudi.diagnosis import gaudi_facts as facts
 from autogaudi.diagnosis.findings import SCHEMA, judge, memory_projection
 from autogaudi.diagnosis.memory_fit import MOST_BATCH
+from autogaudi.entry.paths import short_location
 
 
 class Diagnosis:

@@ -16,9 +16,9 @@ import re
 
 import torch
 
-from autogaudi import script_source
 from autogaudi.backends import hpu
 from autogaudi.diagnosis.finding import Finding
+from autogaudi.entry import script_source
 from autogaudi.optimizations import gpu_migration
 
 # hpex.optimizers' fused kernels (hpu-api.md) for torch.optim classes the fused_optimizer unit does

@@ -1,1 +1,1 @@
-"""One module per optimization unit; the list of them is ``autogaudi.registry.UNITS``."""
+"""One module per optimization unit; the list of them is ``autogaudi.core.registry.UNITS``."""

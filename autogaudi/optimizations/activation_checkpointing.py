@@ -4,24 +4,24 @@ Why: half of the HF single-GPU guide is memory, and activations are most of a tr
 peak (404 of 496 MB for a 6-block GPT at batch 32x128). Checkpointing a block keeps only its inputs
 and runs its forward again in backward: a block's activations for about a third more compute in
 it. So it is done only where the steps would not fit the budget (``--memory-limit``, or an
-accelerator's capacity): the run's first training step is measured (:mod:`autogaudi.step_memory`),
+accelerator's capacity): the run's first training step is measured (:mod:`autogaudi.measure.step_memory`),
 and from the second on the fewest blocks are checkpointed that bring its forecast under the budget;
 each step after a change is measured again, and more blocks taken where it is still over.
 
 How: the blocks are the children of the model's largest ``nn.ModuleList``/``nn.Sequential`` of one
 class (a GPT's layers) that the first step called; those the script checkpoints itself, or whose
 modules carry the script's hooks (they would run again), are left out. Each chosen block's call gets
-the recompute layer of its call route (:mod:`autogaudi.model_call`, nothing of it travels with the
+the recompute layer of its call route (:mod:`autogaudi.watch.model_call`, nothing of it travels with the
 module): ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` with torch's random state
 preserved, the block's call passed through whole. The recomputation is a second run of the block's
 Python forward, kept from the run: Python's and NumPy's random states set as the forward had them,
-its buffers and attributes put back as the forward left them (:mod:`autogaudi.forward_state`), what
+its buffers and attributes put back as the forward left them (:mod:`autogaudi.watch.forward_state`), what
 it prints or logs discarded. A call with other parameters (``torch.func.functional_call``), inside
 the script's own checkpoint or saved-tensor hooks, or without gradients runs plain.
 
 Out of memory: where a budget is known, a training forward that runs out of device memory is rescued
 once, from the model's second call on: the memory freed, the call's random state, buffers and
-attributes put back (:mod:`autogaudi.out_of_memory`), every block checkpointed, the call run again.
+attributes put back (:mod:`autogaudi.watch.out_of_memory`), every block checkpointed, the call run again.
 One raised outside the forward propagates as plain PyTorch's. Either way the decision is remembered
 (with a cache) and the next run with the same script, model and inputs checkpoints the blocks from
 its first step.
@@ -38,11 +38,11 @@ import weakref
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from autogaudi import forward_state, module_hooks, out_of_memory
-from autogaudi.events import Event
-from autogaudi.model_call import Layer, compiled_by_the_script, route_of, trains
-from autogaudi.steps import clock
-from autogaudi.unit import Unit
+from autogaudi.core.events import Event
+from autogaudi.core.unit import Unit
+from autogaudi.watch import forward_state, module_hooks, out_of_memory
+from autogaudi.watch.model_call import Layer, compiled_by_the_script, route_of, trains
+from autogaudi.watch.steps import clock
 
 
 def repeated_blocks(model, called=None) -> tuple:

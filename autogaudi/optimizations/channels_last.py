@@ -6,7 +6,7 @@ this project's 2-core CPU). But it is not always faster (depthwise convolutions,
 CPU kernels), so it goes through a trial in the user's run: the 4-D inputs of the training model
 (found by the step profiler) switch between the two formats between steps and the faster is kept.
 
-How: during the trial only the inputs layer of the model's call route (:mod:`autogaudi.model_call`,
+How: during the trial only the inputs layer of the model's call route (:mod:`autogaudi.watch.model_call`,
 nothing of it travels with the model) converts 4-D tensor inputs; the kernels then run NHWC and
 convert the weights per call, so the script never sees its parameters' strides change before the
 decision is kept (the cost of that conversion: docs/units/channels_last.md). Once kept,
@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import torch
 
-from autogaudi.candidate import Candidate, DecidesCandidate
-from autogaudi.engines import fsdp2_managed
-from autogaudi.events import Event
-from autogaudi.model_call import Layer, holder
-from autogaudi.unit import ROUNDING
+from autogaudi.core.candidate import Candidate, DecidesCandidate
+from autogaudi.core.events import Event
+from autogaudi.core.unit import ROUNDING
+from autogaudi.watch.engines import fsdp2_managed
+from autogaudi.watch.model_call import Layer, holder
 
 
 def _in_layout(layout, args, kwargs) -> tuple:

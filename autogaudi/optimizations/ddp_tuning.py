@@ -23,7 +23,7 @@ import inspect
 
 from torch.nn.parallel import DistributedDataParallel
 
-from autogaudi.unit import ROUNDING, Unit
+from autogaudi.core.unit import ROUNDING, Unit
 
 MB = 1024**2
 

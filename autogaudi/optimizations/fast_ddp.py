@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from autogaudi import numerics
-from autogaudi.events import Event
-from autogaudi.unit import ROUNDING, Unit
+from autogaudi.core.events import Event
+from autogaudi.core.unit import ROUNDING, Unit
+from autogaudi.measure import numerics
 
 
 def why_ddp_keeps(model) -> str | None:

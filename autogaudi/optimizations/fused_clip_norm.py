@@ -25,9 +25,9 @@ import torch
 import torch.nn.utils
 import torch.nn.utils.clip_grad
 
-from autogaudi import numerics
-from autogaudi.engines import holds_dtensors
-from autogaudi.unit import ROUNDING, Unit
+from autogaudi.core.unit import ROUNDING, Unit
+from autogaudi.measure import numerics
+from autogaudi.watch.engines import holds_dtensors
 
 _MAX_CACHED_SETS = 8
 

@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional
 
-from autogaudi import numerics
-from autogaudi.unit import RANDOM, ROUNDING, Unit
+from autogaudi.core.unit import RANDOM, ROUNDING, Unit
+from autogaudi.measure import numerics
 
 _RECOMPUTE = {"auto": None, "on": True, "off": False}
 _FUSED_DTYPES = (torch.float32, torch.bfloat16)

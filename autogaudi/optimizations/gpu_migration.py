@@ -9,13 +9,13 @@ the real toolkit on; it re-implements nothing.
 
 How: the toolkit must be on before the bridge loads (``PT_HPU_GPU_MIGRATION=1``, read by the bridge at
 import; hpu-api.md), which since torch 2.5 is during ``import torch``: the decision is taken at the
-start of the script's import of torch or of the bridge (:mod:`autogaudi.before_bridge`), from the
+start of the script's import of torch or of the bridge (:mod:`autogaudi.entry.before_bridge`), from the
 script (``__main__``'s file) and the modules of its own folder it imports; the variable is set
 where they use CUDA. It is inherited by the processes the script
 starts (torchrun workers, loader workers), which then map the same calls. A script or environment that
 switched it on itself is left as it is (and reported). The unit then reports how many calls were
 mapped, where the toolkit counts them, and names the CUDA-bound libraries the script uses that the
-toolkit does not map (:data:`autogaudi.script_source.NOT_MAPPED`). Where the script uses CUDA
+toolkit does not map (:data:`autogaudi.entry.script_source.NOT_MAPPED`). Where the script uses CUDA
 only at run time in a way the source does not show, the toolkit could not be switched on: the unit notes the first
 ``torch.cuda.is_available()`` call and recommends ``PT_HPU_GPU_MIGRATION=1``.
 Undo: ``disable()`` takes the variable back off (for processes started later); the toolkit's mapping
@@ -31,10 +31,10 @@ import sys
 
 import torch
 
-from autogaudi.before_bridge import MIGRATION_TOOLKIT, MIGRATION_VARIABLE
-from autogaudi.main_script import script_path
-from autogaudi.script_source import NOT_MAPPED
-from autogaudi.unit import ROUNDING, Unit
+from autogaudi.core.unit import ROUNDING, Unit
+from autogaudi.entry.before_bridge import MIGRATION_TOOLKIT, MIGRATION_VARIABLE
+from autogaudi.entry.main_script import script_path
+from autogaudi.entry.script_source import NOT_MAPPED
 
 TOOLKIT = MIGRATION_TOOLKIT
 VARIABLE = MIGRATION_VARIABLE

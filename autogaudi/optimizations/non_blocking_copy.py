@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from autogaudi.unit import Unit
+from autogaudi.core.unit import Unit
 
 
 def target_device_type(args, kwargs):

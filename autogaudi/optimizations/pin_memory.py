@@ -11,7 +11,7 @@ double on a CPU build), loaders are still set to pin, as on the device, and the 
 Cost: pinned memory is locked host memory (one batch per worker in flight).
 CPU-only runs: skipped, pinning does nothing without a device to copy to. Loaders are usually built
 before the model is placed: where the training model turns out to be on the host
-(:mod:`autogaudi.placement`), the loaders pinned so far are unpinned for the iterators they create
+(:mod:`autogaudi.watch.placement`), the loaders pinned so far are unpinned for the iterators they create
 from then on (one an epoch; a persistent-worker iterator already running keeps pinning).
 """
 
@@ -23,9 +23,9 @@ import weakref
 import torch
 from torch.utils.data import DataLoader
 
-from autogaudi.events import Event
-from autogaudi.steps import loader_arguments
-from autogaudi.unit import Unit
+from autogaudi.core.events import Event
+from autogaudi.core.unit import Unit
+from autogaudi.watch.steps import loader_arguments
 
 
 class _Probe(DataLoader):

@@ -8,7 +8,7 @@ raises peak device memory; that is why it is off unless asked for (``--force pip
 
 from __future__ import annotations
 
-from autogaudi.events import Event
+from autogaudi.core.events import Event
 from autogaudi.optimizations.step_marks import LazyModeUnit
 
 

@@ -16,17 +16,17 @@ Untouched: ``drop_last=True`` loaders, a ``batch_sampler`` or a sampler of the s
 than torch's plain Random/SequentialSampler (wrapping, say, a DistributedSampler would hide its
 ``set_epoch`` and type from the script), iterable datasets, loaders without ``batch_size``, and
 epochs that already divide evenly. Where the training model turns out to be on the host
-(:mod:`autogaudi.placement`), no later epoch is padded.
+(:mod:`autogaudi.watch.placement`), no later epoch is padded.
 """
 
 from __future__ import annotations
 
 from torch.utils.data import IterableDataset, RandomSampler, Sampler, SequentialSampler
 
-from autogaudi.events import Event
+from autogaudi.core.events import Event
+from autogaudi.core.unit import DATA, Unit
 from autogaudi.optimizations.shape_buckets.matter import compiled_for_shapes
-from autogaudi.steps import loader_arguments
-from autogaudi.unit import DATA, Unit
+from autogaudi.watch.steps import loader_arguments
 
 
 class PaddedSampler(Sampler):

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from autogaudi.events import Event
-from autogaudi.unit import ROUNDING, Unit
+from autogaudi.core.events import Event
+from autogaudi.core.unit import ROUNDING, Unit
 
 
 class LazyModeUnit(Unit):

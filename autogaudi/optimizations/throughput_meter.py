@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from autogaudi.events import Event
-from autogaudi.ranks import is_rank_zero
-from autogaudi.unit import Unit, warn
+from autogaudi.core.events import Event
+from autogaudi.core.unit import Unit, warn
+from autogaudi.entry.ranks import is_rank_zero
 
 
 def leading_dimension(batch):

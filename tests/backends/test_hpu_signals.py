@@ -124,7 +124,7 @@ def test_other_backends_have_no_signals():
 
 def test_compilations_while_a_trial_runs_are_autogaudis_not_the_scripts(hpu_double):
     def inject(step, metrics):
-        trials = autogaudi.runtime._STATE.session.trials
+        trials = autogaudi.entry.runtime._STATE.session.trials
         trials.current = SimpleNamespace(unit=None) if step == 4 else None  # a trial over step 5 only
         if step == 4:
             metrics.inject_compilation()  # what a graph capture on trial compiles

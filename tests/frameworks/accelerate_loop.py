@@ -33,7 +33,7 @@ def main():
                 optimizer.step()
                 optimizer.zero_grad()
             losses.append(loss.item())
-    runtime = sys.modules.get("autogaudi.runtime")
+    runtime = sys.modules.get("autogaudi.entry.runtime")
     result = {
         "rank": accelerator.process_index,
         "losses": losses,

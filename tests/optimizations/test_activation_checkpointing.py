@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import autogaudi
-from autogaudi import model_call
 from autogaudi.backends.base import GB
 from autogaudi.optimizations.activation_checkpointing import repeated_blocks
+from autogaudi.watch import model_call
 from tests.gpt_model import TinyGPT, train
 
 ONLY = "step_profiler,activation_checkpointing"  # no unit that rounds otherwise

@@ -143,7 +143,7 @@ def test_a_rejected_trial_leaves_the_process_and_the_model_as_they_were(
 ):
     slow_graphs(monkeypatch, trial_clock)
     read_as(monkeypatch, bound)
-    from autogaudi import trials
+    from autogaudi.measure import trials
     from autogaudi.optimizations import channels_last
 
     monkeypatch.setattr(trials, "MARGIN", 0.0)

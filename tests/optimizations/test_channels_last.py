@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import autogaudi
-from autogaudi import numerics
+from autogaudi.measure import numerics
 from autogaudi.optimizations import step_profiler
 from autogaudi.optimizations.channels_last import ChannelsLast, to_memory_format
 from tests.optimizations.test_step_profiler import STEPS
@@ -126,7 +126,7 @@ def test_the_conversion_is_a_function_that_round_trips_model_and_optimizer_state
 def test_the_script_sees_its_parameters_strides_unchanged_until_the_trial_keeps_channels_last(trial_clock):
     """While the trial runs only the inputs go in channels_last: a script reading its weight's
     strides (or its gradient's) between steps reads its own layout until the decision is kept."""
-    from autogaudi import runtime
+    from autogaudi.entry import runtime
 
     autogaudi.enable(device="cpu", only="step_profiler,channels_last")
     model = cnn()

@@ -9,8 +9,8 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 import autogaudi
+from autogaudi.core.registry import UNIT_NAMES
 from autogaudi.optimizations.ddp_tuning import hpu_bucket_megabytes
-from autogaudi.registry import UNIT_NAMES
 from tests.helpers import SCRIPTS, said
 from tests.optimizations.ddp_helpers import TORCHRUN, mlp, torchrun, train
 

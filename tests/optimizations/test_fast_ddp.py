@@ -54,8 +54,8 @@ def counted(row) -> dict:
 
 
 NOT_MEASURING = """import runpy, sys
-import autogaudi.numerics
-autogaudi.numerics.FREE_SHARE = 0.0  # no copy fits: the rounding is not measured
+import autogaudi.measure.numerics
+autogaudi.measure.numerics.FREE_SHARE = 0.0  # no copy fits: the rounding is not measured
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """

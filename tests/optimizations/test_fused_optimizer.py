@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import autogaudi
-from autogaudi import runtime
+from autogaudi.entry import runtime
 from tests.helpers import said
 
 STEPS = 50
@@ -613,7 +613,7 @@ def test_with_several_ranks_the_update_is_not_timed_so_no_rank_decides_alone(mon
 
 
 def test_rounding_is_not_measured_where_a_copy_would_not_fit(monkeypatch):
-    from autogaudi import numerics
+    from autogaudi.measure import numerics
 
     monkeypatch.setattr(numerics, "free_bytes", lambda backend, device: 1024)
     enable("cpu")
@@ -652,7 +652,7 @@ def timed_updates(monkeypatch, clock, fused_ms, unfused_ms, cls=torch.optim.Adam
 
 def counted_copies(monkeypatch):
     """Calls of numerics.unfused_update: each copies the optimizer's tensors for torch's update."""
-    from autogaudi import numerics
+    from autogaudi.measure import numerics
 
     calls = []
     original = numerics.unfused_update

@@ -132,7 +132,7 @@ def test_the_figure_is_the_fused_outputs_distance_from_torchs(calls, monkeypatch
 
 
 def test_not_measured_where_torchs_attention_would_not_fit(calls, monkeypatch):
-    from autogaudi import numerics
+    from autogaudi.measure import numerics
 
     monkeypatch.setattr(numerics, "FREE_SHARE", 0.0)
     F.scaled_dot_product_attention(*qkv(2, 4, 8, 16))

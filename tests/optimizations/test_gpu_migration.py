@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from autogaudi.script_source import read_script
+from autogaudi.entry.script_source import read_script
 from tests.helpers import HPU_DOUBLE, SCRIPTS, clean_env, run_python
 
 # The units that act for the device, which step aside off it (fused_optimizer: its hpex path).

@@ -17,8 +17,8 @@ import torch.distributed as dist
 from torch import nn
 
 import autogaudi
-from autogaudi import numerics
 from autogaudi.backends.cpu import CpuBackend
+from autogaudi.measure import numerics
 from autogaudi.optimizations import step_profiler
 from autogaudi.optimizations.graph_capture import captured_call, host_reads
 from autogaudi.optimizations.graph_capture import unit as graph_capture_unit
@@ -320,8 +320,8 @@ def test_a_rejected_hpu_capture_lets_go_of_the_cacher_and_its_graphs(
     hpu_double(lazy=True)
     from habana_frameworks.torch.hpu import graphs
 
-    from autogaudi import trials
     from autogaudi.backends.hpu import HpuBackend
+    from autogaudi.measure import trials
     from autogaudi.optimizations import step_profiler
 
     monkeypatch.setattr(
@@ -456,7 +456,7 @@ class WithDropout(nn.Module):
 @pytest.mark.parametrize("tier, model_class", [("whole", WithDropout), ("regional", lambda: Tower(dropout=0.5))])
 @pytest.mark.parametrize("exact", [True, False])
 def test_exact_random_compiles_dropout_to_eager_masks(exact, tier, model_class, monkeypatch):
-    from autogaudi import one_offs
+    from autogaudi.measure import one_offs
 
     monkeypatch.setattr(one_offs, "REGIONAL_KEEPS", 1.0 if tier == "regional" else 1e-9)
 
@@ -515,7 +515,7 @@ class Tower(nn.Module):
 
 
 def test_regional_capture_compiles_the_block_class_once_and_is_undone_exactly(monkeypatch):
-    from autogaudi import one_offs
+    from autogaudi.measure import one_offs
 
     monkeypatch.setattr(one_offs, "REGIONAL_KEEPS", 1.0)  # regional pays back sooner whatever its estimate
     plain = losses_of(Tower(), batches())
@@ -576,7 +576,7 @@ def test_the_replay_tier_captures_through_the_backends_graph_replay_and_is_undon
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on a lent GPU)")
 def test_the_replay_tier_on_a_real_gpu_gives_the_eager_losses(monkeypatch):
     """CUDA graphs of torch's own kernels: the same kernels replayed, so the losses match eager's."""
-    from autogaudi import one_offs
+    from autogaudi.measure import one_offs
 
     monkeypatch.setattr(one_offs, "REPLAY_KEEPS", 1.0)  # replay pays back soonest whatever the estimates
 
@@ -714,8 +714,8 @@ def test_the_one_off_runs_to_the_end_of_the_step_the_first_compile_started_in(mo
 def test_the_compile_is_saved_for_the_next_run_once_its_backward_is_built_too(monkeypatch):
     """AOTAutograd builds the backward at the first backward: saved at the call, the next run's
     artifacts would hold the forward alone."""
-    from autogaudi import runtime
     from autogaudi.backends import base
+    from autogaudi.entry import runtime
 
     backwards_at = {}
 

@@ -8,13 +8,13 @@ import torch
 from torch import nn
 
 import autogaudi
-from autogaudi import one_offs
+from autogaudi.measure import one_offs
 from tests.optimizations.test_graph_capture import Tower, batches, losses_of, row
 
 
 def _run_ends():
     """What the session does at exit for graph_capture: torch's compile records are read."""
-    from autogaudi import runtime
+    from autogaudi.entry import runtime
 
     for unit in runtime._STATE.session.applied:
         if unit.name == "graph_capture":

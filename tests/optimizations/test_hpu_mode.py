@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 import autogaudi
-from autogaudi.cache import Cache
 from autogaudi.optimizations.hpu_mode import modes
+from autogaudi.store.cache import Cache
 from tests.conftest import _forget_hpu_double
 
 
@@ -71,7 +71,7 @@ def _train(step_clock, ms):
 def _run_once(hpu_double, step_clock, cache_dir, ms):
     """One run of the script: the double forgotten (a new process), autogaudi enabled before the
     bridge loads, a loop whose every step takes ``ms`` on the injected clock, the run's end."""
-    from autogaudi import runtime
+    from autogaudi.entry import runtime
 
     _forget_hpu_double()
     autogaudi.enable(device="hpu", only="hpu_mode", no_cache=False, cache_dir=cache_dir)

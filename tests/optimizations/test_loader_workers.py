@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler
 
 import autogaudi
-from autogaudi._frames import is_own
+from autogaudi.entry.frames import is_own
 from autogaudi.optimizations.loader_workers.loader_state import Phase, Timing
 from autogaudi.optimizations.loader_workers.unit import (
     CLEARLY_INPUT_BOUND,
@@ -603,7 +603,8 @@ def test_sys_exit_in_a_worker_exits_the_script_once_as_in_process(starving, tmp_
 def test_a_loaders_window_waits_while_another_measurement_holds_the_steps(step_clock):
     """A census or a timed update holding the steps would read as the loader's compute: its window
     starts once they let go (here, once the other hold goes stale) and gives them back decided."""
-    from autogaudi import runtime, trials
+    from autogaudi.entry import runtime
+    from autogaudi.measure import trials
 
     only_loader_workers()
     windows = runtime._STATE.session.windows
@@ -630,7 +631,7 @@ def test_workers_are_kept_only_for_a_gain_material_to_the_batch_as_every_change_
     """Workers change the numbers (their random streams, the thread cut's rounding): 4% faster, beyond
     the margin and with no spread, is still under the 5% of the batch's period every such change must
     save; 6% is not."""
-    from autogaudi import trials
+    from autogaudi.measure import trials
     from autogaudi.optimizations.loader_workers.loader_state import Timing
     from autogaudi.optimizations.loader_workers.unit import workers_faster
 
@@ -645,7 +646,7 @@ def test_workers_are_kept_only_for_a_gain_material_to_the_batch_as_every_change_
 def test_workers_are_judged_on_rounds_of_one_batch_per_worker():
     """Two workers hand over a batch that waited its whole build, then one ready at once: single
     batches alternate 45 and 12 ms, whose spread hides a period of 28.5 ms against 35 in-process."""
-    from autogaudi import trials
+    from autogaudi.measure import trials
     from autogaudi.optimizations.loader_workers.loader_state import Timing
     from autogaudi.optimizations.loader_workers.unit import workers_faster
 

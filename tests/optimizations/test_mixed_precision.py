@@ -11,11 +11,12 @@ import torch
 from torch import nn
 
 import autogaudi
-from autogaudi import numerics, session
-from autogaudi.model_call import Layer, holder
+from autogaudi.core import session
+from autogaudi.measure import numerics
 from autogaudi.optimizations.mixed_precision import guard, loss_scale
 from autogaudi.optimizations.mixed_precision import unit as mixed_precision
 from autogaudi.optimizations.mixed_precision.loss_scale import INIT_SCALE
+from autogaudi.watch.model_call import Layer, holder
 from tests.optimizations.test_step_profiler import STEPS
 
 UNITS = "step_profiler,mixed_precision"
@@ -407,7 +408,7 @@ def test_the_guards_copy_leaves_the_scripts_hooks_and_follows_the_models_weights
 
 def test_the_guards_shadow_steps_hold_the_steps_windows_until_it_decided():
     """The shadow steps on a copy run inside the user's steps: no other measurement may time them."""
-    from autogaudi import runtime
+    from autogaudi.entry import runtime
 
     autogaudi.enable(device="cpu", only=UNITS, precision="bf16")
     net, holders = model(), []

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import autogaudi
-from autogaudi.out_of_memory import is_out_of_memory
+from autogaudi.watch.out_of_memory import is_out_of_memory
 from tests.gpt_model import OutOfMemoryGPT, train
 from tests.helpers import clean_env, run_python
 
@@ -56,7 +56,7 @@ def test_an_error_that_is_not_out_of_memory_propagates_and_changes_nothing():
 
 def test_without_a_budget_no_layer_sits_on_the_training_models_calls():
     """No device whose memory could run out (the CPU, no --memory-limit): every call plain's."""
-    from autogaudi import model_call
+    from autogaudi.watch import model_call
 
     autogaudi.enable(device="cpu", only=ONLY)
     _, model = train(steps=3, make=lambda: OutOfMemoryGPT())

@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 from torch.utils.data import DataLoader, Dataset
 
 import autogaudi
-from autogaudi import runtime, steps
+from autogaudi.entry import runtime
 from autogaudi.optimizations.step_profiler import (
     DECIDING_PAIRS,
     PAIRS,
@@ -28,6 +28,7 @@ from autogaudi.optimizations.step_profiler import (
     pair_shares,
     settled,
 )
+from autogaudi.watch import steps
 from tests.helpers import SCRIPTS, clean_env, run_python, said
 from tests.optimizations.ddp_helpers import TORCHRUN, torchrun
 
@@ -273,7 +274,7 @@ def test_the_census_waits_for_another_units_timing_but_not_for_an_optimizer_that
     """The census starts once fused_optimizer's update is decided and its hold on the steps released;
     an optimizer stepped twice and then never again (its update never decided) holds it back no more
     than STALE_STEPS after the unit's last timed update."""
-    from autogaudi import trials
+    from autogaudi.measure import trials
     from autogaudi.optimizations.fused_optimizer import unit as fused_optimizer
 
     autogaudi.enable(device="cpu", only="step_profiler,fused_optimizer")

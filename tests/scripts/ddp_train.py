@@ -81,7 +81,7 @@ def main():
         optimizer.zero_grad()
         if step == 0 and os.environ.get("FAIL_RANK") == str(rank):
             raise RuntimeError(f"rank {rank} failed on purpose")
-    runtime = sys.modules.get("autogaudi.runtime")
+    runtime = sys.modules.get("autogaudi.entry.runtime")
     result = json.dumps(
         {
             "rank": rank,

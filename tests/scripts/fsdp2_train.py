@@ -71,7 +71,7 @@ def main():
     full = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))[0]
     if rank == 0:
         torch.save(full, os.path.join(os.environ["RESULTS"], "full.pt"))
-    runtime = sys.modules.get("autogaudi.runtime")
+    runtime = sys.modules.get("autogaudi.entry.runtime")
     result = {
         "rank": rank,
         "losses": losses,

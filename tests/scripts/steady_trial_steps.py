@@ -6,7 +6,7 @@ machine's load. Only the trials' clock is steady: the script, the profile and th
 import runpy
 import sys
 
-from autogaudi import trials
+from autogaudi.measure import trials
 
 STEP_S = 0.01
 

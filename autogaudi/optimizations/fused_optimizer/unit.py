@@ -23,9 +23,10 @@ import weakref
 
 import torch
 
-from autogaudi import machine_load, numerics, steps, trials
-from autogaudi.events import Event
-from autogaudi.memory import origin
+from autogaudi.core.events import Event
+from autogaudi.core.unit import FORMULA, ROUNDING, Unit
+from autogaudi.entry.ranks import several_ranks
+from autogaudi.measure import machine_load, numerics, trials
 from autogaudi.optimizations.fused_optimizer.hpu_delegate import HpuDelegates
 from autogaudi.optimizations.fused_optimizer.kernels import (
     fused_format_steps,
@@ -36,8 +37,8 @@ from autogaudi.optimizations.fused_optimizer.kernels import (
 )
 from autogaudi.optimizations.fused_optimizer.reasons import REASONS
 from autogaudi.optimizations.fused_optimizer.update_times import UpdateTimes, update_ms, why_not_fused
-from autogaudi.ranks import several_ranks
-from autogaudi.unit import FORMULA, ROUNDING, Unit
+from autogaudi.store.decisions import origin
+from autogaudi.watch import steps
 
 FUSABLE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 # The classes whose torch kernel DTensor (FSDP2's parameters) has a sharding rule for (_fused_adam_,
@@ -101,7 +102,7 @@ class FusedOptimizer(HpuDelegates, Unit):
             return wrapped(*args, **kwargs)  # Adam's __init__, or an optimizer of autogaudi's own copy
         refusal, hyperparameters = self._refusal(owner, args, kwargs)
         result = wrapped(*args, **kwargs)  # exactly the script's call: nothing of ours on the object
-        # The earliest the trained parameters are known (autogaudi.placement): off the device, the
+        # The earliest the trained parameters are known (autogaudi.watch.placement): off the device, the
         # hpex path steps aside here, before this optimizer gets a delegate.
         self.session.placement.observe(
             [p for group in instance.param_groups for p in group["params"]], "optimizer's construction"
@@ -393,7 +394,7 @@ class FusedOptimizer(HpuDelegates, Unit):
 
     def _unfused_reference(self, optimizer):
         """In the run's first MEASURED_STEPS fused steps: the parameters torch's unfused step would
-        give from this state, computed on copies (:func:`autogaudi.numerics.unfused_update`); else None."""
+        give from this state, computed on copies (:func:`autogaudi.measure.numerics.unfused_update`); else None."""
         if self._rounding_steps >= MEASURED_STEPS or not self._still_fused(optimizer):
             return None
         if self._copies_refused(optimizer):

@@ -1,19 +1,19 @@
 """An optimizer's updates timed both ways, torch's unfused one (the run's) and the fused one (on
-copies), decided by the runner's one rule (:func:`autogaudi.trials.decide`) with the materiality of
-a change to the run's numbers (:data:`autogaudi.trials.MATERIAL` of the training step)."""
+copies), decided by the runner's one rule (:func:`autogaudi.measure.trials.decide`) with the materiality of
+a change to the run's numbers (:data:`autogaudi.measure.trials.MATERIAL` of the training step)."""
 
 from __future__ import annotations
 
 import math
 import weakref
 
-from autogaudi import trials
+from autogaudi.measure import trials
 
 
 class UpdateTimes:
     """One optimizer's updates timed (seconds): torch's unfused one, the run's own, and the fused
     one on copies; ``steps``: its steps seen while deciding. The measurement the runner reads
-    (:meth:`autogaudi.trials.TrialRunner.measuring`): ``deciding`` while its optimizer lives and is
+    (:meth:`autogaudi.measure.trials.TrialRunner.measuring`): ``deciding`` while its optimizer lives and is
     timed, ``done`` once decided. A plain class, not a dataclass: the unit imports it at start, where
     making a dataclass costs more than the rest of its module."""
 

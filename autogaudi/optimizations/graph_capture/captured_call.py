@@ -10,12 +10,12 @@ import warnings
 
 import torch
 
-from autogaudi import numerics, one_offs
-from autogaudi.events import Event
-from autogaudi.guard import PASSING_THROUGH
-from autogaudi.model_call import Layer
+from autogaudi.core.events import Event
+from autogaudi.core.guard import PASSING_THROUGH
+from autogaudi.entry.ranks import is_rank_zero
+from autogaudi.measure import numerics, one_offs
 from autogaudi.optimizations.step_profiler import input_shapes
-from autogaudi.ranks import is_rank_zero
+from autogaudi.watch.model_call import Layer
 
 MAX_SHAPES = 8
 

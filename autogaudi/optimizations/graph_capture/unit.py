@@ -7,7 +7,7 @@ graphs target exactly that case and do nothing for a device-bound step except co
 Backend mapping: :meth:`Backend.graph_forward`.
 
 How: calls of the model that owns most of the optimizer's parameters (a DDP model's inner module)
-run through the capture layer of the model's call route (:mod:`autogaudi.model_call`), which
+run through the capture layer of the model's call route (:mod:`autogaudi.watch.model_call`), which
 ``torch.save``, ``pickle`` and ``copy.deepcopy`` drop: a saved model is a plain one. The gates (:meth:`_refusal`:
 not host-bound, compiled by the script, outputs a replay would overwrite, a forward deciding on a
 device value (HPU lazy), HPU graphs' gradient rules; :meth:`_when_to_try`: a run too short to pay back
@@ -26,18 +26,18 @@ import time
 import torch
 import torch.utils.checkpoint
 
-from autogaudi import numerics, one_offs
-from autogaudi._paths import short_location
-from autogaudi.candidate import Candidate, DecidesCandidate
-from autogaudi.engines import fsdp2_managed
-from autogaudi.events import Event
-from autogaudi.model_call import Layer, compiled_by_the_script, holder
+from autogaudi.core.candidate import Candidate, DecidesCandidate
+from autogaudi.core.events import Event
+from autogaudi.core.unit import RANDOM, ROUNDING
+from autogaudi.entry.paths import short_location
+from autogaudi.entry.ranks import rank_zero_choice
+from autogaudi.measure import numerics, one_offs
 from autogaudi.optimizations.graph_capture import compile_counts
 from autogaudi.optimizations.graph_capture.captured_call import CapturedCall, own_gradient_tensors
 from autogaudi.optimizations.graph_capture.host_reads import forward_reading, read_sites
-from autogaudi.ranks import rank_zero_choice
-from autogaudi.run_length import remaining_steps
-from autogaudi.unit import RANDOM, ROUNDING
+from autogaudi.watch.engines import fsdp2_managed
+from autogaudi.watch.model_call import Layer, compiled_by_the_script, holder
+from autogaudi.watch.run_length import remaining_steps
 
 # What capture costs once, each measured where it happens: setting it up (importing the compiler
 # included), the trial's warm-up beyond its steady steps, compiles for input shapes met later,
@@ -130,7 +130,7 @@ class GraphCapture(CapturedCall, DecidesCandidate):
         self._shapes: list = []
         self._compiled_for = 0  # how many input shapes have been through the graphed call
         self._checkpoint_calls = 0
-        self._estimate = None  # this model's one-off, predicted (autogaudi.one_offs)
+        self._estimate = None  # this model's one-off, predicted (autogaudi.measure.one_offs)
         self._artifacts_key = None  # what its compiled code depends on, naming the saved compile caches
         self._set_up_seconds = 0.0
         self._compile_mark = None  # torch's compile records when capture began (compile_counts.mark)
@@ -317,7 +317,7 @@ class GraphCapture(CapturedCall, DecidesCandidate):
         """(None, or the figures of why no trial could pay for itself; the training step from which one may start).
 
         Where a framework says how many steps are left, a trial starts only if they could win back
-        the one-off this model's capture is estimated to cost (:mod:`autogaudi.one_offs`). Where
+        the one-off this model's capture is estimated to cost (:mod:`autogaudi.measure.one_offs`). Where
         nothing says (a plain loop), the trial waits until the steps run so far could have saved
         that much (rent until renting has cost what buying does): a run that ends before then pays
         nothing for capture, and a longer one forgoes at most that one-off's worth of savings, so
@@ -336,7 +336,7 @@ class GraphCapture(CapturedCall, DecidesCandidate):
         return dict(steps=steps, source=source, most=steps * saved_per_step_s, **params), 0
 
     def _estimate_one_off(self, profile) -> dict:
-        """This model's capture one-off, predicted once per run (:func:`autogaudi.one_offs.estimate`)."""
+        """This model's capture one-off, predicted once per run (:func:`autogaudi.measure.one_offs.estimate`)."""
         if self._estimate is None:
             exact = self.options.exact_random and self.backend.graphs_can_draw_eager_random
             self._artifacts_key = one_offs.artifacts_key(self.backend, profile.model, profile.inputs, exact)

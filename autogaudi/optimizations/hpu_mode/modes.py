@@ -1,5 +1,5 @@
 """Lazy or eager on a Gaudi, measured and remembered per script: the mechanisms, torch-free (they run
-before the bridge loads, :mod:`autogaudi.before_bridge`); the decision's unit is
+before the bridge loads, :mod:`autogaudi.entry.before_bridge`); the decision's unit is
 :mod:`.unit`.
 
 Why: the bridge reads ``PT_HPU_LAZY_MODE`` once, when it loads, and which mode is faster depends on
@@ -16,7 +16,7 @@ import json
 import os
 import re
 
-from autogaudi.cache import ONE_OFFS
+from autogaudi.store.cache import ONE_OFFS
 
 VARIABLE = "PT_HPU_LAZY_MODE"
 MODES = ("lazy", "eager")

@@ -4,17 +4,17 @@ set the faster steady state, both figures in the report.
 
 Why: the bridge reads its mode once, when it loads; which mode is faster depends on the model, and
 no documented rule says which. Measuring it costs one run in the slower mode, once per script.
-How: the choice is :func:`autogaudi.before_bridge.choose_hpu_mode`'s (mechanisms in :mod:`.modes`);
+How: the choice is :func:`autogaudi.entry.before_bridge.choose_hpu_mode`'s (mechanisms in :mod:`.modes`);
 this unit reports it and, as the run ends, keeps its steady step time (steps after warm-up, between
-step boundaries: :attr:`autogaudi.steps.TrainingSteps.timed`) for this mode in autogaudi's cache.
+step boundaries: :attr:`autogaudi.watch.steps.TrainingSteps.timed`) for this mode in autogaudi's cache.
 """
 
 from __future__ import annotations
 
-from autogaudi import before_bridge
-from autogaudi.main_script import script_path
+from autogaudi.core.unit import ROUNDING, Unit
+from autogaudi.entry import before_bridge
+from autogaudi.entry.main_script import script_path
 from autogaudi.optimizations.hpu_mode import modes
-from autogaudi.unit import ROUNDING, Unit
 
 _MEASURED = ("first_run", "trying_other", "remembered_faster")
 

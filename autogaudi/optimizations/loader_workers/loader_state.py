@@ -48,7 +48,7 @@ class Timing:
 
 class LoaderState:
     """One loader the unit measures, held weakly, and what tuning it changed: a measurement the
-    runner reads (``deciding``, ``done``: :meth:`autogaudi.trials.TrialRunner.measuring`)."""
+    runner reads (``deciding``, ``done``: :meth:`autogaudi.measure.trials.TrialRunner.measuring`)."""
 
     def __init__(self, loader):
         self.loader = weakref.ref(loader)  # the script owns the loader; this must not keep it alive

@@ -20,13 +20,14 @@ import weakref
 import torch
 from torch.utils.data import IterableDataset
 
-from autogaudi import machine_load, steps, trials
-from autogaudi.events import Event
-from autogaudi.model_call import Layer, compiled_by_the_script
+from autogaudi.core.events import Event
+from autogaudi.core.unit import RANDOM, ROUNDING, Unit
+from autogaudi.measure import machine_load, trials
 from autogaudi.optimizations.loader_workers.loader_state import LoaderState, Phase, Timing
 from autogaudi.optimizations.loader_workers.thread_cut import ThreadCut, with_threads
-from autogaudi.steps import loader_arguments
-from autogaudi.unit import RANDOM, ROUNDING, Unit
+from autogaudi.watch import steps
+from autogaudi.watch.model_call import Layer, compiled_by_the_script
+from autogaudi.watch.steps import loader_arguments
 
 WARMUP_BATCHES = 2
 MEASURED_BATCHES = 16
@@ -58,7 +59,7 @@ def measured_enough(timing: Timing, phase: Phase) -> bool:
 
 def workers_faster(before: Timing, after: Timing, materiality: float, workers: int = 1) -> bool:
     """Whether the batches came faster with ``workers`` workers (their start-up included) than
-    in-process, by the runner's one rule (:func:`autogaudi.trials.decide`) on rounds of one batch per
+    in-process, by the runner's one rule (:func:`autogaudi.measure.trials.decide`) on rounds of one batch per
     worker: its margin on the medians, beyond the two windows' spread, and, since workers change the
     numbers (their random streams, the thread cut's rounding), by ``materiality`` of the in-process
     batch's period."""
@@ -396,7 +397,7 @@ class LoaderWorkers(Unit):
     def _measure_cut(self, state) -> None:
         """The thread cut's rounding, once, where it first applies: on the training model's next
         training call, its output with the cut thread count against the script's, both on a copy
-        from the same generator state (:func:`autogaudi.numerics.forward_difference`)."""
+        from the same generator state (:func:`autogaudi.measure.numerics.forward_difference`)."""
         if self._measuring is not None:  # measured once, where the cut first applies
             return
         model = self._model() if self._model is not None else None

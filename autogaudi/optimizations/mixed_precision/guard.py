@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from autogaudi import numerics
+from autogaudi.measure import numerics
 
 # How far the candidate may be from float32 on the same step: relative error of the outputs; loss
 # change to first order (sum of dL/dout * output change) relative to the loss; gradient norm ratio;

@@ -10,7 +10,7 @@ import functools
 
 import torch
 
-from autogaudi.events import Event
+from autogaudi.core.events import Event
 
 # fp16 loss scaling, torch.amp.GradScaler's defaults: the first scale, clean optimizer steps before it
 # doubles (it halves on an overflow); and when fp16 gives up: optimizer steps skipped in a row

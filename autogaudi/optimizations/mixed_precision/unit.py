@@ -16,7 +16,7 @@ so nothing happens unless the user asks, and what is asked is checked on the use
   to float32 from that step on.
 
 Mechanism (:func:`autocast_call`): the precision layer of the training model's call route
-(:mod:`autogaudi.model_call`, nothing of it travels with the model) runs the call under autocast and
+(:mod:`autogaudi.watch.model_call`, nothing of it travels with the model) runs the call under autocast and
 hands low-precision outputs back as float32, as accelerate's ``convert_outputs_to_fp32`` does: the
 user's loss and backward run as in the float32 script. The guard sees the training forwards through
 the route's observe layer. Parameters, optimizer state and checkpoints stay float32. fp16, whose
@@ -33,11 +33,11 @@ import time
 
 import torch
 
-from autogaudi import numerics
-from autogaudi.candidate import Candidate, DecidesCandidate
-from autogaudi.engines import fsdp2_managed
-from autogaudi.events import Event
-from autogaudi.model_call import Layer, compiled_by_the_script
+from autogaudi.core.candidate import Candidate, DecidesCandidate
+from autogaudi.core.events import Event
+from autogaudi.core.unit import PRECISION
+from autogaudi.measure import numerics
+from autogaudi.measure.trials import median
 from autogaudi.optimizations.mixed_precision.guard import (
     Guard,
     autocast_call,
@@ -45,8 +45,8 @@ from autogaudi.optimizations.mixed_precision.guard import (
 )
 from autogaudi.optimizations.mixed_precision.loss_scale import SKIPS_IN_A_ROW, LossScale
 from autogaudi.optimizations.step_profiler import FP32_MATRIX_SHARE
-from autogaudi.trials import median
-from autogaudi.unit import PRECISION
+from autogaudi.watch.engines import fsdp2_managed
+from autogaudi.watch.model_call import Layer, compiled_by_the_script
 
 GUARD_CHECKS = 3  # forward/backward pairs compared before a precision is used
 GUARD_PATIENCE = 30  # backward passes the guard waits for them; after that the precision is not used

@@ -8,7 +8,7 @@ loss exists yet. Equal outputs give the script's loss computed from them (its la
 same value; equal gradients for a random direction make equal Jacobians all but certain. Dropout is
 off in the copy (its masks are drawn per shape, so they differ whatever the model does); a model
 with normalisation layers that keep running statistics stays in training mode otherwise, so a batch
-statistic over padded positions shows. The primitives are :mod:`autogaudi.numerics`', those of the
+statistic over padded positions shows. The primitives are :mod:`autogaudi.measure.numerics`', those of the
 precision guard (:mod:`autogaudi.optimizations.mixed_precision.guard`).
 """
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from autogaudi import numerics
+from autogaudi.measure import numerics
 from autogaudi.optimizations.shape_buckets import padding
 
 # How far the padded call may be from the unpadded one (numerics.largest_relative_difference), by the

@@ -8,7 +8,7 @@ model, or forced) compile per shape on any backend. An eager CPU or CUDA run pay
 
 from __future__ import annotations
 
-from autogaudi.model_call import Layer, compiled_by_the_script, holder
+from autogaudi.watch.model_call import Layer, compiled_by_the_script, holder
 
 
 def compiled_for_shapes(model, options):

@@ -8,7 +8,7 @@ eager CPU or CUDA run pays nothing per shape, and nothing is padded.
 
 How: the shapes of the DataLoader batches are read from the first one (``signature``); once the
 step is profiled, the lengths seen choose the buckets (``buckets``: fewest padded positions for at
-most ``MAX_GRAPHS`` graphs), and the inputs layer of the model's call (:mod:`autogaudi.model_call`)
+most ``MAX_GRAPHS`` graphs), and the inputs layer of the model's call (:mod:`autogaudi.watch.model_call`)
 pads each call (``padding``: mask 0, labels the ignore index, ids the batch's own padding value) and
 cuts per-position outputs back, so the script's batch and what it gets back keep their shapes.
 Evaluation calls go into the same buckets. Nothing is padded before a shadow check (``check``) on a
@@ -26,12 +26,12 @@ import sys
 
 import torch
 
-from autogaudi.events import Event
-from autogaudi.model_call import Layer, holder, trains
+from autogaudi.core.events import Event
+from autogaudi.core.registry import PROFILER
+from autogaudi.core.status import Status
+from autogaudi.core.unit import RANDOM, ROUNDING, Unit
 from autogaudi.optimizations.shape_buckets import buckets, check, matter, padding, signature
-from autogaudi.registry import PROFILER
-from autogaudi.status import Status
-from autogaudi.unit import RANDOM, ROUNDING, Unit
+from autogaudi.watch.model_call import Layer, holder, trains
 
 MAX_GRAPHS = 8  # the most graphs the buckets may cost, one more batch size (a short last batch) included
 LENGTHS_KEPT = 256  # batches whose lengths are kept to choose buckets from

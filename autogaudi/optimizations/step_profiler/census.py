@@ -20,12 +20,12 @@ from collections import Counter
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from autogaudi import steps
-from autogaudi._paths import user_location
-from autogaudi.guard import guarded_call
+from autogaudi.core.guard import guarded_call
+from autogaudi.core.unit import Scope
+from autogaudi.entry.paths import user_location
+from autogaudi.measure.trials import median
 from autogaudi.optimizations.step_profiler.training_model import RootModules
-from autogaudi.trials import median
-from autogaudi.unit import Scope
+from autogaudi.watch import steps
 
 # Matrix products: what tensor cores and Gaudi's MME run in bf16 under autocast (forward and backward).
 MATRIX_OPS = frozenset(

@@ -12,8 +12,8 @@ busy machine's scheduling), and a unit that needs a host-bound step takes it as 
 
 from __future__ import annotations
 
+from autogaudi.measure.trials import median
 from autogaudi.optimizations.step_profiler.profile import StepFigures
-from autogaudi.trials import median
 
 PAIRS = 5
 # A majority of PAIRS: where that many pairs read alike (a single process's census), the rest are not taken.

@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from autogaudi import module_hooks
+from autogaudi.watch import module_hooks
 
 
 def input_shapes(args, kwargs) -> tuple:

@@ -20,18 +20,19 @@ from collections import Counter
 
 import torch
 
-from autogaudi import machine_load, steps
-from autogaudi._paths import short_location
-from autogaudi.events import Event
-from autogaudi.memory import origin
+from autogaudi.core.events import Event
+from autogaudi.core.unit import ROUNDING, Unit
+from autogaudi.entry.paths import short_location
+from autogaudi.entry.ranks import rank_zero_choice, several_ranks
+from autogaudi.measure import machine_load
+from autogaudi.measure.trials import median
 from autogaudi.optimizations.step_profiler import classification
 from autogaudi.optimizations.step_profiler.census import CensusStep
 from autogaudi.optimizations.step_profiler.profile import StepFigures, StepProfile
 from autogaudi.optimizations.step_profiler.training_model import RootModules, model_name, training_root
-from autogaudi.ranks import rank_zero_choice, several_ranks
-from autogaudi.run_length import remaining_steps
-from autogaudi.trials import median
-from autogaudi.unit import ROUNDING, Unit
+from autogaudi.store.decisions import origin
+from autogaudi.watch import steps
+from autogaudi.watch.run_length import remaining_steps
 
 # The most of a run the census's one-off (the backend's ``census_one_off_s``) may cost: it starts once
 # the run so far, with the steps a framework says are left, is long enough to carry it.

@@ -1,0 +1,1 @@
+"""The session, the unit contract, the registry, the guard, events, options and reason codes."""

@@ -1,0 +1,1 @@
+"""Measurements: trials, the step windows, numerics, one-off costs, step memory."""

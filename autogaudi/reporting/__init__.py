@@ -1,0 +1,1 @@
+"""The report: rows, text, the JSON file and the HTML page."""

@@ -1,0 +1,1 @@
+"""The cache folder and what is remembered in it between runs."""

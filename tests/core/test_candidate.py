@@ -1,0 +1,53 @@
+"""The candidate lifecycle (autogaudi/core/candidate.py), through channels_last on a clock the test moves:
+its states as the trial runs and decides, and a release that keeps nothing set up or referenced."""
+
+import torch
+from torch import nn
+
+import autogaudi
+from autogaudi.core.candidate import State
+from autogaudi.core.status import Status
+from autogaudi.entry import runtime
+from tests.optimizations.test_channels_last import cnn
+from tests.optimizations.test_step_profiler import STEPS
+
+
+def run(trial_clock, faster: bool):
+    autogaudi.enable(device="cpu", only="step_profiler,channels_last")
+    unit = runtime._STATE.session.unit("channels_last")
+    model = cnn()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    nhwc, states = [], []
+    model[0].register_forward_pre_hook(
+        lambda _m, args: nhwc.append(args[0].is_contiguous(memory_format=torch.channels_last))
+    )
+    for _ in range(STEPS + 40):
+        nn.functional.cross_entropy(model(torch.randn(4, 3, 8, 8)), torch.randint(0, 4, (4,))).backward()
+        trial_clock.advance(0.001 if nhwc[-1] == faster else 0.002)
+        optimizer.step()
+        optimizer.zero_grad()
+        states.append(unit.candidate.state)
+    return unit, model, states
+
+
+def test_a_candidate_goes_from_waiting_through_its_trial_to_on(trial_clock):
+    unit, model, states = run(trial_clock, faster=True)
+    assert states[0] is State.WAITING and State.TRIAL in states and states[-1] is State.ON
+    assert [s for i, s in enumerate(states) if i == 0 or s is not states[i - 1]] == [
+        State.WAITING,
+        State.TRIAL,
+        State.ON,
+    ]
+    assert unit.status() is Status.APPLIED and unit.candidate.model is model
+    autogaudi.disable()
+    assert unit.candidate.state is State.RELEASED and unit.candidate.model is None
+    assert model[0].weight.is_contiguous()
+
+
+def test_a_rejected_candidate_is_released_with_nothing_held(trial_clock):
+    unit, _model, states = run(trial_clock, faster=False)
+    candidate = unit.candidate
+    assert states[-1] is State.RELEASED and not candidate.on
+    assert candidate.scope is None and candidate.model is None and candidate.optimizer is None
+    assert unit.changes() == [] and unit.status() is Status.NOT_NEEDED
+    assert unit.reason.code == "rejected"

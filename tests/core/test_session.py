@@ -1,0 +1,71 @@
+"""The session's start order: registry order, each unit after the units it requires or names in
+``after``; and a unit whose required unit is not on is skipped, saying which."""
+
+import pytest
+
+import autogaudi
+from autogaudi.core import session
+from autogaudi.core.registry import UNIT_NAMES, UNITS
+
+
+class Declared:
+    def __init__(self, *requires, after=()):
+        self.requires = requires
+        self.after = after
+
+
+def test_a_unit_starts_after_what_it_requires_and_otherwise_in_registry_order():
+    units = {"graphs": Declared("profiler"), "marks": Declared(), "profiler": Declared("marks"), "off": None}
+    assert session.start_order(units) == ["marks", "profiler", "graphs", "off"]
+    with pytest.raises(ValueError, match="require each other"):
+        session.start_order({"a": Declared("b"), "b": Declared("a")})
+
+
+def test_a_unit_starts_after_the_units_it_names_without_requiring_them():
+    units = {"capture": Declared(after=("precision",)), "precision": Declared(), "layout": Declared(after=("gone",))}
+    assert session.start_order(units) == ["precision", "capture", "layout"]
+
+
+def test_every_declared_requirement_and_order_names_a_registered_unit():
+    import importlib
+
+    for info in UNITS:
+        module, name = info.module.split(":")
+        unit_class = getattr(importlib.import_module(module), name)
+        for needed in (*unit_class.requires, *unit_class.after):
+            assert needed in UNIT_NAMES, (info.name, needed)
+
+
+@pytest.mark.parametrize("unit", ["graph_capture", "channels_last"])
+def test_a_unit_whose_requirement_is_off_is_skipped_naming_it(unit):
+    autogaudi.enable(device="cpu", disable="step_profiler")
+    row = autogaudi.report().unit(unit)
+    assert (row["status"], row["reason_code"], row["reason_params"]) == (
+        "skipped",
+        "needs_unit",
+        {"units": "step_profiler"},
+    )
+
+
+def test_a_units_listener_added_once_profiled_runs_before_a_later_started_units():
+    """fp16's loss scaling listens after each backward only once the step is profiled; fast_ddp (opt-in),
+    started after it, listens from the start: the gradients are unscaled before they are averaged."""
+    import torch
+    from torch import nn
+
+    from autogaudi.core.events import Event
+    from autogaudi.entry import runtime
+    from tests.optimizations.test_step_profiler import STEPS
+
+    autogaudi.enable(device="cpu", only="step_profiler,mixed_precision,fast_ddp", precision="fp16", force="fast_ddp")
+    net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.01)
+    for _ in range(STEPS):
+        nn.functional.cross_entropy(net(torch.randn(8, 16)), torch.randint(0, 4, (8,))).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    live = runtime._STATE.session
+    assert live.unit("mixed_precision").candidate.scope is not None  # its loss scaling is set up
+    owners = [listener.owner.name for listener in live.events._listeners[Event.AFTER_BACKWARD]]
+    assert "mixed_precision" in owners and "fast_ddp" in owners
+    assert owners.index("mixed_precision") < owners.index("fast_ddp")
