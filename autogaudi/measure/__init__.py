@@ -1,1 +1,2 @@
-"""Measurements: trials, the step windows, numerics, one-off costs, step memory."""
+"""Measurements: the one runner (trials) with its step windows and rule, numerics on copies, one-off costs,
+step memory, the timeline."""
