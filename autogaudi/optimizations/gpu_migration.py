@@ -142,12 +142,14 @@ class GpuMigration(Unit):
         return [self.changed_figure[1].format(count if count is not None else "its")]
 
     def facts(self):
-        """For the report's first line: where the script asked the math to run and where it ran."""
+        """For the report's first line: where the script asked the math to run and where it ran: the
+        device, or the host where the script put its model there itself (mapped calls or not)."""
         if getattr(self, "_toolkit", None) is None:
             return None
+        on_device = getattr(self.session.placement, "on_device", None)
         return {
             "asked_for": "cuda",
-            "ran_on": self.backend.device_type,
+            "ran_on": self.backend.device_type if on_device is not False else "cpu",
             "through": "Intel's GPU migration",
             "switched_on_by": self._decided.get("switched_on_by"),
             "mapped_calls": self.mapped_calls(),

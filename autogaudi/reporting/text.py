@@ -13,9 +13,13 @@ def where_lines(backend: dict) -> list:
     if migration:
         count = migration.get("mapped_calls")
         mapped = f"{count} calls mapped" if count is not None else "calls mapped (not counted)"
+        where = (
+            f"it ran on {migration['ran_on']} through {migration['through']}"
+            if migration["ran_on"] == backend["name"]
+            else f"{migration['through']} was on, but the script put its model on {migration['ran_on']} itself"
+        )
         lines.append(
-            f"autogaudi: the script asked for {migration['asked_for']}; it ran on {migration['ran_on']} through "
-            f"{migration['through']}: {mapped}"
+            f"autogaudi: the script asked for {migration['asked_for']}; {where}: {mapped}"
             + (f"; not mapped: {', '.join(migration['not_mapped'])}" if migration.get("not_mapped") else "")
         )
     if placement and not placement.get("on_device"):

@@ -140,6 +140,15 @@ def test_disabled_migration_runs_the_script_as_written_and_the_device_units_step
 
 
 @pytest.mark.slow
+def test_a_script_naming_cuda_that_puts_its_model_on_the_host_is_not_said_to_run_on_hpu(tmp_path):
+    report, result = run(tmp_path, "cuda_train.py", STYLE="host")
+    assert report["backend"]["migration"]["ran_on"] == "cpu"
+    assert report["backend"]["placement"]["on_device"] is False
+    assert "model on cpu" in result.stdout
+    assert loss_of(result) == pytest.approx(plain_loss("cuda_train.py", STYLE="host"), rel=1e-4)
+
+
+@pytest.mark.slow
 def test_a_cpu_only_script_is_not_migrated_and_the_device_units_step_aside(tmp_path):
     report, result = run(tmp_path, "cpu_train.py")
     units = rows(report)

@@ -1,6 +1,7 @@
 """A script written for CUDA, as public ones are: STYLE=examples picks its device the pytorch/examples
 way (``"cuda" if torch.cuda.is_available() else "cpu"``), STYLE=dot calls ``.cuda()`` directly
-(guarded the same way, so it also runs where nothing maps it). IMPORT_BRIDGE_FIRST=1 loads the Gaudi
+(guarded the same way, so it also runs where nothing maps it), STYLE=host names CUDA but puts its model
+on the CPU (as a script whose ``--device`` defaults to cpu). IMPORT_BRIDGE_FIRST=1 loads the Gaudi
 bridge before torch, as a script of Gaudi's own would; ENABLE=first calls ``autogaudi.enable()``
 before anything else, ENABLE=after_torch after ``import torch``. Its model
 and helpers live in a local module (cuda_pkg/net.py), as scripts split them. Prints where the model's
@@ -31,8 +32,8 @@ seeded(0)
 data = TensorDataset(torch.randn(50, 4), torch.randn(50, 1))  # 50 % 8: a short last batch
 loader = DataLoader(data, batch_size=8, shuffle=False)
 model = Net()
-if STYLE == "examples":
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+if STYLE in ("examples", "host"):
+    device = torch.device("cuda" if torch.cuda.is_available() and STYLE == "examples" else "cpu")
     model = model.to(device)
 else:
     device = None
