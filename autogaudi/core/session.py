@@ -303,6 +303,7 @@ class Session:
         while self.applied:
             self._revert(self.applied.pop())
         self.steps.uninstall()
+        self.steps.timeline.close()
         self._scope.close()
         self.active = False
 

@@ -25,6 +25,7 @@ ENTERED = time.perf_counter()  # the package imports this module first: autogaud
 MAX_POINTS = 1000
 MAX_EVENTS = 200
 _START_UP: list = [0.0]  # seconds of autogaudi's start in this process
+_CLAIMED: list = [0.0]  # of those, what sessions that have ended counted as theirs
 
 
 def add_start_up(seconds: float) -> None:
@@ -54,6 +55,8 @@ class Timeline:
         # where no DataLoader feeds the loop; an evaluation before training is left out either way)
         self.first_step_from = "start"
         self._own_work: list = []  # callables: each watcher's seconds inside the user's calls so far
+        # this session's start: the process's not counted by an earlier session, until this one ends
+        self._start_up_from, self._start_up_until = _CLAIMED[0], None
 
     def count_own_work(self, seconds) -> None:
         """Count ``seconds()`` (a watcher's running total of its time inside the user's calls) as
@@ -96,6 +99,18 @@ class Timeline:
         self.mark(step, unit, event, **counts)
 
     @property
+    def start_up_s(self) -> float:
+        """autogaudi's start counted for this session: a session enabled again in the same process
+        counts its own start, not the first one's."""
+        until = self._start_up_until if self._start_up_until is not None else start_up_s()
+        return until - self._start_up_from
+
+    def close(self) -> None:
+        """The session ended: its start is fixed, and a later session's starts from here."""
+        if self._start_up_until is None:
+            self._start_up_until = _CLAIMED[0] = start_up_s()
+
+    @property
     def seconds(self) -> float:
         """The steps' seconds in all: the run's training time, one-offs included."""
         return sum(self._seconds)
@@ -107,6 +122,6 @@ class Timeline:
             "first_step_from": self.first_step_from,
             "events": list(self.events),
             "events_left_out": self.events_left_out,
-            "start_up_s": round(start_up_s(), 4),
+            "start_up_s": round(self.start_up_s, 4),
             "per_call_s": round(self.per_call_s, 4),
         }
