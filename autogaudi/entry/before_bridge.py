@@ -18,8 +18,6 @@ import os
 import sys
 
 from autogaudi.entry.main_script import script_path
-from autogaudi.entry.script_source import read_script
-from autogaudi.optimizations.hpu_mode import modes
 from autogaudi.store.cache import RECIPE_CACHE, Cache, compile_cache_environment, note
 
 BRIDGE = "habana_frameworks.torch"
@@ -61,6 +59,8 @@ def choose_hpu_mode(options, caches: dict):
     reads it; a variable autogaudi set goes in ``caches["set"]``, taken back off at the run's end."""
     if options.device not in ("auto", "hpu") or not bridge_installed():
         return {"code": "other_device"}
+    from autogaudi.optimizations.hpu_mode import modes  # where a bridge can load: not a CPU start's cost
+
     path = script_path()
     source = ""
     if path is not None:
@@ -126,6 +126,8 @@ def switch_on_migration(options) -> dict:
     path = script_path()
     if path is None:
         return {"switched_on_by": None, "why_not": "no_script"}
+    from autogaudi.entry.script_source import read_script  # where a bridge can load: not a CPU start's cost
+
     found = read_script(path)
     if not found["cuda"]:
         return {"switched_on_by": None, "why_not": "script_not_cuda", **found}

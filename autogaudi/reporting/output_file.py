@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import secrets
 import stat
 
 from autogaudi.core.errors import OptionsError
@@ -68,6 +67,8 @@ def write(path: str, text: str) -> None:
         return
     folder, name = os.path.split(os.path.abspath(path))
     descriptor = _open_folder(folder)
+    import secrets  # only where a report file is written: not every start's cost
+
     temporary = f"{WRITING}{secrets.token_hex(8)}"
     try:
         _entry(name, descriptor)
