@@ -1,0 +1,38 @@
+"""The suite's spread over xdist's workers (tests/suite_order.py): slow tests first, work stealing unless
+the command line names its own ``--dist``."""
+
+import types
+
+from tests import suite_order
+
+
+def item(name, slow=False):
+    return types.SimpleNamespace(name=name, get_closest_marker=lambda mark: object() if slow and mark == "slow" else None)
+
+
+def test_slow_tests_go_first_and_the_rest_keep_their_order():
+    items = [item("a"), item("b", slow=True), item("c"), item("d", slow=True)]
+    suite_order.pytest_collection_modifyitems(items)
+    assert [each.name for each in items] == ["b", "d", "a", "c"]
+
+
+def config(dist, *args):
+    return types.SimpleNamespace(option=types.SimpleNamespace(dist=dist), invocation_params=types.SimpleNamespace(args=args))
+
+
+def test_workers_steal_unless_the_command_line_chose_a_distribution(monkeypatch):
+    monkeypatch.delenv("PYTEST_ADDOPTS", raising=False)
+    for dist, args, expected in [
+        ("load", ("-n", "2"), "worksteal"),  # xdist's default for -n N
+        ("load", ("-n", "2", "--dist", "load"), "load"),
+        ("load", ("-n", "2", "--dist=load"), "load"),
+        ("no", ("-n", "0"), "no"),
+        ("loadscope", ("--dist", "loadscope"), "loadscope"),
+    ]:
+        chosen = config(dist, *args)
+        suite_order.pytest_configure(chosen)
+        assert chosen.option.dist == expected, args
+    monkeypatch.setenv("PYTEST_ADDOPTS", "--dist load")
+    chosen = config("load", "-n", "2")
+    suite_order.pytest_configure(chosen)
+    assert chosen.option.dist == "load"
