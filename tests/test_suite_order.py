@@ -7,7 +7,8 @@ from tests import suite_order
 
 
 def item(name, slow=False):
-    return types.SimpleNamespace(name=name, get_closest_marker=lambda mark: object() if slow and mark == "slow" else None)
+    marked = {"slow"} if slow else set()
+    return types.SimpleNamespace(name=name, get_closest_marker=lambda mark: object() if mark in marked else None)
 
 
 def test_slow_tests_go_first_and_the_rest_keep_their_order():
@@ -17,7 +18,8 @@ def test_slow_tests_go_first_and_the_rest_keep_their_order():
 
 
 def config(dist, *args):
-    return types.SimpleNamespace(option=types.SimpleNamespace(dist=dist), invocation_params=types.SimpleNamespace(args=args))
+    option, invocation = types.SimpleNamespace(dist=dist), types.SimpleNamespace(args=args)
+    return types.SimpleNamespace(option=option, invocation_params=invocation)
 
 
 def test_workers_steal_unless_the_command_line_chose_a_distribution(monkeypatch):
