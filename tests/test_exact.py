@@ -80,19 +80,25 @@ def test_under_exact_a_unit_is_on_only_where_it_leaves_every_number_plain(info, 
 RL_LOOP = SCRIPTS / "rl_loop.py"
 
 
-def test_a_seeded_rl_loop_under_exact_is_the_plain_run_bit_for_bit():
-    plain = numbers(run_python(RL_LOOP))
-    assert numbers(run_python("-m", "autogaudi", "--exact", "--quiet", RL_LOOP)) == plain
+@pytest.fixture(scope="module")
+def rl_loop_plain():
+    """The seeded RL loop's numbers in a plain run: one run, which every run under autogaudi below meets."""
+    return numbers(run_python(RL_LOOP))
+
+
+def test_a_seeded_rl_loop_under_exact_is_the_plain_run_bit_for_bit(rl_loop_plain):
+    assert numbers(run_python("-m", "autogaudi", "--exact", "--quiet", RL_LOOP)) == rl_loop_plain
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("options", [[], ["--disable", "fused_optimizer"]], ids=["defaults", "unfused"])
-def test_by_default_the_rl_loop_is_the_plain_run_unless_the_report_names_what_changed_its_numbers(tmp_path, options):
-    plain = numbers(run_python(RL_LOOP))
+def test_by_default_the_rl_loop_is_the_plain_run_unless_the_report_names_what_changed_its_numbers(
+    tmp_path, options, rl_loop_plain
+):
     result = run_python("-m", "autogaudi", *options, "--report", tmp_path / "report.json", RL_LOOP)
     rows = json.loads((tmp_path / "report.json").read_text())["numerics"]
     named = {row["unit"]: row["how"] for row in rows}
-    assert (numbers(result) == plain) == (not named), named
+    assert (numbers(result) == rl_loop_plain) == (not named), named
     # its fused Adam is timed on copies and not used: a fraction of a step of many forwards, no gain
     # worth the rounding (a run that kept it would name it here, and its numbers would differ)
     assert named == {}

@@ -6,15 +6,29 @@ import types
 from tests import suite_order
 
 
-def item(name, slow=False):
+def item(nodeid, slow=False):
     marked = {"slow"} if slow else set()
-    return types.SimpleNamespace(name=name, get_closest_marker=lambda mark: object() if mark in marked else None)
+    return types.SimpleNamespace(nodeid=nodeid, get_closest_marker=lambda mark: object() if mark in marked else None)
 
 
-def test_slow_tests_go_first_and_the_rest_keep_their_order():
-    items = [item("a"), item("b", slow=True), item("c"), item("d", slow=True)]
+def test_files_with_slow_tests_go_first_whole_with_their_slow_tests_first_and_the_rest_keep_their_order():
+    items = [
+        item("a.py::quick"),
+        item("b.py::quick"),
+        item("b.py::slow", slow=True),
+        item("c.py::quick"),
+        item("d.py::slow", slow=True),
+        item("d.py::quick"),
+    ]
     suite_order.pytest_collection_modifyitems(items)
-    assert [each.name for each in items] == ["b", "d", "a", "c"]
+    assert [each.nodeid for each in items] == [
+        "b.py::slow",
+        "b.py::quick",
+        "d.py::slow",
+        "d.py::quick",
+        "a.py::quick",
+        "c.py::quick",
+    ]
 
 
 def config(dist, *args):
