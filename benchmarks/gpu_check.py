@@ -56,8 +56,8 @@ ROUNDS = 3  # of the workloads; precision's nine variants get 2
 DRY_WORKLOAD_ARGS = {
     "w1_mlp": ["--steps", "20", "--warmup", "5"],
     "rl_policy": ["--steps", "6", "--warmup", "4", "--limit", "40"],
-    # W2's steps are its dry run's time (about a third of a second each on 2 cores, in each of 4 variants):
-    # 4 of them drive the harness as 20 do; the rate is then from steps before autogaudi settled, flagged so
+    # 4 of W2's steps drive the harness as 20 do, in each of its 4 variants (the rate is then from steps
+    # before autogaudi settled, flagged so)
     "w2": ["--batch", "1", "--warmup", "2", "--steps", "2"],
 }
 # A dry run's tests: a file with a test marked cuda, so that pytest and its JUnit counts run
