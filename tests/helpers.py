@@ -1,6 +1,7 @@
 """Helpers shared by the tests: paths and a subprocess runner with a clean environment."""
 
 import contextlib
+import functools
 import gc
 import os
 import subprocess
@@ -126,6 +127,14 @@ def run_python(*args, env=None, cwd=None, timeout=180):
         text=True,
         timeout=timeout,
     )
+
+
+@functools.cache
+def plain_run(script, **env) -> subprocess.CompletedProcess:
+    """``python script`` in a plain run's environment (``clean_env(**env)``), run once per test process
+    however many tests, in whichever files, compare with it: a seeded script that writes nothing but its
+    output runs plain the same for all of them. Not for scripts that write files or read the cache."""
+    return run_python(script, env=clean_env(**env))
 
 
 @contextlib.contextmanager

@@ -12,7 +12,7 @@ import types
 import pytest
 
 from autogaudi.core.registry import OPT_IN_UNITS, UNITS
-from tests.helpers import HPU_DOUBLE, SCRIPTS, SWITCHED_ON_BY, clean_env, run_python
+from tests.helpers import HPU_DOUBLE, SCRIPTS, SWITCHED_ON_BY, clean_env, plain_run, run_python
 
 SCRIPT = SCRIPTS / "seeded_train.py"
 # hpu: lazy (1.19), the bridge loaded by `import torch` all the same (PT_HPU_AUTOLOAD), the model moved to hpu
@@ -43,7 +43,7 @@ def runs(tmp_path_factory):
     def run(backend):
         if backend not in done:
             env = clean_env(**ENVIRONMENTS[backend])
-            plain = numbers(run_python(SCRIPT, env=env))
+            plain = numbers(plain_run(SCRIPT, **ENVIRONMENTS[backend]))
             report = tmp_path_factory.mktemp(backend) / "report.json"
             # not --memory-limit on hpu: the double's HPU tensors cannot go through the memory forecast's
             # fake tensors (autograd aborts: torch's CPU build has no hpu device guard), and no hpu-only unit needs it
@@ -81,18 +81,16 @@ RL_LOOP = SCRIPTS / "rl_loop.py"
 
 
 def test_a_seeded_rl_loop_under_exact_is_the_plain_run_bit_for_bit():
-    plain = numbers(run_python(RL_LOOP))
-    assert numbers(run_python("-m", "autogaudi", "--exact", "--quiet", RL_LOOP)) == plain
+    assert numbers(run_python("-m", "autogaudi", "--exact", "--quiet", RL_LOOP)) == numbers(plain_run(RL_LOOP))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("options", [[], ["--disable", "fused_optimizer"]], ids=["defaults", "unfused"])
 def test_by_default_the_rl_loop_is_the_plain_run_unless_the_report_names_what_changed_its_numbers(tmp_path, options):
-    plain = numbers(run_python(RL_LOOP))
     result = run_python("-m", "autogaudi", *options, "--report", tmp_path / "report.json", RL_LOOP)
     rows = json.loads((tmp_path / "report.json").read_text())["numerics"]
     named = {row["unit"]: row["how"] for row in rows}
-    assert (numbers(result) == plain) == (not named), named
+    assert (numbers(result) == numbers(plain_run(RL_LOOP))) == (not named), named
     # its fused Adam is timed on copies and not used: a fraction of a step of many forwards, no gain
     # worth the rounding (a run that kept it would name it here, and its numbers would differ)
     assert named == {}

@@ -5,6 +5,7 @@ trial rejects, a check matches the time its trial measured, on a loaded machine 
 
 import json
 import pathlib
+import shutil
 
 import pytest
 from torch import nn
@@ -36,6 +37,23 @@ def run(tmp_path, name, *options, steps=60):
     return json.loads(report.read_text()), result.stdout
 
 
+@pytest.fixture(scope="module")
+def channels_last_first_run(tmp_path_factory):
+    """The first run of ``--trial channels_last`` the tests below start from, run once for them all:
+    its report, its output and the cache it left."""
+    folder = tmp_path_factory.mktemp("first")
+    report, output = run(folder, "first", "--trial", "channels_last")
+    return report, output, folder / "cache"
+
+
+@pytest.fixture
+def after_first_run(tmp_path, channels_last_first_run):
+    """``tmp_path/cache`` as that first run left it (a copy of its own): the first run's report and output."""
+    report, output, cache = channels_last_first_run
+    shutil.copytree(cache, tmp_path / "cache", symlinks=True)
+    return report, output
+
+
 def unit(report, name):
     return next(row for row in report["units"] if row["name"] == name)
 
@@ -51,8 +69,8 @@ def rewrite_entry(tmp_path, change):
     path.write_text(json.dumps(entry))
 
 
-def test_a_second_run_follows_the_first_runs_profile_and_trial_without_measuring_them(tmp_path):
-    first, first_output = run(tmp_path, "first", "--trial", "channels_last")
+def test_a_second_run_follows_the_first_runs_profile_and_trial_without_measuring_them(tmp_path, after_first_run):
+    first, first_output = after_first_run
     second, second_output = run(tmp_path, "second", "--trial", "channels_last")
     assert [record.get("check") for record in first["trials"]] == [None]  # the A/B trial
     assert first["trials"][0]["decision"] == "rejected"  # no arm faster
@@ -71,8 +89,7 @@ def test_a_second_run_follows_the_first_runs_profile_and_trial_without_measuring
     assert json.loads(path.read_text())["runs"] == 2
 
 
-def test_a_remembered_kept_decision_is_applied_without_a_trial(tmp_path):
-    run(tmp_path, "first", "--trial", "channels_last")
+def test_a_remembered_kept_decision_is_applied_without_a_trial(tmp_path, after_first_run):
     rewrite_entry(tmp_path, lambda entry: entry["trials"]["channels_last"].update(decision="kept"))
     second, _ = run(tmp_path, "second", "--trial", "channels_last")
     row = unit(second, "channels_last")
@@ -83,10 +100,9 @@ def test_a_remembered_kept_decision_is_applied_without_a_trial(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_rejection_holds_whatever_this_runs_steps_take(tmp_path):
+def test_a_rejection_holds_whatever_this_runs_steps_take(tmp_path, after_first_run):
     """A warm cache starts no trial the first run rejected, even where the steps are far from those
     remembered (a busy machine): trying again would cost what the first trial cost, for nothing."""
-    run(tmp_path, "first", "--trial", "channels_last")
     rewrite_entry(tmp_path, lambda entry: entry["trials"]["channels_last"].update(ms_per_step_without=1e-4))
     second, _ = run(tmp_path, "second", "--trial", "channels_last")
     assert second["trials"] == []
@@ -94,8 +110,7 @@ def test_a_rejection_holds_whatever_this_runs_steps_take(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_kept_decision_clearly_contradicted_by_this_runs_steps_is_tried_again(tmp_path):
-    run(tmp_path, "first", "--trial", "channels_last")
+def test_a_kept_decision_clearly_contradicted_by_this_runs_steps_is_tried_again(tmp_path, after_first_run):
     rewrite_entry(
         tmp_path, lambda entry: entry["trials"]["channels_last"].update(decision="kept", ms_per_step_with=1e-4)
     )
@@ -109,8 +124,7 @@ def test_a_kept_decision_clearly_contradicted_by_this_runs_steps_is_tried_again(
 
 
 @pytest.mark.slow
-def test_an_entry_of_another_autogaudi_version_is_ignored_with_a_note(tmp_path):
-    run(tmp_path, "first", "--trial", "channels_last")
+def test_an_entry_of_another_autogaudi_version_is_ignored_with_a_note(tmp_path, after_first_run):
     rewrite_entry(tmp_path, lambda entry: entry["setup"].update(autogaudi="0.0.1"))
     second, _ = run(tmp_path, "second", "--trial", "channels_last")
     assert unit(second, "step_profiler")["reason_code"] != "remembered_profile"
@@ -118,8 +132,7 @@ def test_an_entry_of_another_autogaudi_version_is_ignored_with_a_note(tmp_path):
 
 
 @pytest.mark.slow
-def test_options_that_steer_decisions_are_part_of_the_key_and_the_others_are_not(tmp_path):
-    run(tmp_path, "first", "--trial", "channels_last")
+def test_options_that_steer_decisions_are_part_of_the_key_and_the_others_are_not(tmp_path, after_first_run):
     other, _ = run(tmp_path, "other", "--trial", "channels_last", "--warmup-steps", "4")
     assert unit(other, "step_profiler")["reason_code"] != "remembered_profile"
     assert len(list((tmp_path / "cache" / "decisions").iterdir())) == 2  # one set-up folder per option set
