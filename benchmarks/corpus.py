@@ -67,6 +67,12 @@ VARIANTS = {
     "hpu double latest": ["-m", "autogaudi"],
     # The second run keeps the first's mode: hpu_mode would try the other mode there, whose graphs are new.
     "hpu double latest again": ["-m", "autogaudi", "--disable", "hpu_mode"],
+    # Short runs end before graph_capture's trial would start: forced, the first run compiles its
+    # regions with hpu_backend and the second, in the first's cache folder, must find every recipe.
+    "hpu double latest capture forced": ["-m", "autogaudi", "--force", "graph_capture", "--no-trials"],
+    "hpu double latest capture forced again": [
+        *("-m", "autogaudi", "--force", "graph_capture", "--no-trials", "--disable", "hpu_mode")
+    ],
     "hpu double 1.19": ["-m", "autogaudi"],
     # On request only (--variants): mixed precision changes numerics by design.
     "precision bf16": ["-m", "autogaudi", "--precision", "bf16"],
@@ -90,10 +96,15 @@ TOLERANCE = {
 TOLERANCE.update((variant, 0.25) for variant in VARIANTS if variant.startswith("precision "))
 # The double's release per variant (HPU_DOUBLE_RELEASE). Its device is this machine's CPU: results are
 # held to the default's tolerance (the hpex kernels' formulas differ from torch's by rounding).
-HPU_DOUBLE_RELEASE = {"hpu double latest": "latest", "hpu double latest again": "latest", "hpu double 1.19": "1.19"}
+HPU_DOUBLE_RELEASE = {variant: "latest" for variant in VARIANTS if variant.startswith("hpu double latest")}
+HPU_DOUBLE_RELEASE["hpu double 1.19"] = "1.19"
 TOLERANCE.update(dict.fromkeys(HPU_DOUBLE_RELEASE, 0.05))
+TOLERANCE.update(dict.fromkeys(("hpu double latest capture forced", "hpu double latest capture forced again"), 0.25))
 # A second run and the variant whose cache folder it runs in (the first run's: it must compile nothing).
-AGAIN = {"hpu double latest again": "hpu double latest"}
+AGAIN = {
+    "hpu double latest again": "hpu double latest",
+    "hpu double latest capture forced again": "hpu double latest capture forced",
+}
 # Cases whose results and checkpoint values cannot be compared with another run's, and why.
 NOT_COMPARED = {
     "regression": "the script draws unseeded random data every step; its exit (converged) is compared",
@@ -670,9 +681,11 @@ def write(results: dict, out: Path) -> None:
 
 
 def default_name(variants: list) -> str:
-    """``corpus-<machine>.json``; on the double, ``corpus-hpu-double-<release>.json``."""
+    """``corpus-<machine>.json``; on the double, ``corpus-hpu-double-<release>-<machine>.json`` (the
+    double's device is that machine's CPU)."""
     releases = sorted({HPU_DOUBLE_RELEASE[variant] for variant in variants if variant in HPU_DOUBLE_RELEASE})
-    return f"corpus-hpu-double-{'-'.join(releases)}.json" if releases else f"corpus-{machine_name()}.json"
+    prefix = f"hpu-double-{'-'.join(releases)}-" if releases else ""
+    return f"corpus-{prefix}{machine_name()}.json"
 
 
 def main(argv=None) -> int:

@@ -91,12 +91,16 @@ def _faked_as_host(from_real_tensor):
     def from_real(converter, fake_mode, tensor, *args, **kwargs):
         if not _is_hpu_tensor(tensor):
             return from_real_tensor(converter, fake_mode, tensor, *args, **kwargs)
-        kind = type(tensor)
-        tensor.__class__ = torch.nn.Parameter if isinstance(tensor, torch.nn.Parameter) else torch.Tensor
+        with torch._C.DisableTorchFunction():  # what faking reads too: the gradient, a view's base
+            related = [tensor, tensor.grad if tensor.is_leaf else None, tensor._base]
+        kinds = {id(value): (value, type(value)) for value in related if _is_hpu_tensor(value)}
+        for value, kind in kinds.values():
+            value.__class__ = torch.nn.Parameter if isinstance(value, torch.nn.Parameter) else torch.Tensor
         try:
             return from_real_tensor(converter, fake_mode, tensor, *args, **kwargs)
         finally:
-            tensor.__class__ = kind
+            for value, kind in kinds.values():
+                value.__class__ = kind
 
     from_real.original = from_real_tensor  # what the double's refusal (``_device``) would wrap
     return from_real
