@@ -139,15 +139,18 @@ def test_the_eager_releases_second_run_must_compile_nothing():
         graphs = {"TotalNumber": compiled, "TotalTime": 0, "AvgTime": 0}
         return {"graph_compilation": graphs, "recipe_cache": {"TotalHit": hits, "TotalMiss": misses}}
 
-    again["double"]["metrics"] = metrics(0, 3, 0)
-    assert corpus.verdict(CASE, "hpu double latest again", run(), again)["verdict"] == "same"
-    again["double"]["metrics"] = metrics(2, 1, 2)
-    assert corpus.verdict(CASE, "hpu double latest again", run(), again)["verdict"] == "differs"
-    again["double"]["metrics"] = metrics(0, 0, 0)  # nothing compiled in either run: no cache at work
-    assert corpus.verdict(CASE, "hpu double latest again", run(), again)["verdict"] == "differs"
-    del again["double"]["metrics"]  # the bridge never loaded: nothing says what was compiled
-    assert corpus.verdict(CASE, "hpu double latest again", run(), again)["verdict"] == "differs"
-    assert corpus.default_name(["plain", "hpu double 1.19"]) == "corpus-hpu-double-1.19.json"
+    for variant in ("hpu double latest again", "hpu double latest capture forced again"):
+        again["double"]["metrics"] = metrics(0, 3, 0)
+        assert corpus.verdict(CASE, variant, run(), again)["verdict"] == "same"
+        again["double"]["metrics"] = metrics(2, 1, 2)
+        assert corpus.verdict(CASE, variant, run(), again)["verdict"] == "differs"
+        again["double"]["metrics"] = metrics(0, 0, 0)  # nothing compiled in either run: no cache at work
+        assert corpus.verdict(CASE, variant, run(), again)["verdict"] == "differs"
+        del again["double"]["metrics"]  # the bridge never loaded: nothing says what was compiled
+        assert corpus.verdict(CASE, variant, run(), again)["verdict"] == "differs"
+        assert corpus.clean_env({}, variant)["HPU_DOUBLE_RELEASE"] == "latest"
+    # the double's device is the machine's CPU: its results are named by both
+    assert corpus.default_name(["plain", "hpu double 1.19"]) == f"corpus-hpu-double-1.19-{corpus.machine_name()}.json"
 
 
 def run_corpus(tmp_path, *args, timeout):
