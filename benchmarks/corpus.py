@@ -74,6 +74,10 @@ VARIANTS = {
         *("-m", "autogaudi", "--force", "graph_capture", "--no-trials", "--disable", "hpu_mode")
     ],
     "hpu double 1.19": ["-m", "autogaudi"],
+    # hpu_mode's choice, run after "hpu double latest" on the same script path and cache: the second
+    # run tries the other mode (lazy), the third sets the faster of the two measured.
+    "hpu double latest other mode": ["-m", "autogaudi"],
+    "hpu double latest faster mode": ["-m", "autogaudi"],
     # On request only (--variants): mixed precision changes numerics by design.
     "precision bf16": ["-m", "autogaudi", "--precision", "bf16"],
     "precision auto": ["-m", "autogaudi", "--precision", "auto"],
@@ -104,6 +108,13 @@ TOLERANCE.update(dict.fromkeys(("hpu double latest capture forced", "hpu double 
 AGAIN = {
     "hpu double latest again": "hpu double latest",
     "hpu double latest capture forced again": "hpu double latest capture forced",
+}
+# Runs that continue an earlier variant's: its cache folder, and its copy of the corpus at the same
+# path (hpu_mode remembers step times per script path).
+LATER_RUN = {
+    **AGAIN,
+    "hpu double latest other mode": "hpu double latest",
+    "hpu double latest faster mode": "hpu double latest",
 }
 # Cases whose results and checkpoint values cannot be compared with another run's, and why.
 NOT_COMPARED = {
@@ -363,16 +374,18 @@ def run_setup(case: dict, folder: Path) -> None:
 def run_variant(case: dict, variant: str, scratch: Path, timeout: float) -> dict:
     root = scratch / case["name"] / variant.replace(" ", "-")
     shutil.rmtree(root, ignore_errors=True)  # a run again starts from a fresh copy
-    copy = root / "corpus"
+    # A fresh cache folder: the figures are a first run's, with nothing remembered or compiled; a
+    # later run's (LATER_RUN) is its first run's, as is the path of its (fresh) copy.
+    cache = scratch / case["name"] / LATER_RUN[variant].replace(" ", "-") if variant in LATER_RUN else root
+    copy = cache / "corpus"
+    shutil.rmtree(copy, ignore_errors=True)
+    root.mkdir(parents=True)
     shutil.copytree(case["corpus"], copy, ignore=shutil.ignore_patterns("__pycache__"))
     folder = copy / case["dir"]
     run_setup(case, folder)
     before = snapshot(copy)
     report_path = root / "autogaudi-report.json"
     extra = [*VARIANTS[variant], "--report", str(report_path)] if VARIANTS[variant] else []
-    # A fresh cache folder: the figures are a first run's, with nothing remembered or compiled; a
-    # second run's (AGAIN) is its first run's.
-    cache = scratch / case["name"] / AGAIN[variant].replace(" ", "-") if variant in AGAIN else root
     env = {**clean_env(case, variant), "AUTOGAUDI_CACHE_DIR": str(cache / "autogaudi-cache")}
     facts_path = root / "double-facts.json"
     if variant in HPU_DOUBLE_RELEASE:
@@ -532,6 +545,24 @@ def run_case(case: dict, variants: list, scratch: Path, log, timeout: float, rep
     return row
 
 
+def hpu_mode_choice(report: dict) -> list:
+    """hpu_mode's decision in this run (its reason code and mode) and the step times it has measured
+    so far (the double's: this machine's CPU times, not a Gaudi's)."""
+    unit = {unit["name"]: unit for unit in report.get("units", [])}.get("hpu_mode")
+    if not unit or unit["status"] == "skipped":
+        return []
+    figures = unit.get("figures", {})
+    measured = ", ".join(
+        f"{mode} {figures[f'{mode}_ms_per_step']} ms/step"
+        for mode in ("eager", "lazy")
+        if figures.get(f"{mode}_ms_per_step")
+    )
+    return [
+        f"hpu_mode: {unit['reason_code']}, {figures.get('mode')} mode"
+        + (f" (measured: {measured})" if measured else "")
+    ]
+
+
 def what_autogaudi_did(run: dict) -> str:
     """The units that changed something or measured, the trials, and what the double counted, in one cell."""
     report = run.get("report")
@@ -554,6 +585,7 @@ def what_autogaudi_did(run: dict) -> str:
             parts.append(f"{unit['name']}: {unit['reason']}"[:160])
         elif unit["status"] == "failed":
             parts.append(f"{unit['name']} FAILED: {unit['reason']}"[:200])
+    parts += hpu_mode_choice(report)
     placement = report.get("backend", {}).get("placement")
     if placement and "hpu" in report.get("backend", {}).get("name", ""):
         migration = report["backend"].get("migration")
@@ -720,7 +752,7 @@ def main(argv=None) -> int:
     variants = args.variants.split(",")
     if variants[0] != "plain" or set(variants) - set(VARIANTS):
         parser.error(f"--variants must start with plain and name only: {', '.join(VARIANTS)}")
-    for again, first in AGAIN.items():
+    for again, first in LATER_RUN.items():
         if again in variants and first not in variants[: variants.index(again)]:
             parser.error(f"--variants: {again!r} is the second run of {first!r}, which must come before it")
     where = args.where or ("gpu" if torch.cuda.is_available() else "cpu")
