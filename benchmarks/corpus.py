@@ -201,7 +201,7 @@ def _facts():
                             for name in ("graph_compilation", "recipe_cache")}
     optim = getattr(sys.modules.get("torch"), "optim", None)
     for held in gc.get_objects() if optim is not None else ():
-        if isinstance(held, optim.Optimizer):
+        if issubclass(type(held), optim.Optimizer):  # type(): a dead weak proxy raises on isinstance
             for group in held.param_groups:
                 for parameter in group["params"]:
                     kind = parameter.device.type
