@@ -94,7 +94,7 @@ def _faked_as_host(from_real_tensor):
         with torch._C.DisableTorchFunction():  # what faking reads too: the gradient, a view's base
             related = [tensor, tensor.grad if tensor.is_leaf else None, tensor._base]
         kinds = {id(value): (value, type(value)) for value in related if _is_hpu_tensor(value)}
-        for value, kind in kinds.values():
+        for value, _kind in kinds.values():
             value.__class__ = torch.nn.Parameter if isinstance(value, torch.nn.Parameter) else torch.Tensor
         try:
             return from_real_tensor(converter, fake_mode, tensor, *args, **kwargs)
