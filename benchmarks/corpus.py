@@ -18,9 +18,10 @@ torchrun and every rank runs under autogaudi):
   checkpoint values must equal plain's exactly;
 - on request (``--variants``): ``hpu double latest`` and ``hpu double 1.19``, the defaults with the HPU
   test double as the bridge (``tests/hpu_double``, not a Gaudi) modelling that release: a CUDA-written
-  case must train with every parameter on hpu (see :func:`off_the_double`); ``hpu double latest again``,
-  the eager release's second run of the case in the first's cache folder (the recipe cache's);
-  ``precision bf16``, ``fp16``, ``tf32`` and ``auto`` (``--precision``).
+  case must train with every parameter on hpu (see :func:`off_the_double`); ``hpu double latest again``
+  (and ``... capture forced again``), the eager release's second run of the case in the first's cache
+  folder (the recipe cache's); ``hpu double latest other mode`` and ``... faster mode``, hpu_mode's
+  later runs; ``precision bf16``, ``fp16``, ``tf32`` and ``auto`` (``--precision``).
 
 Per case and variant it records the exit code (must equal plain's), the result line (the manifest's
 regex, last match; its numbers compared with plain's, see :func:`compare_results`), the wall time
