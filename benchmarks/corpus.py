@@ -18,9 +18,10 @@ torchrun and every rank runs under autogaudi):
   checkpoint values must equal plain's exactly;
 - on request (``--variants``): ``hpu double latest`` and ``hpu double 1.19``, the defaults with the HPU
   test double as the bridge (``tests/hpu_double``, not a Gaudi) modelling that release: a CUDA-written
-  case must train with every parameter on hpu (see :func:`off_the_double`); ``hpu double latest again``,
-  the eager release's second run of the case in the first's cache folder (the recipe cache's);
-  ``precision bf16``, ``fp16``, ``tf32`` and ``auto`` (``--precision``).
+  case must train with every parameter on hpu (see :func:`off_the_double`); ``hpu double latest again``
+  (and ``... capture forced again``), the eager release's second run of the case in the first's cache
+  folder (the recipe cache's); ``hpu double latest other mode`` and ``... faster mode``, hpu_mode's
+  later runs; ``precision bf16``, ``fp16``, ``tf32`` and ``auto`` (``--precision``).
 
 Per case and variant it records the exit code (must equal plain's), the result line (the manifest's
 regex, last match; its numbers compared with plain's, see :func:`compare_results`), the wall time
@@ -67,7 +68,17 @@ VARIANTS = {
     "hpu double latest": ["-m", "autogaudi"],
     # The second run keeps the first's mode: hpu_mode would try the other mode there, whose graphs are new.
     "hpu double latest again": ["-m", "autogaudi", "--disable", "hpu_mode"],
+    # Short runs end before graph_capture's trial would start: forced, the first run compiles its
+    # regions with hpu_backend and the second, in the first's cache folder, must find every recipe.
+    "hpu double latest capture forced": ["-m", "autogaudi", "--force", "graph_capture", "--no-trials"],
+    "hpu double latest capture forced again": [
+        *("-m", "autogaudi", "--force", "graph_capture", "--no-trials", "--disable", "hpu_mode")
+    ],
     "hpu double 1.19": ["-m", "autogaudi"],
+    # hpu_mode's choice, run after "hpu double latest" on the same script path and cache: the second
+    # run tries the other mode (lazy), the third sets the faster of the two measured.
+    "hpu double latest other mode": ["-m", "autogaudi"],
+    "hpu double latest faster mode": ["-m", "autogaudi"],
     # On request only (--variants): mixed precision changes numerics by design.
     "precision bf16": ["-m", "autogaudi", "--precision", "bf16"],
     "precision auto": ["-m", "autogaudi", "--precision", "auto"],
@@ -90,10 +101,22 @@ TOLERANCE = {
 TOLERANCE.update((variant, 0.25) for variant in VARIANTS if variant.startswith("precision "))
 # The double's release per variant (HPU_DOUBLE_RELEASE). Its device is this machine's CPU: results are
 # held to the default's tolerance (the hpex kernels' formulas differ from torch's by rounding).
-HPU_DOUBLE_RELEASE = {"hpu double latest": "latest", "hpu double latest again": "latest", "hpu double 1.19": "1.19"}
+HPU_DOUBLE_RELEASE = {variant: "latest" for variant in VARIANTS if variant.startswith("hpu double latest")}
+HPU_DOUBLE_RELEASE["hpu double 1.19"] = "1.19"
 TOLERANCE.update(dict.fromkeys(HPU_DOUBLE_RELEASE, 0.05))
+TOLERANCE.update(dict.fromkeys(("hpu double latest capture forced", "hpu double latest capture forced again"), 0.25))
 # A second run and the variant whose cache folder it runs in (the first run's: it must compile nothing).
-AGAIN = {"hpu double latest again": "hpu double latest"}
+AGAIN = {
+    "hpu double latest again": "hpu double latest",
+    "hpu double latest capture forced again": "hpu double latest capture forced",
+}
+# Runs that continue an earlier variant's: its cache folder, and its copy of the corpus at the same
+# path (hpu_mode remembers step times per script path).
+LATER_RUN = {
+    **AGAIN,
+    "hpu double latest other mode": "hpu double latest",
+    "hpu double latest faster mode": "hpu double latest",
+}
 # Cases whose results and checkpoint values cannot be compared with another run's, and why.
 NOT_COMPARED = {
     "regression": "the script draws unseeded random data every step; its exit (converged) is compared",
@@ -179,7 +202,7 @@ def _facts():
                             for name in ("graph_compilation", "recipe_cache")}
     optim = getattr(sys.modules.get("torch"), "optim", None)
     for held in gc.get_objects() if optim is not None else ():
-        if isinstance(held, optim.Optimizer):
+        if issubclass(type(held), optim.Optimizer):  # type(): a dead weak proxy raises on isinstance
             for group in held.param_groups:
                 for parameter in group["params"]:
                     kind = parameter.device.type
@@ -352,16 +375,18 @@ def run_setup(case: dict, folder: Path) -> None:
 def run_variant(case: dict, variant: str, scratch: Path, timeout: float) -> dict:
     root = scratch / case["name"] / variant.replace(" ", "-")
     shutil.rmtree(root, ignore_errors=True)  # a run again starts from a fresh copy
-    copy = root / "corpus"
+    # A fresh cache folder: the figures are a first run's, with nothing remembered or compiled; a
+    # later run's (LATER_RUN) is its first run's, as is the path of its (fresh) copy.
+    cache = scratch / case["name"] / LATER_RUN[variant].replace(" ", "-") if variant in LATER_RUN else root
+    copy = cache / "corpus"
+    shutil.rmtree(copy, ignore_errors=True)
+    root.mkdir(parents=True)
     shutil.copytree(case["corpus"], copy, ignore=shutil.ignore_patterns("__pycache__"))
     folder = copy / case["dir"]
     run_setup(case, folder)
     before = snapshot(copy)
     report_path = root / "autogaudi-report.json"
     extra = [*VARIANTS[variant], "--report", str(report_path)] if VARIANTS[variant] else []
-    # A fresh cache folder: the figures are a first run's, with nothing remembered or compiled; a
-    # second run's (AGAIN) is its first run's.
-    cache = scratch / case["name"] / AGAIN[variant].replace(" ", "-") if variant in AGAIN else root
     env = {**clean_env(case, variant), "AUTOGAUDI_CACHE_DIR": str(cache / "autogaudi-cache")}
     facts_path = root / "double-facts.json"
     if variant in HPU_DOUBLE_RELEASE:
@@ -521,6 +546,24 @@ def run_case(case: dict, variants: list, scratch: Path, log, timeout: float, rep
     return row
 
 
+def hpu_mode_choice(report: dict) -> list:
+    """hpu_mode's decision in this run (its reason code and mode) and the step times it has measured
+    so far (the double's: this machine's CPU times, not a Gaudi's)."""
+    unit = {unit["name"]: unit for unit in report.get("units", [])}.get("hpu_mode")
+    if not unit or unit["status"] == "skipped":
+        return []
+    figures = unit.get("figures", {})
+    measured = ", ".join(
+        f"{mode} {figures[f'{mode}_ms_per_step']} ms/step"
+        for mode in ("eager", "lazy")
+        if figures.get(f"{mode}_ms_per_step")
+    )
+    return [
+        f"hpu_mode: {unit['reason_code']}, {figures.get('mode')} mode"
+        + (f" (measured: {measured})" if measured else "")
+    ]
+
+
 def what_autogaudi_did(run: dict) -> str:
     """The units that changed something or measured, the trials, and what the double counted, in one cell."""
     report = run.get("report")
@@ -543,6 +586,7 @@ def what_autogaudi_did(run: dict) -> str:
             parts.append(f"{unit['name']}: {unit['reason']}"[:160])
         elif unit["status"] == "failed":
             parts.append(f"{unit['name']} FAILED: {unit['reason']}"[:200])
+    parts += hpu_mode_choice(report)
     placement = report.get("backend", {}).get("placement")
     if placement and "hpu" in report.get("backend", {}).get("name", ""):
         migration = report["backend"].get("migration")
@@ -670,9 +714,11 @@ def write(results: dict, out: Path) -> None:
 
 
 def default_name(variants: list) -> str:
-    """``corpus-<machine>.json``; on the double, ``corpus-hpu-double-<release>.json``."""
+    """``corpus-<machine>.json``; on the double, ``corpus-hpu-double-<release>-<machine>.json`` (the
+    double's device is that machine's CPU)."""
     releases = sorted({HPU_DOUBLE_RELEASE[variant] for variant in variants if variant in HPU_DOUBLE_RELEASE})
-    return f"corpus-hpu-double-{'-'.join(releases)}.json" if releases else f"corpus-{machine_name()}.json"
+    prefix = f"hpu-double-{'-'.join(releases)}-" if releases else ""
+    return f"corpus-{prefix}{machine_name()}.json"
 
 
 def main(argv=None) -> int:
@@ -707,7 +753,7 @@ def main(argv=None) -> int:
     variants = args.variants.split(",")
     if variants[0] != "plain" or set(variants) - set(VARIANTS):
         parser.error(f"--variants must start with plain and name only: {', '.join(VARIANTS)}")
-    for again, first in AGAIN.items():
+    for again, first in LATER_RUN.items():
         if again in variants and first not in variants[: variants.index(again)]:
             parser.error(f"--variants: {again!r} is the second run of {first!r}, which must come before it")
     where = args.where or ("gpu" if torch.cuda.is_available() else "cpu")

@@ -139,15 +139,18 @@ def test_the_eager_releases_second_run_must_compile_nothing():
         graphs = {"TotalNumber": compiled, "TotalTime": 0, "AvgTime": 0}
         return {"graph_compilation": graphs, "recipe_cache": {"TotalHit": hits, "TotalMiss": misses}}
 
-    again["double"]["metrics"] = metrics(0, 3, 0)
-    assert corpus.verdict(CASE, "hpu double latest again", run(), again)["verdict"] == "same"
-    again["double"]["metrics"] = metrics(2, 1, 2)
-    assert corpus.verdict(CASE, "hpu double latest again", run(), again)["verdict"] == "differs"
-    again["double"]["metrics"] = metrics(0, 0, 0)  # nothing compiled in either run: no cache at work
-    assert corpus.verdict(CASE, "hpu double latest again", run(), again)["verdict"] == "differs"
-    del again["double"]["metrics"]  # the bridge never loaded: nothing says what was compiled
-    assert corpus.verdict(CASE, "hpu double latest again", run(), again)["verdict"] == "differs"
-    assert corpus.default_name(["plain", "hpu double 1.19"]) == "corpus-hpu-double-1.19.json"
+    for variant in ("hpu double latest again", "hpu double latest capture forced again"):
+        again["double"]["metrics"] = metrics(0, 3, 0)
+        assert corpus.verdict(CASE, variant, run(), again)["verdict"] == "same"
+        again["double"]["metrics"] = metrics(2, 1, 2)
+        assert corpus.verdict(CASE, variant, run(), again)["verdict"] == "differs"
+        again["double"]["metrics"] = metrics(0, 0, 0)  # nothing compiled in either run: no cache at work
+        assert corpus.verdict(CASE, variant, run(), again)["verdict"] == "differs"
+        del again["double"]["metrics"]  # the bridge never loaded: nothing says what was compiled
+        assert corpus.verdict(CASE, variant, run(), again)["verdict"] == "differs"
+        assert corpus.clean_env({}, variant)["HPU_DOUBLE_RELEASE"] == "latest"
+    # the double's device is the machine's CPU: its results are named by both
+    assert corpus.default_name(["plain", "hpu double 1.19"]) == f"corpus-hpu-double-1.19-{corpus.machine_name()}.json"
 
 
 def run_corpus(tmp_path, *args, timeout):
@@ -310,3 +313,29 @@ def test_a_cuda_written_case_trains_on_the_doubles_hpu_under_each_release_with_p
         assert mine["double"]["release"] == variant.split()[-1]
         held = mine["double"]["optimizer_parameters"]
         assert set(held) == {"hpu"} and held["hpu"] > 0, held
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not CPU_CASES, reason=NO_CORPUS)
+def test_the_eager_releases_second_run_of_a_case_on_hpu_finds_every_graph_in_the_recipe_cache(tmp_path, monkeypatch):
+    """minGPT's adder on the double's hpu (latest), its blocks compiled with hpu_backend (capture
+    forced: a short run ends before the trial), then again in the first run's cache folder: the
+    second process compiles nothing and hits the recipe cache, its loss the first's."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    corpus = load_corpus()
+    case = next(case for case in CPU_CASES if case["name"] == "mingpt-adder")
+    case = {
+        **case,
+        "command": [arg.replace("max_iters=40", "max_iters=11") for arg in case["command"]],
+        "result": r"iter 10: train loss [0-9.]+",
+    }
+    first, again = "hpu double latest capture forced", "hpu double latest capture forced again"
+    row = corpus.run_case(case, ["plain", first, again], tmp_path, corpus.log, 900)
+    compiled = row["runs"][first]["double"]["metrics"]
+    assert compiled["graph_compilation"]["TotalNumber"] > 0, row["runs"][first]["output_tail"][-2000:]
+    assert compiled["recipe_cache"]["TotalHit"] == 0
+    mine = row["runs"][again]
+    assert mine["double"]["metrics"]["graph_compilation"]["TotalNumber"] == 0
+    assert mine["double"]["metrics"]["recipe_cache"]["TotalHit"] > 0
+    assert mine["verdict"] in ("same", "slower"), (mine["why"], mine["output_tail"][-2000:])
+    assert mine["result"] == row["runs"][first]["result"]

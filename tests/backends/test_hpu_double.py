@@ -76,3 +76,55 @@ def test_import_torch_loads_the_bridge_as_each_release_does(release, env, loaded
     result = run_python("-c", code, env=clean_env(PYTHONPATH=str(HPU_DOUBLE), HPU_DOUBLE_RELEASE=release, **env))
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == [str(loaded)]
+
+
+def _compiles(calls):
+    return [kwargs["kind"] for name, kwargs in calls.CALLS if name == "hpu_backend_compile"]
+
+
+def test_a_model_on_hpu_compiles_with_hpu_backend_without_a_graph_break_and_computes_as_eager(hpu_double):
+    """Dynamo traces HPU tensors as the host tensors they hold: one graph each way, results and
+    gradients on hpu, the numbers eager's."""
+    calls = hpu_double(lazy=False, host_stands_for_device=False)
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    breaks = sum(counters["graph_break"].values())
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)).to("hpu")
+    inputs = torch.randn(3, 4, device="hpu")
+    output = torch.compile(model, backend="hpu_backend")(inputs)
+    output.sum().backward()
+    assert output.device.type == "hpu" and {p.grad.device.type for p in model.parameters()} == {"hpu"}
+    compiled_grads = [p.grad.cpu() for p in model.parameters()]
+    model.zero_grad()
+    eager = model(inputs)
+    eager.sum().backward()
+    torch.testing.assert_close(output.cpu(), eager.cpu(), rtol=0, atol=0)
+    assert all(torch.equal(a, p.grad.cpu()) for a, p in zip(compiled_grads, model.parameters()))
+    assert _compiles(calls) == ["forward", "backward"] and sum(counters["graph_break"].values()) == breaks
+    with pytest.raises(RuntimeError, match="same device"):  # eager code after the region is the double's again
+        output + torch.ones(3, 2)
+
+
+COMPILED_ON_HPU = """
+import torch
+from habana_frameworks.torch.hpu import metrics
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1)).to("hpu")
+loss = torch.compile(model, backend="hpu_backend")(torch.randn(5, 4, device="hpu")).sum()
+loss.backward()
+print(loss.device, dict(metrics.metric_global("graph_compilation").stats())["TotalNumber"],
+      dict(metrics.metric_global("recipe_cache").stats())["TotalHit"], round(loss.item(), 5))
+"""
+
+
+def test_a_second_process_compiling_a_model_on_hpu_finds_every_graph_in_the_recipe_cache(tmp_path):
+    env = clean_env(PYTHONPATH=str(HPU_DOUBLE), PT_HPU_RECIPE_CACHE_CONFIG=f"{tmp_path},false,100")
+    first, second = (run_python("-c", COMPILED_ON_HPU, env=env) for _ in range(2))
+    assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
+    (device, compiled, hits, loss), (device_again, compiled_again, hits_again, loss_again) = (
+        run.stdout.split() for run in (first, second)
+    )
+    assert (device, compiled, hits) == ("hpu:0", "2", "0")
+    assert (device_again, compiled_again, hits_again, loss_again) == ("hpu:0", "0", "2", loss)

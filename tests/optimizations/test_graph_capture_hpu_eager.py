@@ -160,20 +160,3 @@ def test_a_model_with_cpu_fallbacks_is_never_captured_even_forced(hpu_double):
     assert (row()["reason_code"], row()["reason_params"]) == ("cpu_fallback_ops", {"ops": "aten::nonzero"})
     assert "module_cacher" not in calls.names()
     torch.testing.assert_close(losses, plain, rtol=1e-5, atol=1e-6)
-
-
-def test_the_doubles_hpu_tensors_run_a_compiled_model_eagerly_with_a_graph_break(hpu_double):
-    """Dynamo cannot fake a tensor on hpu in the CPU build (the process would abort): the double says
-    so through torch's own exception, and the frame runs eagerly, compiling nothing."""
-    calls = hpu_double(lazy=False, host_stands_for_device=False)
-    from torch._dynamo.utils import counters
-
-    torch._dynamo.reset()
-    breaks = sum(counters["graph_break"].values())
-    model = nn.Linear(4, 2).to("hpu")
-    inputs = torch.randn(3, 4, device="hpu")
-    output = torch.compile(model, backend="hpu_backend")(inputs)
-    output.sum().backward()
-    assert output.device.type == "hpu" and model.weight.grad.device.type == "hpu"
-    torch.testing.assert_close(output.cpu(), nn.functional.linear(inputs.cpu(), model.weight.cpu(), model.bias.cpu()))
-    assert _compiles(calls) == [] and sum(counters["graph_break"].values()) > breaks

@@ -1,7 +1,9 @@
 """Test double of habana_frameworks.torch: importing it "loads the bridge": torch.hpu registered, and
 HPU tensors (the double's, :mod:`habana_frameworks.torch._device`) usable by ``device="hpu"``."""
 
+import importlib
 import os
+import sys
 
 import habana_frameworks
 
@@ -15,7 +17,6 @@ import torch  # noqa: E402
 _native_library_loaded = True
 
 from habana_frameworks.torch import (  # noqa: E402, F401
-    _compile,
     _device,
     _release,
     core,
@@ -32,7 +33,8 @@ if getattr(torch, "hpu", None) is not hpu:
         delattr(torch, "hpu")
     torch._register_device_module("hpu", hpu)
 _device.install()
-_compile.install()  # torch.compile's hpu_backend (found through its entry point)
+if "torch._dynamo" in sys.modules:  # dynamo may have looked for backends before the bridge loaded
+    importlib.import_module("habana_frameworks.torch._compile").register()
 
 # The bridge reads PT_HPU_GPU_MIGRATION when it loads and then loads Intel's GPU migration toolkit.
 if os.environ.get("PT_HPU_GPU_MIGRATION") == "1":

@@ -22,6 +22,7 @@ import hashlib
 import importlib
 
 import torch
+from torch._subclasses import fake_tensor
 from torch.overrides import TorchFunctionMode
 from torch.utils import _foreach_utils, _pytree
 
@@ -273,10 +274,28 @@ class _OnHpu(TorchFunctionMode):
 _MODE = []
 
 
+def _refused_to_dynamo(from_real_tensor):
+    """Until ``hpu_backend`` is loaded (``_compile``: dynamo then sees HPU tensors as host ones), a
+    compile meeting an HPU tensor is told it cannot be faked (torch's own exception): dynamo counts a
+    graph break and runs the frame eagerly, where faking a tensor on hpu would abort the CPU build."""
+
+    def from_real(converter, fake_mode, tensor, *args, **kwargs):
+        if type(tensor).__module__ == __name__:
+            raise fake_tensor.UnsupportedFakeTensorException("the HPU double's tensors are traced by hpu_backend only")
+        return from_real_tensor(converter, fake_mode, tensor, *args, **kwargs)
+
+    from_real.original = from_real_tensor
+    return from_real
+
+
 def install() -> None:
-    """Enter the mode for the rest of the thread's life (the bridge cannot be unloaded either), and
-    let torch's checks of a tensor's exact type (``_foreach_supported_types``: fused and foreach
-    optimizers) take the double's HPU tensors for the plain ones a Gaudi's are."""
+    """Enter the mode for the rest of the thread's life (the bridge cannot be unloaded either), keep
+    dynamo off HPU tensors until ``hpu_backend`` loads, and let torch's checks of a tensor's exact
+    type (``_foreach_supported_types``: fused and foreach optimizers) take the double's HPU tensors
+    for the plain ones a Gaudi's are."""
+    converter = fake_tensor.FakeTensorConverter
+    if not hasattr(converter.from_real_tensor, "original"):
+        converter.from_real_tensor = _refused_to_dynamo(converter.from_real_tensor)
     optimizer = importlib.import_module("torch.optim.optimizer")  # torch.optim does not keep the name
     for supported in (_foreach_utils._foreach_supported_types, optimizer._foreach_supported_types):
         supported.extend(kind for kind in (HpuTensor, HpuParameter) if kind not in supported)

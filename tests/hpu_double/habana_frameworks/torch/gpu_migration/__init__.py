@@ -1,7 +1,7 @@
 """Test double of Intel's GPU migration toolkit (``habana_frameworks.torch.gpu_migration``).
 
 What the docs (docs.habana.ai, GPU Migration Toolkit, read 2026-11-26) say it maps, modelled: torch.cuda
-calls onto torch.hpu (``is_available`` True, device count and name, ``synchronize``, seeds, memory
+calls onto torch.hpu (``is_available`` True, device count and name, ``synchronize``, seeds and RNG state, memory
 figures), and "cuda" device arguments onto hpu (``Tensor.to``, ``Module.to``, ``.cuda()``, factory
 functions' ``device=``), onto the double's HPU tensors (:mod:`habana_frameworks.torch._device`).
 Every mapped call is counted (:func:`mapped_calls`, the double's own: the real toolkit logs its
@@ -116,6 +116,9 @@ for _name, _target in {
     # the device's generator is the CPU's here (torch.manual_seed itself calls torch.cuda.manual_seed_all)
     "manual_seed": torch.default_generator.manual_seed,
     "manual_seed_all": torch.default_generator.manual_seed,
+    # dynamo saves and restores them around each frame it compiles where torch.cuda is available
+    "get_rng_state": hpu.get_rng_state,
+    "set_rng_state": hpu.set_rng_state,
     "memory_allocated": hpu.memory_allocated,
     "max_memory_allocated": hpu.max_memory_allocated,
 }.items():
