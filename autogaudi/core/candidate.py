@@ -181,7 +181,7 @@ class Candidate:
     def _because(self, moment: str) -> None:
         """The unit's code for ``moment``, filled in with the parameters its text names."""
         code = self.codes[moment]
-        template = self.unit.reasons.get(code) or CORE[code]
+        template = self.unit.spec.reasons.get(code) or CORE[code]
         self.unit.because(code, **{name: value for name, value in self.params().items() if "{" + name in template})
 
     def switch(self, on: bool) -> None:

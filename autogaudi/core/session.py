@@ -119,7 +119,7 @@ class Session:
             self._scope.wrap(torch.distributed, "destroy_process_group", self._before_destroy)
         self.active = True
         units = {info.name: self._load(info) for info in UNITS}
-        for place, name in enumerate(start_order(units)):
+        for place, name in enumerate(start_order({name: unit and unit.spec for name, unit in units.items()})):
             if units[name] is not None:
                 self.events.rank(units[name], place)  # its listeners, however late added, run in this order
                 self._start_unit(units[name])
@@ -147,7 +147,7 @@ class Session:
 
     def _start_unit(self, unit) -> None:
         row = self.rows[unit.name]
-        missing = [name for name in unit.requires if self.unit(name) not in self.applied]
+        missing = [name for name in unit.spec.requires if self.unit(name) not in self.applied]
         try:
             reason = Reason("needs_unit", units=", ".join(missing)) if missing else unit.skip_reason()
         except Exception as error:

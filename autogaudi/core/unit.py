@@ -13,6 +13,7 @@ user's own exceptions propagate unchanged.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import re
 import sys
@@ -137,6 +138,43 @@ def _dotted(owner, attribute: str) -> str:
     return ".".join(part for part in (prefix, name, attribute) if part)
 
 
+@dataclasses.dataclass(frozen=True)
+class UnitSpec:
+    """What a unit declares about itself, read by the session, the report and the generated contract
+    tests before the unit acts: one value, so a subclass states what differs (``Base.spec.but(...)``)."""
+
+    # the dotted ``owner.attribute`` paths the unit itself patches: each is wrapped while the unit is
+    # on where it applies and the very original object after revert (tests/test_contract.py)
+    targets: tuple = ()
+    # what it changes on the user's own objects or through the session's step watcher, in words
+    acts_on: tuple = ()
+    requires: tuple = ()  # units that must be in force for this one to apply; the session starts them first
+    # units that, where they are on, start (and so hear each event) before this one; not required
+    after: tuple = ()
+    min_torch: tuple = (2, 4)  # the oldest torch whose APIs the unit relies on
+    # (figure, text): the figure that counts what the unit changed in the run, and how the report's
+    # headline says it ("{}" is the count). Units that only measure leave it empty.
+    changed_figure: tuple = ()
+    # code -> text template of why the unit is where it is (autogaudi/core/reasons.py); the core's on top
+    reasons: dict = dataclasses.field(default_factory=dict)
+    # How the unit can change the run's numbers (keys of NUMERICS); () leaves them bitwise plain
+    # PyTorch's, which the generated test tests/test_exact.py checks. Only () units run under --exact.
+    numerics: tuple = ()
+    exact_when: str = ""  # where numerics is not (): when they still come out identical, in words
+    # The states the unit can be in, for the generated contract test (tests/test_contract_matrix.py):
+    # in force before it acts, in use once the run is profiled and decided, failed at run time, and
+    # after disable(). Units that decide through trials or checks add theirs.
+    states: tuple = ("watching", "in_use", "failed", "disabled")
+    # Whether the unit only makes sense where the training model is on the backend's device (step
+    # marks, device kernels, pinning for a copy): it steps aside where the work is on the host
+    # (:mod:`autogaudi.watch.placement`, reason ``model_not_on_device``).
+    acts_for_device: bool = False
+
+    def but(self, **changes) -> UnitSpec:
+        """This spec with ``changes``: a subclass's own declarations over its base's."""
+        return dataclasses.replace(self, **changes)
+
+
 class Unit:
     """Base class of an optimization unit; one subclass per module in ``autogaudi.optimizations``.
 
@@ -149,28 +187,7 @@ class Unit:
     each code the unit can give (:meth:`because`) to its text; the core's codes come on top.
     """
 
-    targets: tuple = ()
-    acts_on: tuple = ()
-    requires: tuple = ()  # units that must be in force for this one to apply; the session starts them first
-    # units that, where they are on, start (and so hear each event) before this one; not required
-    after: tuple = ()
-    min_torch: tuple = (2, 4)  # the oldest torch whose APIs the unit relies on
-    # (figure, text): the figure that counts what the unit changed in the run, and how the report's
-    # headline says it ("{}" is the count). Units that only measure leave it empty.
-    changed_figure: tuple = ()
-    reasons: dict = {}  # code -> text template of why the unit is where it is (autogaudi/core/reasons.py)
-    # How the unit can change the run's numbers (keys of NUMERICS); () leaves them bitwise plain
-    # PyTorch's, which the generated test tests/test_exact.py checks. Only () units run under --exact.
-    numerics: tuple = ()
-    exact_when = ""  # where numerics is not (): when they still come out identical, in words
-    # The states the unit can be in, for the generated contract test (tests/test_contract_matrix.py):
-    # in force before it acts, in use once the run is profiled and decided, failed at run time, and
-    # after disable(). Units that decide through trials or checks add theirs.
-    states: tuple = ("watching", "in_use", "failed", "disabled")
-    # Whether the unit only makes sense where the training model is on the backend's device (step
-    # marks, device kernels, pinning for a copy): it steps aside where the work is on the host
-    # (:mod:`autogaudi.watch.placement`, reason ``model_not_on_device``).
-    acts_for_device = False
+    spec = UnitSpec()
 
     def __init__(self, session, info):
         self.session = session
@@ -197,7 +214,7 @@ class Unit:
 
     def reason_for(self, code: str, **params) -> Reason:
         """The :class:`Reason` ``code`` names in this unit's table (or the core's), filled in."""
-        return Reason(code, self.reasons, **params)
+        return Reason(code, self.spec.reasons, **params)
 
     def because(self, code: str, **params) -> None:
         """Say why the unit is where it is now (the report reads it live)."""
@@ -210,15 +227,17 @@ class Unit:
             return self.reason_for(
                 "other_backend", backends="/".join(self.backends), backend=self.backend.name, why=why
             )
-        if torch_version() < self.min_torch:
-            return self.reason_for("old_torch", needed=".".join(map(str, self.min_torch)), version=torch.__version__)
+        if torch_version() < self.spec.min_torch:
+            return self.reason_for(
+                "old_torch", needed=".".join(map(str, self.spec.min_torch)), version=torch.__version__
+            )
         numerics = self.numerics_on(self.backend)
         if self.options.exact and numerics:
             return self.reason_for(
                 "not_exact",
                 flag=OPTIONS_BY_NAME["exact"].flag,
                 how=" and ".join(NUMERICS[effect] for effect in numerics),
-                when=f"; identical only where {self.exact_when}" if self.exact_when else "",
+                when=f"; identical only where {self.spec.exact_when}" if self.spec.exact_when else "",
             )
         return None
 
@@ -226,7 +245,7 @@ class Unit:
     def numerics_on(cls, backend) -> tuple:
         """``numerics`` on ``backend`` (a :class:`~autogaudi.backends.base.Backend`); a unit whose
         effect differs by backend says so here."""
-        return cls.numerics
+        return cls.spec.numerics
 
     def numerics_in_run(self) -> tuple:
         """How what this unit did in this run can have changed the numbers: its ``numerics`` where it
@@ -240,7 +259,7 @@ class Unit:
     def needs_work_on_device(self) -> bool:
         """Whether this unit steps aside where the training model is not on the backend's device
         (``acts_for_device``; a unit whose path differs by backend refines it)."""
-        return self.acts_for_device
+        return self.spec.acts_for_device
 
     def step_aside(self) -> None:
         """The work turned out to be on the host: undo, beyond :meth:`revert`, what the unit did to
@@ -248,7 +267,7 @@ class Unit:
 
     def changes(self) -> list:
         """What this unit changed in the run, for the report's headline; [] where nothing changed."""
-        figure, text = self.changed_figure or (None, "")
+        figure, text = self.spec.changed_figure or (None, "")
         count = self.figures.get(figure) if figure else None
         return [text.format(count)] if count else []
 
@@ -388,8 +407,9 @@ class ActsOnProfile(Unit):
     """Base of the units that act once the step is profiled (on the training model it finds) and
     switch on at once or through a trial (:mod:`autogaudi.core.candidate`)."""
 
-    requires = (PROFILER,)
-    states = ("watching", "in_use", "trial", "kept", "rejected", "failed", "disabled")
+    spec = UnitSpec(
+        requires=(PROFILER,), states=("watching", "in_use", "trial", "kept", "rejected", "failed", "disabled")
+    )
 
     def decision(self) -> Status:
         if self.session.trials.pending(self):

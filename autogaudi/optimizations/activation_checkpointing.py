@@ -39,7 +39,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from autogaudi.core.events import Event
-from autogaudi.core.unit import Unit
+from autogaudi.core.unit import Unit, UnitSpec
 from autogaudi.watch import forward_state, module_hooks, out_of_memory
 from autogaudi.watch.model_call import Layer, compiled_by_the_script, route_of, trains
 from autogaudi.watch.steps import clock
@@ -121,37 +121,41 @@ def _mb(size: int) -> str:
 
 
 class ActivationCheckpointing(Unit):
-    reasons = {
-        "no_budget": "no memory budget known: give --memory-limit GB (on the CPU), or run on an accelerator",
-        "waiting_for_forecast": "waiting for the measurement of the training model's first step",
-        "not_forecast": "the step could not be measured ({why}); nothing changed",
-        "fits": "the step's peak {peak} fits the budget {budget}",
-        "far_below": "the model's state and batch ({state}) are far below the device's budget {budget}: not measured",
-        "no_blocks": "the step's peak {peak} exceeds the budget {budget}, and {model} has no repeated blocks (a "
-        "ModuleList or Sequential of one class) that the step calls and that could be checkpointed",
-        "blocks_held": "the step's peak {peak} exceeds the budget {budget}; {held} holds a layer of {model}'s blocks",
-        "checkpointed": "{count} of {total} blocks of {container} checkpointed from step {step}: the forecast peak "
-        "{before} -> {after}, budget {budget}; their Python forward runs again in backward",
-        "still_over": "every block that could be checkpointed is, and the forecast peak {after} still exceeds the "
-        "budget {budget}",
-        "left_out": "{count} of {total} blocks of {container} not checkpointed: {why}",
-        "rescued": "the training forward ran out of memory at step {step}: memory freed, its random state and "
-        "{buffers} updated buffer(s) put back, {count} of {total} blocks of {container} checkpointed, the call run "
-        "again",
-        "out_of_memory_remembered": "{count} of {total} blocks of {container} checkpointed from the first step: an "
-        "earlier run (on {date}) ran out of memory {where} at step {step}",
-        "not_rescued": "out of memory {where} at step {step}: raised as plain PyTorch raises it",
-        "not_rescuable": "{model} is compiled by the script or distributed: a forward that runs out of memory is "
-        "not run again",
-        "next_run": "the next run with this script, model and inputs checkpoints {count} of {total} blocks of "
-        "{container} from its first step",
-        "next_run_no_cache": "with the cache on (--no-cache off), the next run would checkpoint {count} of {total} "
-        "blocks of {container} from its first step",
-        "next_run_no_blocks": "{model} has no repeated blocks to checkpoint: a smaller batch, gradient "
-        "accumulation or a smaller optimizer state would bring the step down",
-    }
-    changed_figure = ("blocks_checkpointed", "")
-    acts_on = ("<training model>'s repeated blocks: call route, recompute layer (torch.utils.checkpoint)",)
+    spec = UnitSpec(
+        reasons={
+            "no_budget": "no memory budget known: give --memory-limit GB (on the CPU), or run on an accelerator",
+            "waiting_for_forecast": "waiting for the measurement of the training model's first step",
+            "not_forecast": "the step could not be measured ({why}); nothing changed",
+            "fits": "the step's peak {peak} fits the budget {budget}",
+            "far_below": "the model's state and batch ({state}) are far below the device's budget {budget}: not "
+            "measured",
+            "no_blocks": "the step's peak {peak} exceeds the budget {budget}, and {model} has no repeated blocks (a "
+            "ModuleList or Sequential of one class) that the step calls and that could be checkpointed",
+            "blocks_held": "the step's peak {peak} exceeds the budget {budget}; {held} holds a layer of "
+            "{model}'s blocks",
+            "checkpointed": "{count} of {total} blocks of {container} checkpointed from step {step}: the forecast peak "
+            "{before} -> {after}, budget {budget}; their Python forward runs again in backward",
+            "still_over": "every block that could be checkpointed is, and the forecast peak {after} still exceeds the "
+            "budget {budget}",
+            "left_out": "{count} of {total} blocks of {container} not checkpointed: {why}",
+            "rescued": "the training forward ran out of memory at step {step}: memory freed, its random state and "
+            "{buffers} updated buffer(s) put back, {count} of {total} blocks of {container} checkpointed, the call run "
+            "again",
+            "out_of_memory_remembered": "{count} of {total} blocks of {container} checkpointed from the first step: an "
+            "earlier run (on {date}) ran out of memory {where} at step {step}",
+            "not_rescued": "out of memory {where} at step {step}: raised as plain PyTorch raises it",
+            "not_rescuable": "{model} is compiled by the script or distributed: a forward that runs out of memory is "
+            "not run again",
+            "next_run": "the next run with this script, model and inputs checkpoints {count} of {total} blocks of "
+            "{container} from its first step",
+            "next_run_no_cache": "with the cache on (--no-cache off), the next run would checkpoint {count} of {total} "
+            "blocks of {container} from its first step",
+            "next_run_no_blocks": "{model} has no repeated blocks to checkpoint: a smaller batch, gradient "
+            "accumulation or a smaller optimizer state would bring the step down",
+        },
+        changed_figure=("blocks_checkpointed", ""),
+        acts_on=("<training model>'s repeated blocks: call route, recompute layer (torch.utils.checkpoint)",),
+    )
 
     def apply(self) -> None:
         self._recompute_s = 0.0

@@ -64,20 +64,25 @@ def to_memory_format(model, optimizer, layout) -> None:
 
 
 class ChannelsLast(DecidesCandidate):
-    numerics = (ROUNDING,)  # NHWC kernels sum in another order; a rejected trial ran its steps in it
-    after = ("graph_capture",)  # decides first on a profile: a model it holds keeps its format
-    reasons = {
-        "no_conv2d": "no Conv2d in the training model",
-        "already_channels_last": "left as is: the script already put the model in channels_last",
-        "input_bound": "not tried: the step is input-bound ({why}); a trial would time the loader",
-        "captured": "stepped aside: {holder} captures this model, and its graphs fix the memory format",
-        "fsdp2": "left as is: FSDP2 shards this model's parameters and owns their layout",
-        "switched_on": "{model} in channels_last (without a trial)",
-        "trial_running": "trial running on {model}",
-        "measured_faster": "{model} in channels_last: measured faster",
-        "rejected": "rejected: {model} kept as is, not faster",
-    }
-    acts_on = ("<training model> parameters (memory format)", "<training model> call route, inputs layer (4-D inputs)")
+    spec = DecidesCandidate.spec.but(
+        numerics=(ROUNDING,),  # NHWC kernels sum in another order; a rejected trial ran its steps in it
+        after=("graph_capture",),  # decides first on a profile: a model it holds keeps its format
+        reasons={
+            "no_conv2d": "no Conv2d in the training model",
+            "already_channels_last": "left as is: the script already put the model in channels_last",
+            "input_bound": "not tried: the step is input-bound ({why}); a trial would time the loader",
+            "captured": "stepped aside: {holder} captures this model, and its graphs fix the memory format",
+            "fsdp2": "left as is: FSDP2 shards this model's parameters and owns their layout",
+            "switched_on": "{model} in channels_last (without a trial)",
+            "trial_running": "trial running on {model}",
+            "measured_faster": "{model} in channels_last: measured faster",
+            "rejected": "rejected: {model} kept as is, not faster",
+        },
+        acts_on=(
+            "<training model> parameters (memory format)",
+            "<training model> call route, inputs layer (4-D inputs)",
+        ),
+    )
 
     def apply(self) -> None:
         self.candidate = Candidate(self, self._set_up, lambda _on: None, self._params, kept=self._kept)

@@ -23,7 +23,7 @@ import inspect
 
 from torch.nn.parallel import DistributedDataParallel
 
-from autogaudi.core.unit import ROUNDING, Unit
+from autogaudi.core.unit import ROUNDING, Unit, UnitSpec
 
 MB = 1024**2
 
@@ -38,17 +38,19 @@ def hpu_bucket_megabytes(module) -> int:
 
 
 class DdpTuning(Unit):
-    reasons = {
-        "bucket_view": "gradient_as_bucket_view",
-        "bucket_view_and_size": "gradient_as_bucket_view, bucket size from the model",
-        "static_graph_advice": "find_unused_parameters=True: DDP searches the autograd graph for unused parameters "
-        "every step; if the same parameters are used in every step, static_graph=True skips that search. torch "
-        "accepts it only before the first step, before autogaudi could see the steps, so it is left to you",
-        "kept_own_settings": "kept the script's own {settings}",
-    }
-    changed_figure = ("ddp_models_tuned", "{} DistributedDataParallel model(s) tuned")
-    targets = ("torch.nn.parallel.DistributedDataParallel.__init__",)
-    exact_when = "there are two ranks"  # on HPU
+    spec = UnitSpec(
+        reasons={
+            "bucket_view": "gradient_as_bucket_view",
+            "bucket_view_and_size": "gradient_as_bucket_view, bucket size from the model",
+            "static_graph_advice": "find_unused_parameters=True: DDP searches the autograd graph for unused parameters "
+            "every step; if the same parameters are used in every step, static_graph=True skips that search. torch "
+            "accepts it only before the first step, before autogaudi could see the steps, so it is left to you",
+            "kept_own_settings": "kept the script's own {settings}",
+        },
+        changed_figure=("ddp_models_tuned", "{} DistributedDataParallel model(s) tuned"),
+        targets=("torch.nn.parallel.DistributedDataParallel.__init__",),
+        exact_when="there are two ranks",  # on HPU
+    )
 
     @classmethod
     def numerics_on(cls, backend) -> tuple:

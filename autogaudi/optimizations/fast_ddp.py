@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from autogaudi.core.events import Event
-from autogaudi.core.unit import ROUNDING, Unit
+from autogaudi.core.unit import ROUNDING, Unit, UnitSpec
 from autogaudi.measure import numerics
 
 
@@ -143,22 +143,24 @@ class FlatAllReduce:
 
 
 class FastDdp(Unit):
-    # One flat buffer: each gradient lands elsewhere in the all-reduce's chunks, so ranks' values can
-    # be summed in another order (measured at the first averaged step)
-    numerics = (ROUNDING,)
-    exact_when = "there are two ranks"
-    reasons = {
-        "flat_all_reduce": "one flattened all-reduce of the gradients after each synchronised backward",
-        "gradients_changed": "handed back to DDP's reducer: the set of parameters with gradients changed (ranks "
-        "per parameter {first} at first, then {then})",
-        "ddp_keeps_sync": "DDP kept its own gradient sync: {why}",
-        # note: the rounding against DDP's buckets was not measured (the report says "not measured")
-        "rounding_not_measured_memory": "rounding not measured: a copy of the gradients ({gb:.2f} GB) would take "
-        "more than {share:.0%} of the memory free on some rank",
-    }
-    changed_figure = ("models", "{} DDP model(s) averaging gradients in one flat all-reduce")
-    targets = ("torch.nn.parallel.DistributedDataParallel.forward",)
-    acts_on = ("after each backward pass (the session's step watcher)",)
+    spec = UnitSpec(
+        # One flat buffer: each gradient lands elsewhere in the all-reduce's chunks, so ranks' values can
+        # be summed in another order (measured at the first averaged step)
+        numerics=(ROUNDING,),
+        exact_when="there are two ranks",
+        reasons={
+            "flat_all_reduce": "one flattened all-reduce of the gradients after each synchronised backward",
+            "gradients_changed": "handed back to DDP's reducer: the set of parameters with gradients changed (ranks "
+            "per parameter {first} at first, then {then})",
+            "ddp_keeps_sync": "DDP kept its own gradient sync: {why}",
+            # note: the rounding against DDP's buckets was not measured (the report says "not measured")
+            "rounding_not_measured_memory": "rounding not measured: a copy of the gradients ({gb:.2f} GB) would take "
+            "more than {share:.0%} of the memory free on some rank",
+        },
+        changed_figure=("models", "{} DDP model(s) averaging gradients in one flat all-reduce"),
+        targets=("torch.nn.parallel.DistributedDataParallel.forward",),
+        acts_on=("after each backward pass (the session's step watcher)",),
+    )
 
     def apply(self) -> None:
         self._models = weakref.WeakKeyDictionary()  # DDP model -> FlatAllReduce, or None where DDP keeps it

@@ -25,7 +25,7 @@ import torch
 import torch.nn.utils
 import torch.nn.utils.clip_grad
 
-from autogaudi.core.unit import ROUNDING, Unit
+from autogaudi.core.unit import ROUNDING, Unit, UnitSpec
 from autogaudi.measure import numerics
 from autogaudi.watch.engines import holds_dtensors
 
@@ -45,11 +45,13 @@ def torch_total_norm(parameters) -> torch.Tensor:
 
 
 class FusedClipNormUnit(Unit):
-    numerics = (ROUNDING,)  # the norm summed in one fused op (measured at the first call)
-    reasons = {"hpex": "hpex FusedClipNorm"}
-    changed_figure = ("fused_calls", "{} clip_grad_norm_ calls through FusedClipNorm")
-    targets = ("torch.nn.utils.clip_grad_norm_", "torch.nn.utils.clip_grad.clip_grad_norm_")
-    acts_for_device = True
+    spec = UnitSpec(
+        numerics=(ROUNDING,),  # the norm summed in one fused op (measured at the first call)
+        reasons={"hpex": "hpex FusedClipNorm"},
+        changed_figure=("fused_calls", "{} clip_grad_norm_ calls through FusedClipNorm"),
+        targets=("torch.nn.utils.clip_grad_norm_", "torch.nn.utils.clip_grad.clip_grad_norm_"),
+        acts_for_device=True,
+    )
 
     def apply(self) -> None:
         original = torch.nn.utils.clip_grad.clip_grad_norm_

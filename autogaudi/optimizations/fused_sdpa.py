@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional
 
-from autogaudi.core.unit import RANDOM, ROUNDING, Unit
+from autogaudi.core.unit import RANDOM, ROUNDING, Unit, UnitSpec
 from autogaudi.measure import numerics
 
 _RECOMPUTE = {"auto": None, "on": True, "off": False}
@@ -57,19 +57,21 @@ def reference_bytes(call: dict) -> int:
 
 
 class FusedSdpa(Unit):
-    # Another attention kernel (measured without dropout); with dropout_p, masks of FusedSDPA's own
-    numerics = (ROUNDING, RANDOM)
-    reasons = {
-        "hpex": "hpex FusedSDPA, recompute {recompute}",
-        # notes: why the kernel's rounding is not measured (yet)
-        "dropout_not_compared": "calls with dropout not compared with torch's op: FusedSDPA draws its own masks, "
-        "torch's op would draw from the script's generator; measured at the first call without dropout",
-        "rounding_not_measured_memory": "rounding not measured: torch's op on the same inputs would take "
-        "{gb:.2f} GB, more than {share:.0%} of the memory free",
-    }
-    changed_figure = ("fused_calls", "{} attention calls through FusedSDPA")
-    targets = ("torch.nn.functional.scaled_dot_product_attention",)
-    acts_for_device = True
+    spec = UnitSpec(
+        # Another attention kernel (measured without dropout); with dropout_p, masks of FusedSDPA's own
+        numerics=(ROUNDING, RANDOM),
+        reasons={
+            "hpex": "hpex FusedSDPA, recompute {recompute}",
+            # notes: why the kernel's rounding is not measured (yet)
+            "dropout_not_compared": "calls with dropout not compared with torch's op: FusedSDPA draws its own masks, "
+            "torch's op would draw from the script's generator; measured at the first call without dropout",
+            "rounding_not_measured_memory": "rounding not measured: torch's op on the same inputs would take "
+            "{gb:.2f} GB, more than {share:.0%} of the memory free",
+        },
+        changed_figure=("fused_calls", "{} attention calls through FusedSDPA"),
+        targets=("torch.nn.functional.scaled_dot_product_attention",),
+        acts_for_device=True,
+    )
 
     def apply(self) -> None:
         self._fused = self.backend.fused_sdpa()

@@ -31,7 +31,7 @@ import sys
 
 import torch
 
-from autogaudi.core.unit import ROUNDING, Unit
+from autogaudi.core.unit import ROUNDING, Unit, UnitSpec
 from autogaudi.entry.before_bridge import MIGRATION_TOOLKIT, MIGRATION_VARIABLE
 from autogaudi.entry.main_script import script_path
 from autogaudi.entry.script_source import NOT_MAPPED
@@ -65,32 +65,36 @@ def _asked_by_the_script() -> bool:
 
 
 class GpuMigration(Unit):
-    # The math runs on the device instead of the host: other kernels, other rounding
-    numerics = (ROUNDING,)
-    exact_when = "never: the device's kernels round otherwise than the host's"
-    reasons = {
-        "mapped": "the script asked for cuda; it ran on hpu through Intel's GPU migration ({by})",
-        "other_device": "--device names another backend",
-        "exact": "off under --exact: the script runs where it asked",
-        "no_bridge": "the Gaudi bridge is not installed",
-        "bridge_loaded_first": "the Gaudi bridge was loaded (by `import torch` since torch 2.5) before autogaudi "
-        "started: the toolkit can only be switched on before it (PT_HPU_GPU_MIGRATION=1)",
-        "no_script": "no script file to read (python -c, an interactive session)",
-        "script_not_cuda": "the script and its own modules do not use CUDA",
-        "failed_before_bridge": "could not read the script before the bridge loaded: {error}",
-        # notes and recommendations
-        "not_mapped": "{library} ({what}, imported at {where}) is CUDA-bound and not mapped by the toolkit",
-        "mapping_stays": "the toolkit's mapping stays in this process after disable(): the bridge cannot unload it",
-        "cuda_asked_at_run_time": "the script asked torch.cuda.is_available() at run time without the toolkit on: "
-        "its CUDA code ran on the CPU",
-        "set_variable": "set PT_HPU_GPU_MIGRATION=1 before the script starts, so Intel's toolkit maps its CUDA calls",
-        "enable_before_torch": "start autogaudi before torch loads the Gaudi bridge: `python -m autogaudi script.py`, "
-        "AUTOGAUDI=1, or autogaudi.enable() above the script's `import torch`",
-    }
-    changed_figure = ("mapped_calls", "{} CUDA calls mapped to hpu by Intel's GPU migration")
-    targets = ("torch.cuda.is_available",)
-    acts_on = ("PT_HPU_GPU_MIGRATION, set as the script starts importing torch or the Gaudi bridge (before_bridge)",)
-    states = ("watching", "failed", "disabled")
+    spec = UnitSpec(
+        # The math runs on the device instead of the host: other kernels, other rounding
+        numerics=(ROUNDING,),
+        exact_when="never: the device's kernels round otherwise than the host's",
+        reasons={
+            "mapped": "the script asked for cuda; it ran on hpu through Intel's GPU migration ({by})",
+            "other_device": "--device names another backend",
+            "exact": "off under --exact: the script runs where it asked",
+            "no_bridge": "the Gaudi bridge is not installed",
+            "bridge_loaded_first": "the Gaudi bridge was loaded (by `import torch` since torch 2.5) before autogaudi "
+            "started: the toolkit can only be switched on before it (PT_HPU_GPU_MIGRATION=1)",
+            "no_script": "no script file to read (python -c, an interactive session)",
+            "script_not_cuda": "the script and its own modules do not use CUDA",
+            "failed_before_bridge": "could not read the script before the bridge loaded: {error}",
+            # notes and recommendations
+            "not_mapped": "{library} ({what}, imported at {where}) is CUDA-bound and not mapped by the toolkit",
+            "mapping_stays": "the toolkit's mapping stays in this process after disable(): the bridge cannot unload it",
+            "cuda_asked_at_run_time": "the script asked torch.cuda.is_available() at run time without the toolkit on: "
+            "its CUDA code ran on the CPU",
+            "set_variable": "set PT_HPU_GPU_MIGRATION=1 before the script starts, so Intel's toolkit maps its "
+            "CUDA calls",
+            "enable_before_torch": "start autogaudi before torch loads the Gaudi bridge: `python -m autogaudi "
+            "script.py`, "
+            "AUTOGAUDI=1, or autogaudi.enable() above the script's `import torch`",
+        },
+        changed_figure=("mapped_calls", "{} CUDA calls mapped to hpu by Intel's GPU migration"),
+        targets=("torch.cuda.is_available",),
+        acts_on=("PT_HPU_GPU_MIGRATION, set as the script starts importing torch or the Gaudi bridge (before_bridge)",),
+        states=("watching", "failed", "disabled"),
+    )
 
     def apply(self) -> None:
         decided = self.session.migration or {"switched_on_by": None, "why_not": "no_script"}
@@ -139,7 +143,7 @@ class GpuMigration(Unit):
         if self._toolkit is None:
             return []
         count = self.figures["mapped_calls"]
-        return [self.changed_figure[1].format(count if count is not None else "its")]
+        return [self.spec.changed_figure[1].format(count if count is not None else "its")]
 
     def facts(self):
         """For the report's first line: where the script asked the math to run and where it ran: the

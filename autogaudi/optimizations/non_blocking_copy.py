@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from autogaudi.core.unit import Unit
+from autogaudi.core.unit import Unit, UnitSpec
 
 
 def target_device_type(args, kwargs):
@@ -36,11 +36,13 @@ def wants_non_blocking(tensor, args, kwargs, accelerator: str) -> bool:
 
 
 class NonBlockingCopy(Unit):
-    reasons = {"pinned_to_device": "pinned host tensors to {device}"}
-    changed_figure = ("non_blocking_copies", "{} host-to-device copies made non-blocking")
-    targets = ("torch.Tensor.to",)
-    acts_on = ("CUDA: torch.Tensor.cuda",)
-    acts_for_device = True
+    spec = UnitSpec(
+        reasons={"pinned_to_device": "pinned host tensors to {device}"},
+        changed_figure=("non_blocking_copies", "{} host-to-device copies made non-blocking"),
+        targets=("torch.Tensor.to",),
+        acts_on=("CUDA: torch.Tensor.cuda",),
+        acts_for_device=True,
+    )
 
     def apply(self) -> None:
         self.figures["non_blocking_copies"] = 0

@@ -24,7 +24,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from autogaudi.core.events import Event
-from autogaudi.core.unit import Unit
+from autogaudi.core.unit import Unit, UnitSpec
 from autogaudi.watch.steps import loader_arguments
 
 
@@ -54,14 +54,16 @@ def pinning_arguments(device_type: str):
 
 
 class PinMemory(Unit):
-    reasons = {
-        "pinned": "pinned for {device}",
-        "pins_nothing_here": "this torch's DataLoader pins for no {device} device here (no accelerator it can "
-        "pin for): loaders are set to pin as on the device, and torch warns that it cannot",
-    }
-    changed_figure = ("loaders_pinned", "{} DataLoader(s) pinning memory")
-    acts_on = ("DataLoader construction (the session's step watcher)",)
-    acts_for_device = True
+    spec = UnitSpec(
+        reasons={
+            "pinned": "pinned for {device}",
+            "pins_nothing_here": "this torch's DataLoader pins for no {device} device here (no accelerator it can "
+            "pin for): loaders are set to pin as on the device, and torch warns that it cannot",
+        },
+        changed_figure=("loaders_pinned", "{} DataLoader(s) pinning memory"),
+        acts_on=("DataLoader construction (the session's step watcher)",),
+        acts_for_device=True,
+    )
 
     def apply(self) -> None:
         self.figures["loaders_pinned"] = 0

@@ -24,7 +24,7 @@ from __future__ import annotations
 from torch.utils.data import IterableDataset, RandomSampler, Sampler, SequentialSampler
 
 from autogaudi.core.events import Event
-from autogaudi.core.unit import DATA, Unit
+from autogaudi.core.unit import DATA, Unit, UnitSpec
 from autogaudi.optimizations.shape_buckets.matter import compiled_for_shapes
 from autogaudi.watch.steps import loader_arguments
 
@@ -65,19 +65,22 @@ class PaddedSampler(Sampler):
 
 
 class StaticLastBatch(Unit):
-    numerics = (DATA,)
-    reasons = {
-        "policy": "policy {policy}",
-        "waiting": "a short last batch is kept whole once graph capture or torch.compile takes the training model",
-        "eager": "nothing padded: shapes cost nothing on this eager {backend} run (no graph capture or torch.compile)",
-        "hpu_eager": "HPU eager mode compiles nothing per shape unless graph capture or torch.compile is on",
-        "own_sampler": "a loader with its own {sampler} is not padded (its sampler stays the script's)",
-        "repeats_samples": "each epoch's last batch repeats samples from the epoch's start "
-        "(--last-batch drop: drop it)",
-    }
-    changed_figure = ("loaders_padded", "{} DataLoader(s) padded to whole batches")
-    acts_on = ("DataLoader construction (the session's step watcher)",)
-    acts_for_device = True
+    spec = UnitSpec(
+        numerics=(DATA,),
+        reasons={
+            "policy": "policy {policy}",
+            "waiting": "a short last batch is kept whole once graph capture or torch.compile takes the training model",
+            "eager": "nothing padded: shapes cost nothing on this eager {backend} run (no graph capture or "
+            "torch.compile)",
+            "hpu_eager": "HPU eager mode compiles nothing per shape unless graph capture or torch.compile is on",
+            "own_sampler": "a loader with its own {sampler} is not padded (its sampler stays the script's)",
+            "repeats_samples": "each epoch's last batch repeats samples from the epoch's start "
+            "(--last-batch drop: drop it)",
+        },
+        changed_figure=("loaders_padded", "{} DataLoader(s) padded to whole batches"),
+        acts_on=("DataLoader construction (the session's step watcher)",),
+        acts_for_device=True,
+    )
 
     def apply(self) -> None:
         self.figures.update(loaders_padded=0, samples_added_per_epoch=0)

@@ -18,18 +18,19 @@ from __future__ import annotations
 import torch
 
 from autogaudi.core.events import Event
-from autogaudi.core.unit import ROUNDING, Unit
+from autogaudi.core.unit import ROUNDING, Unit, UnitSpec
 
 
 class LazyModeUnit(Unit):
-    # The bridge compiles what lies between two marks as one graph and fuses within it (by reading)
-    numerics = (ROUNDING,)
-    exact_when = "the script marks the same steps itself"
     """A unit that only makes sense where ops queue until ``mark_step()``: HPU lazy mode."""
 
-    reasons = {"hpu_eager": "HPU eager mode (PT_HPU_LAZY_MODE=0) runs ops as issued; there is nothing to mark"}
-
-    acts_for_device = True
+    spec = UnitSpec(
+        # The bridge compiles what lies between two marks as one graph and fuses within it (by reading)
+        numerics=(ROUNDING,),
+        exact_when="the script marks the same steps itself",
+        reasons={"hpu_eager": "HPU eager mode (PT_HPU_LAZY_MODE=0) runs ops as issued; there is nothing to mark"},
+        acts_for_device=True,
+    )
 
     def skip_reason(self):
         reason = super().skip_reason()
@@ -43,9 +44,11 @@ class LazyModeUnit(Unit):
 
 
 class StepMarks(LazyModeUnit):
-    reasons = {**LazyModeUnit.reasons, "lazy_mode": "lazy mode"}
-    changed_figure = ("mark_steps", "{} mark_step calls after backward and optimizer steps")
-    acts_on = ("after each backward pass and optimizer step, before each batch (the session's step watcher)",)
+    spec = LazyModeUnit.spec.but(
+        reasons={**LazyModeUnit.spec.reasons, "lazy_mode": "lazy mode"},
+        changed_figure=("mark_steps", "{} mark_step calls after backward and optimizer steps"),
+        acts_on=("after each backward pass and optimizer step, before each batch (the session's step watcher)",),
+    )
 
     def apply(self) -> None:
         self.figures.update(mark_steps=0, eval_marks=0)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from autogaudi.core.events import Event
-from autogaudi.core.unit import Unit, warn
+from autogaudi.core.unit import Unit, UnitSpec, warn
 from autogaudi.entry.ranks import is_rank_zero
 
 
@@ -29,11 +29,13 @@ def leading_dimension(batch):
 
 
 class ThroughputMeter(Unit):
-    reasons = {
-        "progress": "progress every {every} steps",
-        "final_only": "final figures only (--log-every N for progress)",
-    }
-    acts_on = ("training steps and batch fetches (the session's step watcher)",)
+    spec = UnitSpec(
+        reasons={
+            "progress": "progress every {every} steps",
+            "final_only": "final figures only (--log-every N for progress)",
+        },
+        acts_on=("training steps and batch fetches (the session's step watcher)",),
+    )
 
     def apply(self) -> None:
         self._timed_samples = 0

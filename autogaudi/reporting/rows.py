@@ -52,7 +52,7 @@ class UnitRow:
             "status": (unit.status() if in_force else self.status).value,
             "changes": unit.changes_kept() if in_force else [],
             "recommendations": [_advice(advice) for advice in unit.recommendations] if unit else [],
-            "targets": list(unit.targets) + list(unit.acts_on) if unit else [],
+            "targets": list(unit.spec.targets) + list(unit.spec.acts_on) if unit else [],
             "reason": reason.text if reason is not None else "",
             "reason_code": reason.code if reason is not None else None,
             "reason_params": dict(reason.params) if reason is not None else {},

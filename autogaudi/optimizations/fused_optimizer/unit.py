@@ -24,7 +24,7 @@ import weakref
 import torch
 
 from autogaudi.core.events import Event
-from autogaudi.core.unit import FORMULA, ROUNDING, Unit
+from autogaudi.core.unit import FORMULA, ROUNDING, Unit, UnitSpec
 from autogaudi.entry.ranks import several_ranks
 from autogaudi.measure import machine_load, numerics, trials
 from autogaudi.optimizations.fused_optimizer.hpu_delegate import HpuDelegates
@@ -53,20 +53,21 @@ TIMED_STEPS = 2 * trials.BLOCK * trials.ROUNDS
 
 
 class FusedOptimizer(HpuDelegates, Unit):
-    numerics = (ROUNDING,)  # one fused update rounds otherwise than torch's per-op one (measured on CPU)
+    spec = UnitSpec(
+        numerics=(ROUNDING,),  # one fused update rounds otherwise than torch's per-op one (measured on CPU)
+        reasons=REASONS,
+        changed_figure=("optimizers_fused", "{} optimizer(s) run as one fused kernel per step"),
+        targets=tuple(f"torch.optim.{cls.__name__}.__init__" for cls in FUSABLE),
+        acts_on=(
+            "torch.optim.{Adam,AdamW,SGD}.step, wrapped when the first such optimizer is built",
+            "HPU: torch.optim.Optimizer.__getstate__, wrapped with it (copies and pickles in torch's format)",
+        ),
+    )
 
     @classmethod
     def numerics_on(cls, backend) -> tuple:
         """On HPU the hpex kernels: FusedAdamW adds eps before the bias correction (:mod:`.hpu_format`)."""
-        return (ROUNDING, FORMULA) if backend.name == "hpu" else cls.numerics
-
-    reasons = REASONS
-    changed_figure = ("optimizers_fused", "{} optimizer(s) run as one fused kernel per step")
-    targets = tuple(f"torch.optim.{cls.__name__}.__init__" for cls in FUSABLE)
-    acts_on = (
-        "torch.optim.{Adam,AdamW,SGD}.step, wrapped when the first such optimizer is built",
-        "HPU: torch.optim.Optimizer.__getstate__, wrapped with it (copies and pickles in torch's format)",
-    )
+        return (ROUNDING, FORMULA) if backend.name == "hpu" else cls.spec.numerics
 
     def apply(self) -> None:
         self.figures.update(optimizers_fused=0, optimizers_kept=0)

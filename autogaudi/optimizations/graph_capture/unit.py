@@ -56,70 +56,75 @@ def _saved_per_step_s(profile) -> float:
 
 
 class GraphCapture(CapturedCall, DecidesCandidate):
-    # Compiled kernels fuse and reorder; compiled dropout draws other masks (--exact-random: the same
-    # masks, still not the same rounding). A rejected trial ran its steps captured.
-    numerics = (ROUNDING, RANDOM)
-    after = ("mixed_precision",)  # decides first on a profile: a model it holds is not captured
-    acts_for_device = True
-    reasons = {
-        "too_short": "not tried: {steps} steps left ({source}) could save at most {most:.2f} s, less than the "
-        "{estimate:.1f} s (likely {low:.1f}-{high:.1f} s) a capture of {model} is estimated to cost on {backend} "
-        "({basis})",
-        "not_host_bound": "not captured: the step profile reads {bound} ({why})",
-        "compiled_by_script": "stepped aside: the script (or its framework) already compiles the model with "
-        "torch.compile",
-        "fsdp2": "not captured: FSDP2 shards this model, gathering its parameters in hooks around each block; "
-        "compile each block before fully_shard (as torchtitan does) instead",
-        "mixed_precision": "stepped aside: {holder} holds this model's precision (its autocast would be traced "
-        "into the graph)",
-        "data_dependent_control_flow": "not captured: {module}.forward reads a device value at {where} (a branch "
-        "on a tensor, .item()); {backend} graphs replay the ops they recorded, so a later batch would take the "
-        "branch taken at capture; compute both sides and select with torch.where, or capture its static "
-        "sub-modules yourself",
-        "positional_forward": "not captured: {model}.forward takes *args or positional-only arguments, which "
-        "ModuleCacher refuses",
-        "cpu_fallback_ops": "not captured: {ops} ran on the CPU in this run (the bridge's cpu_fallback count), "
-        "and an HPU graph capture asserts on a CPU fallback",
-        "module_hooks": "not captured: module hooks on {where} would not run when HPU graphs replay",
-        "called_several_times": "not captured: {model} is called {calls} times per step, and {backend} graphs "
-        "overwrite an earlier call's outputs",
-        "gradient_checkpointing": "not captured: the model uses gradient checkpointing, which HPU graphs cannot replay",
-        "no_optimizer": "not captured: the loop updates its parameters without torch.optim, and HPU graphs need "
-        "zero_grad(set_to_none=False)",
-        "parameters_without_gradient": "not captured: {without} of {total} optimized parameters had no gradient in "
-        "the profiled step; HPU graphs need zero_grad(set_to_none=False), which would make the optimizer update "
-        "them",
-        "captured_forced": "captured {model} (forced)",
-        "captured_no_trials": "captured {model} (trials off)",
-        "trial_waits": "host-bound; a trial on {model} waits for training step {step}: the run's length is "
-        "unknown, and only from there would its steps so far have lost more than the {estimate:.1f} s (likely "
-        "{low:.1f}-{high:.1f} s) its capture is estimated to cost on {backend} ({basis}), so a shorter run pays "
-        "nothing for one",
-        "trial_running": "host-bound; trial running on {model}",
-        "measured_faster": "captured {model}: measured faster",
-        "rejected": "rejected: {model} captured was not faster in the trial; released",
-        "dynamic_shapes": "switched off: dynamic shapes, {count} distinct input shapes (each one a "
-        "recompilation), e.g. {shapes}",
-        # notes
-        "exact_random_no_effect": "--exact-random has no effect on {backend}: its graph compiler has no such setting",
-        "captured_called_several_times": "{model} is called {calls} times per step: captured without graphs that "
-        "replay into static outputs (CUDA graphs), which a later call would overwrite",
-        "dropout_exact": "dropout draws eager's random masks (--exact-random)",
-        "dropout_differs": "compiled dropout draws different random masks than eager (same distribution) and "
-        "leaves the script's generator elsewhere, so later draws differ too, kept or rejected; --exact-random "
-        "makes them the same, at a cost in speed",
-        "gradients_reused": "zero_grad(set_to_none=False) while graphs are on: gradient tensors are reused, not freed",
-        "graph_breaks": "torch.compile broke the captured code's graph {count}x at {where} ({reasons}): the "
-        "code between breaks compiles apart, and the break itself runs eagerly",
-        "recompiled": "torch.compile recompiled the captured code {count}x ({reasons})",
-        "eager_outside_training": "calls outside training (eval mode or no_grad) run eagerly: only training steps "
-        "were measured",
-    }
-    targets = ("torch.utils.checkpoint.checkpoint",)  # HPU lazy only: calls counted (graphs refuse them)
-    acts_on = (
-        "<training model> call route, capture layer (in nn.Module's compiled-call slot, instance)",
-        "HPU lazy: zero_grad of the optimizer's and the training model's classes (wrapt, acting on those "
-        "two objects only)",
+    spec = DecidesCandidate.spec.but(
+        # Compiled kernels fuse and reorder; compiled dropout draws other masks (--exact-random: the same
+        # masks, still not the same rounding). A rejected trial ran its steps captured.
+        numerics=(ROUNDING, RANDOM),
+        after=("mixed_precision",),  # decides first on a profile: a model it holds is not captured
+        acts_for_device=True,
+        reasons={
+            "too_short": "not tried: {steps} steps left ({source}) could save at most {most:.2f} s, less than the "
+            "{estimate:.1f} s (likely {low:.1f}-{high:.1f} s) a capture of {model} is estimated to cost on {backend} "
+            "({basis})",
+            "not_host_bound": "not captured: the step profile reads {bound} ({why})",
+            "compiled_by_script": "stepped aside: the script (or its framework) already compiles the model with "
+            "torch.compile",
+            "fsdp2": "not captured: FSDP2 shards this model, gathering its parameters in hooks around each block; "
+            "compile each block before fully_shard (as torchtitan does) instead",
+            "mixed_precision": "stepped aside: {holder} holds this model's precision (its autocast would be traced "
+            "into the graph)",
+            "data_dependent_control_flow": "not captured: {module}.forward reads a device value at {where} (a branch "
+            "on a tensor, .item()); {backend} graphs replay the ops they recorded, so a later batch would take the "
+            "branch taken at capture; compute both sides and select with torch.where, or capture its static "
+            "sub-modules yourself",
+            "positional_forward": "not captured: {model}.forward takes *args or positional-only arguments, which "
+            "ModuleCacher refuses",
+            "cpu_fallback_ops": "not captured: {ops} ran on the CPU in this run (the bridge's cpu_fallback count), "
+            "and an HPU graph capture asserts on a CPU fallback",
+            "module_hooks": "not captured: module hooks on {where} would not run when HPU graphs replay",
+            "called_several_times": "not captured: {model} is called {calls} times per step, and {backend} graphs "
+            "overwrite an earlier call's outputs",
+            "gradient_checkpointing": "not captured: the model uses gradient checkpointing, which HPU graphs "
+            "cannot replay",
+            "no_optimizer": "not captured: the loop updates its parameters without torch.optim, and HPU graphs need "
+            "zero_grad(set_to_none=False)",
+            "parameters_without_gradient": "not captured: {without} of {total} optimized parameters had no gradient in "
+            "the profiled step; HPU graphs need zero_grad(set_to_none=False), which would make the optimizer update "
+            "them",
+            "captured_forced": "captured {model} (forced)",
+            "captured_no_trials": "captured {model} (trials off)",
+            "trial_waits": "host-bound; a trial on {model} waits for training step {step}: the run's length is "
+            "unknown, and only from there would its steps so far have lost more than the {estimate:.1f} s (likely "
+            "{low:.1f}-{high:.1f} s) its capture is estimated to cost on {backend} ({basis}), so a shorter run pays "
+            "nothing for one",
+            "trial_running": "host-bound; trial running on {model}",
+            "measured_faster": "captured {model}: measured faster",
+            "rejected": "rejected: {model} captured was not faster in the trial; released",
+            "dynamic_shapes": "switched off: dynamic shapes, {count} distinct input shapes (each one a "
+            "recompilation), e.g. {shapes}",
+            # notes
+            "exact_random_no_effect": "--exact-random has no effect on {backend}: its graph compiler has no "
+            "such setting",
+            "captured_called_several_times": "{model} is called {calls} times per step: captured without graphs that "
+            "replay into static outputs (CUDA graphs), which a later call would overwrite",
+            "dropout_exact": "dropout draws eager's random masks (--exact-random)",
+            "dropout_differs": "compiled dropout draws different random masks than eager (same distribution) and "
+            "leaves the script's generator elsewhere, so later draws differ too, kept or rejected; --exact-random "
+            "makes them the same, at a cost in speed",
+            "gradients_reused": "zero_grad(set_to_none=False) while graphs are on: gradient tensors are reused, "
+            "not freed",
+            "graph_breaks": "torch.compile broke the captured code's graph {count}x at {where} ({reasons}): the "
+            "code between breaks compiles apart, and the break itself runs eagerly",
+            "recompiled": "torch.compile recompiled the captured code {count}x ({reasons})",
+            "eager_outside_training": "calls outside training (eval mode or no_grad) run eagerly: only training steps "
+            "were measured",
+        },
+        targets=("torch.utils.checkpoint.checkpoint",),  # HPU lazy only: calls counted (graphs refuse them)
+        acts_on=(
+            "<training model> call route, capture layer (in nn.Module's compiled-call slot, instance)",
+            "HPU lazy: zero_grad of the optimizer's and the training model's classes (wrapt, acting on those "
+            "two objects only)",
+        ),
     )
 
     def apply(self) -> None:

@@ -21,7 +21,7 @@ import torch
 from torch.utils.data import IterableDataset
 
 from autogaudi.core.events import Event
-from autogaudi.core.unit import RANDOM, ROUNDING, Unit
+from autogaudi.core.unit import RANDOM, ROUNDING, Unit, UnitSpec
 from autogaudi.measure import machine_load, trials
 from autogaudi.optimizations.loader_workers.loader_state import LoaderState, Phase, Timing
 from autogaudi.optimizations.loader_workers.thread_cut import ThreadCut, with_threads
@@ -87,54 +87,59 @@ _UNIT_REASON = {"not_starved": "none_starved", "no_faster": "workers_no_faster"}
 
 
 class LoaderWorkers(Unit):
-    # Workers draw from streams of their own, and the intra-op threads it cuts sum some CPU kernels in
-    # another order (measured: a float32 sum of 2**20 values differs between 1 and 2 threads)
-    numerics = (ROUNDING, RANDOM)
-    exact_when = "the dataset draws no random numbers and the steps run no multi-threaded CPU reduction"
-    reasons = {
-        "no_loader": "no DataLoader it may tune built yet",
-        "measuring": "measuring each loader's first epoch",
-        "none_starved": "measured: no loader starves the step, all kept in-process",
-        "workers_no_faster": "measured: workers were tried and were no faster, all kept in-process",
-        "workers": "{workers} workers for input-bound loaders (in-process ones: from the next batch)",
-        "workers_raised": "{workers} workers for input-bound loaders; a loader whose script chose num_workers was "
-        "raised in place (--force), and the script reads the raised number",
-        "not_starved": "kept in-process: waiting for data is {share} of a step (workers are tried from {threshold})",
-        "no_faster": "workers measured no faster ({after:.2f} vs {before:.2f} ms per batch, worker start-up "
-        "included): put back in-process",
-        "draws_global_random": "kept in-process: its __getitem__ draws from the global random generators, "
-        "which worker processes would replace by their own",
-        "mutates_state": "kept in-process: its __getitem__ changes the dataset's attribute {attribute!r}, which "
-        "workers would change in their copies only",
-        "holds_generator": "kept in-process: the dataset holds a random generator ({kind}), which each worker "
-        "would copy and draw the same numbers from",
-        "main_reruns": "kept in-process: under the {method} start method each worker re-runs {file}, which does "
-        'more than define and import outside `if __name__ == "__main__":`',
-        "not_picklable": "kept in-process: under the {method} start method workers get the dataset pickled, "
-        "and that fails: {error}",
-        "threads_cut": "while workers build the batches the main process computes with {threads} intra-op "
-        "thread(s), not the script's {script}: CPU kernels that split a sum across threads add in another order "
-        "(rounding: measured on the training model's next forward, where one is found)",
-        "threads_cut_no_model": "the thread cut's rounding not measured: no training model found (the step profiler "
-        "finds it) when the cut began",
-        "threads_cut_script_compiles": "the thread cut's rounding not measured: the script compiles the training "
-        "model, whose call it owns",
-        "workers_failed": "workers failed ({error}); the loader went back in-process, its batches built there",
-        "script_chose_workers": "a loader whose script chose num_workers is kept as is",
-        "iterable_dataset": "iterable datasets are kept in-process: each worker would replay the whole stream",
-        "forced_measured": "--force loader_workers: a loader whose script chose num_workers={chosen} is measured "
-        "too; if raised, its workers' random streams differ from the plain run's (same distribution)",
-        "shard_iterable": "the step waits for data {share:.0%} of the time and an IterableDataset feeds it "
-        "in-process; workers would each replay the whole stream unless the dataset splits it by "
-        "torch.utils.data.get_worker_info() (id, num_workers): if yours does, try num_workers={workers}",
-        "more_workers": "the step waits for data {share:.0%} of the time and the script chose num_workers={chosen}; "
-        "this machine has {cores} cores for {ranks} local rank(s): try num_workers={workers}, or --force "
-        "loader_workers to have it measured and raised (worker random streams then differ from this run's, same "
-        "distribution)",
-    }
-    changed_figure = ("loaders_tuned", "{} DataLoader(s) given worker processes")
-    targets = ("torch.get_num_threads", "torch.set_num_threads")
-    acts_on = ("DataLoader construction, epochs and batch fetches (the session's step watcher)",)
+    spec = UnitSpec(
+        # Workers draw from streams of their own, and the intra-op threads it cuts sum some CPU kernels in
+        # another order (measured: a float32 sum of 2**20 values differs between 1 and 2 threads)
+        numerics=(ROUNDING, RANDOM),
+        exact_when="the dataset draws no random numbers and the steps run no multi-threaded CPU reduction",
+        reasons={
+            "no_loader": "no DataLoader it may tune built yet",
+            "measuring": "measuring each loader's first epoch",
+            "none_starved": "measured: no loader starves the step, all kept in-process",
+            "workers_no_faster": "measured: workers were tried and were no faster, all kept in-process",
+            "workers": "{workers} workers for input-bound loaders (in-process ones: from the next batch)",
+            "workers_raised": "{workers} workers for input-bound loaders; a loader whose script chose num_workers was "
+            "raised in place (--force), and the script reads the raised number",
+            "not_starved": "kept in-process: waiting for data is {share} of a step (workers are tried from "
+            "{threshold})",
+            "no_faster": "workers measured no faster ({after:.2f} vs {before:.2f} ms per batch, worker start-up "
+            "included): put back in-process",
+            "draws_global_random": "kept in-process: its __getitem__ draws from the global random generators, "
+            "which worker processes would replace by their own",
+            "mutates_state": "kept in-process: its __getitem__ changes the dataset's attribute {attribute!r}, which "
+            "workers would change in their copies only",
+            "holds_generator": "kept in-process: the dataset holds a random generator ({kind}), which each worker "
+            "would copy and draw the same numbers from",
+            "main_reruns": "kept in-process: under the {method} start method each worker re-runs {file}, which does "
+            'more than define and import outside `if __name__ == "__main__":`',
+            "not_picklable": "kept in-process: under the {method} start method workers get the dataset pickled, "
+            "and that fails: {error}",
+            "threads_cut": "while workers build the batches the main process computes with {threads} intra-op "
+            "thread(s), not the script's {script}: CPU kernels that split a sum across threads add in another order "
+            "(rounding: measured on the training model's next forward, where one is found)",
+            "threads_cut_no_model": "the thread cut's rounding not measured: no training model found (the step "
+            "profiler "
+            "finds it) when the cut began",
+            "threads_cut_script_compiles": "the thread cut's rounding not measured: the script compiles the training "
+            "model, whose call it owns",
+            "workers_failed": "workers failed ({error}); the loader went back in-process, its batches built there",
+            "script_chose_workers": "a loader whose script chose num_workers is kept as is",
+            "iterable_dataset": "iterable datasets are kept in-process: each worker would replay the whole stream",
+            "forced_measured": "--force loader_workers: a loader whose script chose num_workers={chosen} is measured "
+            "too; if raised, its workers' random streams differ from the plain run's (same distribution)",
+            "shard_iterable": "the step waits for data {share:.0%} of the time and an IterableDataset feeds it "
+            "in-process; workers would each replay the whole stream unless the dataset splits it by "
+            "torch.utils.data.get_worker_info() (id, num_workers): if yours does, try num_workers={workers}",
+            "more_workers": "the step waits for data {share:.0%} of the time and the script chose "
+            "num_workers={chosen}; "
+            "this machine has {cores} cores for {ranks} local rank(s): try num_workers={workers}, or --force "
+            "loader_workers to have it measured and raised (worker random streams then differ from this run's, same "
+            "distribution)",
+        },
+        changed_figure=("loaders_tuned", "{} DataLoader(s) given worker processes"),
+        targets=("torch.get_num_threads", "torch.set_num_threads"),
+        acts_on=("DataLoader construction, epochs and batch fetches (the session's step watcher)",),
+    )
 
     def apply(self) -> None:
         self.figures.update(loaders_tuned=0, loaders_kept=0)

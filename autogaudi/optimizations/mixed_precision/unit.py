@@ -87,40 +87,44 @@ def tf32(on: bool):
 
 
 class MixedPrecision(DecidesCandidate):
-    numerics = (PRECISION,)
-    reasons = {
-        "no_bf16": "this GPU has no bf16 (compute capability < 8.0): --precision fp16 runs fp16 with loss scaling",
-        "no_fp16": "Gaudi's autocast is documented for bf16 (its op lists are bf16/float32): --precision bf16",
-        "script_scaler": "stepped aside: the script scales its loss itself (GradScaler)",
-        "script_low_precision": "stepped aside: {share:.0%} of the step's matrix products already run below float32 "
-        "(the script's own autocast or model dtype)",
-        "script_tf32": "stepped aside: the script already switched TF32 on",
-        "compiled_by_script": "stepped aside: the script compiles the model (torch.compile); autocast it inside "
-        "the compiled model's forward instead",
-        "no_matrix_products": "nothing to speed up: the step runs no matrix products",
-        "fsdp2": "stepped aside: FSDP2 shards this model (its copy for the guard cannot be made); give fully_shard "
-        "mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) instead",
-        "no_copy": "not checked, so not used: the model could not be copied for the guard ({error})",
-        "not_checked": "not used: in {passes} backward passes the model's outputs never got the gradient of a "
-        "loss the guard could compare against",
-        "checking": "{precision}: checking {checks} steps against float32 on a copy of the model",
-        "guard_failed": "not used: {precision} differed from float32 beyond the bounds ({outside})",
-        "on": "{model} forward in {precision}, checked against float32",
-        "trial_running": "{precision} checked; trial running on {model}",
-        "measured_faster": "{model} forward in {precision}: checked, and measured faster",
-        "rejected": "float32 kept: {precision} was checked but not faster in the trial",
-        "fell_back": "back to float32 from training step {step}: {what}",
-        "losses_read_every": "losses are read every {every} backward passes: the steps between the bad loss and its "
-        "read ran in {precision}",
-    }
-    targets = ("torch.amp.GradScaler.scale",)  # only seen: a script that scales its loss keeps fp16 off
-    states = ("watching", "checking", "in_use", "trial", "kept", "rejected", "failed", "disabled")
-    acts_on = (
-        "<training model> call route: precision layer (autocast, float32 outputs), observe layer while checked",
-        "CUDA TF32 switches (torch.backends.cuda.matmul / cudnn allow_tf32), --precision tf32",
-        "losses before each backward (the session's step watcher), watched for NaN/Inf and spikes",
-        "fp16: a hook on each backpropagated tensor and every gradient before and after each backward "
-        "(loss scaling), before and after each optimizer step (the step watcher's; steps skipped on overflow)",
+    spec = DecidesCandidate.spec.but(
+        numerics=(PRECISION,),
+        reasons={
+            "no_bf16": "this GPU has no bf16 (compute capability < 8.0): --precision fp16 runs fp16 with loss scaling",
+            "no_fp16": "Gaudi's autocast is documented for bf16 (its op lists are bf16/float32): --precision bf16",
+            "script_scaler": "stepped aside: the script scales its loss itself (GradScaler)",
+            "script_low_precision": "stepped aside: {share:.0%} of the step's matrix products already run below "
+            "float32 "
+            "(the script's own autocast or model dtype)",
+            "script_tf32": "stepped aside: the script already switched TF32 on",
+            "compiled_by_script": "stepped aside: the script compiles the model (torch.compile); autocast it inside "
+            "the compiled model's forward instead",
+            "no_matrix_products": "nothing to speed up: the step runs no matrix products",
+            "fsdp2": "stepped aside: FSDP2 shards this model (its copy for the guard cannot be made); give fully_shard "
+            "mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) instead",
+            "no_copy": "not checked, so not used: the model could not be copied for the guard ({error})",
+            "not_checked": "not used: in {passes} backward passes the model's outputs never got the gradient of a "
+            "loss the guard could compare against",
+            "checking": "{precision}: checking {checks} steps against float32 on a copy of the model",
+            "guard_failed": "not used: {precision} differed from float32 beyond the bounds ({outside})",
+            "on": "{model} forward in {precision}, checked against float32",
+            "trial_running": "{precision} checked; trial running on {model}",
+            "measured_faster": "{model} forward in {precision}: checked, and measured faster",
+            "rejected": "float32 kept: {precision} was checked but not faster in the trial",
+            "fell_back": "back to float32 from training step {step}: {what}",
+            "losses_read_every": "losses are read every {every} backward passes: the steps between the bad loss "
+            "and its "
+            "read ran in {precision}",
+        },
+        targets=("torch.amp.GradScaler.scale",),  # only seen: a script that scales its loss keeps fp16 off
+        states=("watching", "checking", "in_use", "trial", "kept", "rejected", "failed", "disabled"),
+        acts_on=(
+            "<training model> call route: precision layer (autocast, float32 outputs), observe layer while checked",
+            "CUDA TF32 switches (torch.backends.cuda.matmul / cudnn allow_tf32), --precision tf32",
+            "losses before each backward (the session's step watcher), watched for NaN/Inf and spikes",
+            "fp16: a hook on each backpropagated tensor and every gradient before and after each backward "
+            "(loss scaling), before and after each optimizer step (the step watcher's; steps skipped on overflow)",
+        ),
     )
 
     def skip_reason(self):

@@ -29,7 +29,7 @@ import torch
 from autogaudi.core.events import Event
 from autogaudi.core.registry import PROFILER
 from autogaudi.core.status import Status
-from autogaudi.core.unit import RANDOM, ROUNDING, Unit
+from autogaudi.core.unit import RANDOM, ROUNDING, Unit, UnitSpec
 from autogaudi.optimizations.shape_buckets import buckets, check, matter, padding, signature
 from autogaudi.watch.model_call import Layer, holder, trains
 
@@ -58,35 +58,38 @@ def short_last_batch(iterator) -> bool:
 
 
 class ShapeBuckets(Unit):
-    requires = (PROFILER,)
-    after = ("graph_capture",)  # decides once capture has taken the model (or refused it)
-    numerics = (ROUNDING, RANDOM)  # a longer row sums in another order; dropout draws over the padded shape
-    reasons = {
-        "eager": "nothing padded: shapes cost nothing on this eager {backend} run (no graph capture, "
-        "torch.compile or HPU)",
-        "no_batches": "no DataLoader batches seen before the profile: no lengths to choose buckets from",
-        "static_shapes": "the batches' shapes did not vary",
-        "batch_only": "only the batch dimension varies (an epoch's short last batch): padding it would change "
-        "the batch's mean",
-        "varies_elsewhere": "shapes vary along {paths}, not a sequence dimension",
-        "inputs_held": "not padded: {holder} holds the model's inputs",
-        "traced": "not padded: the script's torch.compile traces {model}'s call from a module around it",
-        "checking": "padding up to {buckets}: waiting for a training call to check it on a copy of {model}",
-        "bucketed": "{model}'s sequence lengths padded up to {buckets}, checked on a copy: {difference} relative",
-        "no_mask": "not padded: the sequence length varies, but no attention mask says which positions are padding",
-        "length_elsewhere": "not padded: {path} has the sequence length in another dimension",
-        "float_labels": "not padded: {path} holds per-position float targets (no ignore index)",
-        "fill_not_constant": "not padded: {path} holds different values at masked positions (no padding value to copy)",
-        "outputs_reshaped": "not padded: {model}'s outputs change shape with padding, not only along the sequence",
-        "padding_moves_result": "not padded: padding moved {model}'s outputs or gradients by {difference} "
-        "(tolerance {tolerance}); its result depends on the padded positions (an unmasked mean?)",
-        "check_failed": "not padded: the check on a copy of {model} could not run ({error})",
-        "bucket_added": "a length past every bucket: bucket {bucket} added",
-        "marked_dynamic": "not padded ({refused}): {model}'s sequence dimension of {names} marked dynamic for "
-        "its torch.compile instead (one graph for every length, up to torch's recompile limit)",
-    }
-    acts_for_device = True  # a model left on the host runs eagerly there, whatever the backend
-    acts_on = ("<training model> call route, inputs layer (sequence tensors padded, outputs cut back)",)
+    spec = UnitSpec(
+        requires=(PROFILER,),
+        after=("graph_capture",),  # decides once capture has taken the model (or refused it)
+        numerics=(ROUNDING, RANDOM),  # a longer row sums in another order; dropout draws over the padded shape
+        reasons={
+            "eager": "nothing padded: shapes cost nothing on this eager {backend} run (no graph capture, "
+            "torch.compile or HPU)",
+            "no_batches": "no DataLoader batches seen before the profile: no lengths to choose buckets from",
+            "static_shapes": "the batches' shapes did not vary",
+            "batch_only": "only the batch dimension varies (an epoch's short last batch): padding it would change "
+            "the batch's mean",
+            "varies_elsewhere": "shapes vary along {paths}, not a sequence dimension",
+            "inputs_held": "not padded: {holder} holds the model's inputs",
+            "traced": "not padded: the script's torch.compile traces {model}'s call from a module around it",
+            "checking": "padding up to {buckets}: waiting for a training call to check it on a copy of {model}",
+            "bucketed": "{model}'s sequence lengths padded up to {buckets}, checked on a copy: {difference} relative",
+            "no_mask": "not padded: the sequence length varies, but no attention mask says which positions are padding",
+            "length_elsewhere": "not padded: {path} has the sequence length in another dimension",
+            "float_labels": "not padded: {path} holds per-position float targets (no ignore index)",
+            "fill_not_constant": "not padded: {path} holds different values at masked positions (no padding "
+            "value to copy)",
+            "outputs_reshaped": "not padded: {model}'s outputs change shape with padding, not only along the sequence",
+            "padding_moves_result": "not padded: padding moved {model}'s outputs or gradients by {difference} "
+            "(tolerance {tolerance}); its result depends on the padded positions (an unmasked mean?)",
+            "check_failed": "not padded: the check on a copy of {model} could not run ({error})",
+            "bucket_added": "a length past every bucket: bucket {bucket} added",
+            "marked_dynamic": "not padded ({refused}): {model}'s sequence dimension of {names} marked dynamic for "
+            "its torch.compile instead (one graph for every length, up to torch's recompile limit)",
+        },
+        acts_for_device=True,  # a model left on the host runs eagerly there, whatever the backend
+        acts_on=("<training model> call route, inputs layer (sequence tensors padded, outputs cut back)",),
+    )
 
     def apply(self) -> None:
         self._before: set = set()  # signatures of the DataLoader batches: what the script produced

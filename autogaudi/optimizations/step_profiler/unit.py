@@ -21,7 +21,7 @@ from collections import Counter
 import torch
 
 from autogaudi.core.events import Event
-from autogaudi.core.unit import ROUNDING, Unit
+from autogaudi.core.unit import ROUNDING, Unit, UnitSpec
 from autogaudi.entry.paths import short_location
 from autogaudi.entry.ranks import rank_zero_choice, several_ranks
 from autogaudi.measure import machine_load
@@ -41,30 +41,34 @@ FP32_MATRIX_SHARE = 0.9  # a step whose matrix products run in float32 at least 
 
 
 class StepProfiler(Unit):
-    reasons = {
-        "warming_up": "waiting for {steps} warm-up steps",
-        "others_measuring": "waiting while another unit times its own work inside the steps ({units})",
-        "census_waits": "the census's device timing costs about {one_off_s:g} s once on {backend}; it starts once "
-        "the run has lasted {after_s:g} s, so that a shorter run pays nothing for it",
-        "remembered_profile": "{bound}-bound, as measured in run {run} on {date} with the same script, model "
-        "and inputs: {why}",
-        **{f"{bound}_bound": f"{bound}-bound: {{why}}" for bound in ("input", "host", "communication", "device")},
-        "unclear_bound": "{why}",
-        "follows_rank_zero": "this rank measured {bound}-bound ({why}); every rank follows rank 0",
-        "hpu_lazy_device_time": "HPU lazy: the device time is the wait in synchronize() after mark_step, which also "
-        "drains the host's graph building; a host-bound run can read device-bound",
-        "host_reads": "{per_step:g} host read(s) of device values per step (.item(), float(), bool(), .cpu()) at "
-        "{sites}: each makes the host wait until the device has finished the step, so the next step cannot be "
-        "queued behind it; read every N steps, or accumulate on the device",
-        "fp32_products": "device-bound, and {share:.0%} of the step's matrix products run in float32: bf16 autocast "
-        'runs them on the matrix units; try torch.autocast(device_type="{device}", dtype=torch.bfloat16) around '
-        "the forward and the loss, and compare the loss curve",
-    }
-    acts_on = (
-        "training steps and batch fetches (the session's step watcher)",
-        "global module forward hooks and a TorchDispatchMode, during three to five census steps",
+    spec = UnitSpec(
+        reasons={
+            "warming_up": "waiting for {steps} warm-up steps",
+            "others_measuring": "waiting while another unit times its own work inside the steps ({units})",
+            "census_waits": "the census's device timing costs about {one_off_s:g} s once on {backend}; it starts once "
+            "the run has lasted {after_s:g} s, so that a shorter run pays nothing for it",
+            "remembered_profile": "{bound}-bound, as measured in run {run} on {date} with the same script, model "
+            "and inputs: {why}",
+            **{f"{bound}_bound": f"{bound}-bound: {{why}}" for bound in ("input", "host", "communication", "device")},
+            "unclear_bound": "{why}",
+            "follows_rank_zero": "this rank measured {bound}-bound ({why}); every rank follows rank 0",
+            "hpu_lazy_device_time": "HPU lazy: the device time is the wait in synchronize() after mark_step, "
+            "which also "
+            "drains the host's graph building; a host-bound run can read device-bound",
+            "host_reads": "{per_step:g} host read(s) of device values per step (.item(), float(), bool(), .cpu()) at "
+            "{sites}: each makes the host wait until the device has finished the step, so the next step cannot be "
+            "queued behind it; read every N steps, or accumulate on the device",
+            "fp32_products": "device-bound, and {share:.0%} of the step's matrix products run in float32: bf16 "
+            "autocast "
+            'runs them on the matrix units; try torch.autocast(device_type="{device}", dtype=torch.bfloat16) around '
+            "the forward and the loss, and compare the loss curve",
+        },
+        acts_on=(
+            "training steps and batch fetches (the session's step watcher)",
+            "global module forward hooks and a TorchDispatchMode, during three to five census steps",
+        ),
+        exact_when="the script itself marks a step after each optimizer step",  # in HPU lazy mode
     )
-    exact_when = "the script itself marks a step after each optimizer step"  # in HPU lazy mode
 
     @classmethod
     def numerics_on(cls, backend) -> tuple:
