@@ -93,10 +93,10 @@ class Candidate:
         def due(_optimizer) -> None:
             if unit.session.steps.steps < step:
                 return
-            unit.close_scope(waiting)
+            waiting.close()
             then()
 
-        unit.on(Event.TRAINING_STEP, due, waiting)
+        waiting.on(Event.TRAINING_STEP, due)
 
     def set_up(self, profile) -> dict:
         """Set the candidate up on ``profile``'s model, once, into a child scope of the unit."""
@@ -198,7 +198,8 @@ class Candidate:
 
     def _unkeep(self) -> None:
         scope, self._kept_scope = self._kept_scope, None
-        self.unit.close_scope(scope)
+        if scope is not None:
+            scope.close()
 
     def _trial_decided(self, keep: bool, record: dict) -> None:
         unit = self.unit
@@ -218,7 +219,8 @@ class Candidate:
     def _close(self) -> None:
         self.switch(False)
         scope, self.scope = self.scope, None
-        self.unit.close_scope(scope)
+        if scope is not None:
+            scope.close()
 
     def _undone(self) -> None:
         """The scope's last undo (release, revert or failure alike): off, and nothing held."""

@@ -1,13 +1,13 @@
-"""What every optimization unit is: targets, when it applies, apply(), revert(), and fail-open.
+"""What every optimization unit is: one spec, a scope to patch through, a report to speak to, a run to read.
 
 A unit never hand-rolls attribute swaps or hands torch a callable of its own: it patches through
-:meth:`Unit.wrap` (a wrapt ``FunctionWrapper``), hooks through :meth:`Unit.hook`, listens through
-:meth:`Unit.on`, and changes a model's call through :meth:`Unit.hold` (a layer of the model's one
-call route, :mod:`autogaudi.watch.model_call`). Each records how to undo itself, so :meth:`Unit.revert`
+its scope (``unit.scope``, a :class:`UnitScope`): ``wrap`` (a wrapt ``FunctionWrapper``), ``hook``,
+``on`` (the run's events) and ``hold`` (a layer of the model's one call route,
+:mod:`autogaudi.watch.model_call`). Each records how to undo itself, so :meth:`Unit.revert`
 restores every attribute to the very object it was (identity, not equality), in reverse order, and
 each runs the unit's code through the core's guard (:mod:`autogaudi.core.guard`): when it raises, the unit
 is reverted and reported as failed while the user's call completes as plain PyTorch's would; the
-user's own exceptions propagate unchanged.
+user's own exceptions propagate unchanged. What the unit declares is its :class:`UnitSpec`.
 """
 
 from __future__ import annotations
@@ -127,6 +127,31 @@ class Scope:
         return notes or None
 
 
+class UnitScope(Scope):
+    """A unit's scope: a :class:`Scope` that also listens to the run's events for its unit, and whose
+    undos' notes join the unit's report when it closes. Child scopes (a trial's candidate, a wait)
+    are unit scopes too, so a unit patches, hooks and listens through one object whatever it scopes."""
+
+    def __init__(self, unit, events, notes: list):
+        super().__init__(unit)
+        self._events = events
+        self._notes = notes
+
+    def on(self, event: Event, listener) -> None:
+        """Call ``listener`` at every ``event`` while the unit is in force and this scope is open; a
+        listener that raises reverts the unit."""
+        self.add(self._events.on(event, self.guard, listener).remove)
+
+    def child(self) -> UnitScope:
+        scope = UnitScope(self.guard, self._events, self._notes)
+        self.add(scope.close)
+        return scope
+
+    def close(self) -> None:
+        """Undo everything, newest first; the undos' notes go to the unit's report."""
+        self._notes.extend(super().close() or ())
+
+
 def torch_version() -> tuple:
     """(major, minor) of the running torch, e.g. (2, 13) for "2.13.0+cpu"."""
     return tuple(int(part) for part in re.findall(r"\d+", torch.__version__)[:2])
@@ -202,7 +227,7 @@ class Unit:
         self.recommendations: list = []
         self.failure = None  # what switched the unit off at run time (a repr: no traceback kept alive)
         self.set_aside = False  # stepped aside: the work is not on the backend's device
-        self.scope = Scope(self)
+        self.scope = UnitScope(self, session.events, self.notes)
 
     @property
     def backend(self):
@@ -300,26 +325,7 @@ class Unit:
         return decision
 
     def revert(self) -> None:
-        self.close_scope(self.scope)
-
-    def close_scope(self, scope) -> None:
-        """Close ``scope`` (None: nothing to close); its undos' notes join the report."""
-        if scope is not None:
-            self.notes.extend(scope.close() or ())
-
-    def wrap(self, owner, attribute: str, wrapper) -> None:
-        self.scope.wrap(owner, attribute, wrapper)
-
-    def hook(self, register, fn, *args, scope=None, **kwargs):
-        """Register ``fn`` with torch's ``register`` (e.g. ``tensor.register_hook``), guarded, until
-        the unit (or ``scope``, one of its child scopes) is reverted; returns torch's handle."""
-        return (self.scope if scope is None else scope).hook(register, fn, *args, **kwargs)
-
-    def hold(self, model, layer, around, scope=None) -> None:
-        """Make ``around(call, args, kwargs)`` a layer of ``model``'s call (:mod:`autogaudi.watch.model_call`),
-        until the unit (or ``scope``) is reverted: the only way a unit changes how a model is called,
-        and nothing of it travels with the model."""
-        (self.scope if scope is None else scope).hold(model, layer, around)
+        self.scope.close()
 
     @property
     def in_force(self) -> bool:
@@ -365,19 +371,9 @@ class Unit:
         steps = self.session.steps
         steps.timeline.mark(steps.steps, self.name, event, **params)
 
-    def on(self, event: Event, listener, scope=None) -> None:
-        """Call ``listener`` at every ``event`` while this unit is in force (or until ``scope``, one of
-        its child scopes, closes); a listener that raises reverts the unit."""
-        handle = self.session.events.on(event, self, listener)
-        (self.scope if scope is None else scope).add(handle.remove)
-
     def run_ending(self, error) -> None:
         """The run ends (at exit, before the report), with the exception raised through the script
         (None where none was): for a unit that leaves the next run a decision about it."""
-
-    def on_revert(self, undo) -> None:
-        """Register how to undo something done outside :meth:`wrap` (e.g. ``handle.remove``)."""
-        self.scope.add(undo)
 
     @contextlib.contextmanager
     def fail_open(self):

@@ -170,13 +170,13 @@ class ActivationCheckpointing(Unit):
         self._remembered = False  # an out-of-memory error of this run has been remembered for the next
         self._first = self.scope.child()
         self._first.hook(module_hooks.register_forward_pre_hook, self._called)
-        self.on_revert(self._forget)
+        self.scope.add(self._forget)
         if self.session.step_memory is None or self.session.step_memory.budget is None:
             self.session.trials.measured(self)
             self.because("no_budget")
             return
         self.because("waiting_for_forecast")
-        self.on(Event.MEMORY_FORECAST, self._forecast)
+        self.scope.on(Event.MEMORY_FORECAST, self._forecast)
 
     def _forget(self) -> None:
         self._held.clear()
@@ -202,7 +202,7 @@ class ActivationCheckpointing(Unit):
         if compiled_by_the_script(module) or isinstance(module, torch.nn.parallel.DistributedDataParallel):
             self.note("not_rescuable", model=type(module).__name__)
             return
-        self.hold(module, Layer.RESCUE, self._rescue)
+        self.scope.hold(module, Layer.RESCUE, self._rescue)
 
     def _recall(self, model, remembered: dict) -> None:
         container, names = repeated_blocks(model)
@@ -230,14 +230,14 @@ class ActivationCheckpointing(Unit):
             return False
         for name in todo:
             block = modules[name]
-            self.hold(
+            self.scope.hold(
                 block, Layer.RECOMPUTE, functools.partial(self._recompute, weakref.ref(block), _parameters(block))
             )
             self._held[name] = block
         self.figures["blocks_checkpointed"] = list(self._held)
         if self._steps_since is None:
             self._steps_since = self.session.steps.steps
-            self.on(Event.TRAINING_STEP, self._step_ended)
+            self.scope.on(Event.TRAINING_STEP, self._step_ended)
         return True
 
     def _rescue(self, call, args, kwargs):

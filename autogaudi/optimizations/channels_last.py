@@ -88,7 +88,7 @@ class ChannelsLast(DecidesCandidate):
         self.candidate = Candidate(self, self._set_up, lambda _on: None, self._params, kept=self._kept)
         self._numerics_pending = False
         self.because("waiting_for_profile")
-        self.on(Event.STEP_PROFILED, self._profiled)
+        self.scope.on(Event.STEP_PROFILED, self._profiled)
 
     def _params(self) -> dict:
         return {"model": type(self.candidate.model).__name__}
@@ -128,7 +128,7 @@ class ChannelsLast(DecidesCandidate):
     def _set_up(self, scope) -> None:
         """The inputs layer of the model's call: while on, 4-D inputs go in channels_last and the
         kernels run NHWC; the parameters stay as the script laid them out until the decision is kept."""
-        self.hold(self.candidate.model, Layer.INPUTS, self._inputs, scope)
+        scope.hold(self.candidate.model, Layer.INPUTS, self._inputs)
         self._numerics_pending = True  # measured on the first call in channels_last
 
     def _kept(self, scope) -> None:

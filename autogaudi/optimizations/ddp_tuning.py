@@ -65,7 +65,7 @@ class DdpTuning(Unit):
             "forward_sync_buffers" if "forward_sync_buffers" in self._signature.parameters else "broadcast_buffers"
         )
         self.figures["ddp_models_tuned"] = 0
-        self.wrap(DistributedDataParallel, "__init__", self._init)
+        self.scope.wrap(DistributedDataParallel, "__init__", self._init)
         self.because("bucket_view_and_size" if self.backend.name == "hpu" else "bucket_view")
 
     def _init(self, wrapped, instance, args, kwargs):

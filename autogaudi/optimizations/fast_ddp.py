@@ -166,8 +166,8 @@ class FastDdp(Unit):
         self._models = weakref.WeakKeyDictionary()  # DDP model -> FlatAllReduce, or None where DDP keeps it
         self.figures.update(models=0, flat_all_reduces=0)
         self._measured_steps, self._largest_rounding = 0, 0.0
-        self.wrap(DistributedDataParallel, "forward", self._forward)
-        self.on(Event.AFTER_BACKWARD, self._after_backward)
+        self.scope.wrap(DistributedDataParallel, "forward", self._forward)
+        self.scope.on(Event.AFTER_BACKWARD, self._after_backward)
         self.because("flat_all_reduce")
 
     def _flat_all_reduce(self, model):

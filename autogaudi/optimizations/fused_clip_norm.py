@@ -61,7 +61,7 @@ class FusedClipNormUnit(Unit):
         self._rounding_measured = False  # at the first fused call
         for owner in (torch.nn.utils, torch.nn.utils.clip_grad):
             if owner.clip_grad_norm_ is original:
-                self.wrap(owner, "clip_grad_norm_", self._clip)
+                self.scope.wrap(owner, "clip_grad_norm_", self._clip)
         self.because("hpex")
 
     def _clip(self, wrapped, instance, args, kwargs):

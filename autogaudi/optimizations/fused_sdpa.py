@@ -78,7 +78,7 @@ class FusedSdpa(Unit):
         self._recompute = _RECOMPUTE[self.options.sdpa_recompute]
         self.figures.update(fused_calls=0, torch_calls=0, torch_calls_by_reason={})
         self._measuring = True  # until a call without dropout is measured, or cannot be
-        self.wrap(torch.nn.functional, "scaled_dot_product_attention", self._attention)
+        self.scope.wrap(torch.nn.functional, "scaled_dot_product_attention", self._attention)
         self.because("hpex", recompute=self.options.sdpa_recompute)
 
     def _attention(self, wrapped, instance, args, kwargs):

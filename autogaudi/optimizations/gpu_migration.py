@@ -106,7 +106,7 @@ class GpuMigration(Unit):
         if self._toolkit is not None:
             self.figures["script_uses_cuda_at"] = decided.get("cuda", [])
             if decided.get("switched_on_by") == "autogaudi":
-                self.on_revert(self._unset_variable)
+                self.scope.add(self._unset_variable)
             self.because("mapped", by=f"switched on by {decided.get('switched_on_by') or 'the script'}")
         elif "error" in decided:
             self.because("failed_before_bridge", error=decided["error"])
@@ -114,7 +114,7 @@ class GpuMigration(Unit):
             self.because(decided.get("why_not", "no_script"))
             if decided.get("why_not") == "bridge_loaded_first":
                 self.recommend("enable_before_torch", do="python -m autogaudi script.py")
-        self.wrap(torch.cuda, "is_available", self._is_available)
+        self.scope.wrap(torch.cuda, "is_available", self._is_available)
 
     def _is_available(self, wrapped, instance, args, kwargs):
         answer = wrapped(*args, **kwargs)

@@ -47,9 +47,9 @@ class NonBlockingCopy(Unit):
     def apply(self) -> None:
         self.figures["non_blocking_copies"] = 0
         self._accelerator = self.backend.device_type
-        self.wrap(torch.Tensor, "to", self._to)
+        self.scope.wrap(torch.Tensor, "to", self._to)
         if self._accelerator == "cuda":
-            self.wrap(torch.Tensor, "cuda", self._cuda)
+            self.scope.wrap(torch.Tensor, "cuda", self._cuda)
         self.because("pinned_to_device", device=self._accelerator)
 
     def _to(self, wrapped, instance, args, kwargs):

@@ -73,7 +73,7 @@ class PinMemory(Unit):
         if self._arguments is None:
             self._arguments = {}
             self.note("pins_nothing_here", device=device)
-        self.on(Event.LOADER_BUILT, self._adjust)
+        self.scope.on(Event.LOADER_BUILT, self._adjust)
         self.because("pinned", device=self.backend.device_type)
 
     def _adjust(self, loader, args, kwargs):

@@ -21,5 +21,5 @@ class PipeliningFwdBwd(LazyModeUnit):
 
     def apply(self) -> None:
         self.figures["mark_steps"] = 0
-        self.on(Event.BEFORE_BACKWARD, lambda _loss: self.mark())
+        self.scope.on(Event.BEFORE_BACKWARD, lambda _loss: self.mark())
         self.because("forced")

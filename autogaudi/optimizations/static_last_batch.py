@@ -86,11 +86,11 @@ class StaticLastBatch(Unit):
         self.figures.update(loaders_padded=0, samples_added_per_epoch=0)
         self._model = None
         self._aside = False
-        self.on(Event.LOADER_BUILT, self._adjust)
+        self.scope.on(Event.LOADER_BUILT, self._adjust)
         if self.backend.is_lazy:
             self.because("policy", policy=self.options.last_batch)
         else:
-            self.on(Event.STEP_PROFILED, self._profiled)
+            self.scope.on(Event.STEP_PROFILED, self._profiled)
             self.because("waiting")
 
     def _profiled(self, profile) -> None:

@@ -52,9 +52,9 @@ class StepMarks(LazyModeUnit):
 
     def apply(self) -> None:
         self.figures.update(mark_steps=0, eval_marks=0)
-        self.on(Event.AFTER_BACKWARD, self._mark_training)
-        self.on(Event.OPTIMIZER_STEP, lambda _optimizer: self._mark_training())
-        self.on(Event.BEFORE_BATCH, self._before_batch)
+        self.scope.on(Event.AFTER_BACKWARD, self._mark_training)
+        self.scope.on(Event.OPTIMIZER_STEP, lambda _optimizer: self._mark_training())
+        self.scope.on(Event.BEFORE_BATCH, self._before_batch)
         self.because("lazy_mode")
 
     def _mark_training(self) -> None:

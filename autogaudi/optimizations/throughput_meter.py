@@ -39,8 +39,8 @@ class ThroughputMeter(Unit):
 
     def apply(self) -> None:
         self._timed_samples = 0
-        self.on(Event.BATCH_FETCHED, self._count)
-        self.on(Event.TRAINING_STEP, self._after_step)
+        self.scope.on(Event.BATCH_FETCHED, self._count)
+        self.scope.on(Event.TRAINING_STEP, self._after_step)
         every = self.options.log_every
         self.because("progress", every=every) if every else self.because("final_only")
 

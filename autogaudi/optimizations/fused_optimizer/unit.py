@@ -91,11 +91,11 @@ class FusedOptimizer(HpuDelegates, Unit):
         self._steps_seen = weakref.WeakKeyDictionary()  # optimizer being decided -> its steps counted at the last step
         self._record = None  # the last decision timed, for a later run to follow (measured_decision)
         if not self.backend.host_runs_ahead:
-            self.on(Event.TRAINING_STEP, self._step_ended)
+            self.scope.on(Event.TRAINING_STEP, self._step_ended)
         for optimizer_class in FUSABLE:
-            self.wrap(optimizer_class, "__init__", functools.partial(self._init, optimizer_class))
-        self.on_revert(self._hand_state_back_to_torch)
-        self.on_revert(self._fused.clear)
+            self.scope.wrap(optimizer_class, "__init__", functools.partial(self._init, optimizer_class))
+        self.scope.add(self._hand_state_back_to_torch)
+        self.scope.add(self._fused.clear)
         self.because("torch_fused" if self._native else "hpex")
 
     def _init(self, owner, wrapped, instance, args, kwargs):
@@ -221,7 +221,7 @@ class FusedOptimizer(HpuDelegates, Unit):
             # Wrapped only now that torch has put its hook layer on `owner.step` (it does so in the
             # first __init__), so this wrapper sits outside it and can route the step.
             self._raw_steps[owner] = owner.step.__wrapped__
-            self.wrap(owner, "step", self._step)
+            self.scope.wrap(owner, "step", self._step)
 
     def _step(self, wrapped, instance, args, kwargs):
         if instance not in self._fused and instance not in self._delegates and instance not in self._trying:

@@ -54,7 +54,7 @@ class CapturedCall:
             return block_layer
 
         for block in blocks:
-            self.hold(block, Layer.CAPTURE, layer_of(block), self.candidate.scope)
+            self.candidate.scope.hold(block, Layer.CAPTURE, layer_of(block))
 
         def graphed(*args, **kwargs):
             in_call.append(True)

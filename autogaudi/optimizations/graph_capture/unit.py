@@ -140,9 +140,9 @@ class GraphCapture(CapturedCall, DecidesCandidate):
         self._set_up_seconds = 0.0
         self._compile_mark = None  # torch's compile records when capture began (compile_counts.mark)
         if self.backend.graphs_hold_gradients:
-            self.wrap(torch.utils.checkpoint, "checkpoint", self._count_checkpoint)
+            self.scope.wrap(torch.utils.checkpoint, "checkpoint", self._count_checkpoint)
         self.because("waiting_for_profile")
-        self.on(Event.STEP_PROFILED, self._profiled)
+        self.scope.on(Event.STEP_PROFILED, self._profiled)
 
     def _params(self) -> dict:
         return {"model": type(self.candidate.model).__name__}
@@ -295,7 +295,7 @@ class GraphCapture(CapturedCall, DecidesCandidate):
         else:
             self._graphed = self.backend.graph_forward(module, exact_random=exact, static_outputs=not several)
         self.candidate.scope.add(self._forget_graphs)
-        self.hold(module, Layer.CAPTURE, self._around, self.candidate.scope)
+        self.candidate.scope.hold(module, Layer.CAPTURE, self._around)
         self.figures["model"] = name
         dropout = numerics.active_dropout(module)
         self._masks_differ = dropout and not exact

@@ -151,17 +151,17 @@ class LoaderWorkers(Unit):
         self._starting = None  # the LoaderState whose next iterator is being created
         self._threads = ThreadCut()
         self._threads.install(self.scope)
-        self.on(Event.LOADER_BUILT, self._consider)
-        self.on(Event.EPOCH_START, self._new_epoch)
-        self.on(Event.BEFORE_BATCH, self._before_batch)
-        self.on(Event.BATCH_FETCHED, self._after_batch)
+        self.scope.on(Event.LOADER_BUILT, self._consider)
+        self.scope.on(Event.EPOCH_START, self._new_epoch)
+        self.scope.on(Event.BEFORE_BATCH, self._before_batch)
+        self.scope.on(Event.BATCH_FETCHED, self._after_batch)
         self._script_workers: list = []  # num_workers of the loaders whose script chose it
         self._iterable_loaders = 0  # in-process loaders over an IterableDataset (never tuned)
-        self.on(Event.STEP_PROFILED, self._advise)  # advice, where a step profiler runs
+        self.scope.on(Event.STEP_PROFILED, self._advise)  # advice, where a step profiler runs
         self._measuring = None  # the scope of the layer that measures the cut, once
         self._cut_waiting = None  # the loader whose cut's measurement waits for the step profiler
         self._model = None  # the training model, weakly, once the step profiler found it
-        self.on(Event.STEP_PROFILED, self._found_model)
+        self.scope.on(Event.STEP_PROFILED, self._found_model)
         self.because("no_loader")
 
     def numerics_in_run(self) -> tuple:
@@ -416,12 +416,12 @@ class LoaderWorkers(Unit):
             self.note("threads_cut_script_compiles")
             return
         self._measuring = state.scope.child()
-        self.hold(model, Layer.MEASURE, functools.partial(self._measured_call, model), self._measuring)
+        self._measuring.hold(model, Layer.MEASURE, functools.partial(self._measured_call, model))
 
     def _measured_call(self, model, call, args, kwargs):
         if not (model.training and torch.is_grad_enabled()):
             return call(*args, **kwargs)
-        self.close_scope(self._measuring)
+        self._measuring.close()
         cut, script = torch._C.get_num_threads(), self._threads.script_threads()
         self.measure_numerics(
             model,
@@ -465,7 +465,7 @@ class LoaderWorkers(Unit):
         if state.scope is None:
             return
         scope, state.scope = state.scope, None
-        self.close_scope(scope)
+        scope.close()
         self.moment("in_process")
         self._tuned -= 1
         self.figures["loaders_tuned"] = self._tuned

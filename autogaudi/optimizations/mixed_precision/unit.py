@@ -161,9 +161,9 @@ class MixedPrecision(DecidesCandidate):
         self._history: list = []  # losses read so far (the guard's float32 ones first)
         self._remembered = None  # auto: the speed trial of an earlier run with this set-up, model and inputs
         self._script_scales = False
-        self.wrap(torch.amp.GradScaler, "scale", self._seen_scaling)
+        self.scope.wrap(torch.amp.GradScaler, "scale", self._seen_scaling)
         self.because("waiting_for_profile")
-        self.on(Event.STEP_PROFILED, self._profiled)
+        self.scope.on(Event.STEP_PROFILED, self._profiled)
 
     def _params(self) -> dict:
         return {"precision": self._precision, "model": type(self.candidate.model).__name__}
@@ -239,18 +239,18 @@ class MixedPrecision(DecidesCandidate):
         scope of their own, closed once it decided)."""
         model = self.candidate.model
         scope.add(self._forget)
-        self.hold(model, Layer.PRECISION, self._in_precision, scope)
+        scope.hold(model, Layer.PRECISION, self._in_precision)
         if self._precision == "fp16":
             device = next((p.device for p in model.parameters()), torch.device(self.backend.device_type))
             self._loss_scale = LossScale(self._scaled_parameters, device, lambda: self.candidate.on, self._overflowing)
-            self._loss_scale.install(self, scope)
+            self._loss_scale.install(scope)
         self._guarding = scope.child()
         # The shadow steps on a copy are work inside the user's steps: no measurement times those steps.
         self.session.windows.take(self)
         self._guarding.add(lambda: self.session.windows.release(self))
-        self.hold(model, Layer.OBSERVE, self._guard_forward, self._guarding)
-        self.on(Event.BEFORE_BACKWARD, self._guard_loss, self._guarding)
-        self.on(Event.AFTER_BACKWARD, self._guard_check, self._guarding)
+        self._guarding.hold(model, Layer.OBSERVE, self._guard_forward)
+        self._guarding.on(Event.BEFORE_BACKWARD, self._guard_loss)
+        self._guarding.on(Event.AFTER_BACKWARD, self._guard_check)
 
     def _forget(self) -> None:
         """The candidate undone: nothing of it kept (its guard, loss scaling, the parameters it scaled)."""
@@ -297,7 +297,7 @@ class MixedPrecision(DecidesCandidate):
         output = call(*args, **kwargs)
         if training and self._guard.pending:
             for tensor, keep in self._guard.after_forward(output):
-                self.hook(tensor.register_hook, keep, scope=self._guarding)
+                self._guarding.hook(tensor.register_hook, keep)
         return output
 
     def _guard_loss(self, tensors) -> None:
@@ -315,7 +315,7 @@ class MixedPrecision(DecidesCandidate):
 
     def _guarded(self) -> None:
         guard, guarding, self._guard, self._guarding = self._guard, self._guarding, None, None
-        self.close_scope(guarding)
+        guarding.close()
         checks = guard.figures
         self.figures.update(
             guard_checks=len(checks),
@@ -341,7 +341,7 @@ class MixedPrecision(DecidesCandidate):
         """Checked: on now (``bf16``, ``tf32``), or through a speed trial (``auto``: the trial of an
         earlier run with the same set-up, model and inputs where there is one; the guard above runs in
         every run, since numerics depend on this run's weights); watched from here."""
-        self.on(Event.BEFORE_BACKWARD, self._watch, self.candidate.scope)
+        self.candidate.scope.on(Event.BEFORE_BACKWARD, self._watch)
         if self._remembered is not None:
             self.candidate.follow(self._remembered)
         else:

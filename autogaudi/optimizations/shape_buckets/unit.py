@@ -108,8 +108,8 @@ class ShapeBuckets(Unit):
         self._positions = self._padded = 0
         self._graphs_at = {}  # "start", "warm": compiled_graphs() then
         self.figures["shapes"] = self._shapes()
-        self.on(Event.BATCH_FETCHED, self._fetched)
-        self.on(Event.STEP_PROFILED, self._profiled)
+        self.scope.on(Event.BATCH_FETCHED, self._fetched)
+        self.scope.on(Event.STEP_PROFILED, self._profiled)
         self.because("waiting_for_profile")
 
     def _shapes(self) -> dict:
@@ -155,7 +155,7 @@ class ShapeBuckets(Unit):
         elif self._where_shapes_matter(model) is None:
             self.because("eager", backend=self.backend.name)
             self._model = model
-            self.on(Event.TRAINING_STEP, self._watch_for_capture)
+            self.scope.on(Event.TRAINING_STEP, self._watch_for_capture)
         else:
             self._start(model)
 
@@ -176,8 +176,8 @@ class ShapeBuckets(Unit):
         self._forward = getattr(model, "_orig_mod", model).forward  # names the arguments (a compiled module's own)
         self._graphs_at["start"] = compiled_graphs(self.backend) or 0
         self._scope = self.scope.child()
-        self.hold(model, Layer.INPUTS, self._around, self._scope)
-        self.on(Event.TRAINING_STEP, self._stepped, self._scope)
+        self._scope.hold(model, Layer.INPUTS, self._around)
+        self._scope.on(Event.TRAINING_STEP, self._stepped)
         self.because("checking", buckets=list(self._buckets), model=type(model).__name__)
         self.figures["shapes"] = self._shapes()
 
@@ -195,7 +195,7 @@ class ShapeBuckets(Unit):
             self.because("marked_dynamic", refused=code, names=sorted(self._dynamic), model=type(self._model).__name__)
         else:
             self._dynamic = None
-            self.close_scope(self._scope)
+            self._scope.close()
             self._scope = None
         self.figures["shapes"] = self._shapes()
 

@@ -100,9 +100,9 @@ class StepProfiler(Unit):
         self._identify = None  # the root modules of the step that identifies the model
         self._known_end = None  # the training step a framework says the run ends at (looked up once)
         self._listening = self.scope.child()  # the step and batch listeners, closed once classified
-        self.on(Event.TRAINING_STEP, self._after_step, self._listening)
-        self.on(Event.BATCH_FETCHED, self._after_batch, self._listening)
-        self.on_revert(self._abandon_census)
+        self._listening.on(Event.TRAINING_STEP, self._after_step)
+        self._listening.on(Event.BATCH_FETCHED, self._after_batch)
+        self.scope.add(self._abandon_census)
         self.session.trials.measuring(self, self)
         self.because("warming_up", steps=self.options.warmup_steps)
 
@@ -212,7 +212,7 @@ class StepProfiler(Unit):
         self.session.windows.release(self)
         self._roots, self._calls = [], []  # hold none of the user's objects
         self.moment("profiled", bound=self.profile.bound)
-        self.close_scope(self._listening)  # classified once: no more work on every step and batch
+        self._listening.close()  # classified once: no more work on every step and batch
         self.session.events.emit(Event.STEP_PROFILED, self.profile)
 
     def _recalled(self, optimizer) -> bool:
@@ -228,7 +228,7 @@ class StepProfiler(Unit):
             self._recall = self.scope.child()
             self._identify = RootModules(self._roots, self._recall)
             return True
-        self.close_scope(self._recall)
+        self._recall.close()
         self._recall = False
         identify, self._identify = self._identify, None
         root = training_root(self._roots, optimizer)
