@@ -82,7 +82,7 @@ class Candidate:
     def refuse(self, reason) -> None:
         """Not for this run (a :class:`~autogaudi.core.reasons.Reason`); nothing is set up."""
         self.state = State.REFUSED
-        self.unit.reason = reason
+        self.unit.report.reason = reason
 
     def defer(self, step: int, then) -> None:
         """Wait, with nothing set up, for training step ``step``; then ``then()``."""
@@ -141,13 +141,13 @@ class Candidate:
         keep = record["decision"] == "kept"
         unit = self.unit
         self.profile = profile or self.profile
-        unit.figures["remembered_from_run"] = record["run"]
+        unit.report.figures["remembered_from_run"] = record["run"]
         if record["decision"] == "stopped":
-            unit.because("remembered_stopped", limit=record["one_off_limit_s"], **origin(record))
+            unit.report.because("remembered_stopped", limit=record["one_off_limit_s"], **origin(record))
             self.release()
             return
-        unit.figures["speedup"] = record["speedup"]
-        unit.because("remembered", decision=record["decision"], speedup=record["speedup"], **origin(record))
+        unit.report.figures["speedup"] = record["speedup"]
+        unit.report.because("remembered", decision=record["decision"], speedup=record["speedup"], **origin(record))
         if not keep:
             self.release()
             return
@@ -157,7 +157,7 @@ class Candidate:
         self.state = State.FOLLOWING
 
         def checked(matches: bool, check: dict) -> None:
-            unit.figures["remembered_check"] = check["decision"]
+            unit.report.figures["remembered_check"] = check["decision"]
             if not matches:
                 self.try_again()
             elif self.state is State.FOLLOWING:
@@ -170,19 +170,21 @@ class Candidate:
     def release(self, code: str | None = None, **params) -> None:
         """Not kept (or no longer): switch off and undo everything set up; ``code``: the reason."""
         if code is not None:
-            self.unit.because(code, **params)
+            self.unit.report.because(code, **params)
         self._close()
         self.state = State.RELEASED
 
     def _set_up_figures_reported(self) -> None:
         """On without a trial: the set-up's figures go to the report (a trial's record brings them)."""
-        self.unit.figures.update({name: round(value, 3) for name, value in self.set_up_figures.items()})
+        self.unit.report.figures.update({name: round(value, 3) for name, value in self.set_up_figures.items()})
 
     def _because(self, moment: str) -> None:
         """The unit's code for ``moment``, filled in with the parameters its text names."""
         code = self.codes[moment]
         template = self.unit.spec.reasons.get(code) or CORE[code]
-        self.unit.because(code, **{name: value for name, value in self.params().items() if "{" + name in template})
+        self.unit.report.because(
+            code, **{name: value for name, value in self.params().items() if "{" + name in template}
+        )
 
     def switch(self, on: bool) -> None:
         if on != self.on:
@@ -206,7 +208,7 @@ class Candidate:
         if record["decision"] == "stopped":
             self.release("one_off_overran", spent=record["one_off_s"], limit=record["one_off_limit_s"])
             return
-        unit.figures["speedup"] = record["speedup"]
+        unit.report.figures["speedup"] = record["speedup"]
         if self._decided is not None:
             self._decided(keep, record)
         self._because("kept" if keep else "rejected")

@@ -188,10 +188,10 @@ class Session:
             try:
                 unit.step_aside()
             except Exception as error:
-                unit.note("revert_raised", error=error)
+                unit.report.note("revert_raised", error=error)
             self._revert(unit)
             self.rows[unit.name].set(Status.SKIPPED, reason)
-            unit.moment("stepped_aside")
+            unit.report.moment("stepped_aside")
         self.check_settled()
 
     def unit_failed_at_run_time(self, unit, error: Exception) -> None:
@@ -201,7 +201,7 @@ class Session:
         self._revert(unit)
         self.check_settled()
         self.rows[unit.name].set(Status.FAILED, Reason("failed_at_run_time", error=error, where=where_raised(error)))
-        unit.moment("failed")
+        unit.report.moment("failed")
         warn(f"{unit.name} raised {error!r}; it is switched off and the run goes on without it")
 
     # The session as the guard's owner of its own code inside the user's calls (the step watcher's
@@ -297,7 +297,7 @@ class Session:
         try:
             unit.revert()
         except Exception as error:
-            unit.note("revert_raised", error=error)
+            unit.report.note("revert_raised", error=error)
 
     def stop(self) -> None:
         while self.applied:

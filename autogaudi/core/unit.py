@@ -26,8 +26,9 @@ from autogaudi.core.guard import guarded, guarded_method_call
 from autogaudi.core.options import OPTIONS_BY_NAME
 from autogaudi.core.reasons import Reason
 from autogaudi.core.registry import PROFILER
+from autogaudi.core.run_view import RunView
 from autogaudi.core.status import Status
-from autogaudi.measure import numerics
+from autogaudi.core.unit_report import UnitReport
 from autogaudi.watch import model_call
 
 # How a unit can make a run's numbers differ from plain PyTorch's on the same machine (losses,
@@ -137,10 +138,12 @@ class UnitScope(Scope):
         self._events = events
         self._notes = notes
 
-    def on(self, event: Event, listener) -> None:
+    def on(self, event: Event, listener):
         """Call ``listener`` at every ``event`` while the unit is in force and this scope is open; a
-        listener that raises reverts the unit."""
-        self.add(self._events.on(event, self.guard, listener).remove)
+        listener that raises reverts the unit. Returns the handle (a listener may remove itself)."""
+        handle = self._events.on(event, self.guard, listener)
+        self.add(handle.remove)
+        return handle
 
     def child(self) -> UnitScope:
         scope = UnitScope(self.guard, self._events, self._notes)
@@ -208,7 +211,7 @@ class Unit:
     the very original object after revert), ``acts_on`` (what they change on the user's own objects
     or through the session's step watcher, in words; where they can apply is the registry's
     ``ACTS_ONLY_ON``), may refine :meth:`skip_reason`, and implement
-    :meth:`apply`. ``self.figures`` collects what the unit measured, for the report. ``reasons`` maps
+    :meth:`apply`. ``self.report.figures`` collects what the unit measured, for the report. ``reasons`` maps
     each code the unit can give (:meth:`because`) to its text; the core's codes come on top.
     """
 
@@ -221,13 +224,10 @@ class Unit:
         # where it can apply, and why the other backends do not need it: the registry's, which the
         # session reads before it imports a unit
         self.backends, self.why_not_elsewhere = info.backends, info.why_not_elsewhere
-        self.reason = None  # a Reason: why it applied the way it did, for the report (see because())
-        self.figures: dict = {}
-        self.notes: list = []
-        self.recommendations: list = []
+        self.report = UnitReport(self.name, self.spec.reasons, RunView(session))
         self.failure = None  # what switched the unit off at run time (a repr: no traceback kept alive)
         self.set_aside = False  # stepped aside: the work is not on the backend's device
-        self.scope = UnitScope(self, session.events, self.notes)
+        self.scope = UnitScope(self, session.events, self.report.notes)
 
     @property
     def backend(self):
@@ -237,28 +237,20 @@ class Unit:
     def options(self):
         return self.session.options
 
-    def reason_for(self, code: str, **params) -> Reason:
-        """The :class:`Reason` ``code`` names in this unit's table (or the core's), filled in."""
-        return Reason(code, self.spec.reasons, **params)
-
-    def because(self, code: str, **params) -> None:
-        """Say why the unit is where it is now (the report reads it live)."""
-        self.reason = self.reason_for(code, **params)
-
     def skip_reason(self):
         """Why this unit does not apply to this run (a :class:`Reason`), or None when it does."""
         if self.backend.name not in self.backends:
             why = f": {self.why_not_elsewhere}" if self.why_not_elsewhere else ""
-            return self.reason_for(
+            return self.report.reason_for(
                 "other_backend", backends="/".join(self.backends), backend=self.backend.name, why=why
             )
         if torch_version() < self.spec.min_torch:
-            return self.reason_for(
+            return self.report.reason_for(
                 "old_torch", needed=".".join(map(str, self.spec.min_torch)), version=torch.__version__
             )
         numerics = self.numerics_on(self.backend)
         if self.options.exact and numerics:
-            return self.reason_for(
+            return self.report.reason_for(
                 "not_exact",
                 flag=OPTIONS_BY_NAME["exact"].flag,
                 how=" and ".join(NUMERICS[effect] for effect in numerics),
@@ -293,7 +285,7 @@ class Unit:
     def changes(self) -> list:
         """What this unit changed in the run, for the report's headline; [] where nothing changed."""
         figure, text = self.spec.changed_figure or (None, "")
-        count = self.figures.get(figure) if figure else None
+        count = self.report.figures.get(figure) if figure else None
         return [text.format(count)] if count else []
 
     def changes_kept(self) -> list:
@@ -338,39 +330,6 @@ class Unit:
             self.failure = repr(error)
             self.session.unit_failed_at_run_time(self, error)
 
-    def note(self, code: str, **params) -> None:
-        """Add a note to the unit's report (a code from its ``reasons``, filled in with ``params``, as
-        :meth:`because`), once however often the situation recurs."""
-        note = self.reason_for(code, **params)
-        if note not in self.notes:
-            self.notes.append(note)
-
-    def measure_numerics(self, model, args, kwargs, *, of: str, against: str, **how) -> None:
-        """This unit's effect on ``model``'s output for one call, measured on a copy
-        (:func:`autogaudi.measure.numerics.forward_difference`, ``how`` its variant and reference) into the
-        ``numerics_measured`` figure; or a note saying why it was not measured."""
-        try:
-            difference = numerics.forward_difference(model, args, kwargs, self.backend, **how)
-        except numerics.NotMeasured as why:
-            self.note(f"numerics_not_measured_{why.code}", model=type(model).__name__, **why.params)
-            return
-        self.figures["numerics_measured"] = numerics.measured(difference, of=of, steps=1, against=against)
-
-    def recommend(self, code: str, do=None, saves=None, saves_basis: str = "estimated", **params) -> None:
-        """Something autogaudi measured but will not change for the user, with what to do (a code from
-        its ``reasons``, filled in with ``params``); once. ``do``: the exact change (an option, a
-        value, a ``file:line``), what the short report shows; ``saves``: the share of a step it could
-        save, ``measured`` or ``estimated`` (None: unknown), which ranks it among the next steps."""
-        advice = self.reason_for(code, **params)
-        if all(item["reason"] != advice for item in self.recommendations):
-            self.recommendations.append({"reason": advice, "do": do, "saves": saves, "saves_basis": saves_basis})
-
-    def moment(self, event: str, **params) -> None:
-        """A moment the unit acted, for the run's timeline (the report's chart): ``event`` a code,
-        ``params`` JSON values."""
-        steps = self.session.steps
-        steps.timeline.mark(steps.steps, self.name, event, **params)
-
     def run_ending(self, error) -> None:
         """The run ends (at exit, before the report), with the exception raised through the script
         (None where none was): for a unit that leaves the next run a decision about it."""
@@ -414,7 +373,7 @@ class ActsOnProfile(Unit):
 
     def trial_named(self) -> str:
         """Which trial the ``speedup`` figure comes from, for the report's headline."""
-        run = self.figures.get("remembered_from_run")
+        run = self.report.figures.get("remembered_from_run")
         return f"run {run}'s trial" if run else "its trial"
 
 

@@ -173,9 +173,9 @@ class ActivationCheckpointing(Unit):
         self.scope.add(self._forget)
         if self.session.step_memory is None or self.session.step_memory.budget is None:
             self.session.trials.measured(self)
-            self.because("no_budget")
+            self.report.because("no_budget")
             return
-        self.because("waiting_for_forecast")
+        self.report.because("waiting_for_forecast")
         self.scope.on(Event.MEMORY_FORECAST, self._forecast)
 
     def _forget(self) -> None:
@@ -200,7 +200,7 @@ class ActivationCheckpointing(Unit):
         if remembered is not None and not self._held:
             self._recall(module, remembered)
         if compiled_by_the_script(module) or isinstance(module, torch.nn.parallel.DistributedDataParallel):
-            self.note("not_rescuable", model=type(module).__name__)
+            self.report.note("not_rescuable", model=type(module).__name__)
             return
         self.scope.hold(module, Layer.RESCUE, self._rescue)
 
@@ -210,8 +210,8 @@ class ActivationCheckpointing(Unit):
         if not self._checkpoint(model, names):
             return
         self.session.trials.measured(self)
-        self.figures.update(checkpointed_from_step=self.session.steps.steps, remembered_on=remembered["date"])
-        self.because(
+        self.report.figures.update(checkpointed_from_step=self.session.steps.steps, remembered_on=remembered["date"])
+        self.report.because(
             "out_of_memory_remembered",
             count=len(names),
             total=len(names),
@@ -234,7 +234,7 @@ class ActivationCheckpointing(Unit):
                 block, Layer.RECOMPUTE, functools.partial(self._recompute, weakref.ref(block), _parameters(block))
             )
             self._held[name] = block
-        self.figures["blocks_checkpointed"] = list(self._held)
+        self.report.figures["blocks_checkpointed"] = list(self._held)
         if self._steps_since is None:
             self._steps_since = self.session.steps.steps
             self.scope.on(Event.TRAINING_STEP, self._step_ended)
@@ -266,8 +266,8 @@ class ActivationCheckpointing(Unit):
         container, names, candidates = self._candidates(model)
         step = self.session.steps.steps
         self._remember("forward", step)
-        self.figures["rescued_at_step"] = step
-        self.because(
+        self.report.figures["rescued_at_step"] = step
+        self.report.because(
             "rescued",
             step=step,
             buffers=buffers,
@@ -275,7 +275,7 @@ class ActivationCheckpointing(Unit):
             total=len(names),
             container=container or type(model).__name__,
         )
-        self.moment("rescued", at_step=step)
+        self.report.moment("rescued", at_step=step)
         call.raised = None
         out_of_memory.release()
         return call(*args, **kwargs)  # where it runs out of memory again, that propagates as plain's
@@ -311,7 +311,7 @@ class ActivationCheckpointing(Unit):
         container, names, _ = self._candidates(model)
         for count, why in self._left_out:
             if count:
-                self.note(
+                self.report.note(
                     "left_out", count=count, why=why, total=len(names), container=container or type(model).__name__
                 )
 
@@ -323,7 +323,7 @@ class ActivationCheckpointing(Unit):
             return
         step = self.session.steps.steps
         where = "forward" if self._remembered else "outside_forward"
-        self.note("not_rescued", where=_where(where), step=step)
+        self.report.note("not_rescued", where=_where(where), step=step)
         if not self._remembered:
             self._remember(where, step)
 
@@ -333,14 +333,14 @@ class ActivationCheckpointing(Unit):
         container, _, names = self._candidates(model)
         sizes = {"count": len(names), "total": len(names), "container": container or type(model).__name__}
         if not names:
-            next_run = self.reason_for("next_run_no_blocks", model=type(model).__name__)
+            next_run = self.report.reason_for("next_run_no_blocks", model=type(model).__name__)
         elif self.session.memory is None:
-            next_run = self.reason_for("next_run_no_cache", **sizes)
+            next_run = self.report.reason_for("next_run_no_cache", **sizes)
         else:
             decision = {"blocks": list(names), "where": where, "step": step}
             self.session.memory.remember_memory(model, self._inputs, decision)
-            next_run = self.reason_for("next_run", **sizes)
-        self.figures["next_run"] = {"code": next_run.code, "what": next_run.text}
+            next_run = self.report.reason_for("next_run", **sizes)
+        self.report.figures["next_run"] = {"code": next_run.code, "what": next_run.text}
 
     def _forecast(self, model, memory) -> None:
         """A step was measured (or could not be): checkpoint the fewest more blocks that bring the
@@ -348,31 +348,31 @@ class ActivationCheckpointing(Unit):
         self.session.trials.measured(self)
         forecast, budget = memory.forecast, memory.budget
         if memory.state == "far_below":
-            self.because("far_below", state=_mb(memory.state_bytes), budget=_mb(budget))
+            self.report.because("far_below", state=_mb(memory.state_bytes), budget=_mb(budget))
             return
         if forecast is None:
             if not self._held:
-                self.because("not_forecast", why=memory.why_not)
+                self.report.because("not_forecast", why=memory.why_not)
             return
         container, names, candidates = self._candidates(model)  # once, with no tracker's hooks about
         sizes = {"peak": _mb(forecast.peak), "budget": _mb(budget)}
         if forecast.peak <= budget:
             if not self._held:
-                self.because("fits", **sizes)
+                self.report.because("fits", **sizes)
             return
         self._say_left_out(model)
         todo = [name for name in candidates if name not in self._held]
         if not todo:
             if self._held:
-                self.note("still_over", after=_mb(forecast.peak), budget=_mb(budget))
+                self.report.note("still_over", after=_mb(forecast.peak), budget=_mb(budget))
             else:
-                self.because("no_blocks", model=type(model).__name__, **sizes)
+                self.report.because("no_blocks", model=type(model).__name__, **sizes)
             return
         modules = dict(model.named_modules())
         held = [route_of(modules[name]) for name in todo if route_of(modules[name]) is not None]
         if held:
             owner = next(iter(held[0].layers.values()))[0]
-            self.because(
+            self.report.because(
                 "blocks_held", held=getattr(owner, "name", type(owner).__name__), model=type(model).__name__, **sizes
             )
             return
@@ -381,10 +381,10 @@ class ActivationCheckpointing(Unit):
         after = forecast.without(chosen)
         memory.forecast = after
         memory.measure_next()
-        self.figures.update(
+        self.report.figures.update(
             forecast_peak_bytes_plain=memory.forecast_plain.peak, forecast_peak_bytes=after.peak, budget_bytes=budget
         )
-        self.because(
+        self.report.because(
             "checkpointed",
             count=len(self._held),
             total=len(names),
@@ -394,7 +394,7 @@ class ActivationCheckpointing(Unit):
             after=_mb(after.peak),
             budget=_mb(budget),
         )
-        self.moment("checkpointed", blocks=len(self._held))
+        self.report.moment("checkpointed", blocks=len(self._held))
 
     def _recompute(self, block_ref, parameters, call, args, kwargs):
         """A checkpointed block's call, passed through whole (its keywords are the block's, never
@@ -435,24 +435,25 @@ class ActivationCheckpointing(Unit):
     def _step_ended(self, _optimizer) -> None:
         steps = self.session.steps.steps - self._steps_since
         if steps > 0:
-            self.figures["recompute_ms_per_step"] = round(self._recompute_s * 1000 / steps, 3)
+            self.report.figures["recompute_ms_per_step"] = round(self._recompute_s * 1000 / steps, 3)
 
     def changes(self) -> list:
-        blocks = self.figures.get("blocks_checkpointed")
+        figures = self.report.figures
+        blocks = figures.get("blocks_checkpointed")
         if not blocks:
             return []
-        cost = self.figures.get("recompute_ms_per_step")
+        cost = figures.get("recompute_ms_per_step")
         cost = (
             f"; recomputing them (their Python forward run again) costs {cost} ms per step" if cost is not None else ""
         )
-        if "forecast_peak_bytes" not in self.figures:  # rescued or remembered: the reason says why
-            return [f"{len(blocks)} block(s) checkpointed ({', '.join(blocks)}): {self.reason.text}{cost}"]
+        if "forecast_peak_bytes" not in figures:  # rescued or remembered: the reason says why
+            return [f"{len(blocks)} block(s) checkpointed ({', '.join(blocks)}): {self.report.reason.text}{cost}"]
         measured = self.session.step_memory.measured
         peak = f", measured {_mb(measured[0])}" if measured else ""
         return [
             f"{len(blocks)} block(s) checkpointed ({', '.join(blocks)}): forecast peak "
-            f"{_mb(self.figures['forecast_peak_bytes_plain'])} -> {_mb(self.figures['forecast_peak_bytes'])}{peak}, "
-            f"budget {_mb(self.figures['budget_bytes'])}{cost}"
+            f"{_mb(figures['forecast_peak_bytes_plain'])} -> {_mb(figures['forecast_peak_bytes'])}{peak}, "
+            f"budget {_mb(figures['budget_bytes'])}{cost}"
         ]
 
 

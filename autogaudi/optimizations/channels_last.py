@@ -87,7 +87,7 @@ class ChannelsLast(DecidesCandidate):
     def apply(self) -> None:
         self.candidate = Candidate(self, self._set_up, lambda _on: None, self._params, kept=self._kept)
         self._numerics_pending = False
-        self.because("waiting_for_profile")
+        self.report.because("waiting_for_profile")
         self.scope.on(Event.STEP_PROFILED, self._profiled)
 
     def _params(self) -> dict:
@@ -96,22 +96,22 @@ class ChannelsLast(DecidesCandidate):
     def _refusal(self, profile):
         model = profile.model
         if model is None:
-            return self.reason_for("no_training_model")
+            return self.report.reason_for("no_training_model")
         if not any(isinstance(m, torch.nn.Conv2d) for m in model.modules()):
-            return self.reason_for("no_conv2d")
+            return self.report.reason_for("no_conv2d")
         if in_channels_last(model):
-            return self.reason_for("already_channels_last")
+            return self.report.reason_for("already_channels_last")
         if fsdp2_managed(model):
-            return self.reason_for("fsdp2")
+            return self.report.reason_for("fsdp2")
         if profile.bound == "input" and self.name not in (*self.options.force, *self.options.trial):
             # Both arms would mostly time the wait for data: a trial measured 0.42x for channels_last
             # on ResNet-18 waiting 68% of each step for its loader (H100).
-            return self.reason_for("input_bound", why=profile.why)
+            return self.report.reason_for("input_bound", why=profile.why)
         capture = holder(model, Layer.CAPTURE)
         if capture is not None:
             # Compiled graphs fix the strides they were built for: a later switch of format crashed
             # inductor's compiled backward (stride assertion) on CUDA in the siamese and mnist scripts.
-            return self.reason_for("captured", holder=capture.name)
+            return self.report.reason_for("captured", holder=capture.name)
         return None
 
     def _profiled(self, profile) -> None:
@@ -142,7 +142,11 @@ class ChannelsLast(DecidesCandidate):
     def changes(self) -> list:
         if not self.in_use():
             return []
-        measured = f", {self.figures['speedup']}x per step in {self.trial_named()}" if "speedup" in self.figures else ""
+        measured = (
+            f", {self.report.figures['speedup']}x per step in {self.trial_named()}"
+            if "speedup" in self.report.figures
+            else ""
+        )
         return [f"{type(self.candidate.model).__name__} and its 4-D inputs in channels_last{measured}"]
 
     def _inputs(self, call, args, kwargs):
@@ -158,7 +162,7 @@ class ChannelsLast(DecidesCandidate):
         same dropout masks, so the figure is the kernels' rounding alone)."""
         self._numerics_pending = False
         as_kept, plain = _in_format(torch.channels_last), _in_format(torch.contiguous_format)
-        self.measure_numerics(
+        self.report.measure_numerics(
             self.candidate.model,
             args,
             kwargs,

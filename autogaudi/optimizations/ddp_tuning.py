@@ -64,9 +64,9 @@ class DdpTuning(Unit):
         self._buffer_sync = (
             "forward_sync_buffers" if "forward_sync_buffers" in self._signature.parameters else "broadcast_buffers"
         )
-        self.figures["ddp_models_tuned"] = 0
+        self.report.figures["ddp_models_tuned"] = 0
         self.scope.wrap(DistributedDataParallel, "__init__", self._init)
-        self.because("bucket_view_and_size" if self.backend.name == "hpu" else "bucket_view")
+        self.report.because("bucket_view_and_size" if self.backend.name == "hpu" else "bucket_view")
 
     def _init(self, wrapped, instance, args, kwargs):
         changes = self._choose(args, kwargs) if type(instance) is DistributedDataParallel else {}
@@ -87,10 +87,10 @@ class DdpTuning(Unit):
         if self.backend.name == "hpu" and "bucket_cap_mb" not in given:
             changes["bucket_cap_mb"] = hpu_bucket_megabytes(module)
         if given.get("find_unused_parameters") and "static_graph" not in given:
-            self.note("static_graph_advice")
+            self.report.note("static_graph_advice")
         kept = sorted(name for name in ("gradient_as_bucket_view", "bucket_cap_mb", *buffer_choice) if name in given)
         if kept:
-            self.note("kept_own_settings", settings=", ".join(kept))
-        self.figures["ddp_models_tuned"] += 1
-        self.figures["last_settings"] = dict(changes)
+            self.report.note("kept_own_settings", settings=", ".join(kept))
+        self.report.figures["ddp_models_tuned"] += 1
+        self.report.figures["last_settings"] = dict(changes)
         return changes

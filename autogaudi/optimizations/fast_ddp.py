@@ -164,21 +164,21 @@ class FastDdp(Unit):
 
     def apply(self) -> None:
         self._models = weakref.WeakKeyDictionary()  # DDP model -> FlatAllReduce, or None where DDP keeps it
-        self.figures.update(models=0, flat_all_reduces=0)
+        self.report.figures.update(models=0, flat_all_reduces=0)
         self._measured_steps, self._largest_rounding = 0, 0.0
         self.scope.wrap(DistributedDataParallel, "forward", self._forward)
         self.scope.on(Event.AFTER_BACKWARD, self._after_backward)
-        self.because("flat_all_reduce")
+        self.report.because("flat_all_reduce")
 
     def _flat_all_reduce(self, model):
         if model not in self._models:
             why = why_ddp_keeps(model)
             if why:
-                self.note("ddp_keeps_sync", why=why)
+                self.report.note("ddp_keeps_sync", why=why)
                 self._models[model] = None
             else:
                 self._models[model] = FlatAllReduce(model)
-                self.figures["models"] += 1
+                self.report.figures["models"] += 1
         state = self._models[model]
         return None if state is None or state.handed_back else state
 
@@ -204,12 +204,12 @@ class FastDdp(Unit):
             changed = state.changed_counts()
             reference = self._ddp_reference(state) if state.first_counts is None else None
             state.average()
-            self.figures["flat_all_reduces"] += 1
+            self.report.figures["flat_all_reduces"] += 1
             if reference is not None:
                 self._rounding_measured(state, reference)
             if changed:
                 state.handed_back = True
-                self.because("gradients_changed", first=list(state.first_counts), then=list(changed))
+                self.report.because("gradients_changed", first=list(state.first_counts), then=list(changed))
 
     # How far the flat average is from DDP's own, at each model's first averaged step --------------
 
@@ -219,7 +219,7 @@ class FastDdp(Unit):
         size = state.numel * state.params[0].element_size()
         device = state.params[0].device
         if not every_rank(numerics.bytes_fit(size, device, self.backend), state.group, device):
-            self.note("rounding_not_measured_memory", gb=size / 1024**3, share=numerics.FREE_SHARE)
+            self.report.note("rounding_not_measured_memory", gb=size / 1024**3, share=numerics.FREE_SHARE)
             return None
         with torch.no_grad():
             return bucketed_average(state.pieces(), state.buckets, state.world, state.group)
@@ -231,7 +231,7 @@ class FastDdp(Unit):
         difference = numerics.largest_relative_difference(*zip(*pairs)) if pairs else 0.0
         self._measured_steps += 1
         self._largest_rounding = max(self._largest_rounding, difference)
-        self.figures["numerics_measured"] = numerics.measured(
+        self.report.figures["numerics_measured"] = numerics.measured(
             self._largest_rounding,
             of="averaged gradients",
             steps=self._measured_steps,

@@ -57,12 +57,12 @@ class FusedClipNormUnit(Unit):
         original = torch.nn.utils.clip_grad.clip_grad_norm_
         self._signature = inspect.signature(original)
         self._clippers = {}  # (parameter ids, max_norm) -> (parameters, clip)
-        self.figures.update(fused_calls=0, torch_calls=0)
+        self.report.figures.update(fused_calls=0, torch_calls=0)
         self._rounding_measured = False  # at the first fused call
         for owner in (torch.nn.utils, torch.nn.utils.clip_grad):
             if owner.clip_grad_norm_ is original:
                 self.scope.wrap(owner, "clip_grad_norm_", self._clip)
-        self.because("hpex")
+        self.report.because("hpex")
 
     def _clip(self, wrapped, instance, args, kwargs):
         bound = self._signature.bind(*args, **kwargs)
@@ -74,15 +74,15 @@ class FusedClipNormUnit(Unit):
         wrapped.read_as(**call)
         exact = float(call["norm_type"]) == 2.0 and not call["error_if_nonfinite"] and call.get("foreach") is None
         if not exact or holds_dtensors(parameters):
-            self.figures["torch_calls"] += 1
+            self.report.figures["torch_calls"] += 1
             return wrapped(**call)
         # measured at the first fused call, before the fused op scales the gradients in place
         reference = None if self._rounding_measured else torch_total_norm(parameters)
         total = self._clipper(parameters, float(call["max_norm"]))(parameters)
-        self.figures["fused_calls"] += 1
+        self.report.figures["fused_calls"] += 1
         if reference is not None:
             self._rounding_measured = True
-            self.figures["numerics_measured"] = numerics.measured(
+            self.report.figures["numerics_measured"] = numerics.measured(
                 numerics.largest_relative_difference([total], [reference]),
                 of="total norm",
                 steps=1,

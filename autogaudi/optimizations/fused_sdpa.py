@@ -76,17 +76,17 @@ class FusedSdpa(Unit):
     def apply(self) -> None:
         self._fused = self.backend.fused_sdpa()
         self._recompute = _RECOMPUTE[self.options.sdpa_recompute]
-        self.figures.update(fused_calls=0, torch_calls=0, torch_calls_by_reason={})
+        self.report.figures.update(fused_calls=0, torch_calls=0, torch_calls_by_reason={})
         self._measuring = True  # until a call without dropout is measured, or cannot be
         self.scope.wrap(torch.nn.functional, "scaled_dot_product_attention", self._attention)
-        self.because("hpex", recompute=self.options.sdpa_recompute)
+        self.report.because("hpex", recompute=self.options.sdpa_recompute)
 
     def _attention(self, wrapped, instance, args, kwargs):
         call = {**dict(zip(_PARAMETERS, args)), **kwargs}
         reason = fallback_reason(call)
         if reason is not None:
-            self.figures["torch_calls"] += 1
-            by_reason = self.figures["torch_calls_by_reason"]
+            self.report.figures["torch_calls"] += 1
+            by_reason = self.report.figures["torch_calls_by_reason"]
             by_reason[reason] = by_reason.get(reason, 0) + 1
             return wrapped(*args, **kwargs)
         output = self._fused.apply(
@@ -100,7 +100,7 @@ class FusedSdpa(Unit):
             "None",
             self._recompute,
         )
-        self.figures["fused_calls"] += 1
+        self.report.figures["fused_calls"] += 1
         if self._measuring:
             self._rounding_measured(wrapped, args, kwargs, call, output)
         return output
@@ -108,16 +108,16 @@ class FusedSdpa(Unit):
     def _rounding_measured(self, wrapped, args, kwargs, call, output) -> None:
         """The fused ``output`` against torch's op on the same inputs, at a call without dropout."""
         if call.get("dropout_p", 0.0) > 0:
-            self.note("dropout_not_compared")
+            self.report.note("dropout_not_compared")
             return
         self._measuring = False
         size = reference_bytes(call)
         if not numerics.bytes_fit(size, call["query"].device, self.backend):
-            self.note("rounding_not_measured_memory", gb=size / 1024**3, share=numerics.FREE_SHARE)
+            self.report.note("rounding_not_measured_memory", gb=size / 1024**3, share=numerics.FREE_SHARE)
             return
         with torch.no_grad():
             reference = wrapped(*args, **kwargs)
-        self.figures["numerics_measured"] = numerics.measured(
+        self.report.figures["numerics_measured"] = numerics.measured(
             numerics.largest_relative_difference([output], [reference]),
             of="attention output",
             steps=1,

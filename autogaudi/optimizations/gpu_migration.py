@@ -100,34 +100,34 @@ class GpuMigration(Unit):
         decided = self.session.migration or {"switched_on_by": None, "why_not": "no_script"}
         self._decided = decided
         self._toolkit = sys.modules.get(TOOLKIT)
-        self.figures["switched_on_by"] = decided.get("switched_on_by")
+        self.report.figures["switched_on_by"] = decided.get("switched_on_by")
         for library, where in decided.get("not_mapped", {}).items():
-            self.note("not_mapped", library=library, what=NOT_MAPPED[library], where=where)
+            self.report.note("not_mapped", library=library, what=NOT_MAPPED[library], where=where)
         if self._toolkit is not None:
-            self.figures["script_uses_cuda_at"] = decided.get("cuda", [])
+            self.report.figures["script_uses_cuda_at"] = decided.get("cuda", [])
             if decided.get("switched_on_by") == "autogaudi":
                 self.scope.add(self._unset_variable)
-            self.because("mapped", by=f"switched on by {decided.get('switched_on_by') or 'the script'}")
+            self.report.because("mapped", by=f"switched on by {decided.get('switched_on_by') or 'the script'}")
         elif "error" in decided:
-            self.because("failed_before_bridge", error=decided["error"])
+            self.report.because("failed_before_bridge", error=decided["error"])
         else:
-            self.because(decided.get("why_not", "no_script"))
+            self.report.because(decided.get("why_not", "no_script"))
             if decided.get("why_not") == "bridge_loaded_first":
-                self.recommend("enable_before_torch", do="python -m autogaudi script.py")
+                self.report.recommend("enable_before_torch", do="python -m autogaudi script.py")
         self.scope.wrap(torch.cuda, "is_available", self._is_available)
 
     def _is_available(self, wrapped, instance, args, kwargs):
         answer = wrapped(*args, **kwargs)
-        if self._toolkit is None and "cuda_asked_at" not in self.figures and _asked_by_the_script():
-            self.figures["cuda_asked_at"] = self.session.steps.steps
-            self.note("cuda_asked_at_run_time")
-            self.recommend("set_variable", do=f"{VARIABLE}=1")
+        if self._toolkit is None and "cuda_asked_at" not in self.report.figures and _asked_by_the_script():
+            self.report.figures["cuda_asked_at"] = self.session.steps.steps
+            self.report.note("cuda_asked_at_run_time")
+            self.report.recommend("set_variable", do=f"{VARIABLE}=1")
         return answer
 
     def _unset_variable(self):
         if os.environ.get(VARIABLE) == "1":
             del os.environ[VARIABLE]
-        return self.reason_for("mapping_stays")
+        return self.report.reason_for("mapping_stays")
 
     def mapped_calls(self):
         """The toolkit's count of mapped calls, where it keeps one it can be asked for (the test double
@@ -139,10 +139,10 @@ class GpuMigration(Unit):
             return None
 
     def changes(self) -> list:
-        self.figures["mapped_calls"] = self.mapped_calls()
+        self.report.figures["mapped_calls"] = self.mapped_calls()
         if self._toolkit is None:
             return []
-        count = self.figures["mapped_calls"]
+        count = self.report.figures["mapped_calls"]
         return [self.spec.changed_figure[1].format(count if count is not None else "its")]
 
     def facts(self):

@@ -45,21 +45,21 @@ class NonBlockingCopy(Unit):
     )
 
     def apply(self) -> None:
-        self.figures["non_blocking_copies"] = 0
+        self.report.figures["non_blocking_copies"] = 0
         self._accelerator = self.backend.device_type
         self.scope.wrap(torch.Tensor, "to", self._to)
         if self._accelerator == "cuda":
             self.scope.wrap(torch.Tensor, "cuda", self._cuda)
-        self.because("pinned_to_device", device=self._accelerator)
+        self.report.because("pinned_to_device", device=self._accelerator)
 
     def _to(self, wrapped, instance, args, kwargs):
         if wants_non_blocking(instance, args, kwargs, self._accelerator):
-            self.figures["non_blocking_copies"] += 1
+            self.report.figures["non_blocking_copies"] += 1
             kwargs = {**kwargs, "non_blocking": True}
         return wrapped(*args, **kwargs)
 
     def _cuda(self, wrapped, instance, args, kwargs):
         if "non_blocking" not in kwargs and len(args) < 2 and instance.device.type == "cpu" and instance.is_pinned():
-            self.figures["non_blocking_copies"] += 1
+            self.report.figures["non_blocking_copies"] += 1
             kwargs = {**kwargs, "non_blocking": True}
         return wrapped(*args, **kwargs)

@@ -66,21 +66,21 @@ class PinMemory(Unit):
     )
 
     def apply(self) -> None:
-        self.figures["loaders_pinned"] = 0
+        self.report.figures["loaders_pinned"] = 0
         self._pinned = weakref.WeakSet()
         device = self.backend.pin_memory_device
         self._arguments = pinning_arguments(device)
         if self._arguments is None:
             self._arguments = {}
-            self.note("pins_nothing_here", device=device)
+            self.report.note("pins_nothing_here", device=device)
         self.scope.on(Event.LOADER_BUILT, self._adjust)
-        self.because("pinned", device=self.backend.device_type)
+        self.report.because("pinned", device=self.backend.device_type)
 
     def _adjust(self, loader, args, kwargs):
         given = loader_arguments(loader, args, kwargs)
         if given is None or "pin_memory" in given:
             return None  # the script chose
-        self.figures["loaders_pinned"] += 1
+        self.report.figures["loaders_pinned"] += 1
         self._pinned.add(loader)
         return args, {**kwargs, "pin_memory": True, **self._arguments}
 

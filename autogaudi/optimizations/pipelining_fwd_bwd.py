@@ -20,6 +20,6 @@ class PipeliningFwdBwd(LazyModeUnit):
     )
 
     def apply(self) -> None:
-        self.figures["mark_steps"] = 0
+        self.report.figures["mark_steps"] = 0
         self.scope.on(Event.BEFORE_BACKWARD, lambda _loss: self.mark())
-        self.because("forced")
+        self.report.because("forced")

@@ -83,21 +83,21 @@ class StaticLastBatch(Unit):
     )
 
     def apply(self) -> None:
-        self.figures.update(loaders_padded=0, samples_added_per_epoch=0)
+        self.report.figures.update(loaders_padded=0, samples_added_per_epoch=0)
         self._model = None
         self._aside = False
         self.scope.on(Event.LOADER_BUILT, self._adjust)
         if self.backend.is_lazy:
-            self.because("policy", policy=self.options.last_batch)
+            self.report.because("policy", policy=self.options.last_batch)
         else:
             self.scope.on(Event.STEP_PROFILED, self._profiled)
-            self.because("waiting")
+            self.report.because("waiting")
 
     def _profiled(self, profile) -> None:
         self._model = profile.model
         if compiled_for_shapes(self._model, self.options) is None:
             code = "hpu_eager" if self.backend.name == "hpu" else "eager"
-            self.because(code, backend=self.backend.name)
+            self.report.because(code, backend=self.backend.name)
 
     def _shapes_matter(self) -> bool:
         if self._aside:
@@ -119,7 +119,7 @@ class StaticLastBatch(Unit):
         # The sampler DataLoader itself would build, or the script's own if it is one of those.
         sampler = call["sampler"]
         if sampler is not None and type(sampler) not in (RandomSampler, SequentialSampler):
-            self.note("own_sampler", sampler=type(sampler).__name__)
+            self.report.note("own_sampler", sampler=type(sampler).__name__)
             return None
         if sampler is None:
             sampler = (
@@ -141,11 +141,11 @@ class StaticLastBatch(Unit):
                 return False
             if not counted:
                 counted.append(True)
-                self.figures["loaders_padded"] += 1
-                self.figures["samples_added_per_epoch"] += added
-                self.because("policy", policy=self.options.last_batch)
+                self.report.figures["loaders_padded"] += 1
+                self.report.figures["samples_added_per_epoch"] += added
+                self.report.because("policy", policy=self.options.last_batch)
                 if added > 0:
-                    self.note("repeats_samples")
+                    self.report.note("repeats_samples")
             return True
 
         return whole

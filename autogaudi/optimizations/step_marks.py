@@ -35,12 +35,12 @@ class LazyModeUnit(Unit):
     def skip_reason(self):
         reason = super().skip_reason()
         if reason is None and not self.backend.is_lazy:
-            reason = self.reason_for("hpu_eager")
+            reason = self.report.reason_for("hpu_eager")
         return reason
 
     def mark(self, figure: str = "mark_steps") -> None:
         self.backend.mark_step()
-        self.figures[figure] += 1
+        self.report.figures[figure] += 1
 
 
 class StepMarks(LazyModeUnit):
@@ -51,17 +51,17 @@ class StepMarks(LazyModeUnit):
     )
 
     def apply(self) -> None:
-        self.figures.update(mark_steps=0, eval_marks=0)
+        self.report.figures.update(mark_steps=0, eval_marks=0)
         self.scope.on(Event.AFTER_BACKWARD, self._mark_training)
         self.scope.on(Event.OPTIMIZER_STEP, lambda _optimizer: self._mark_training())
         self.scope.on(Event.BEFORE_BATCH, self._before_batch)
-        self.because("lazy_mode")
+        self.report.because("lazy_mode")
 
     def _mark_training(self) -> None:
         self.mark()
         steps = self.session.steps.optimizer_steps
         if steps:
-            self.figures["marks_per_optimizer_step"] = round(self.figures["mark_steps"] / steps, 2)
+            self.report.figures["marks_per_optimizer_step"] = round(self.report.figures["mark_steps"] / steps, 2)
 
     def _before_batch(self, _iterator) -> None:
         if not torch.is_grad_enabled():  # an evaluation loop: close the previous iteration's graph

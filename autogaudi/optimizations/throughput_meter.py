@@ -42,7 +42,7 @@ class ThroughputMeter(Unit):
         self.scope.on(Event.BATCH_FETCHED, self._count)
         self.scope.on(Event.TRAINING_STEP, self._after_step)
         every = self.options.log_every
-        self.because("progress", every=every) if every else self.because("final_only")
+        self.report.because("progress", every=every) if every else self.report.because("final_only")
 
     def _count(self, _iterator, batch, _waited) -> None:
         if self.session.steps.warmed_up:
@@ -51,7 +51,7 @@ class ThroughputMeter(Unit):
     def _after_step(self, _optimizer) -> None:
         timed = self.session.steps.timed
         if timed and self._timed_samples:
-            self.figures["samples_per_s"] = round(self._timed_samples / timed[1], 1)
+            self.report.figures["samples_per_s"] = round(self._timed_samples / timed[1], 1)
         every = self.options.log_every
         if every and self.session.steps.steps % every == 0 and is_rank_zero():
             self._log_progress()
@@ -63,8 +63,8 @@ class ThroughputMeter(Unit):
         line = f"step {figures['steps']}"
         if "steps_per_s" in figures:
             line += f" | {figures['steps_per_s']:.2f} steps/s"
-        if "samples_per_s" in self.figures:
-            line += f" | {self.figures['samples_per_s']:.1f} samples/s"
+        if "samples_per_s" in self.report.figures:
+            line += f" | {self.report.figures['samples_per_s']:.1f} samples/s"
         memory = self.backend.memory_stats()
         if memory:
             line += f" | {memory.format()}"

@@ -181,7 +181,7 @@ class BrokenUnit(ActsOnProfile):
     spec = ActsOnProfile.spec.but(reasons={"broken": "breaks at {where}"})
 
     def apply(self):
-        self.because("broken", where=self.where)
+        self.report.because("broken", where=self.where)
         if self.where == "wrapper":
             self.scope.wrap(torch.nn.functional, "relu", self._broken_wrapper)
         if self.where == "listener":

@@ -70,7 +70,7 @@ class FusedOptimizer(HpuDelegates, Unit):
         return (ROUNDING, FORMULA) if backend.name == "hpu" else cls.spec.numerics
 
     def apply(self) -> None:
-        self.figures.update(optimizers_fused=0, optimizers_kept=0)
+        self.report.figures.update(optimizers_fused=0, optimizers_kept=0)
         self._fused_count = 0  # optimizers fused now
         self._put_back_count = 0  # optimizers timed and kept unfused (their steps never ran fused)
         self._step_seconds = collections.deque(maxlen=TIMED_STEPS)  # the training steps while timing
@@ -96,7 +96,7 @@ class FusedOptimizer(HpuDelegates, Unit):
             self.scope.wrap(optimizer_class, "__init__", functools.partial(self._init, optimizer_class))
         self.scope.add(self._hand_state_back_to_torch)
         self.scope.add(self._fused.clear)
-        self.because("torch_fused" if self._native else "hpex")
+        self.report.because("torch_fused" if self._native else "hpex")
 
     def _init(self, owner, wrapped, instance, args, kwargs):
         if type(instance) is not owner or self.session.steps.in_own_work:  # a subclass, AdamW running
@@ -122,7 +122,7 @@ class FusedOptimizer(HpuDelegates, Unit):
             self._timed.append(times)
             self.session.trials.measuring(self, times)
             self._route_steps(owner)
-            self.because("timing")
+            self.report.because("timing")
         elif self._native:
             self._fuse(instance)
             self._route_steps(owner)
@@ -139,7 +139,7 @@ class FusedOptimizer(HpuDelegates, Unit):
         if self.backend.host_runs_ahead or self.name in self.options.force:
             return False
         if several_ranks():
-            self.note("not_timed_several_ranks")
+            self.report.note("not_timed_several_ranks")
             return False
         return True
 
@@ -147,7 +147,7 @@ class FusedOptimizer(HpuDelegates, Unit):
         """From its next update on, ``optimizer`` runs torch's fused kernel (CPU, CUDA)."""
         self._fused[optimizer] = None
         self._count_fused(+1)
-        self.because("torch_fused")
+        self.report.because("torch_fused")
 
     def needs_work_on_device(self) -> bool:
         return not self._native  # the hpex path; torch's fused=True runs on the host too
@@ -172,16 +172,16 @@ class FusedOptimizer(HpuDelegates, Unit):
         else:
             refused_by = None
         found = unfusable_tensor(optimizer, dtensor_refused_by=refused_by)
-        return self.reason_for(found[0], **found[1]) if found else None
+        return self.report.reason_for(found[0], **found[1]) if found else None
 
     def _kept(self, owner, why: str, code: str = "optimizer_kept", refusal=None) -> None:
         """A note that ``owner``'s optimizer runs unfused, ``why`` (the code of the kernel's refusal
         where there is one, as ``refusal``)."""
-        self.figures["optimizers_kept"] += 1
-        self.note(code, optimizer=owner.__name__, why=why, refusal=refusal)
+        self.report.figures["optimizers_kept"] += 1
+        self.report.note(code, optimizer=owner.__name__, why=why, refusal=refusal)
 
     def _count_refusal(self, reason) -> None:
-        refusals = self.figures.setdefault("kernel_refusals", {})
+        refusals = self.report.figures.setdefault("kernel_refusals", {})
         refusals[reason.code] = refusals.get(reason.code, 0) + 1
 
     def _unfuse(self, optimizer, reason) -> None:
@@ -208,7 +208,7 @@ class FusedOptimizer(HpuDelegates, Unit):
 
     def _count_fused(self, change: int) -> None:
         self._fused_count += change
-        self.figures["optimizers_fused"] = self._fused_count
+        self.report.figures["optimizers_fused"] = self._fused_count
 
     def numerics_in_run(self) -> tuple:
         # An optimizer timed and kept unfused never ran fused: only a fused one's rounding is in the run.
@@ -291,7 +291,7 @@ class FusedOptimizer(HpuDelegates, Unit):
         try:  # numerics.unfused_update runs the step it is given on copies: here the fused one
             return numerics.unfused_update(optimizer, fused_update), seconds[0]
         except RuntimeError as error:  # the kernel refused these tensors: the run never needed it
-            self._unfuse(optimizer, self.reason_for("fused_step_raised", error=error))
+            self._unfuse(optimizer, self.report.reason_for("fused_step_raised", error=error))
             return None
 
     def _counted_step(self, optimizer, fused_s, unfused_s: float) -> None:
@@ -347,7 +347,7 @@ class FusedOptimizer(HpuDelegates, Unit):
         said = dict(decision=record["decision"], speedup=record.get("speedup"), **origin(record))
         if record["decision"] == "kept":
             self._fuse(optimizer)
-            self.because("remembered_timing", **said)
+            self.report.because("remembered_timing", **said)
         else:
             self._put_back(optimizer, "remembered_timing", **said)
 
@@ -362,11 +362,11 @@ class FusedOptimizer(HpuDelegates, Unit):
         """``optimizer`` kept on the script's own kernels, for ``code``: measured slower, or a gain
         too small to be worth its rounding."""
         self._put_back_count += 1
-        self.figures["optimizers_put_back"] = self._put_back_count
+        self.report.figures["optimizers_put_back"] = self._put_back_count
         said = dict(optimizer=type(optimizer).__name__, **values)
-        self.note(code, **said)
+        self.report.note(code, **said)
         if not self._fused_count:
-            self.because(code, **said)
+            self.report.because(code, **said)
 
     def _step_ended(self, optimizer) -> None:
         """A decision made in a step counts once the step is over: the run's steady state starts after
@@ -389,7 +389,7 @@ class FusedOptimizer(HpuDelegates, Unit):
         one on the same steps (the report's effect of the unit where one is fused)."""
         timed = [times for times in self._timed if times.fused]
         if timed:
-            self.figures["update_ms"] = update_ms(timed)
+            self.report.figures["update_ms"] = update_ms(timed)
 
     # How far the fused update is from torch's own -------------------------------------------------
 
@@ -425,7 +425,7 @@ class FusedOptimizer(HpuDelegates, Unit):
         """No copies: the rounding is not measured, and ``of`` (an optimizer), where it was to be
         timed, is fused untimed."""
         self._rounding_steps = MEASURED_STEPS
-        self.note(code, **params)
+        self.report.note(code, **params)
         if self._trying.pop(of, None) is not None:
             self._fuse(of)
             self._release_windows()
@@ -438,7 +438,7 @@ class FusedOptimizer(HpuDelegates, Unit):
         difference = numerics.largest_relative_difference(fused, unfused)
         self._rounding_steps += 1
         self._largest_rounding = max(self._largest_rounding, difference)
-        self.figures["numerics_measured"] = numerics.measured(
+        self.report.figures["numerics_measured"] = numerics.measured(
             self._largest_rounding, of="parameters", steps=self._rounding_steps, against="torch's unfused step"
         )
 
@@ -455,5 +455,5 @@ class FusedOptimizer(HpuDelegates, Unit):
         step_group_by_group(
             optimizer,
             self._raw_steps[type(optimizer)],
-            lambda error: self._unfuse(optimizer, self.reason_for("fused_step_raised", error=error)),
+            lambda error: self._unfuse(optimizer, self.report.reason_for("fused_step_raised", error=error)),
         )

@@ -141,7 +141,7 @@ class GraphCapture(CapturedCall, DecidesCandidate):
         self._compile_mark = None  # torch's compile records when capture began (compile_counts.mark)
         if self.backend.graphs_hold_gradients:
             self.scope.wrap(torch.utils.checkpoint, "checkpoint", self._count_checkpoint)
-        self.because("waiting_for_profile")
+        self.report.because("waiting_for_profile")
         self.scope.on(Event.STEP_PROFILED, self._profiled)
 
     def _params(self) -> dict:
@@ -151,19 +151,19 @@ class GraphCapture(CapturedCall, DecidesCandidate):
         if not self.in_use():
             return []
         text = f"{type(self.candidate.model).__name__} captured ({self.backend.graph_kind()})"
-        if "speedup" in self.figures:
-            text += f", {self.figures['speedup']}x per step in {self.trial_named()}"
-        parts = {name: self.figures[name] for name in ONE_OFF_PARTS if name in self.figures}
+        if "speedup" in self.report.figures:
+            text += f", {self.report.figures['speedup']}x per step in {self.trial_named()}"
+        parts = {name: self.report.figures[name] for name in ONE_OFF_PARTS if name in self.report.figures}
         if parts:
             listed = ", ".join(
                 f"{name.removesuffix('_s').replace('_', ' ')} {value} s" for name, value in parts.items()
             )
             text += f", one-off {round(sum(parts.values()), 3)} s ({listed})"
-        if "one_off_actual_s" in self.figures and "one_off_predicted_s" in self.figures:
-            text += f" (estimated {self.figures['one_off_predicted_s']} s before paying)"
-        if "pays_back_after_steps" in self.figures:
-            text += f", pays back after {self.figures['pays_back_after_steps']} steps"
-        if self.figures.get("compile_cache") == "hit":
+        if "one_off_actual_s" in self.report.figures and "one_off_predicted_s" in self.report.figures:
+            text += f" (estimated {self.report.figures['one_off_predicted_s']} s before paying)"
+        if "pays_back_after_steps" in self.report.figures:
+            text += f", pays back after {self.report.figures['pays_back_after_steps']} steps"
+        if self.report.figures.get("compile_cache") == "hit":
             text += ", compiled from the cache"
         return [text]
 
@@ -174,22 +174,22 @@ class GraphCapture(CapturedCall, DecidesCandidate):
     def _refusal(self, profile, any_bound: bool):
         """Why the profiled model is not captured (a Reason), or None (``any_bound``: whatever the step is bound by)."""
         if profile.bound != "host" and not any_bound:
-            return self.reason_for("not_host_bound", bound=profile.bound, why=profile.why)
+            return self.report.reason_for("not_host_bound", bound=profile.bound, why=profile.why)
         if profile.model is None:
-            return self.reason_for("no_training_model")
+            return self.report.reason_for("no_training_model")
         if compiled_by_the_script(profile.model):
-            return self.reason_for("compiled_by_script")
+            return self.report.reason_for("compiled_by_script")
         if fsdp2_managed(profile.model):
-            return self.reason_for("fsdp2")
+            return self.report.reason_for("fsdp2")
         precision = holder(profile.model, Layer.PRECISION)
         if precision is not None:
-            return self.reason_for("mixed_precision", holder=precision.name)
+            return self.report.reason_for("mixed_precision", holder=precision.name)
         refusal = self._control_flow_refusal(profile.model) or self.backend.graph_refusal(profile.model)
         if refusal:
             code, params = refusal
-            return self.reason_for(code, **params)
+            return self.report.reason_for(code, **params)
         if profile.calls_per_step > 1 and not self.backend.graphs_can_keep_outputs:
-            return self.reason_for(
+            return self.report.reason_for(
                 "called_several_times",
                 model=type(profile.model).__name__,
                 calls=profile.calls_per_step,
@@ -222,7 +222,9 @@ class GraphCapture(CapturedCall, DecidesCandidate):
         # First: a run too short to pay back any capture is so whatever the profile says. Every rank
         # takes rank 0's figures: ranks that waited for different steps would start trials apart.
         too_short, start_at_step = rank_zero_choice(self._when_to_try(profile)) if trial else (None, 0)
-        refusal = self.reason_for("too_short", **too_short) if too_short else self._refusal(profile, forced or asked)
+        refusal = (
+            self.report.reason_for("too_short", **too_short) if too_short else self._refusal(profile, forced or asked)
+        )
         if refusal:
             self.candidate.refuse(refusal)
             return
@@ -234,8 +236,8 @@ class GraphCapture(CapturedCall, DecidesCandidate):
             # Nothing is set up before the trial is due (importing the compiler alone took 1.2 s on
             # the 2-core CPU, more than a short script's whole run): a run that ends first pays nothing.
             self.candidate.defer(start_at_step, functools.partial(self._when_due, profile, start_at_step))
-            self.figures["trial_waits_for_step"] = start_at_step
-            self.because("trial_waits", step=start_at_step, **self._estimate_params(profile))
+            self.report.figures["trial_waits_for_step"] = start_at_step
+            self.report.because("trial_waits", step=start_at_step, **self._estimate_params(profile))
             return
         self._try(profile, start_at_step)
 
@@ -260,7 +262,7 @@ class GraphCapture(CapturedCall, DecidesCandidate):
         """Capture the profiled model; the seconds it took. The one-off's estimate goes in the figures
         first, to be set against what the first compile measures."""
         estimate = self._estimate_one_off(profile)
-        self.figures.update(
+        self.report.figures.update(
             one_off_predicted_s=estimate["seconds"],
             one_off_predicted_range_s=[estimate["low_s"], estimate["high_s"]],
             one_off_predicted_basis=estimate["basis"],
@@ -279,13 +281,13 @@ class GraphCapture(CapturedCall, DecidesCandidate):
         name = type(module).__name__
         exact = self.options.exact_random and self.backend.graphs_can_draw_eager_random
         if self.options.exact_random and not exact:
-            self.note("exact_random_no_effect", backend=self.backend.name)
+            self.report.note("exact_random_no_effect", backend=self.backend.name)
         several = profile.calls_per_step > 1
         if several:
-            self.note("captured_called_several_times", model=name, calls=profile.calls_per_step)
+            self.report.note("captured_called_several_times", model=name, calls=profile.calls_per_step)
         # What an earlier run compiled for this script, model and inputs, into the compiler's caches first.
         self._compile_mark = self._compile_mark or compile_counts.mark()
-        self.figures["compile_artifacts"] = one_offs.load_artifacts(
+        self.report.figures["compile_artifacts"] = one_offs.load_artifacts(
             self.session.cache, self._artifacts_key, self.backend
         )
         if self._estimate["tier"] == "regional":
@@ -296,12 +298,12 @@ class GraphCapture(CapturedCall, DecidesCandidate):
             self._graphed = self.backend.graph_forward(module, exact_random=exact, static_outputs=not several)
         self.candidate.scope.add(self._forget_graphs)
         self.candidate.scope.hold(module, Layer.CAPTURE, self._around)
-        self.figures["model"] = name
+        self.report.figures["model"] = name
         dropout = numerics.active_dropout(module)
         self._masks_differ = dropout and not exact
         self._numerics_pending = True  # measured on the first captured call
         if dropout:
-            self.note("dropout_exact" if exact else "dropout_differs")
+            self.report.note("dropout_exact" if exact else "dropout_differs")
 
     def run_ending(self, error) -> None:
         """Graph breaks and recompiles since capture began, by torch's counters, with the lines torch
@@ -309,14 +311,16 @@ class GraphCapture(CapturedCall, DecidesCandidate):
         if self._compile_mark is None:
             return
         found = compile_counts.since(self._compile_mark)
-        self.figures.update(graph_breaks=found["graph_breaks"], recompiles=found["recompiles"])
+        self.report.figures.update(graph_breaks=found["graph_breaks"], recompiles=found["recompiles"])
         breaks, recompiles = found["graph_breaks"], found["recompiles"]
         if breaks["count"]:
             reasons = "; ".join(f"{r['code'] or 'no code'}: {r['reason']} ({r['count']}x)" for r in breaks["reasons"])
-            self.note("graph_breaks", count=breaks["count"], where=", ".join(breaks["where"]) or "?", reasons=reasons)
+            self.report.note(
+                "graph_breaks", count=breaks["count"], where=", ".join(breaks["where"]) or "?", reasons=reasons
+            )
         if recompiles["count"]:
             reasons = "; ".join(f"{r['where']}: {r['reason']}" for r in recompiles["reasons"])
-            self.note("recompiled", count=recompiles["count"], reasons=reasons)
+            self.report.note("recompiled", count=recompiles["count"], reasons=reasons)
 
     def _when_to_try(self, profile) -> tuple:
         """(None, or the figures of why no trial could pay for itself; the training step from which one may start).
@@ -355,12 +359,14 @@ class GraphCapture(CapturedCall, DecidesCandidate):
             if self._replay_offered(profile, exact):
                 estimates["replay"] = one_offs.estimate(traits, records, self.backend, warm=warm, tier="replay")
             if len(estimates) > 1:
-                self.figures.update({f"one_off_predicted_{tier}_s": e["seconds"] for tier, e in estimates.items()})
+                self.report.figures.update(
+                    {f"one_off_predicted_{tier}_s": e["seconds"] for tier, e in estimates.items()}
+                )
             remaining = remaining_steps()
             self._estimate = one_offs.choose(
                 estimates.values(), _saved_per_step_s(profile), None if remaining is None else remaining[0]
             )
-            self.figures["capture_tier"] = self._estimate["tier"]
+            self.report.figures["capture_tier"] = self._estimate["tier"]
         return self._estimate
 
     def _replay_offered(self, profile, exact: bool) -> bool:
@@ -384,13 +390,13 @@ class GraphCapture(CapturedCall, DecidesCandidate):
     def _gradient_refusal(self, profile):
         """Why graphs that hold gradients cannot be used for this model and loop (a Reason), or None."""
         if self._checkpoint_calls or uses_gradient_checkpointing(profile.model):
-            return self.reason_for("gradient_checkpointing")
+            return self.report.reason_for("gradient_checkpointing")
         if profile.optimizer is None:
-            return self.reason_for("no_optimizer")
+            return self.report.reason_for("no_optimizer")
         params = [p for group in profile.optimizer.param_groups for p in group["params"]]
         without = sum(p.grad is None for p in params)
         if without:
-            return self.reason_for("parameters_without_gradient", without=without, total=len(params))
+            return self.report.reason_for("parameters_without_gradient", without=without, total=len(params))
         return None
 
     def _keep_gradient_tensors(self, optimizer, model) -> None:
@@ -398,7 +404,7 @@ class GraphCapture(CapturedCall, DecidesCandidate):
         # On the classes, checked by identity: nothing lands in the user's objects' __dict__.
         self.candidate.scope.wrap(type(optimizer), "zero_grad", self._zero_grad)
         self.candidate.scope.wrap(type(model), "zero_grad", self._zero_grad)
-        self.note("gradients_reused")
+        self.report.note("gradients_reused")
 
     def _zero_grad(self, wrapped, instance, args, kwargs):
         candidate = self.candidate
@@ -410,10 +416,10 @@ class GraphCapture(CapturedCall, DecidesCandidate):
             own_gradient_tensors(self.candidate.optimizer, on)
 
     def _decided(self, keep: bool, record: dict) -> None:
-        self.figures.update(
+        self.report.figures.update(
             speedup=record["speedup"],
             set_up_s=record["set_up_s"],
             warm_up_s=round(record["one_off_s"] - record["set_up_s"], 3),
         )
         if "pays_back_after_steps" in record:
-            self.figures["pays_back_after_steps"] = record["pays_back_after_steps"]
+            self.report.figures["pays_back_after_steps"] = record["pays_back_after_steps"]

@@ -47,12 +47,12 @@ class HpuMode(Unit):
     def apply(self) -> None:
         decided = dict(before_bridge.LAST_MODE) or {"code": "no_script"}
         self._mode = "lazy" if self.backend.is_lazy else "eager"
-        self.figures.update(mode=self._mode, mode_set=int(bool(decided.get("set"))))
+        self.report.figures.update(mode=self._mode, mode_set=int(bool(decided.get("set"))))
         self._decided = decided
         params = {"mode": self._mode, "error": decided.get("error")}
         record = decided.get("record") or {}
         other = "eager" if self._mode == "lazy" else "lazy"
-        self.because(decided["code"], other=other, other_ms=record.get(other), **params)
+        self.report.because(decided["code"], other=other, other_ms=record.get(other), **params)
 
     def run_ending(self, error) -> None:
         """Keep this mode's steady step time for the script, and report both figures."""
@@ -60,14 +60,14 @@ class HpuMode(Unit):
         if self._decided["code"] not in _MEASURED or cache is None or script is None:
             return
         if timed is None:
-            self.note("not_measured", mode=self._mode)
+            self.report.note("not_measured", mode=self._mode)
             return
         steps, seconds = timed
         record = modes.remember(cache, script, self._mode, 1000 * seconds / steps)
-        self.figures.update({f"{mode}_ms_per_step": record[mode] for mode in modes.MODES if record[mode]})
+        self.report.figures.update({f"{mode}_ms_per_step": record[mode] for mode in modes.MODES if record[mode]})
         other = "eager" if self._mode == "lazy" else "lazy"
         if record[other]:
             faster, _code = modes.choose(record)
-            self.note(
+            self.report.note(
                 "measured", mode=self._mode, ms=record[self._mode], other=other, other_ms=record[other], faster=faster
             )

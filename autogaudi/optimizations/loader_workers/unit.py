@@ -142,7 +142,7 @@ class LoaderWorkers(Unit):
     )
 
     def apply(self) -> None:
-        self.figures.update(loaders_tuned=0, loaders_kept=0)
+        self.report.figures.update(loaders_tuned=0, loaders_kept=0)
         self._tuned = 0  # loaders with workers now
         self._ever_tuned = False  # a loader had workers (their steps ran with the threads cut)
         self._loaders = weakref.WeakKeyDictionary()  # DataLoader -> LoaderState, for loaders it may tune
@@ -162,28 +162,28 @@ class LoaderWorkers(Unit):
         self._cut_waiting = None  # the loader whose cut's measurement waits for the step profiler
         self._model = None  # the training model, weakly, once the step profiler found it
         self.scope.on(Event.STEP_PROFILED, self._found_model)
-        self.because("no_loader")
+        self.report.because("no_loader")
 
     def numerics_in_run(self) -> tuple:
         # Workers that ran and were put back (no faster) ran their checked batches with the threads cut.
         return self.numerics_on(self.backend) if self._ever_tuned else ()
 
     def _kept(self, code: str, **values) -> None:
-        self.figures["loaders_kept"] += 1
-        self.note(code, **values)
+        self.report.figures["loaders_kept"] += 1
+        self.report.note(code, **values)
 
     def _keep(self, state, code: str, **values) -> None:
         """Keep a measured loader in-process (or put it back) for ``code``; the unit says so while no
         loader has workers."""
         state.phase = Phase.DONE
         self._kept(code, **values)
-        kept = self.figures.setdefault("kept_because", {})
+        kept = self.report.figures.setdefault("kept_because", {})
         kept[code] = kept.get(code, 0) + 1
         if not self._tuned:
             if code in _UNIT_REASON:
-                self.because(_UNIT_REASON[code])
+                self.report.because(_UNIT_REASON[code])
             else:
-                self.because(code, **values)
+                self.report.because(code, **values)
 
     def _consider(self, loader, args, kwargs):
         given = loader_arguments(loader, args, kwargs)
@@ -208,16 +208,16 @@ class LoaderWorkers(Unit):
             state = self._loaders[loader] = LoaderState(loader)
             self.session.trials.measuring(self, state)
             if not self._tuned:
-                self.because("measuring")
+                self.report.because("measuring")
             if raisable:
-                self.note("forced_measured", chosen=chosen)
+                self.report.note("forced_measured", chosen=chosen)
         return None
 
     def _kept_as_built(self, code: str) -> None:
         """A loader it may not tune; the unit's reason says so while no loader was measured."""
         self._kept(code)
         if not (self._loaders or self._decided):
-            self.because(code)
+            self.report.because(code)
 
     def _advise(self, profile) -> None:
         """A step that waits for data from a loader autogaudi may not tune: a script-chosen num_workers
@@ -228,7 +228,7 @@ class LoaderWorkers(Unit):
         workers, _threads = worker_budget()
         share = profile.measured.input_wait_fraction
         if self._iterable_loaders:
-            self.recommend(
+            self.report.recommend(
                 "shard_iterable",
                 share=share,
                 workers=workers,
@@ -243,7 +243,7 @@ class LoaderWorkers(Unit):
             return
         cores = machine_load.physical_cores()
         ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        self.recommend(
+        self.report.recommend(
             "more_workers",
             share=share,
             chosen=chosen,
@@ -342,8 +342,8 @@ class LoaderWorkers(Unit):
         self.session.trials.measured(self)  # decided, whether or not the loader outlives its windows
         if state.phase is Phase.MEASURING:
             state.phase = Phase.DONE
-            self.figures["input_bound_fraction"] = round(before.input_bound, 3)
-            self.figures["ms_per_batch_before"] = round(before.ms_per_batch, 3)
+            self.report.figures["input_bound_fraction"] = round(before.input_bound, 3)
+            self.report.figures["ms_per_batch_before"] = round(before.ms_per_batch, 3)
             if state.getitem_changes is not None:
                 self._keep(state, state.getitem_changes[0], **state.getitem_changes[1])
             elif before.input_bound < INPUT_BOUND:
@@ -356,7 +356,7 @@ class LoaderWorkers(Unit):
                 self._tune(loader, state, iterator)
         else:
             state.phase = Phase.DONE
-            self.figures["ms_per_batch_after"] = round(after.ms_per_batch, 3)
+            self.report.figures["ms_per_batch_after"] = round(after.ms_per_batch, 3)
             if not workers_faster(before, after, trials.materiality_of(self), worker_budget()[0]):
                 self._untune(state)
                 self._keep(state, "no_faster", after=after.ms_per_batch, before=before.ms_per_batch)
@@ -374,23 +374,23 @@ class LoaderWorkers(Unit):
         script_threads = self._threads.script_threads()
         self._threads.hold(state, threads, state.scope)
         if torch._C.get_num_threads() < script_threads:
-            self.note("threads_cut", threads=torch._C.get_num_threads(), script=script_threads)
+            self.report.note("threads_cut", threads=torch._C.get_num_threads(), script=script_threads)
             self._measure_cut(state)
         self._tuned += 1
         self._ever_tuned = True
-        self.figures.update(loaders_tuned=self._tuned, workers=workers, main_threads=torch._C.get_num_threads())
-        self.moment("workers", workers=workers)
+        self.report.figures.update(loaders_tuned=self._tuned, workers=workers, main_threads=torch._C.get_num_threads())
+        self.report.moment("workers", workers=workers)
         # timed on from the last measured batch, or from the next epoch's start: the workers' start-up
         # counts against them
         if in_process(iterator):
             state.phase = Phase.CHECKING
-            self.because("workers", workers=workers)
+            self.report.because("workers", workers=workers)
             if self._start_workers(state, iterator, loader):
-                self.figures["workers_from_batch"] = state.epoch_batches + 1
+                self.report.figures["workers_from_batch"] = state.epoch_batches + 1
         else:  # the script's own workers: raised in place, from the next epoch
             set_attributes(state.scope, loader, num_workers=workers, prefetch_factor=loader.prefetch_factor or 2)
             state.phase = Phase.NEXT_EPOCH
-            self.because("workers_raised", workers=workers)
+            self.report.because("workers_raised", workers=workers)
 
     def _found_model(self, profile) -> None:
         if profile.model is not None:
@@ -410,10 +410,10 @@ class LoaderWorkers(Unit):
             self._cut_waiting = state  # the step profiler has not named the model yet
             return
         if model is None:
-            self.note("threads_cut_no_model")
+            self.report.note("threads_cut_no_model")
             return
         if compiled_by_the_script(model):
-            self.note("threads_cut_script_compiles")
+            self.report.note("threads_cut_script_compiles")
             return
         self._measuring = state.scope.child()
         self._measuring.hold(model, Layer.MEASURE, functools.partial(self._measured_call, model))
@@ -423,7 +423,7 @@ class LoaderWorkers(Unit):
             return call(*args, **kwargs)
         self._measuring.close()
         cut, script = torch._C.get_num_threads(), self._threads.script_threads()
-        self.measure_numerics(
+        self.report.measure_numerics(
             model,
             args,
             kwargs,
@@ -466,7 +466,7 @@ class LoaderWorkers(Unit):
             return
         scope, state.scope = state.scope, None
         scope.close()
-        self.moment("in_process")
+        self.report.moment("in_process")
         self._tuned -= 1
-        self.figures["loaders_tuned"] = self._tuned
-        self.figures["main_threads"] = torch._C.get_num_threads()
+        self.report.figures["loaders_tuned"] = self._tuned
+        self.report.figures["main_threads"] = torch._C.get_num_threads()

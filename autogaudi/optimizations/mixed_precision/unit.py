@@ -134,11 +134,11 @@ class MixedPrecision(DecidesCandidate):
         precision = self.options.precision
         if precision == "tf32" and self.backend.name != "cuda":
             why = ": TF32 is a matmul mode of CUDA devices (Ampere and later)"
-            return self.reason_for("other_backend", backends="cuda", backend=self.backend.name, why=why)
+            return self.report.reason_for("other_backend", backends="cuda", backend=self.backend.name, why=why)
         if precision == "bf16" and self.backend.name == "cuda" and not torch.cuda.is_bf16_supported():
-            return self.reason_for("no_bf16")
+            return self.report.reason_for("no_bf16")
         if self.backend.name == "hpu" and self._chosen() == "fp16":
-            return self.reason_for("no_fp16")
+            return self.report.reason_for("no_fp16")
         return None
 
     def _chosen(self) -> str:
@@ -162,7 +162,7 @@ class MixedPrecision(DecidesCandidate):
         self._remembered = None  # auto: the speed trial of an earlier run with this set-up, model and inputs
         self._script_scales = False
         self.scope.wrap(torch.amp.GradScaler, "scale", self._seen_scaling)
-        self.because("waiting_for_profile")
+        self.report.because("waiting_for_profile")
         self.scope.on(Event.STEP_PROFILED, self._profiled)
 
     def _params(self) -> dict:
@@ -181,27 +181,31 @@ class MixedPrecision(DecidesCandidate):
     def changes(self) -> list:
         if not self.in_use():
             return []
-        measured = f", {self.figures['speedup']}x per step in {self.trial_named()}" if "speedup" in self.figures else ""
-        checked = f"checked against float32 (one-off {self.figures['guard_s']} s)"
+        measured = (
+            f", {self.report.figures['speedup']}x per step in {self.trial_named()}"
+            if "speedup" in self.report.figures
+            else ""
+        )
+        checked = f"checked against float32 (one-off {self.report.figures['guard_s']} s)"
         scaled = " with loss scaling" if self._loss_scale is not None else ""
         return [f"{type(self.candidate.model).__name__} in {self._precision}{scaled}, {checked}{measured}"]
 
     def _refusal(self, profile):
         if profile.model is None:
-            return self.reason_for("no_training_model")
+            return self.report.reason_for("no_training_model")
         share = profile.measured.fp32_matrix_fraction
         if share is None:
-            return self.reason_for("no_matrix_products")
+            return self.report.reason_for("no_matrix_products")
         if share < FP32_MATRIX_SHARE:  # the script already runs its matrix products below float32
-            return self.reason_for("script_low_precision", share=1 - share)
+            return self.report.reason_for("script_low_precision", share=1 - share)
         if self._precision == "tf32" and torch.backends.cuda.matmul.allow_tf32:
-            return self.reason_for("script_tf32")
+            return self.report.reason_for("script_tf32")
         if self._precision == "fp16" and self._script_scales:
-            return self.reason_for("script_scaler")
+            return self.report.reason_for("script_scaler")
         if fsdp2_managed(profile.model):
-            return self.reason_for("fsdp2")
+            return self.report.reason_for("fsdp2")
         if self._precision != "tf32" and compiled_by_the_script(profile.model):
-            return self.reason_for("compiled_by_script")  # hooks added under its graphs would recompile them
+            return self.report.reason_for("compiled_by_script")  # hooks added under its graphs would recompile them
         return None
 
     def _profiled(self, profile, recall: bool = True) -> None:
@@ -226,13 +230,13 @@ class MixedPrecision(DecidesCandidate):
         try:
             guard = Guard(profile.model, candidate, reference, device_type, scales, self.session.steps.unseen)
         except Exception as error:  # a model deepcopy refuses (an open file, a lock)
-            self.candidate.refuse(self.reason_for("no_copy", error=repr(error)))
+            self.candidate.refuse(self.report.reason_for("no_copy", error=repr(error)))
             return
         self._guard = guard
         self.candidate.set_up(profile)
         self.candidate.checking()
         guard.seconds += time.perf_counter() - started
-        self.because("checking", precision=self._precision, checks=GUARD_CHECKS)
+        self.report.because("checking", precision=self._precision, checks=GUARD_CHECKS)
 
     def _set_up(self, scope) -> None:
         """The precision layer, fp16's loss scaling, and the guard's observe layer and listeners (a
@@ -279,7 +283,7 @@ class MixedPrecision(DecidesCandidate):
         return self._scaled
 
     def _overflowing(self, skipped: int) -> None:
-        self.figures["skipped_steps"] = skipped
+        self.report.figures["skipped_steps"] = skipped
         self._fall_back(f"{SKIPS_IN_A_ROW} optimizer steps in a row had inf/NaN gradients ({skipped} skipped in all)")
 
     def _in_precision(self, call, args, kwargs):
@@ -317,7 +321,7 @@ class MixedPrecision(DecidesCandidate):
         guard, guarding, self._guard, self._guarding = self._guard, self._guarding, None, None
         guarding.close()
         checks = guard.figures
-        self.figures.update(
+        self.report.figures.update(
             guard_checks=len(checks),
             guard_output_error=round(max(f["output_error"] for f in checks), 5),
             guard_loss_change=round(max(f["loss_change"] for f in checks), 5),
@@ -366,7 +370,7 @@ class MixedPrecision(DecidesCandidate):
             self._losses.append(self._loss_scale.scale.to(self._losses[0].device))
         values, self._losses = torch.stack(self._losses).tolist(), []
         if self._loss_scale is not None:
-            self.figures.update(loss_scale=values.pop(), skipped_steps=self._loss_scale.skipped)
+            self.report.figures.update(loss_scale=values.pop(), skipped_steps=self._loss_scale.skipped)
         for value in values:
             trend = median(self._history[-50:]) if len(self._history) >= 5 else None
             if not math.isfinite(value):
@@ -374,12 +378,12 @@ class MixedPrecision(DecidesCandidate):
             if trend is not None and trend > 0 and value > SPIKE * trend:
                 return self._fall_back(f"a loss of {value:.4g}, {value / trend:.1f}x the median of the last losses")
             self._history.append(value)
-        self.figures["losses_watched"] = self.figures.get("losses_watched", 0) + len(values)
+        self.report.figures["losses_watched"] = self.report.figures.get("losses_watched", 0) + len(values)
 
     def _fall_back(self, what: str) -> None:
         step = self.session.steps.steps
         self.session.trials.cancel(self)
-        self.figures["fell_back_at_step"] = step
-        self.moment("fell_back")
-        self.note("losses_read_every", every=WATCH_EVERY, precision=self._precision)
+        self.report.figures["fell_back_at_step"] = step
+        self.report.moment("fell_back")
+        self.report.note("losses_read_every", every=WATCH_EVERY, precision=self._precision)
         self.candidate.release("fell_back", step=step, what=what)

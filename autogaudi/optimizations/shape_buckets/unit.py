@@ -107,10 +107,10 @@ class ShapeBuckets(Unit):
         self._traced = False  # a call of the model was traced by the script's own torch.compile
         self._positions = self._padded = 0
         self._graphs_at = {}  # "start", "warm": compiled_graphs() then
-        self.figures["shapes"] = self._shapes()
+        self.report.figures["shapes"] = self._shapes()
         self.scope.on(Event.BATCH_FETCHED, self._fetched)
         self.scope.on(Event.STEP_PROFILED, self._profiled)
-        self.because("waiting_for_profile")
+        self.report.because("waiting_for_profile")
 
     def _shapes(self) -> dict:
         graphs = compiled_graphs(self.backend) if self._graphs_at else None  # read once bucketing began
@@ -129,7 +129,7 @@ class ShapeBuckets(Unit):
         shape = signature.signature((batch,), {})
         if shape not in self._before:
             self._before.add(shape)
-            self.figures["shapes"] = self._shapes()
+            self.report.figures["shapes"] = self._shapes()
         if self._model is None and len(self._lengths) < LENGTHS_KEPT:
             found = padding.find_mask(signature.named_tensors(batch))
             if found is not None:
@@ -153,7 +153,7 @@ class ShapeBuckets(Unit):
         elif holder(model, Layer.INPUTS) is not None:
             self._settle("inputs_held", holder=holder(model, Layer.INPUTS).name)
         elif self._where_shapes_matter(model) is None:
-            self.because("eager", backend=self.backend.name)
+            self.report.because("eager", backend=self.backend.name)
             self._model = model
             self.scope.on(Event.TRAINING_STEP, self._watch_for_capture)
         else:
@@ -166,7 +166,7 @@ class ShapeBuckets(Unit):
 
     def _settle(self, code: str, **params) -> None:
         self._refused = True
-        self.because(code, **params)
+        self.report.because(code, **params)
 
     def _start(self, model) -> None:
         self._model = model
@@ -178,8 +178,8 @@ class ShapeBuckets(Unit):
         self._scope = self.scope.child()
         self._scope.hold(model, Layer.INPUTS, self._around)
         self._scope.on(Event.TRAINING_STEP, self._stepped)
-        self.because("checking", buckets=list(self._buckets), model=type(model).__name__)
-        self.figures["shapes"] = self._shapes()
+        self.report.because("checking", buckets=list(self._buckets), model=type(model).__name__)
+        self.report.figures["shapes"] = self._shapes()
 
     def _refuse(self, code: str, **params) -> None:
         """Padding not provable for this model: the layer goes, the model runs as the script calls it;
@@ -192,12 +192,14 @@ class ShapeBuckets(Unit):
             and self._dynamic
             and matter.compiled_for_shapes(self._model, self.options) == "torch.compile"
         ):
-            self.because("marked_dynamic", refused=code, names=sorted(self._dynamic), model=type(self._model).__name__)
+            self.report.because(
+                "marked_dynamic", refused=code, names=sorted(self._dynamic), model=type(self._model).__name__
+            )
         else:
             self._dynamic = None
             self._scope.close()
             self._scope = None
-        self.figures["shapes"] = self._shapes()
+        self.report.figures["shapes"] = self._shapes()
 
     def _stepped(self, _optimizer) -> None:
         if self._traced:
@@ -205,14 +207,14 @@ class ShapeBuckets(Unit):
             return
         if "warm" not in self._graphs_at and self._checked is not None and self._met >= set(self._buckets):
             self._graphs_at["warm"] = compiled_graphs(self.backend) or 0
-        self.figures["shapes"] = self._shapes()
+        self.report.figures["shapes"] = self._shapes()
 
     def _bucket(self, length: int) -> int:
         bucket = buckets.bucket_for(length, self._buckets)
         if bucket is None:
             bucket = buckets.overflow(length)
             self._buckets = tuple(sorted({*self._buckets, bucket}))
-            self.note("bucket_added", bucket=bucket)
+            self.report.note("bucket_added", bucket=bucket)
         return bucket
 
     def _around(self, call, args, kwargs):
@@ -270,7 +272,7 @@ class ShapeBuckets(Unit):
             self._refuse("check_failed", error=f"{type(error).__name__}: {error}")
             return False
         difference = f"{self._checked:.2g}"
-        self.because("bucketed", model=type(model).__name__, buckets=list(self._buckets), difference=difference)
+        self.report.because("bucketed", model=type(model).__name__, buckets=list(self._buckets), difference=difference)
         return True
 
     def decision(self) -> Status:

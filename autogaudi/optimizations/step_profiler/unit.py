@@ -104,7 +104,7 @@ class StepProfiler(Unit):
         self._listening.on(Event.BATCH_FETCHED, self._after_batch)
         self.scope.add(self._abandon_census)
         self.session.trials.measuring(self, self)
-        self.because("warming_up", steps=self.options.warmup_steps)
+        self.report.because("warming_up", steps=self.options.warmup_steps)
 
     def _after_batch(self, _iterator, _batch, waited: float) -> None:
         if self._step_began is not None:
@@ -162,8 +162,8 @@ class StepProfiler(Unit):
         after_s = one_off / CENSUS_ONE_OFF_SHARE
         if run_s >= after_s:
             return False
-        if self.reason.code != "census_waits":
-            self.because("census_waits", one_off_s=one_off, backend=self.backend.name, after_s=after_s)
+        if self.report.reason.code != "census_waits":
+            self.report.because("census_waits", one_off_s=one_off, backend=self.backend.name, after_s=after_s)
         return True
 
     def _others_measuring(self) -> bool:
@@ -173,8 +173,8 @@ class StepProfiler(Unit):
         windows = self.session.windows
         if windows.take(self):
             return False
-        if self.reason.code != "others_measuring":
-            self.because("others_measuring", units=windows.holder_name())
+        if self.report.reason.code != "others_measuring":
+            self.report.because("others_measuring", units=windows.holder_name())
         return True
 
     def _abandon_census(self) -> None:
@@ -187,31 +187,31 @@ class StepProfiler(Unit):
         measured = classification.classify(*shares)
         bound, why = rank_zero_choice(measured)
         if bound != measured[0]:
-            self.note("follows_rank_zero", bound=measured[0], why=measured[1])
+            self.report.note("follows_rank_zero", bound=measured[0], why=measured[1])
         root = training_root(self._roots, optimizer)
         # ``is not None``: a module's truth is its length where it has one (an empty Sequential is
         # false; torch.compile's OptimizedModule asks the module it compiled, and raises without one).
         calls = max((step_calls.get(id(root), 0) for step_calls in self._calls), default=0) if root is not None else 0
         inputs = self._inputs.get(id(root), ())
         self.profile = StepProfile(bound, why, figures, root, optimizer, calls_per_step=calls, inputs=inputs)
-        self.figures.update(bound=bound, profiled_at_step=self.session.steps.steps, **figures.as_dict())
-        self.figures["census_extra_s"] = round(classification.census_extra_s(self._clean, self._census_s), 3)
-        self.because(f"{bound}_bound", why=why)
+        self.report.figures.update(bound=bound, profiled_at_step=self.session.steps.steps, **figures.as_dict())
+        self.report.figures["census_extra_s"] = round(classification.census_extra_s(self._clean, self._census_s), 3)
+        self.report.because(f"{bound}_bound", why=why)
         if root is not None:
-            self.figures["model"] = model_name(self.profile.model)
-            self.figures["model_calls_per_step"] = calls
+            self.report.figures["model"] = model_name(self.profile.model)
+            self.report.figures["model_calls_per_step"] = calls
         if self.backend.name == "hpu" and self.backend.is_lazy:
             # The bridge's synchronize() marks a step and drains the host pipeline before it waits
             # (hpu/csrc/bindings.cpp): what is timed as device work includes the
             # host's graph building. Unverified on hardware; said rather than corrected.
-            self.note("hpu_lazy_device_time")
+            self.report.note("hpu_lazy_device_time")
         self._advise(root)
         self._publish()
 
     def _publish(self) -> None:
         self.session.windows.release(self)
         self._roots, self._calls = [], []  # hold none of the user's objects
-        self.moment("profiled", bound=self.profile.bound)
+        self.report.moment("profiled", bound=self.profile.bound)
         self._listening.close()  # classified once: no more work on every step and batch
         self.session.events.emit(Event.STEP_PROFILED, self.profile)
 
@@ -250,14 +250,14 @@ class StepProfiler(Unit):
             inputs,
             remembered=record,
         )
-        self.figures.update(
+        self.report.figures.update(
             bound=record["bound"],
             profiled_at_step=self.session.steps.steps,
             **record["figures"],
             remembered_from_run=record["run"],
         )
-        self.figures.update(model=model_name(self.profile.model), model_calls_per_step=calls)
-        self.because("remembered_profile", bound=record["bound"], why=record["why"], **origin(record))
+        self.report.figures.update(model=model_name(self.profile.model), model_calls_per_step=calls)
+        self.report.because("remembered_profile", bound=record["bound"], why=record["why"], **origin(record))
         self._publish()
         return True
 
@@ -272,12 +272,12 @@ class StepProfiler(Unit):
         per_step = median(sum(reads.values()) for reads in on_device)  # Counter.total(): 3.10+
         sites = sum(on_device, Counter())
         sites.pop(None, None)  # reads made outside any user frame
-        self.figures["host_reads_per_step"] = per_step
+        self.report.figures["host_reads_per_step"] = per_step
         where = [f"{short_location(site)} ({count / len(self._reads):g}/step)" for site, count in sites.most_common(3)]
         if where:
-            self.figures["host_read_sites"] = where
+            self.report.figures["host_read_sites"] = where
         if per_step >= 1 and self.backend.host_runs_ahead:
-            self.recommend(
+            self.report.recommend(
                 "host_reads",
                 per_step=per_step,
                 sites=", ".join(where),
@@ -288,9 +288,9 @@ class StepProfiler(Unit):
             return
         fp32 = self._matrix_ops[torch.float32] / matrix
         # Also in the profile: what mixed_precision reads, remembered with it for a later run.
-        self.figures["fp32_matrix_fraction"] = self.profile.measured.fp32_matrix_fraction = round(fp32, 3)
+        self.report.figures["fp32_matrix_fraction"] = self.profile.measured.fp32_matrix_fraction = round(fp32, 3)
         if fp32 >= FP32_MATRIX_SHARE and self.profile.bound == "device" and self.backend.fast_bf16():
-            self.recommend(
+            self.report.recommend(
                 "fp32_products",
                 share=fp32,
                 device=self.backend.device_type,
