@@ -91,7 +91,7 @@ class Candidate:
         waiting = unit.scope.child()
 
         def due(_optimizer) -> None:
-            if unit.session.steps.steps < step:
+            if unit.run.steps.steps < step:
                 return
             waiting.close()
             then()
@@ -119,8 +119,8 @@ class Candidate:
         ``not_before_step`` and ``one_off_limit_s``)."""
         self.set_up(profile or self.profile)
         unit = self.unit
-        forced = unit.name in unit.options.force
-        if forced or unit.options.no_trials or not self.needs_trial:
+        forced = unit.name in unit.run.options.force
+        if forced or unit.run.options.no_trials or not self.needs_trial:
             self._set_up_figures_reported()
             self._keep()
             self._because("forced" if forced else "no_trials")
@@ -130,7 +130,7 @@ class Candidate:
         self.state = State.TRIAL
         materiality = materiality_of(unit)  # a candidate that changes the numbers must save its share
         trial = Trial(unit, unit.name, self.switch, self._trial_decided, set_up_s, materiality=materiality, **trial)
-        unit.session.trials.submit(trial)
+        unit.run.trials.submit(trial)
         self._because("trial")
 
     def follow(self, record: dict, profile=None) -> None:
@@ -165,7 +165,7 @@ class Candidate:
 
         expected_s = record["ms_per_step_with"] / 1000
         load_then = record.get("load", 1.0)
-        unit.session.trials.submit(Check(unit, unit.name, expected_s, checked, warmup=WARMUP, load_then=load_then))
+        unit.run.trials.submit(Check(unit, unit.name, expected_s, checked, warmup=WARMUP, load_then=load_then))
 
     def release(self, code: str | None = None, **params) -> None:
         """Not kept (or no longer): switch off and undo everything set up; ``code``: the reason."""

@@ -218,38 +218,31 @@ class Unit:
     spec = UnitSpec()
 
     def __init__(self, session, info):
-        self.session = session
+        self._session = session  # for the guard's report of a failure only: the unit reads the run through self.run
         self.name = info.name
         self.summary = info.summary
         # where it can apply, and why the other backends do not need it: the registry's, which the
         # session reads before it imports a unit
         self.backends, self.why_not_elsewhere = info.backends, info.why_not_elsewhere
-        self.report = UnitReport(self.name, self.spec.reasons, RunView(session))
+        self.run = RunView(session)
+        self.report = UnitReport(self.name, self.spec.reasons, self.run)
         self.failure = None  # what switched the unit off at run time (a repr: no traceback kept alive)
         self.set_aside = False  # stepped aside: the work is not on the backend's device
         self.scope = UnitScope(self, session.events, self.report.notes)
 
-    @property
-    def backend(self):
-        return self.session.backend
-
-    @property
-    def options(self):
-        return self.session.options
-
     def skip_reason(self):
         """Why this unit does not apply to this run (a :class:`Reason`), or None when it does."""
-        if self.backend.name not in self.backends:
+        if self.run.backend.name not in self.backends:
             why = f": {self.why_not_elsewhere}" if self.why_not_elsewhere else ""
             return self.report.reason_for(
-                "other_backend", backends="/".join(self.backends), backend=self.backend.name, why=why
+                "other_backend", backends="/".join(self.backends), backend=self.run.backend.name, why=why
             )
         if torch_version() < self.spec.min_torch:
             return self.report.reason_for(
                 "old_torch", needed=".".join(map(str, self.spec.min_torch)), version=torch.__version__
             )
-        numerics = self.numerics_on(self.backend)
-        if self.options.exact and numerics:
+        numerics = self.numerics_on(self.run.backend)
+        if self.run.options.exact and numerics:
             return self.report.reason_for(
                 "not_exact",
                 flag=OPTIONS_BY_NAME["exact"].flag,
@@ -267,8 +260,8 @@ class Unit:
     def numerics_in_run(self) -> tuple:
         """How what this unit did in this run can have changed the numbers: its ``numerics`` where it
         changed something (:meth:`changes`) or a trial ran it, else ()."""
-        acted = self.changes() or any(record["candidate"] == self.name for record in self.session.trials.records)
-        return self.numerics_on(self.backend) if acted else ()
+        acted = self.changes() or any(record["candidate"] == self.name for record in self.run.trials.records)
+        return self.numerics_on(self.run.backend) if acted else ()
 
     def apply(self) -> None:
         raise NotImplementedError
@@ -291,14 +284,14 @@ class Unit:
     def changes_kept(self) -> list:
         """:meth:`changes`, except while a trial runs this unit: a candidate on trial is on in some
         steps only, and nothing is changed until it is kept."""
-        return [] if self.session.trials.trying(self) else self.changes()
+        return [] if self.run.trials.trying(self) else self.changes()
 
     def decision(self) -> Status:
         """Where this unit's decision stands while it is in force, as the measurement runner
         (:mod:`autogaudi.measure.trials`) has it: ``DECIDING`` while a trial or measurement of it has something
         left to run, ``NOT_NEEDED`` once its measurements are all done (nothing it changed is kept),
         else ``WATCHING`` (waiting for what it acts on). Units say it through the runner, never here."""
-        runner = self.session.trials
+        runner = self.run.trials
         if runner.pending(self):
             return Status.DECIDING
         return Status.NOT_NEEDED if runner.decided(self) else Status.WATCHING
@@ -328,7 +321,7 @@ class Unit:
         """The guard's report of an exception from this unit's own code: switch the unit off."""
         if self.failure is None:
             self.failure = repr(error)
-            self.session.unit_failed_at_run_time(self, error)
+            self._session.unit_failed_at_run_time(self, error)
 
     def run_ending(self, error) -> None:
         """The run ends (at exit, before the report), with the exception raised through the script
@@ -348,15 +341,6 @@ class Unit:
         step; None where it has none. The trials' own records are remembered by the session."""
         return None
 
-    def recalled_trial(self):
-        """This unit's trial as a run with the same set-up (``--trial`` included), model and inputs
-        decided it (:mod:`autogaudi.store.decisions`); None where there is none, or this run holds no trial
-        (``--force``, ``--no-trials``)."""
-        memory = self.session.memory
-        if memory is None or memory.recalled is None or self.options.no_trials or self.name in self.options.force:
-            return None
-        return memory.recalled.get("trials", {}).get(self.name)
-
 
 class ActsOnProfile(Unit):
     """Base of the units that act once the step is profiled (on the training model it finds) and
@@ -367,9 +351,9 @@ class ActsOnProfile(Unit):
     )
 
     def decision(self) -> Status:
-        if self.session.trials.pending(self):
+        if self.run.trials.pending(self):
             return Status.DECIDING
-        return Status.WATCHING if self.session.profiler.profile is None else Status.NOT_NEEDED
+        return Status.WATCHING if self.run.profiler.profile is None else Status.NOT_NEEDED
 
     def trial_named(self) -> str:
         """Which trial the ``speedup`` figure comes from, for the report's headline."""

@@ -165,14 +165,14 @@ class ActivationCheckpointing(Unit):
         self._held: dict = {}  # block name -> module, checkpointed by this unit
         self._blocks = None  # (container, names, candidates) once the first step is measured
         self._left_out = []  # (count, why) of the blocks that are no candidates
-        self._state = out_of_memory.CallState(self.backend.name)
+        self._state = out_of_memory.CallState(self.run.backend.name)
         self._rescued = False
         self._remembered = False  # an out-of-memory error of this run has been remembered for the next
         self._first = self.scope.child()
         self._first.hook(module_hooks.register_forward_pre_hook, self._called)
         self.scope.add(self._forget)
-        if self.session.step_memory is None or self.session.step_memory.budget is None:
-            self.session.trials.measured(self)
+        if self.run.step_memory is None or self.run.step_memory.budget is None:
+            self.run.trials.measured(self)
             self.report.because("no_budget")
             return
         self.report.because("waiting_for_forecast")
@@ -193,10 +193,10 @@ class ActivationCheckpointing(Unit):
         self._first.close()
         self._model = weakref.ref(module)
         self._inputs = input_shapes(args, {})
-        memory = self.session.step_memory
+        memory = self.run.step_memory
         if memory is None or memory.budget is None:  # no memory that could run out: nothing remembered, no layer
             return
-        remembered = self.session.memory.recall_memory(module, self._inputs) if self.session.memory else None
+        remembered = self.run.memory.recall_memory(module, self._inputs) if self.run.memory else None
         if remembered is not None and not self._held:
             self._recall(module, remembered)
         if compiled_by_the_script(module) or isinstance(module, torch.nn.parallel.DistributedDataParallel):
@@ -209,8 +209,8 @@ class ActivationCheckpointing(Unit):
         names = tuple(name for name in names if name in remembered["blocks"]) or names
         if not self._checkpoint(model, names):
             return
-        self.session.trials.measured(self)
-        self.report.figures.update(checkpointed_from_step=self.session.steps.steps, remembered_on=remembered["date"])
+        self.run.trials.measured(self)
+        self.report.figures.update(checkpointed_from_step=self.run.steps.steps, remembered_on=remembered["date"])
         self.report.because(
             "out_of_memory_remembered",
             count=len(names),
@@ -236,7 +236,7 @@ class ActivationCheckpointing(Unit):
             self._held[name] = block
         self.report.figures["blocks_checkpointed"] = list(self._held)
         if self._steps_since is None:
-            self._steps_since = self.session.steps.steps
+            self._steps_since = self.run.steps.steps
             self.scope.on(Event.TRAINING_STEP, self._step_ended)
         return True
 
@@ -264,7 +264,7 @@ class ActivationCheckpointing(Unit):
         self._say_left_out(model)
         buffers = self._state.put_back()
         container, names, candidates = self._candidates(model)
-        step = self.session.steps.steps
+        step = self.run.steps.steps
         self._remember("forward", step)
         self.report.figures["rescued_at_step"] = step
         self.report.because(
@@ -284,7 +284,7 @@ class ActivationCheckpointing(Unit):
         """Whether every block could be checkpointed (then it is); the error propagates where not."""
         if self._checkpoint(model, self._candidates(model)[2]):
             return True
-        self._remember("forward", self.session.steps.steps)
+        self._remember("forward", self.run.steps.steps)
         return False
 
     def _candidates(self, model) -> tuple:
@@ -293,7 +293,7 @@ class ActivationCheckpointing(Unit):
         once found, with why, in ``_left_out``)."""
         if self._blocks is not None:
             return self._blocks
-        forecast = self.session.step_memory.forecast_plain
+        forecast = self.run.step_memory.forecast_plain
         called = set(forecast.kept) if forecast is not None else None  # not measured: the blocks the model holds
         container, names = repeated_blocks(model, called=called)
         own = [name for name in names if forecast is not None and name in forecast.under_saved_tensor_hooks]
@@ -321,7 +321,7 @@ class ActivationCheckpointing(Unit):
         model = self._model() if self._model is not None else None
         if model is None or error is None or not out_of_memory.is_out_of_memory(error):
             return
-        step = self.session.steps.steps
+        step = self.run.steps.steps
         where = "forward" if self._remembered else "outside_forward"
         self.report.note("not_rescued", where=_where(where), step=step)
         if not self._remembered:
@@ -334,18 +334,18 @@ class ActivationCheckpointing(Unit):
         sizes = {"count": len(names), "total": len(names), "container": container or type(model).__name__}
         if not names:
             next_run = self.report.reason_for("next_run_no_blocks", model=type(model).__name__)
-        elif self.session.memory is None:
+        elif self.run.memory is None:
             next_run = self.report.reason_for("next_run_no_cache", **sizes)
         else:
             decision = {"blocks": list(names), "where": where, "step": step}
-            self.session.memory.remember_memory(model, self._inputs, decision)
+            self.run.memory.remember_memory(model, self._inputs, decision)
             next_run = self.report.reason_for("next_run", **sizes)
         self.report.figures["next_run"] = {"code": next_run.code, "what": next_run.text}
 
     def _forecast(self, model, memory) -> None:
         """A step was measured (or could not be): checkpoint the fewest more blocks that bring the
         forecast of the steps after it under the budget, and have the next step measured."""
-        self.session.trials.measured(self)
+        self.run.trials.measured(self)
         forecast, budget = memory.forecast, memory.budget
         if memory.state == "far_below":
             self.report.because("far_below", state=_mb(memory.state_bytes), budget=_mb(budget))
@@ -389,7 +389,7 @@ class ActivationCheckpointing(Unit):
             count=len(self._held),
             total=len(names),
             container=container or type(model).__name__,
-            step=self.session.steps.steps,
+            step=self.run.steps.steps,
             before=_mb(memory.forecast_plain.peak),
             after=_mb(after.peak),
             budget=_mb(budget),
@@ -433,7 +433,7 @@ class ActivationCheckpointing(Unit):
             self._recompute_s += clock() - start
 
     def _step_ended(self, _optimizer) -> None:
-        steps = self.session.steps.steps - self._steps_since
+        steps = self.run.steps.steps - self._steps_since
         if steps > 0:
             self.report.figures["recompute_ms_per_step"] = round(self._recompute_s * 1000 / steps, 3)
 
@@ -448,7 +448,7 @@ class ActivationCheckpointing(Unit):
         )
         if "forecast_peak_bytes" not in figures:  # rescued or remembered: the reason says why
             return [f"{len(blocks)} block(s) checkpointed ({', '.join(blocks)}): {self.report.reason.text}{cost}"]
-        measured = self.session.step_memory.measured
+        measured = self.run.step_memory.measured
         peak = f", measured {_mb(measured[0])}" if measured else ""
         return [
             f"{len(blocks)} block(s) checkpointed ({', '.join(blocks)}): forecast peak "

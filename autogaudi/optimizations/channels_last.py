@@ -103,7 +103,7 @@ class ChannelsLast(DecidesCandidate):
             return self.report.reason_for("already_channels_last")
         if fsdp2_managed(model):
             return self.report.reason_for("fsdp2")
-        if profile.bound == "input" and self.name not in (*self.options.force, *self.options.trial):
+        if profile.bound == "input" and self.name not in (*self.run.options.force, *self.run.options.trial):
             # Both arms would mostly time the wait for data: a trial measured 0.42x for channels_last
             # on ResNet-18 waiting 68% of each step for its loader (H100).
             return self.report.reason_for("input_bound", why=profile.why)
@@ -119,7 +119,7 @@ class ChannelsLast(DecidesCandidate):
         if refusal:
             self.candidate.refuse(refusal)
             return
-        remembered = self.recalled_trial()
+        remembered = self.run.recalled_trial(self.name)
         if remembered is not None:
             self.candidate.follow(remembered, profile)
         else:

@@ -66,7 +66,7 @@ class DdpTuning(Unit):
         )
         self.report.figures["ddp_models_tuned"] = 0
         self.scope.wrap(DistributedDataParallel, "__init__", self._init)
-        self.report.because("bucket_view_and_size" if self.backend.name == "hpu" else "bucket_view")
+        self.report.because("bucket_view_and_size" if self.run.backend.name == "hpu" else "bucket_view")
 
     def _init(self, wrapped, instance, args, kwargs):
         changes = self._choose(args, kwargs) if type(instance) is DistributedDataParallel else {}
@@ -84,7 +84,7 @@ class DdpTuning(Unit):
         buffer_choice = {"broadcast_buffers", "forward_sync_buffers"} & set(given)
         if not buffer_choice and next(module.buffers(), None) is None:
             changes[self._buffer_sync] = False
-        if self.backend.name == "hpu" and "bucket_cap_mb" not in given:
+        if self.run.backend.name == "hpu" and "bucket_cap_mb" not in given:
             changes["bucket_cap_mb"] = hpu_bucket_megabytes(module)
         if given.get("find_unused_parameters") and "static_graph" not in given:
             self.report.note("static_graph_advice")

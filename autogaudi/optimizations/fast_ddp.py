@@ -218,7 +218,7 @@ class FastDdp(Unit):
         some rank (decided with every rank, at a step every rank is at)."""
         size = state.numel * state.params[0].element_size()
         device = state.params[0].device
-        if not every_rank(numerics.bytes_fit(size, device, self.backend), state.group, device):
+        if not every_rank(numerics.bytes_fit(size, device, self.run.backend), state.group, device):
             self.report.note("rounding_not_measured_memory", gb=size / 1024**3, share=numerics.FREE_SHARE)
             return None
         with torch.no_grad():

@@ -97,5 +97,5 @@ class FusedClipNormUnit(Unit):
             if len(self._clippers) >= _MAX_CACHED_SETS:
                 self._clippers.pop(next(iter(self._clippers)))
             # The parameters are kept with the clipper so their ids cannot be reused meanwhile.
-            cached = self._clippers[key] = (parameters, self.backend.fused_clip_norm(parameters, max_norm))
+            cached = self._clippers[key] = (parameters, self.run.backend.fused_clip_norm(parameters, max_norm))
         return cached[1]

@@ -74,12 +74,12 @@ class FusedSdpa(Unit):
     )
 
     def apply(self) -> None:
-        self._fused = self.backend.fused_sdpa()
-        self._recompute = _RECOMPUTE[self.options.sdpa_recompute]
+        self._fused = self.run.backend.fused_sdpa()
+        self._recompute = _RECOMPUTE[self.run.options.sdpa_recompute]
         self.report.figures.update(fused_calls=0, torch_calls=0, torch_calls_by_reason={})
         self._measuring = True  # until a call without dropout is measured, or cannot be
         self.scope.wrap(torch.nn.functional, "scaled_dot_product_attention", self._attention)
-        self.report.because("hpex", recompute=self.options.sdpa_recompute)
+        self.report.because("hpex", recompute=self.run.options.sdpa_recompute)
 
     def _attention(self, wrapped, instance, args, kwargs):
         call = {**dict(zip(_PARAMETERS, args)), **kwargs}
@@ -112,7 +112,7 @@ class FusedSdpa(Unit):
             return
         self._measuring = False
         size = reference_bytes(call)
-        if not numerics.bytes_fit(size, call["query"].device, self.backend):
+        if not numerics.bytes_fit(size, call["query"].device, self.run.backend):
             self.report.note("rounding_not_measured_memory", gb=size / 1024**3, share=numerics.FREE_SHARE)
             return
         with torch.no_grad():

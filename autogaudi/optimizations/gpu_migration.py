@@ -97,7 +97,7 @@ class GpuMigration(Unit):
     )
 
     def apply(self) -> None:
-        decided = self.session.migration or {"switched_on_by": None, "why_not": "no_script"}
+        decided = self.run.migration or {"switched_on_by": None, "why_not": "no_script"}
         self._decided = decided
         self._toolkit = sys.modules.get(TOOLKIT)
         self.report.figures["switched_on_by"] = decided.get("switched_on_by")
@@ -119,7 +119,7 @@ class GpuMigration(Unit):
     def _is_available(self, wrapped, instance, args, kwargs):
         answer = wrapped(*args, **kwargs)
         if self._toolkit is None and "cuda_asked_at" not in self.report.figures and _asked_by_the_script():
-            self.report.figures["cuda_asked_at"] = self.session.steps.steps
+            self.report.figures["cuda_asked_at"] = self.run.steps.steps
             self.report.note("cuda_asked_at_run_time")
             self.report.recommend("set_variable", do=f"{VARIABLE}=1")
         return answer
@@ -150,10 +150,10 @@ class GpuMigration(Unit):
         device, or the host where the script put its model there itself (mapped calls or not)."""
         if getattr(self, "_toolkit", None) is None:
             return None
-        on_device = getattr(self.session.placement, "on_device", None)
+        on_device = getattr(self.run.placement, "on_device", None)
         return {
             "asked_for": "cuda",
-            "ran_on": self.backend.device_type if on_device is not False else "cpu",
+            "ran_on": self.run.backend.device_type if on_device is not False else "cpu",
             "through": "Intel's GPU migration",
             "switched_on_by": self._decided.get("switched_on_by"),
             "mapped_calls": self.mapped_calls(),

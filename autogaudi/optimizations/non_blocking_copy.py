@@ -46,7 +46,7 @@ class NonBlockingCopy(Unit):
 
     def apply(self) -> None:
         self.report.figures["non_blocking_copies"] = 0
-        self._accelerator = self.backend.device_type
+        self._accelerator = self.run.backend.device_type
         self.scope.wrap(torch.Tensor, "to", self._to)
         if self._accelerator == "cuda":
             self.scope.wrap(torch.Tensor, "cuda", self._cuda)

@@ -68,13 +68,13 @@ class PinMemory(Unit):
     def apply(self) -> None:
         self.report.figures["loaders_pinned"] = 0
         self._pinned = weakref.WeakSet()
-        device = self.backend.pin_memory_device
+        device = self.run.backend.pin_memory_device
         self._arguments = pinning_arguments(device)
         if self._arguments is None:
             self._arguments = {}
             self.report.note("pins_nothing_here", device=device)
         self.scope.on(Event.LOADER_BUILT, self._adjust)
-        self.report.because("pinned", device=self.backend.device_type)
+        self.report.because("pinned", device=self.run.backend.device_type)
 
     def _adjust(self, loader, args, kwargs):
         given = loader_arguments(loader, args, kwargs)

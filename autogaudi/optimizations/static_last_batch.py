@@ -87,22 +87,22 @@ class StaticLastBatch(Unit):
         self._model = None
         self._aside = False
         self.scope.on(Event.LOADER_BUILT, self._adjust)
-        if self.backend.is_lazy:
-            self.report.because("policy", policy=self.options.last_batch)
+        if self.run.backend.is_lazy:
+            self.report.because("policy", policy=self.run.options.last_batch)
         else:
             self.scope.on(Event.STEP_PROFILED, self._profiled)
             self.report.because("waiting")
 
     def _profiled(self, profile) -> None:
         self._model = profile.model
-        if compiled_for_shapes(self._model, self.options) is None:
-            code = "hpu_eager" if self.backend.name == "hpu" else "eager"
-            self.report.because(code, backend=self.backend.name)
+        if compiled_for_shapes(self._model, self.run.options) is None:
+            code = "hpu_eager" if self.run.backend.name == "hpu" else "eager"
+            self.report.because(code, backend=self.run.backend.name)
 
     def _shapes_matter(self) -> bool:
         if self._aside:
             return False
-        return self.backend.is_lazy or compiled_for_shapes(self._model, self.options) is not None
+        return self.run.backend.is_lazy or compiled_for_shapes(self._model, self.run.options) is not None
 
     def _adjust(self, loader, args, kwargs):
         call = loader_arguments(loader, args, kwargs, defaults=True)
@@ -128,8 +128,8 @@ class StaticLastBatch(Unit):
         remainder = len(sampler) % batch_size
         if remainder == 0:
             return None
-        added = -remainder if self.options.last_batch == "drop" else batch_size - remainder
-        padded = PaddedSampler(sampler, batch_size, self.options.last_batch, self._whole_for(added))
+        added = -remainder if self.run.options.last_batch == "drop" else batch_size - remainder
+        padded = PaddedSampler(sampler, batch_size, self.run.options.last_batch, self._whole_for(added))
         return (), {**call, "sampler": padded, "shuffle": None}
 
     def _whole_for(self, added: int):
@@ -143,7 +143,7 @@ class StaticLastBatch(Unit):
                 counted.append(True)
                 self.report.figures["loaders_padded"] += 1
                 self.report.figures["samples_added_per_epoch"] += added
-                self.report.because("policy", policy=self.options.last_batch)
+                self.report.because("policy", policy=self.run.options.last_batch)
                 if added > 0:
                     self.report.note("repeats_samples")
             return True

@@ -34,12 +34,12 @@ class LazyModeUnit(Unit):
 
     def skip_reason(self):
         reason = super().skip_reason()
-        if reason is None and not self.backend.is_lazy:
+        if reason is None and not self.run.backend.is_lazy:
             reason = self.report.reason_for("hpu_eager")
         return reason
 
     def mark(self, figure: str = "mark_steps") -> None:
-        self.backend.mark_step()
+        self.run.backend.mark_step()
         self.report.figures[figure] += 1
 
 
@@ -59,7 +59,7 @@ class StepMarks(LazyModeUnit):
 
     def _mark_training(self) -> None:
         self.mark()
-        steps = self.session.steps.optimizer_steps
+        steps = self.run.steps.optimizer_steps
         if steps:
             self.report.figures["marks_per_optimizer_step"] = round(self.report.figures["mark_steps"] / steps, 2)
 

@@ -27,7 +27,7 @@ class HpuDelegates:
         if not params:
             self._kept(owner, "it has no parameters yet")
             return
-        delegate = self.backend.fused_optimizer(owner, params, hyperparameters)
+        delegate = self.run.backend.fused_optimizer(owner, params, hyperparameters)
         # Share the user's state and mirror their groups before each step: schedulers,
         # param_groups edits and checkpoints act on the user's object, the kernel sees the result.
         self._extra_settings[owner] = {

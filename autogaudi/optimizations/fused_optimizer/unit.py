@@ -75,7 +75,7 @@ class FusedOptimizer(HpuDelegates, Unit):
         self._put_back_count = 0  # optimizers timed and kept unfused (their steps never ran fused)
         self._step_seconds = collections.deque(maxlen=TIMED_STEPS)  # the training steps while timing
         self._last_step_end = None
-        self._native = self.backend.name != "hpu"
+        self._native = self.run.backend.name != "hpu"
         # CUDA/CPU: user's optimizer -> the state dict whose steps are in the fused kernel's format
         self._fused = weakref.WeakKeyDictionary()
         self._delegates = weakref.WeakKeyDictionary()  # HPU: user's optimizer -> (hpex optimizer, hook handles)
@@ -90,7 +90,7 @@ class FusedOptimizer(HpuDelegates, Unit):
         self._timed = []  # the UpdateTimes of every optimizer timed (the report's update_ms)
         self._steps_seen = weakref.WeakKeyDictionary()  # optimizer being decided -> its steps counted at the last step
         self._record = None  # the last decision timed, for a later run to follow (measured_decision)
-        if not self.backend.host_runs_ahead:
+        if not self.run.backend.host_runs_ahead:
             self.scope.on(Event.TRAINING_STEP, self._step_ended)
         for optimizer_class in FUSABLE:
             self.scope.wrap(optimizer_class, "__init__", functools.partial(self._init, optimizer_class))
@@ -99,13 +99,13 @@ class FusedOptimizer(HpuDelegates, Unit):
         self.report.because("torch_fused" if self._native else "hpex")
 
     def _init(self, owner, wrapped, instance, args, kwargs):
-        if type(instance) is not owner or self.session.steps.in_own_work:  # a subclass, AdamW running
+        if type(instance) is not owner or self.run.steps.in_own_work:  # a subclass, AdamW running
             return wrapped(*args, **kwargs)  # Adam's __init__, or an optimizer of autogaudi's own copy
         refusal, hyperparameters = self._refusal(owner, args, kwargs)
         result = wrapped(*args, **kwargs)  # exactly the script's call: nothing of ours on the object
         # The earliest the trained parameters are known (autogaudi.watch.placement): off the device, the
         # hpex path steps aside here, before this optimizer gets a delegate.
-        self.session.placement.observe(
+        self.run.placement.observe(
             [p for group in instance.param_groups for p in group["params"]], "optimizer's construction"
         )
         if self.set_aside:
@@ -120,7 +120,7 @@ class FusedOptimizer(HpuDelegates, Unit):
         elif self._native and self._timed_here():
             times = self._trying[instance] = UpdateTimes(optimizer=instance)
             self._timed.append(times)
-            self.session.trials.measuring(self, times)
+            self.run.trials.measuring(self, times)
             self._route_steps(owner)
             self.report.because("timing")
         elif self._native:
@@ -136,7 +136,7 @@ class FusedOptimizer(HpuDelegates, Unit):
         lazy a graph break, the run would not have), and not with several ranks (each would decide on
         its own timings, and replicas on different kernels drift apart). ``--force``d: fused untimed,
         the user taking its rounding."""
-        if self.backend.host_runs_ahead or self.name in self.options.force:
+        if self.run.backend.host_runs_ahead or self.name in self.run.options.force:
             return False
         if several_ranks():
             self.report.note("not_timed_several_ranks")
@@ -160,7 +160,7 @@ class FusedOptimizer(HpuDelegates, Unit):
             hyperparameters = user_hyperparameters(owner, args, kwargs)
         except TypeError:  # the user's call is wrong: let torch raise its own error
             return "the constructor arguments do not bind", None
-        return self.backend.fused_optimizer_refusal(owner, hyperparameters), hyperparameters
+        return self.run.backend.fused_optimizer_refusal(owner, hyperparameters), hyperparameters
 
     def _unfusable(self, optimizer):
         """Why the fused kernel would refuse this optimizer's tensors at its step, as a Reason, or None.
@@ -212,7 +212,7 @@ class FusedOptimizer(HpuDelegates, Unit):
 
     def numerics_in_run(self) -> tuple:
         # An optimizer timed and kept unfused never ran fused: only a fused one's rounding is in the run.
-        return self.numerics_on(self.backend) if self._fused_count else ()
+        return self.numerics_on(self.run.backend) if self._fused_count else ()
 
     # Each step of an optimizer it fused --------------------------------------------------------
 
@@ -247,7 +247,7 @@ class FusedOptimizer(HpuDelegates, Unit):
             unfusable = self._unfusable(optimizer)
             if unfusable:
                 self._unfuse(optimizer, unfusable)
-            elif optimizer in self._trying and self.recalled_trial() is None:
+            elif optimizer in self._trying and self.run.recalled_trial(self.name) is None:
                 shadow = self._fused_on_copies(optimizer)
             else:
                 reference = self._unfused_reference(optimizer)
@@ -301,7 +301,7 @@ class FusedOptimizer(HpuDelegates, Unit):
         whatever the timings: the step it switches at is the same in every run, first or warm."""
         times = self._trying[optimizer]
         times.steps += 1
-        self.session.windows.take(self)  # timed: no other measurement starts meanwhile (none is waited for)
+        self.run.windows.take(self)  # timed: no other measurement starts meanwhile (none is waited for)
         if fused_s is not None and times.steps > 1:
             times.fused.append(fused_s)
             times.unfused.append(unfused_s)
@@ -313,7 +313,7 @@ class FusedOptimizer(HpuDelegates, Unit):
         """The steps are given back once no optimizer that has stepped is still timed: one built and
         never stepped holds no other measurement back."""
         if not any(times.steps for times in self._trying.values()):
-            self.session.windows.release(self)
+            self.run.windows.release(self)
 
     def _decide(self, optimizer, times) -> None:
         """Fuse the optimizer from its next step where the trials' rule finds the fused update faster
@@ -322,7 +322,7 @@ class FusedOptimizer(HpuDelegates, Unit):
         del self._trying[optimizer]
         times.stop(decided=True)
         self._release_windows()
-        remembered = self.recalled_trial()
+        remembered = self.run.recalled_trial(self.name)
         if remembered is not None:
             self._follow(optimizer, remembered)
             return
@@ -412,7 +412,7 @@ class FusedOptimizer(HpuDelegates, Unit):
             self._not_measured(optimizer, "rounding_not_measured_dtensor", optimizer=name)
         elif any(param.is_shared() for param in numerics.parameters(optimizer)):
             self._not_measured(optimizer, "rounding_not_measured_shared", optimizer=name)
-        elif not numerics.copy_fits(tensors := numerics.optimizer_tensors(optimizer), self.backend):
+        elif not numerics.copy_fits(tensors := numerics.optimizer_tensors(optimizer), self.run.backend):
             gb = sum(tensor.numel() * tensor.element_size() for tensor in tensors) / 1024**3
             self._not_measured(
                 optimizer, "rounding_not_measured_memory", optimizer=name, gb=gb, share=numerics.FREE_SHARE

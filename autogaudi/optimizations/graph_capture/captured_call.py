@@ -43,7 +43,7 @@ class CapturedCall:
         own that runs it compiled (one compiled code for the class) during the model's captured call,
         and eagerly otherwise; the model's call itself stays eager around them."""
         name, block_class, blocks, _share = one_offs.repeated_blocks(module)
-        compiled = self.backend.graph_blocks(exact_random=exact)
+        compiled = self.run.backend.graph_blocks(exact_random=exact)
         self.report.figures["regions"] = {"container": name, "block": block_class.__name__, "count": len(blocks)}
         in_call = []  # non-empty while the model's captured call runs
 
@@ -68,7 +68,7 @@ class CapturedCall:
     def _forget_graphs(self) -> None:
         graphed, self._graphed = self._graphed, None
         if graphed is not None:
-            self.backend.release_graphs(graphed)
+            self.run.backend.release_graphs(graphed)
 
     def _around(self, call, args, kwargs):
         """The capture layer: ``call`` is the model's own eager call."""
@@ -83,7 +83,7 @@ class CapturedCall:
         if shapes not in self._shapes:
             self._shapes.append(shapes)
             if len(self._shapes) > MAX_SHAPES:
-                self.session.trials.cancel(self)
+                self.run.trials.cancel(self)
                 self.candidate.release("dynamic_shapes", count=len(self._shapes), shapes=self._shapes[:4])
                 return call(*args, **kwargs)
         state = self._random_state_to_measure(module)
@@ -108,7 +108,7 @@ class CapturedCall:
         if not self._numerics_pending:
             return None
         return numerics.random_state(
-            numerics.random_devices(module, self.backend.device_type), self.backend.device_type
+            numerics.random_devices(module, self.run.backend.device_type), self.run.backend.device_type
         )
 
     def _measure_numerics(self, module, args, kwargs, output, state) -> None:
@@ -132,7 +132,7 @@ class CapturedCall:
 
     def _compile_for_new_shape(self, args, kwargs):
         started = time.perf_counter()
-        cached_before = self.backend.compile_cache_counts()
+        cached_before = self.run.backend.compile_cache_counts()
         with warnings.catch_warnings():  # compiling: torch.compile's advice is not the user's
             warnings.simplefilter("ignore", UserWarning)
             result = self._graphed(*args, **kwargs)
@@ -140,7 +140,7 @@ class CapturedCall:
         seconds = time.perf_counter() - started
         first = self._compiled_for == 1
         if first:
-            cached = self.backend.compile_cache_counts()
+            cached = self.run.backend.compile_cache_counts()
             if cached is not None:
                 hits, misses = (cached[kind] - cached_before[kind] for kind in ("hits", "misses"))
                 self.report.figures["compile_cache"] = "hit" if hits and not misses else "miss" if misses else "none"
@@ -174,7 +174,7 @@ class CapturedCall:
             else:
                 self._add_later_compile(seconds - call_s)
             if is_rank_zero():  # for the next run: compiled once, loaded after
-                one_offs.save_artifacts(self.session.cache, self._artifacts_key, self.backend)
+                one_offs.save_artifacts(self.run.cache, self._artifacts_key, self.run.backend)
 
         handle = self.candidate.scope.on(Event.TRAINING_STEP, step_ended)
 
@@ -186,11 +186,11 @@ class CapturedCall:
         and, on rank 0, in this machine's records that later estimates learn from."""
         self.report.figures["one_off_actual_s"] = round(actual_s, 3)
         if self._estimate is not None and is_rank_zero():
-            one_offs.remember(self.session.cache, self.backend, one_offs.record_of(self._estimate, actual_s))
+            one_offs.remember(self.run.cache, self.run.backend, one_offs.record_of(self._estimate, actual_s))
 
     def _stop_compile_workers(self) -> None:
         """At exit, with capture still on: shut down the compile workers it started, timed."""
-        seconds = self.backend.stop_compile_workers()
+        seconds = self.run.backend.stop_compile_workers()
         if seconds is not None:
             self.report.figures["compile_workers_at_exit_s"] = round(seconds, 3)
 

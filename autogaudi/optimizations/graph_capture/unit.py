@@ -139,7 +139,7 @@ class GraphCapture(CapturedCall, DecidesCandidate):
         self._artifacts_key = None  # what its compiled code depends on, naming the saved compile caches
         self._set_up_seconds = 0.0
         self._compile_mark = None  # torch's compile records when capture began (compile_counts.mark)
-        if self.backend.graphs_hold_gradients:
+        if self.run.backend.graphs_hold_gradients:
             self.scope.wrap(torch.utils.checkpoint, "checkpoint", self._count_checkpoint)
         self.report.because("waiting_for_profile")
         self.scope.on(Event.STEP_PROFILED, self._profiled)
@@ -150,7 +150,7 @@ class GraphCapture(CapturedCall, DecidesCandidate):
     def changes(self) -> list:
         if not self.in_use():
             return []
-        text = f"{type(self.candidate.model).__name__} captured ({self.backend.graph_kind()})"
+        text = f"{type(self.candidate.model).__name__} captured ({self.run.backend.graph_kind()})"
         if "speedup" in self.report.figures:
             text += f", {self.report.figures['speedup']}x per step in {self.trial_named()}"
         parts = {name: self.report.figures[name] for name in ONE_OFF_PARTS if name in self.report.figures}
@@ -184,18 +184,18 @@ class GraphCapture(CapturedCall, DecidesCandidate):
         precision = holder(profile.model, Layer.PRECISION)
         if precision is not None:
             return self.report.reason_for("mixed_precision", holder=precision.name)
-        refusal = self._control_flow_refusal(profile.model) or self.backend.graph_refusal(profile.model)
+        refusal = self._control_flow_refusal(profile.model) or self.run.backend.graph_refusal(profile.model)
         if refusal:
             code, params = refusal
             return self.report.reason_for(code, **params)
-        if profile.calls_per_step > 1 and not self.backend.graphs_can_keep_outputs:
+        if profile.calls_per_step > 1 and not self.run.backend.graphs_can_keep_outputs:
             return self.report.reason_for(
                 "called_several_times",
                 model=type(profile.model).__name__,
                 calls=profile.calls_per_step,
-                backend=self.backend.name,
+                backend=self.run.backend.name,
             )
-        if self.backend.graphs_hold_gradients:
+        if self.run.backend.graphs_hold_gradients:
             return self._gradient_refusal(profile)
         return None
 
@@ -203,22 +203,22 @@ class GraphCapture(CapturedCall, DecidesCandidate):
         """(code, params) where the backend's graphs would replay a decision the model's forward takes on a
         device value (the step profiler's host reads, located in a forward's source), or None. Forcing
         does not lift it: a replay of the other branch changes what the model computes."""
-        if not self.backend.graphs_replay_recorded_branches:
+        if not self.run.backend.graphs_replay_recorded_branches:
             return None
-        found = forward_reading(model, read_sites(self.session.profiler))
+        found = forward_reading(model, read_sites(self.run.profiler))
         if found is None:
             return None
         module, site = found
         return "data_dependent_control_flow", {
             "module": type(module).__name__,
             "where": short_location(site),
-            "backend": self.backend.name,
+            "backend": self.run.backend.name,
         }
 
     def _profiled(self, profile) -> None:
-        forced = self.name in self.options.force
-        asked = self.name in self.options.trial  # --trial: measure it now, whatever the profile reads
-        trial = not (forced or asked or self.options.no_trials)
+        forced = self.name in self.run.options.force
+        asked = self.name in self.run.options.trial  # --trial: measure it now, whatever the profile reads
+        trial = not (forced or asked or self.run.options.no_trials)
         # First: a run too short to pay back any capture is so whatever the profile says. Every rank
         # takes rank 0's figures: ranks that waited for different steps would start trials apart.
         too_short, start_at_step = rank_zero_choice(self._when_to_try(profile)) if trial else (None, 0)
@@ -228,11 +228,11 @@ class GraphCapture(CapturedCall, DecidesCandidate):
         if refusal:
             self.candidate.refuse(refusal)
             return
-        remembered = self.recalled_trial()
+        remembered = self.run.recalled_trial(self.name)
         if remembered is not None:  # no waiting: the decision is known, the compile likely cached
             self.candidate.follow(remembered, profile)
             return
-        if start_at_step > self.session.steps.steps:
+        if start_at_step > self.run.steps.steps:
             # Nothing is set up before the trial is due (importing the compiler alone took 1.2 s on
             # the 2-core CPU, more than a short script's whole run): a run that ends first pays nothing.
             self.candidate.defer(start_at_step, functools.partial(self._when_due, profile, start_at_step))
@@ -276,26 +276,26 @@ class GraphCapture(CapturedCall, DecidesCandidate):
         """Capture the profiled model, into the candidate's scope."""
         module = profile.model
         self._training_mode = module.training
-        if self.backend.graphs_hold_gradients:
+        if self.run.backend.graphs_hold_gradients:
             self._keep_gradient_tensors(profile.optimizer, module)
         name = type(module).__name__
-        exact = self.options.exact_random and self.backend.graphs_can_draw_eager_random
-        if self.options.exact_random and not exact:
-            self.report.note("exact_random_no_effect", backend=self.backend.name)
+        exact = self.run.options.exact_random and self.run.backend.graphs_can_draw_eager_random
+        if self.run.options.exact_random and not exact:
+            self.report.note("exact_random_no_effect", backend=self.run.backend.name)
         several = profile.calls_per_step > 1
         if several:
             self.report.note("captured_called_several_times", model=name, calls=profile.calls_per_step)
         # What an earlier run compiled for this script, model and inputs, into the compiler's caches first.
         self._compile_mark = self._compile_mark or compile_counts.mark()
         self.report.figures["compile_artifacts"] = one_offs.load_artifacts(
-            self.session.cache, self._artifacts_key, self.backend
+            self.run.cache, self._artifacts_key, self.run.backend
         )
         if self._estimate["tier"] == "regional":
             self._graphed = self._capture_regions(module, exact)
         elif self._estimate["tier"] == "replay":
-            self._graphed = self.backend.graph_replay(module)
+            self._graphed = self.run.backend.graph_replay(module)
         else:
-            self._graphed = self.backend.graph_forward(module, exact_random=exact, static_outputs=not several)
+            self._graphed = self.run.backend.graph_forward(module, exact_random=exact, static_outputs=not several)
         self.candidate.scope.add(self._forget_graphs)
         self.candidate.scope.hold(module, Layer.CAPTURE, self._around)
         self.report.figures["model"] = name
@@ -347,17 +347,17 @@ class GraphCapture(CapturedCall, DecidesCandidate):
     def _estimate_one_off(self, profile) -> dict:
         """This model's capture one-off, predicted once per run (:func:`autogaudi.measure.one_offs.estimate`)."""
         if self._estimate is None:
-            exact = self.options.exact_random and self.backend.graphs_can_draw_eager_random
-            self._artifacts_key = one_offs.artifacts_key(self.backend, profile.model, profile.inputs, exact)
-            blob, _why, _changed = one_offs.artifacts_lookup(self.session.cache, self._artifacts_key)
+            exact = self.run.options.exact_random and self.run.backend.graphs_can_draw_eager_random
+            self._artifacts_key = one_offs.artifacts_key(self.run.backend, profile.model, profile.inputs, exact)
+            blob, _why, _changed = one_offs.artifacts_lookup(self.run.cache, self._artifacts_key)
             traits = one_offs.traits(profile.model, profile.measured.ops_per_step)
-            records = one_offs.remembered(self.session.cache, self.backend)
+            records = one_offs.remembered(self.run.cache, self.run.backend)
             warm = blob is not None
-            estimates = {"whole": one_offs.estimate(traits, records, self.backend, warm=warm)}
-            if self.backend.graphs_by_region and traits["blocks_share"] >= one_offs.REGIONAL_SHARE:
-                estimates["regional"] = one_offs.estimate(traits, records, self.backend, warm=warm, tier="regional")
+            estimates = {"whole": one_offs.estimate(traits, records, self.run.backend, warm=warm)}
+            if self.run.backend.graphs_by_region and traits["blocks_share"] >= one_offs.REGIONAL_SHARE:
+                estimates["regional"] = one_offs.estimate(traits, records, self.run.backend, warm=warm, tier="regional")
             if self._replay_offered(profile, exact):
-                estimates["replay"] = one_offs.estimate(traits, records, self.backend, warm=warm, tier="replay")
+                estimates["replay"] = one_offs.estimate(traits, records, self.run.backend, warm=warm, tier="replay")
             if len(estimates) > 1:
                 self.report.figures.update(
                     {f"one_off_predicted_{tier}_s": e["seconds"] for tier, e in estimates.items()}
@@ -373,7 +373,7 @@ class GraphCapture(CapturedCall, DecidesCandidate):
         """Whether the backend's replay tier (device graphs without a compiler) can capture this model:
         one call per step (each replay writes its outputs over the last ones) and random ops left as
         the backend draws them (--exact-random is the compiler's option)."""
-        return self.backend.replay_one_off_rate_s is not None and profile.calls_per_step == 1 and not exact
+        return self.run.backend.replay_one_off_rate_s is not None and profile.calls_per_step == 1 and not exact
 
     def _estimate_params(self, profile) -> dict:
         """The estimate as the pay-back reasons name it."""
@@ -384,7 +384,7 @@ class GraphCapture(CapturedCall, DecidesCandidate):
             low=estimate["low_s"],
             high=estimate["high_s"],
             basis=estimate["basis"],
-            backend=self.backend.name,
+            backend=self.run.backend.name,
         )
 
     def _gradient_refusal(self, profile):
@@ -412,7 +412,7 @@ class GraphCapture(CapturedCall, DecidesCandidate):
         return wrapped(set_to_none=False) if candidate.on and ours else wrapped(*args, **kwargs)
 
     def _switch(self, on: bool) -> None:
-        if self.backend.graphs_hold_gradients and self.candidate.optimizer is not None:
+        if self.run.backend.graphs_hold_gradients and self.candidate.optimizer is not None:
             own_gradient_tensors(self.candidate.optimizer, on)
 
     def _decided(self, keep: bool, record: dict) -> None:

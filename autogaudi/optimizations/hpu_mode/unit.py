@@ -46,7 +46,7 @@ class HpuMode(Unit):
 
     def apply(self) -> None:
         decided = dict(before_bridge.LAST_MODE) or {"code": "no_script"}
-        self._mode = "lazy" if self.backend.is_lazy else "eager"
+        self._mode = "lazy" if self.run.backend.is_lazy else "eager"
         self.report.figures.update(mode=self._mode, mode_set=int(bool(decided.get("set"))))
         self._decided = decided
         params = {"mode": self._mode, "error": decided.get("error")}
@@ -56,7 +56,7 @@ class HpuMode(Unit):
 
     def run_ending(self, error) -> None:
         """Keep this mode's steady step time for the script, and report both figures."""
-        cache, script, timed = self.session.cache, script_path(), self.session.steps.timed
+        cache, script, timed = self.run.cache, script_path(), self.run.steps.timed
         if self._decided["code"] not in _MEASURED or cache is None or script is None:
             return
         if timed is None:

@@ -166,7 +166,7 @@ class LoaderWorkers(Unit):
 
     def numerics_in_run(self) -> tuple:
         # Workers that ran and were put back (no faster) ran their checked batches with the threads cut.
-        return self.numerics_on(self.backend) if self._ever_tuned else ()
+        return self.numerics_on(self.run.backend) if self._ever_tuned else ()
 
     def _kept(self, code: str, **values) -> None:
         self.report.figures["loaders_kept"] += 1
@@ -192,7 +192,7 @@ class LoaderWorkers(Unit):
         dataset, chosen = given.get("dataset"), given.get("num_workers")
         # --force loader_workers: a script's num_workers below the budget is measured and may be raised.
         raisable = (
-            self.name in self.options.force
+            self.name in self.run.options.force
             and chosen is not None
             and chosen < worker_budget()[0]
             and not given.get("persistent_workers", False)  # their iterator, and its workers, are reused
@@ -206,7 +206,7 @@ class LoaderWorkers(Unit):
             self._iterable_loaders += 1
         else:
             state = self._loaders[loader] = LoaderState(loader)
-            self.session.trials.measuring(self, state)
+            self.run.trials.measuring(self, state)
             if not self._tuned:
                 self.report.because("measuring")
             if raisable:
@@ -294,7 +294,7 @@ class LoaderWorkers(Unit):
             # Before tuning, the first batches of an epoch are not measured: the sampler draws its seed
             # there and the time since the previous epoch's last batch is not a training step.
             counted = state.phase is Phase.CHECKING or state.epoch_batches >= WARMUP_BATCHES
-            if counted and not self.session.windows.take(self, yields=True):
+            if counted and not self.run.windows.take(self, yields=True):
                 # Another measurement holds the steps (a census, a timed update): its work would
                 # read as the step's. The window goes on from the batch after it lets go; the others
                 # never wait for it (on several ranks they start at the same step on each).
@@ -309,7 +309,7 @@ class LoaderWorkers(Unit):
         if timed and measured_enough(window, state.phase):
             self._decide(state, iterator)
             if not any(other.timed for other in self._loaders.values()):
-                self.session.windows.release(self)
+                self.run.windows.release(self)
         if state.epoch_batches == 1 and state.scope is not None and in_process(iterator):
             # a tuned loader's later epoch: its first batch was built here, the rest by workers
             self._start_workers(state, iterator, state.loader())
@@ -339,7 +339,7 @@ class LoaderWorkers(Unit):
         loader = state.loader()
         before, after = state.windows[Phase.MEASURING], state.windows[Phase.CHECKING]
         self._decided = True
-        self.session.trials.measured(self)  # decided, whether or not the loader outlives its windows
+        self.run.trials.measured(self)  # decided, whether or not the loader outlives its windows
         if state.phase is Phase.MEASURING:
             state.phase = Phase.DONE
             self.report.figures["input_bound_fraction"] = round(before.input_bound, 3)
@@ -406,7 +406,7 @@ class LoaderWorkers(Unit):
         if self._measuring is not None:  # measured once, where the cut first applies
             return
         model = self._model() if self._model is not None else None
-        if model is None and self._model is None and self.session.profiler is not None:
+        if model is None and self._model is None and self.run.profiler is not None:
             self._cut_waiting = state  # the step profiler has not named the model yet
             return
         if model is None:
@@ -450,7 +450,7 @@ class LoaderWorkers(Unit):
             self._workers_failed(state, error)
             return False
         state.sources.add(source)
-        self.session.steps.route_batches(iterator, source)
+        self.run.steps.route_batches(iterator, source)
         return True
 
     def _workers_failed(self, state, error) -> None:

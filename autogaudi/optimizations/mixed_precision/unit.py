@@ -131,19 +131,19 @@ class MixedPrecision(DecidesCandidate):
         reason = super().skip_reason()
         if reason is not None:
             return reason
-        precision = self.options.precision
-        if precision == "tf32" and self.backend.name != "cuda":
+        precision = self.run.options.precision
+        if precision == "tf32" and self.run.backend.name != "cuda":
             why = ": TF32 is a matmul mode of CUDA devices (Ampere and later)"
-            return self.report.reason_for("other_backend", backends="cuda", backend=self.backend.name, why=why)
-        if precision == "bf16" and self.backend.name == "cuda" and not torch.cuda.is_bf16_supported():
+            return self.report.reason_for("other_backend", backends="cuda", backend=self.run.backend.name, why=why)
+        if precision == "bf16" and self.run.backend.name == "cuda" and not torch.cuda.is_bf16_supported():
             return self.report.reason_for("no_bf16")
-        if self.backend.name == "hpu" and self._chosen() == "fp16":
+        if self.run.backend.name == "hpu" and self._chosen() == "fp16":
             return self.report.reason_for("no_fp16")
         return None
 
     def _chosen(self) -> str:
-        has_bf16 = self.backend.name != "cuda" or torch.cuda.is_bf16_supported()
-        return chosen_precision(self.options.precision, has_bf16)
+        has_bf16 = self.run.backend.name != "cuda" or torch.cuda.is_bf16_supported()
+        return chosen_precision(self.run.options.precision, has_bf16)
 
     def apply(self) -> None:
         self._precision = self._chosen()
@@ -151,7 +151,7 @@ class MixedPrecision(DecidesCandidate):
             self, self._set_up, self._switch, self._params, codes={"forced": "on", "no_trials": "on"},
             try_again=self._try_again,
         )  # fmt: skip
-        self.candidate.needs_trial = self.options.precision == "auto"  # asked for by name: on once checked
+        self.candidate.needs_trial = self.run.options.precision == "auto"  # asked for by name: on once checked
         self._guard = None  # checking on a copy of the model, before the precision may switch on
         self._guarding = None  # the guard's hooks and listeners, closed once it decided
         self._loss_scale = None  # fp16, while it is a candidate
@@ -174,7 +174,7 @@ class MixedPrecision(DecidesCandidate):
             if self._loss_scale is not None and self.candidate.on:  # scaled twice: the script's scaler stays
                 self._fall_back("the script began scaling its loss itself (GradScaler)")
             elif self._loss_scale is not None:  # still being checked or tried
-                self.session.trials.cancel(self)
+                self.run.trials.cancel(self)
                 self.candidate.release("script_scaler")
         return wrapped(*args, **kwargs)
 
@@ -213,13 +213,15 @@ class MixedPrecision(DecidesCandidate):
         if refusal:
             self.candidate.refuse(refusal)
             return
-        self._remembered = self.recalled_trial() if recall and self.options.precision == "auto" else None
+        self._remembered = (
+            self.run.recalled_trial(self.name) if recall and self.run.options.precision == "auto" else None
+        )
         if self._remembered is not None and self._remembered["decision"] != "kept":
             # Not faster in an earlier run with this set-up, model and inputs: no guard, nothing set up;
             # where this run's steps differ from that trial's, it is checked and tried after all.
             self.candidate.follow(self._remembered, profile)
             return
-        device_type = self.backend.device_type
+        device_type = self.run.backend.device_type
         if self._precision == "tf32":
             reference, candidate = (lambda: tf32(False)), (lambda: tf32(True))
         else:
@@ -228,7 +230,7 @@ class MixedPrecision(DecidesCandidate):
         scales = GUARD_SCALES if self._precision == "fp16" else (1.0,)
         started = time.perf_counter()
         try:
-            guard = Guard(profile.model, candidate, reference, device_type, scales, self.session.steps.unseen)
+            guard = Guard(profile.model, candidate, reference, device_type, scales, self.run.steps.unseen)
         except Exception as error:  # a model deepcopy refuses (an open file, a lock)
             self.candidate.refuse(self.report.reason_for("no_copy", error=repr(error)))
             return
@@ -245,13 +247,13 @@ class MixedPrecision(DecidesCandidate):
         scope.add(self._forget)
         scope.hold(model, Layer.PRECISION, self._in_precision)
         if self._precision == "fp16":
-            device = next((p.device for p in model.parameters()), torch.device(self.backend.device_type))
+            device = next((p.device for p in model.parameters()), torch.device(self.run.backend.device_type))
             self._loss_scale = LossScale(self._scaled_parameters, device, lambda: self.candidate.on, self._overflowing)
             self._loss_scale.install(scope)
         self._guarding = scope.child()
         # The shadow steps on a copy are work inside the user's steps: no measurement times those steps.
-        self.session.windows.take(self)
-        self._guarding.add(lambda: self.session.windows.release(self))
+        self.run.windows.take(self)
+        self._guarding.add(lambda: self.run.windows.release(self))
         self._guarding.hold(model, Layer.OBSERVE, self._guard_forward)
         self._guarding.on(Event.BEFORE_BACKWARD, self._guard_loss)
         self._guarding.on(Event.AFTER_BACKWARD, self._guard_check)
@@ -273,7 +275,7 @@ class MixedPrecision(DecidesCandidate):
         """The parameters whose gradients a scaled backward may write: the training model's and every
         optimizer's (a head or a second model outside the forward), each once; rebuilt when an
         optimizer or a parameter group is added."""
-        optimizers = list(self.session.steps.optimizers)
+        optimizers = list(self.run.steps.optimizers)
         key = tuple((id(o), len(o.param_groups), sum(len(g["params"]) for g in o.param_groups)) for o in optimizers)
         if self._scaled_key != key:
             groups = [group["params"] for optimizer in optimizers for group in optimizer.param_groups]
@@ -289,7 +291,7 @@ class MixedPrecision(DecidesCandidate):
     def _in_precision(self, call, args, kwargs):
         """The precision layer: autocast while on (TF32 is a process-wide switch: nothing per call)."""
         if self.candidate.on and self._precision in DTYPES:
-            return autocast_call(call, args, kwargs, self.backend.device_type, DTYPES[self._precision])
+            return autocast_call(call, args, kwargs, self.run.backend.device_type, DTYPES[self._precision])
         return call(*args, **kwargs)
 
     def _guard_forward(self, call, args, kwargs):
@@ -310,7 +312,7 @@ class MixedPrecision(DecidesCandidate):
             self._history.append(self._guard.loss)
 
     def _guard_check(self) -> None:
-        self.session.windows.take(self)  # still checking: the hold stays fresh
+        self.run.windows.take(self)  # still checking: the hold stays fresh
         self._guard.check()
         if len(self._guard.figures) >= GUARD_CHECKS:
             self._guarded()
@@ -381,8 +383,8 @@ class MixedPrecision(DecidesCandidate):
         self.report.figures["losses_watched"] = self.report.figures.get("losses_watched", 0) + len(values)
 
     def _fall_back(self, what: str) -> None:
-        step = self.session.steps.steps
-        self.session.trials.cancel(self)
+        step = self.run.steps.steps
+        self.run.trials.cancel(self)
         self.report.figures["fell_back_at_step"] = step
         self.report.moment("fell_back")
         self.report.note("losses_read_every", every=WATCH_EVERY, precision=self._precision)

@@ -113,7 +113,7 @@ class ShapeBuckets(Unit):
         self.report.because("waiting_for_profile")
 
     def _shapes(self) -> dict:
-        graphs = compiled_graphs(self.backend) if self._graphs_at else None  # read once bucketing began
+        graphs = compiled_graphs(self.run.backend) if self._graphs_at else None  # read once bucketing began
         start, warm = self._graphs_at.get("start"), self._graphs_at.get("warm")
         return {
             "distinct_before": len(self._before),
@@ -137,7 +137,7 @@ class ShapeBuckets(Unit):
             self._short_last = self._short_last or short_last_batch(iterator)
 
     def _where_shapes_matter(self, model):
-        return matter.where_shapes_matter(self.backend, model, self.options)
+        return matter.where_shapes_matter(self.run.backend, model, self.run.options)
 
     def _profiled(self, profile) -> None:
         model = profile.model
@@ -153,7 +153,7 @@ class ShapeBuckets(Unit):
         elif holder(model, Layer.INPUTS) is not None:
             self._settle("inputs_held", holder=holder(model, Layer.INPUTS).name)
         elif self._where_shapes_matter(model) is None:
-            self.report.because("eager", backend=self.backend.name)
+            self.report.because("eager", backend=self.run.backend.name)
             self._model = model
             self.scope.on(Event.TRAINING_STEP, self._watch_for_capture)
         else:
@@ -174,7 +174,7 @@ class ShapeBuckets(Unit):
         self._buckets = buckets.choose(self._lengths, most) if self._lengths else ()
         self._padding_idx = padding.embedding_padding_idx(model)
         self._forward = getattr(model, "_orig_mod", model).forward  # names the arguments (a compiled module's own)
-        self._graphs_at["start"] = compiled_graphs(self.backend) or 0
+        self._graphs_at["start"] = compiled_graphs(self.run.backend) or 0
         self._scope = self.scope.child()
         self._scope.hold(model, Layer.INPUTS, self._around)
         self._scope.on(Event.TRAINING_STEP, self._stepped)
@@ -190,7 +190,7 @@ class ShapeBuckets(Unit):
         if (
             code != "traced"
             and self._dynamic
-            and matter.compiled_for_shapes(self._model, self.options) == "torch.compile"
+            and matter.compiled_for_shapes(self._model, self.run.options) == "torch.compile"
         ):
             self.report.because(
                 "marked_dynamic", refused=code, names=sorted(self._dynamic), model=type(self._model).__name__
@@ -206,7 +206,7 @@ class ShapeBuckets(Unit):
             self._refuse("traced")
             return
         if "warm" not in self._graphs_at and self._checked is not None and self._met >= set(self._buckets):
-            self._graphs_at["warm"] = compiled_graphs(self.backend) or 0
+            self._graphs_at["warm"] = compiled_graphs(self.run.backend) or 0
         self.report.figures["shapes"] = self._shapes()
 
     def _bucket(self, length: int) -> int:
@@ -226,7 +226,7 @@ class ShapeBuckets(Unit):
         if self._dynamic:
             marked_args, marked_kwargs = padding.marked_dynamic(self._forward, args, kwargs, self._dynamic)
             return call(*marked_args, **marked_kwargs)
-        via_host = self.backend.name == "hpu" and self.backend.is_lazy  # every op's shapes make its graph
+        via_host = self.run.backend.name == "hpu" and self.run.backend.is_lazy  # every op's shapes make its graph
         try:
             rows, length, plan = padding.fills(
                 padding.named_arguments(self._forward, args, kwargs, via_host), self._fills, self._padding_idx
@@ -263,7 +263,7 @@ class ShapeBuckets(Unit):
         model = self._model
         try:
             self._checked = check.check(
-                model, call, padded_call, rows, length, bucket, self.session.steps.unseen, self.backend.device_type
+                model, call, padded_call, rows, length, bucket, self.run.steps.unseen, self.run.backend.device_type
             )
         except check.CheckFailed as failed:
             self._refuse(failed.code, **failed.params)
