@@ -206,19 +206,17 @@ class UnitSpec:
 class Unit:
     """Base class of an optimization unit; one subclass per module in ``autogaudi.optimizations``.
 
-    Subclasses set ``targets`` (the dotted ``owner.attribute`` paths the unit itself patches, for the
-    report and the generated contract test: each is wrapped while the unit is on where it applies and
-    the very original object after revert), ``acts_on`` (what they change on the user's own objects
-    or through the session's step watcher, in words; where they can apply is the registry's
-    ``ACTS_ONLY_ON``), may refine :meth:`skip_reason`, and implement
-    :meth:`apply`. ``self.report.figures`` collects what the unit measured, for the report. ``reasons`` maps
-    each code the unit can give (:meth:`because`) to its text; the core's codes come on top.
+    Subclasses declare a ``spec`` (:class:`UnitSpec`), may refine :meth:`skip_reason`, and implement
+    :meth:`apply`, working through what the unit holds: ``self.scope`` (what it hands torch),
+    ``self.report`` (what it tells the report: :mod:`autogaudi.core.unit_report`) and ``self.run`` (what
+    it reads of the run: :mod:`autogaudi.core.run_view`). The unit holds them rather than receiving them
+    in ``apply``: its hooks and listeners run long after ``apply`` returns and need the same three.
     """
 
     spec = UnitSpec()
 
     def __init__(self, session, info):
-        self._session = session  # for the guard's report of a failure only: the unit reads the run through self.run
+        self._session = session  # only to report a failure to: the unit reads the run through self.run
         self.name = info.name
         self.summary = info.summary
         # where it can apply, and why the other backends do not need it: the registry's, which the
