@@ -72,7 +72,7 @@ def render_reasons() -> str:
         *(_row("(any)", code, template) for code, template in CORE.items()),
     ]
     for info in UNITS:
-        for code, template in unit_class(info).reasons.items():
+        for code, template in unit_class(info).spec.reasons.items():
             lines.append(_row(info.name, code, template))
     return "\n".join(lines) + "\n"
 

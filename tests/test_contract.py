@@ -53,14 +53,14 @@ def unit_class(info):
 
 def test_every_target_is_a_dotted_path_that_resolves():
     for info in UNITS:
-        for path in unit_class(info).targets:
+        for path in unit_class(info).spec.targets:
             resolve(path)
 
 
 @pytest.mark.parametrize("info", UNITS, ids=[info.name for info in UNITS])
 def test_the_unit_patches_its_targets_once_and_restores_them_exactly(hpu_double, info):
     hpu_double(lazy=True)
-    targets = unit_class(info).targets
+    targets = unit_class(info).spec.targets
     paths = (*steps.TARGETS, *session.TARGETS, *targets)
     before = {path: held(path) for path in paths}
     options = {"device": "hpu", "only": ",".join(dict.fromkeys(("step_profiler", info.name)))}

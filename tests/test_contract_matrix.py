@@ -1,6 +1,6 @@
 """What a unit must never break, in every state it can be in, generated from the registry.
 
-For every unit x every state it declares (``Unit.states``) x every operation a script does with its
+For every unit x every state it declares (``Unit.spec.states``) x every operation a script does with its
 objects, the outcome is plain PyTorch's: ``torch.save(model)`` loads back as a plain model,
 ``pickle`` and ``copy.deepcopy`` give plain objects that hold nothing of autogaudi's,
 ``state_dict()`` loads into a plain model and optimizer, ``autograd.grad(create_graph=True)``,
@@ -79,10 +79,10 @@ def on_hpu(info) -> bool:
 
 
 def under_ddp(info) -> bool:
-    return any("DistributedDataParallel" in target for target in unit_class(info).targets)
+    return any("DistributedDataParallel" in target for target in unit_class(info).spec.targets)
 
 
-CELLS = [(info, state) for info in UNITS for state in unit_class(info).states]
+CELLS = [(info, state) for info in UNITS for state in unit_class(info).spec.states]
 
 # Each state as the unit's report row shows it: (status, reason code; None: any code).
 REACHED = {
@@ -222,7 +222,7 @@ def recipe(name: str, state: str):
 
 def options_for(info, state):
     options, until = recipe(info.name, state)
-    only = ["step_profiler", info.name, *unit_class(info).requires]
+    only = ["step_profiler", info.name, *unit_class(info).spec.requires]
     enabled = {
         "device": "hpu" if on_hpu(info) else "cpu",
         "warmup_steps": 1,
@@ -417,14 +417,14 @@ def world(tmp_path):
 
 def test_every_unit_declares_states_the_matrix_can_reach():
     for info in UNITS:
-        states = unit_class(info).states
+        states = unit_class(info).spec.states
         assert states and len(set(states)) == len(states), info.name
         for state in states:
             recipe(info.name, state)
 
 
 def test_the_matrix_size_is_every_unit_times_its_states():
-    assert len(CELLS) == sum(len(unit_class(info).states) for info in UNITS) >= 3 * len(UNITS)
+    assert len(CELLS) == sum(len(unit_class(info).spec.states) for info in UNITS) >= 3 * len(UNITS)
 
 
 @pytest.mark.parametrize(

@@ -82,7 +82,7 @@ class Candidate:
     def refuse(self, reason) -> None:
         """Not for this run (a :class:`~autogaudi.core.reasons.Reason`); nothing is set up."""
         self.state = State.REFUSED
-        self.unit.reason = reason
+        self.unit.report.reason = reason
 
     def defer(self, step: int, then) -> None:
         """Wait, with nothing set up, for training step ``step``; then ``then()``."""
@@ -91,12 +91,12 @@ class Candidate:
         waiting = unit.scope.child()
 
         def due(_optimizer) -> None:
-            if unit.session.steps.steps < step:
+            if unit.run.steps.steps < step:
                 return
-            unit.close_scope(waiting)
+            waiting.close()
             then()
 
-        unit.on(Event.TRAINING_STEP, due, waiting)
+        waiting.on(Event.TRAINING_STEP, due)
 
     def set_up(self, profile) -> dict:
         """Set the candidate up on ``profile``'s model, once, into a child scope of the unit."""
@@ -119,8 +119,8 @@ class Candidate:
         ``not_before_step`` and ``one_off_limit_s``)."""
         self.set_up(profile or self.profile)
         unit = self.unit
-        forced = unit.name in unit.options.force
-        if forced or unit.options.no_trials or not self.needs_trial:
+        forced = unit.name in unit.run.options.force
+        if forced or unit.run.options.no_trials or not self.needs_trial:
             self._set_up_figures_reported()
             self._keep()
             self._because("forced" if forced else "no_trials")
@@ -130,7 +130,7 @@ class Candidate:
         self.state = State.TRIAL
         materiality = materiality_of(unit)  # a candidate that changes the numbers must save its share
         trial = Trial(unit, unit.name, self.switch, self._trial_decided, set_up_s, materiality=materiality, **trial)
-        unit.session.trials.submit(trial)
+        unit.run.trials.submit(trial)
         self._because("trial")
 
     def follow(self, record: dict, profile=None) -> None:
@@ -141,13 +141,13 @@ class Candidate:
         keep = record["decision"] == "kept"
         unit = self.unit
         self.profile = profile or self.profile
-        unit.figures["remembered_from_run"] = record["run"]
+        unit.report.figures["remembered_from_run"] = record["run"]
         if record["decision"] == "stopped":
-            unit.because("remembered_stopped", limit=record["one_off_limit_s"], **origin(record))
+            unit.report.because("remembered_stopped", limit=record["one_off_limit_s"], **origin(record))
             self.release()
             return
-        unit.figures["speedup"] = record["speedup"]
-        unit.because("remembered", decision=record["decision"], speedup=record["speedup"], **origin(record))
+        unit.report.figures["speedup"] = record["speedup"]
+        unit.report.because("remembered", decision=record["decision"], speedup=record["speedup"], **origin(record))
         if not keep:
             self.release()
             return
@@ -157,7 +157,7 @@ class Candidate:
         self.state = State.FOLLOWING
 
         def checked(matches: bool, check: dict) -> None:
-            unit.figures["remembered_check"] = check["decision"]
+            unit.report.figures["remembered_check"] = check["decision"]
             if not matches:
                 self.try_again()
             elif self.state is State.FOLLOWING:
@@ -165,24 +165,26 @@ class Candidate:
 
         expected_s = record["ms_per_step_with"] / 1000
         load_then = record.get("load", 1.0)
-        unit.session.trials.submit(Check(unit, unit.name, expected_s, checked, warmup=WARMUP, load_then=load_then))
+        unit.run.trials.submit(Check(unit, unit.name, expected_s, checked, warmup=WARMUP, load_then=load_then))
 
     def release(self, code: str | None = None, **params) -> None:
         """Not kept (or no longer): switch off and undo everything set up; ``code``: the reason."""
         if code is not None:
-            self.unit.because(code, **params)
+            self.unit.report.because(code, **params)
         self._close()
         self.state = State.RELEASED
 
     def _set_up_figures_reported(self) -> None:
         """On without a trial: the set-up's figures go to the report (a trial's record brings them)."""
-        self.unit.figures.update({name: round(value, 3) for name, value in self.set_up_figures.items()})
+        self.unit.report.figures.update({name: round(value, 3) for name, value in self.set_up_figures.items()})
 
     def _because(self, moment: str) -> None:
         """The unit's code for ``moment``, filled in with the parameters its text names."""
         code = self.codes[moment]
-        template = self.unit.reasons.get(code) or CORE[code]
-        self.unit.because(code, **{name: value for name, value in self.params().items() if "{" + name in template})
+        template = self.unit.spec.reasons.get(code) or CORE[code]
+        self.unit.report.because(
+            code, **{name: value for name, value in self.params().items() if "{" + name in template}
+        )
 
     def switch(self, on: bool) -> None:
         if on != self.on:
@@ -198,14 +200,15 @@ class Candidate:
 
     def _unkeep(self) -> None:
         scope, self._kept_scope = self._kept_scope, None
-        self.unit.close_scope(scope)
+        if scope is not None:
+            scope.close()
 
     def _trial_decided(self, keep: bool, record: dict) -> None:
         unit = self.unit
         if record["decision"] == "stopped":
             self.release("one_off_overran", spent=record["one_off_s"], limit=record["one_off_limit_s"])
             return
-        unit.figures["speedup"] = record["speedup"]
+        unit.report.figures["speedup"] = record["speedup"]
         if self._decided is not None:
             self._decided(keep, record)
         self._because("kept" if keep else "rejected")
@@ -218,7 +221,8 @@ class Candidate:
     def _close(self) -> None:
         self.switch(False)
         scope, self.scope = self.scope, None
-        self.unit.close_scope(scope)
+        if scope is not None:
+            scope.close()
 
     def _undone(self) -> None:
         """The scope's last undo (release, revert or failure alike): off, and nothing held."""

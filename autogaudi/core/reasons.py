@@ -1,8 +1,8 @@
 """Why a unit is where it is, as data: a stable code for scripts and tests, and the text for people.
 
 Both come from one table: the codes every unit can be given by the core (below) and each unit's own
-``reasons`` (``Unit.reasons``). The same table gives the unit's notes and recommendations their codes
-(``Unit.note``, ``Unit.recommend``): one place to read what a unit can say. The report's JSON carries
+``reasons`` (``Unit.spec.reasons``). The same table gives the unit's notes and recommendations their codes
+(``unit.report.note``, ``unit.report.recommend``): one place to read what a unit can say. The report's JSON carries
 ``reason_code`` and ``reason_params`` (the values the text was filled in with) beside ``reason``, and
 ``note_codes``/``note_params`` beside ``notes``, and each of its ``recommendations`` carries its
 ``code`` and ``params``; the table of every code is generated into docs/reasons.md. Texts may
@@ -34,7 +34,7 @@ CORE = {
     "stopped when its one-off passed {limit} s, the high end of its estimate",
     "one_off_overran": "stopped: its one-off reached {spent} s, past the high end of its estimate ({limit} s); "
     "released, nothing more paid for it",
-    # notes of a unit whose effect on the numbers was to be measured on a copy (Unit.measure_numerics)
+    # notes of a unit whose effect on the numbers was to be measured on a copy (UnitReport.measure_numerics)
     "numerics_not_measured_memory": "its effect on the numbers not measured: a copy of {model} would take more "
     "than {share:.0%} of the memory free",
     "numerics_not_measured_failed": "its effect on the numbers not measured: a copy of {model} could not run its "

@@ -119,7 +119,7 @@ class Session:
             self._scope.wrap(torch.distributed, "destroy_process_group", self._before_destroy)
         self.active = True
         units = {info.name: self._load(info) for info in UNITS}
-        for place, name in enumerate(start_order(units)):
+        for place, name in enumerate(start_order({name: unit and unit.spec for name, unit in units.items()})):
             if units[name] is not None:
                 self.events.rank(units[name], place)  # its listeners, however late added, run in this order
                 self._start_unit(units[name])
@@ -147,7 +147,7 @@ class Session:
 
     def _start_unit(self, unit) -> None:
         row = self.rows[unit.name]
-        missing = [name for name in unit.requires if self.unit(name) not in self.applied]
+        missing = [name for name in unit.spec.requires if self.unit(name) not in self.applied]
         try:
             reason = Reason("needs_unit", units=", ".join(missing)) if missing else unit.skip_reason()
         except Exception as error:
@@ -188,10 +188,10 @@ class Session:
             try:
                 unit.step_aside()
             except Exception as error:
-                unit.note("revert_raised", error=error)
+                unit.report.note("revert_raised", error=error)
             self._revert(unit)
             self.rows[unit.name].set(Status.SKIPPED, reason)
-            unit.moment("stepped_aside")
+            unit.report.moment("stepped_aside")
         self.check_settled()
 
     def unit_failed_at_run_time(self, unit, error: Exception) -> None:
@@ -201,7 +201,7 @@ class Session:
         self._revert(unit)
         self.check_settled()
         self.rows[unit.name].set(Status.FAILED, Reason("failed_at_run_time", error=error, where=where_raised(error)))
-        unit.moment("failed")
+        unit.report.moment("failed")
         warn(f"{unit.name} raised {error!r}; it is switched off and the run goes on without it")
 
     # The session as the guard's owner of its own code inside the user's calls (the step watcher's
@@ -297,7 +297,7 @@ class Session:
         try:
             unit.revert()
         except Exception as error:
-            unit.note("revert_raised", error=error)
+            unit.report.note("revert_raised", error=error)
 
     def stop(self) -> None:
         while self.applied:

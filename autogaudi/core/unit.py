@@ -1,18 +1,19 @@
-"""What every optimization unit is: targets, when it applies, apply(), revert(), and fail-open.
+"""What every optimization unit is: one spec, a scope to patch through, a report to speak to, a run to read.
 
 A unit never hand-rolls attribute swaps or hands torch a callable of its own: it patches through
-:meth:`Unit.wrap` (a wrapt ``FunctionWrapper``), hooks through :meth:`Unit.hook`, listens through
-:meth:`Unit.on`, and changes a model's call through :meth:`Unit.hold` (a layer of the model's one
-call route, :mod:`autogaudi.watch.model_call`). Each records how to undo itself, so :meth:`Unit.revert`
+its scope (``unit.scope``, a :class:`UnitScope`): ``wrap`` (a wrapt ``FunctionWrapper``), ``hook``,
+``on`` (the run's events) and ``hold`` (a layer of the model's one call route,
+:mod:`autogaudi.watch.model_call`). Each records how to undo itself, so :meth:`Unit.revert`
 restores every attribute to the very object it was (identity, not equality), in reverse order, and
 each runs the unit's code through the core's guard (:mod:`autogaudi.core.guard`): when it raises, the unit
 is reverted and reported as failed while the user's call completes as plain PyTorch's would; the
-user's own exceptions propagate unchanged.
+user's own exceptions propagate unchanged. What the unit declares is its :class:`UnitSpec`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import re
 import sys
@@ -25,8 +26,9 @@ from autogaudi.core.guard import guarded, guarded_method_call
 from autogaudi.core.options import OPTIONS_BY_NAME
 from autogaudi.core.reasons import Reason
 from autogaudi.core.registry import PROFILER
+from autogaudi.core.run_view import RunView
 from autogaudi.core.status import Status
-from autogaudi.measure import numerics
+from autogaudi.core.unit_report import UnitReport
 from autogaudi.watch import model_call
 
 # How a unit can make a run's numbers differ from plain PyTorch's on the same machine (losses,
@@ -126,6 +128,33 @@ class Scope:
         return notes or None
 
 
+class UnitScope(Scope):
+    """A unit's scope: a :class:`Scope` that also listens to the run's events for its unit, and whose
+    undos' notes join the unit's report when it closes. Child scopes (a trial's candidate, a wait)
+    are unit scopes too, so a unit patches, hooks and listens through one object whatever it scopes."""
+
+    def __init__(self, unit, events, notes: list):
+        super().__init__(unit)
+        self._events = events
+        self._notes = notes
+
+    def on(self, event: Event, listener):
+        """Call ``listener`` at every ``event`` while the unit is in force and this scope is open; a
+        listener that raises reverts the unit. Returns the handle (a listener may remove itself)."""
+        handle = self._events.on(event, self.guard, listener)
+        self.add(handle.remove)
+        return handle
+
+    def child(self) -> UnitScope:
+        scope = UnitScope(self.guard, self._events, self._notes)
+        self.add(scope.close)
+        return scope
+
+    def close(self) -> None:
+        """Undo everything, newest first; the undos' notes go to the unit's report."""
+        self._notes.extend(super().close() or ())
+
+
 def torch_version() -> tuple:
     """(major, minor) of the running torch, e.g. (2, 13) for "2.13.0+cpu"."""
     return tuple(int(part) for part in re.findall(r"\d+", torch.__version__)[:2])
@@ -137,19 +166,15 @@ def _dotted(owner, attribute: str) -> str:
     return ".".join(part for part in (prefix, name, attribute) if part)
 
 
-class Unit:
-    """Base class of an optimization unit; one subclass per module in ``autogaudi.optimizations``.
+@dataclasses.dataclass(frozen=True)
+class UnitSpec:
+    """What a unit declares about itself, read by the session, the report and the generated contract
+    tests before the unit acts: one value, so a subclass states what differs (``Base.spec.but(...)``)."""
 
-    Subclasses set ``targets`` (the dotted ``owner.attribute`` paths the unit itself patches, for the
-    report and the generated contract test: each is wrapped while the unit is on where it applies and
-    the very original object after revert), ``acts_on`` (what they change on the user's own objects
-    or through the session's step watcher, in words; where they can apply is the registry's
-    ``ACTS_ONLY_ON``), may refine :meth:`skip_reason`, and implement
-    :meth:`apply`. ``self.figures`` collects what the unit measured, for the report. ``reasons`` maps
-    each code the unit can give (:meth:`because`) to its text; the core's codes come on top.
-    """
-
+    # the dotted ``owner.attribute`` paths the unit itself patches: each is wrapped while the unit is
+    # on where it applies and the very original object after revert (tests/test_contract.py)
     targets: tuple = ()
+    # what it changes on the user's own objects or through the session's step watcher, in words
     acts_on: tuple = ()
     requires: tuple = ()  # units that must be in force for this one to apply; the session starts them first
     # units that, where they are on, start (and so hear each event) before this one; not required
@@ -158,11 +183,12 @@ class Unit:
     # (figure, text): the figure that counts what the unit changed in the run, and how the report's
     # headline says it ("{}" is the count). Units that only measure leave it empty.
     changed_figure: tuple = ()
-    reasons: dict = {}  # code -> text template of why the unit is where it is (autogaudi/core/reasons.py)
+    # code -> text template of why the unit is where it is (autogaudi/core/reasons.py); the core's on top
+    reasons: dict = dataclasses.field(default_factory=dict)
     # How the unit can change the run's numbers (keys of NUMERICS); () leaves them bitwise plain
     # PyTorch's, which the generated test tests/test_exact.py checks. Only () units run under --exact.
     numerics: tuple = ()
-    exact_when = ""  # where numerics is not (): when they still come out identical, in words
+    exact_when: str = ""  # where numerics is not (): when they still come out identical, in words
     # The states the unit can be in, for the generated contract test (tests/test_contract_matrix.py):
     # in force before it acts, in use once the run is profiled and decided, failed at run time, and
     # after disable(). Units that decide through trials or checks add theirs.
@@ -170,55 +196,56 @@ class Unit:
     # Whether the unit only makes sense where the training model is on the backend's device (step
     # marks, device kernels, pinning for a copy): it steps aside where the work is on the host
     # (:mod:`autogaudi.watch.placement`, reason ``model_not_on_device``).
-    acts_for_device = False
+    acts_for_device: bool = False
+
+    def but(self, **changes) -> UnitSpec:
+        """This spec with ``changes``: a subclass's own declarations over its base's."""
+        return dataclasses.replace(self, **changes)
+
+
+class Unit:
+    """Base class of an optimization unit; one subclass per module in ``autogaudi.optimizations``.
+
+    Subclasses declare a ``spec`` (:class:`UnitSpec`), may refine :meth:`skip_reason`, and implement
+    :meth:`apply`, working through what the unit holds: ``self.scope`` (what it hands torch),
+    ``self.report`` (what it tells the report: :mod:`autogaudi.core.unit_report`) and ``self.run`` (what
+    it reads of the run: :mod:`autogaudi.core.run_view`). The unit holds them rather than receiving them
+    in ``apply``: its hooks and listeners run long after ``apply`` returns and need the same three.
+    """
+
+    spec = UnitSpec()
 
     def __init__(self, session, info):
-        self.session = session
+        self._session = session  # only to report a failure to: the unit reads the run through self.run
         self.name = info.name
         self.summary = info.summary
         # where it can apply, and why the other backends do not need it: the registry's, which the
         # session reads before it imports a unit
         self.backends, self.why_not_elsewhere = info.backends, info.why_not_elsewhere
-        self.reason = None  # a Reason: why it applied the way it did, for the report (see because())
-        self.figures: dict = {}
-        self.notes: list = []
-        self.recommendations: list = []
+        self.run = RunView(session)
+        self.report = UnitReport(self.name, self.spec.reasons, self.run)
         self.failure = None  # what switched the unit off at run time (a repr: no traceback kept alive)
         self.set_aside = False  # stepped aside: the work is not on the backend's device
-        self.scope = Scope(self)
-
-    @property
-    def backend(self):
-        return self.session.backend
-
-    @property
-    def options(self):
-        return self.session.options
-
-    def reason_for(self, code: str, **params) -> Reason:
-        """The :class:`Reason` ``code`` names in this unit's table (or the core's), filled in."""
-        return Reason(code, self.reasons, **params)
-
-    def because(self, code: str, **params) -> None:
-        """Say why the unit is where it is now (the report reads it live)."""
-        self.reason = self.reason_for(code, **params)
+        self.scope = UnitScope(self, session.events, self.report.notes)
 
     def skip_reason(self):
         """Why this unit does not apply to this run (a :class:`Reason`), or None when it does."""
-        if self.backend.name not in self.backends:
+        if self.run.backend.name not in self.backends:
             why = f": {self.why_not_elsewhere}" if self.why_not_elsewhere else ""
-            return self.reason_for(
-                "other_backend", backends="/".join(self.backends), backend=self.backend.name, why=why
+            return self.report.reason_for(
+                "other_backend", backends="/".join(self.backends), backend=self.run.backend.name, why=why
             )
-        if torch_version() < self.min_torch:
-            return self.reason_for("old_torch", needed=".".join(map(str, self.min_torch)), version=torch.__version__)
-        numerics = self.numerics_on(self.backend)
-        if self.options.exact and numerics:
-            return self.reason_for(
+        if torch_version() < self.spec.min_torch:
+            return self.report.reason_for(
+                "old_torch", needed=".".join(map(str, self.spec.min_torch)), version=torch.__version__
+            )
+        numerics = self.numerics_on(self.run.backend)
+        if self.run.options.exact and numerics:
+            return self.report.reason_for(
                 "not_exact",
                 flag=OPTIONS_BY_NAME["exact"].flag,
                 how=" and ".join(NUMERICS[effect] for effect in numerics),
-                when=f"; identical only where {self.exact_when}" if self.exact_when else "",
+                when=f"; identical only where {self.spec.exact_when}" if self.spec.exact_when else "",
             )
         return None
 
@@ -226,13 +253,13 @@ class Unit:
     def numerics_on(cls, backend) -> tuple:
         """``numerics`` on ``backend`` (a :class:`~autogaudi.backends.base.Backend`); a unit whose
         effect differs by backend says so here."""
-        return cls.numerics
+        return cls.spec.numerics
 
     def numerics_in_run(self) -> tuple:
         """How what this unit did in this run can have changed the numbers: its ``numerics`` where it
         changed something (:meth:`changes`) or a trial ran it, else ()."""
-        acted = self.changes() or any(record["candidate"] == self.name for record in self.session.trials.records)
-        return self.numerics_on(self.backend) if acted else ()
+        acted = self.changes() or any(record["candidate"] == self.name for record in self.run.trials.records)
+        return self.numerics_on(self.run.backend) if acted else ()
 
     def apply(self) -> None:
         raise NotImplementedError
@@ -240,7 +267,7 @@ class Unit:
     def needs_work_on_device(self) -> bool:
         """Whether this unit steps aside where the training model is not on the backend's device
         (``acts_for_device``; a unit whose path differs by backend refines it)."""
-        return self.acts_for_device
+        return self.spec.acts_for_device
 
     def step_aside(self) -> None:
         """The work turned out to be on the host: undo, beyond :meth:`revert`, what the unit did to
@@ -248,21 +275,21 @@ class Unit:
 
     def changes(self) -> list:
         """What this unit changed in the run, for the report's headline; [] where nothing changed."""
-        figure, text = self.changed_figure or (None, "")
-        count = self.figures.get(figure) if figure else None
+        figure, text = self.spec.changed_figure or (None, "")
+        count = self.report.figures.get(figure) if figure else None
         return [text.format(count)] if count else []
 
     def changes_kept(self) -> list:
         """:meth:`changes`, except while a trial runs this unit: a candidate on trial is on in some
         steps only, and nothing is changed until it is kept."""
-        return [] if self.session.trials.trying(self) else self.changes()
+        return [] if self.run.trials.trying(self) else self.changes()
 
     def decision(self) -> Status:
         """Where this unit's decision stands while it is in force, as the measurement runner
         (:mod:`autogaudi.measure.trials`) has it: ``DECIDING`` while a trial or measurement of it has something
         left to run, ``NOT_NEEDED`` once its measurements are all done (nothing it changed is kept),
         else ``WATCHING`` (waiting for what it acts on). Units say it through the runner, never here."""
-        runner = self.session.trials
+        runner = self.run.trials
         if runner.pending(self):
             return Status.DECIDING
         return Status.NOT_NEEDED if runner.decided(self) else Status.WATCHING
@@ -281,26 +308,7 @@ class Unit:
         return decision
 
     def revert(self) -> None:
-        self.close_scope(self.scope)
-
-    def close_scope(self, scope) -> None:
-        """Close ``scope`` (None: nothing to close); its undos' notes join the report."""
-        if scope is not None:
-            self.notes.extend(scope.close() or ())
-
-    def wrap(self, owner, attribute: str, wrapper) -> None:
-        self.scope.wrap(owner, attribute, wrapper)
-
-    def hook(self, register, fn, *args, scope=None, **kwargs):
-        """Register ``fn`` with torch's ``register`` (e.g. ``tensor.register_hook``), guarded, until
-        the unit (or ``scope``, one of its child scopes) is reverted; returns torch's handle."""
-        return (self.scope if scope is None else scope).hook(register, fn, *args, **kwargs)
-
-    def hold(self, model, layer, around, scope=None) -> None:
-        """Make ``around(call, args, kwargs)`` a layer of ``model``'s call (:mod:`autogaudi.watch.model_call`),
-        until the unit (or ``scope``) is reverted: the only way a unit changes how a model is called,
-        and nothing of it travels with the model."""
-        (self.scope if scope is None else scope).hold(model, layer, around)
+        self.scope.close()
 
     @property
     def in_force(self) -> bool:
@@ -311,54 +319,11 @@ class Unit:
         """The guard's report of an exception from this unit's own code: switch the unit off."""
         if self.failure is None:
             self.failure = repr(error)
-            self.session.unit_failed_at_run_time(self, error)
-
-    def note(self, code: str, **params) -> None:
-        """Add a note to the unit's report (a code from its ``reasons``, filled in with ``params``, as
-        :meth:`because`), once however often the situation recurs."""
-        note = self.reason_for(code, **params)
-        if note not in self.notes:
-            self.notes.append(note)
-
-    def measure_numerics(self, model, args, kwargs, *, of: str, against: str, **how) -> None:
-        """This unit's effect on ``model``'s output for one call, measured on a copy
-        (:func:`autogaudi.measure.numerics.forward_difference`, ``how`` its variant and reference) into the
-        ``numerics_measured`` figure; or a note saying why it was not measured."""
-        try:
-            difference = numerics.forward_difference(model, args, kwargs, self.backend, **how)
-        except numerics.NotMeasured as why:
-            self.note(f"numerics_not_measured_{why.code}", model=type(model).__name__, **why.params)
-            return
-        self.figures["numerics_measured"] = numerics.measured(difference, of=of, steps=1, against=against)
-
-    def recommend(self, code: str, do=None, saves=None, saves_basis: str = "estimated", **params) -> None:
-        """Something autogaudi measured but will not change for the user, with what to do (a code from
-        its ``reasons``, filled in with ``params``); once. ``do``: the exact change (an option, a
-        value, a ``file:line``), what the short report shows; ``saves``: the share of a step it could
-        save, ``measured`` or ``estimated`` (None: unknown), which ranks it among the next steps."""
-        advice = self.reason_for(code, **params)
-        if all(item["reason"] != advice for item in self.recommendations):
-            self.recommendations.append({"reason": advice, "do": do, "saves": saves, "saves_basis": saves_basis})
-
-    def moment(self, event: str, **params) -> None:
-        """A moment the unit acted, for the run's timeline (the report's chart): ``event`` a code,
-        ``params`` JSON values."""
-        steps = self.session.steps
-        steps.timeline.mark(steps.steps, self.name, event, **params)
-
-    def on(self, event: Event, listener, scope=None) -> None:
-        """Call ``listener`` at every ``event`` while this unit is in force (or until ``scope``, one of
-        its child scopes, closes); a listener that raises reverts the unit."""
-        handle = self.session.events.on(event, self, listener)
-        (self.scope if scope is None else scope).add(handle.remove)
+            self._session.unit_failed_at_run_time(self, error)
 
     def run_ending(self, error) -> None:
         """The run ends (at exit, before the report), with the exception raised through the script
         (None where none was): for a unit that leaves the next run a decision about it."""
-
-    def on_revert(self, undo) -> None:
-        """Register how to undo something done outside :meth:`wrap` (e.g. ``handle.remove``)."""
-        self.scope.add(undo)
 
     @contextlib.contextmanager
     def fail_open(self):
@@ -374,31 +339,23 @@ class Unit:
         step; None where it has none. The trials' own records are remembered by the session."""
         return None
 
-    def recalled_trial(self):
-        """This unit's trial as a run with the same set-up (``--trial`` included), model and inputs
-        decided it (:mod:`autogaudi.store.decisions`); None where there is none, or this run holds no trial
-        (``--force``, ``--no-trials``)."""
-        memory = self.session.memory
-        if memory is None or memory.recalled is None or self.options.no_trials or self.name in self.options.force:
-            return None
-        return memory.recalled.get("trials", {}).get(self.name)
-
 
 class ActsOnProfile(Unit):
     """Base of the units that act once the step is profiled (on the training model it finds) and
     switch on at once or through a trial (:mod:`autogaudi.core.candidate`)."""
 
-    requires = (PROFILER,)
-    states = ("watching", "in_use", "trial", "kept", "rejected", "failed", "disabled")
+    spec = UnitSpec(
+        requires=(PROFILER,), states=("watching", "in_use", "trial", "kept", "rejected", "failed", "disabled")
+    )
 
     def decision(self) -> Status:
-        if self.session.trials.pending(self):
+        if self.run.trials.pending(self):
             return Status.DECIDING
-        return Status.WATCHING if self.session.profiler.profile is None else Status.NOT_NEEDED
+        return Status.WATCHING if self.run.profiler.profile is None else Status.NOT_NEEDED
 
     def trial_named(self) -> str:
         """Which trial the ``speedup`` figure comes from, for the report's headline."""
-        run = self.figures.get("remembered_from_run")
+        run = self.report.figures.get("remembered_from_run")
         return f"run {run}'s trial" if run else "its trial"
 
 

@@ -97,7 +97,7 @@ def decide(with_times: list, without_times: list, margin: float = MARGIN, materi
 def materiality_of(unit) -> float:
     """The share of the step a unit's change must save: :data:`MATERIAL` for one that can change the
     run's numbers on this backend, 0 for one that leaves them as they are."""
-    return MATERIAL if unit.numerics_on(unit.backend) else 0.0
+    return MATERIAL if unit.numerics_on(unit.run.backend) else 0.0
 
 
 STALE_STEPS = 16  # steps after which a hold not refreshed is lost to the next asker

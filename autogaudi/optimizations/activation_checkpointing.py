@@ -39,7 +39,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from autogaudi.core.events import Event
-from autogaudi.core.unit import Unit
+from autogaudi.core.unit import Unit, UnitSpec
 from autogaudi.watch import forward_state, module_hooks, out_of_memory
 from autogaudi.watch.model_call import Layer, compiled_by_the_script, route_of, trains
 from autogaudi.watch.steps import clock
@@ -121,37 +121,41 @@ def _mb(size: int) -> str:
 
 
 class ActivationCheckpointing(Unit):
-    reasons = {
-        "no_budget": "no memory budget known: give --memory-limit GB (on the CPU), or run on an accelerator",
-        "waiting_for_forecast": "waiting for the measurement of the training model's first step",
-        "not_forecast": "the step could not be measured ({why}); nothing changed",
-        "fits": "the step's peak {peak} fits the budget {budget}",
-        "far_below": "the model's state and batch ({state}) are far below the device's budget {budget}: not measured",
-        "no_blocks": "the step's peak {peak} exceeds the budget {budget}, and {model} has no repeated blocks (a "
-        "ModuleList or Sequential of one class) that the step calls and that could be checkpointed",
-        "blocks_held": "the step's peak {peak} exceeds the budget {budget}; {held} holds a layer of {model}'s blocks",
-        "checkpointed": "{count} of {total} blocks of {container} checkpointed from step {step}: the forecast peak "
-        "{before} -> {after}, budget {budget}; their Python forward runs again in backward",
-        "still_over": "every block that could be checkpointed is, and the forecast peak {after} still exceeds the "
-        "budget {budget}",
-        "left_out": "{count} of {total} blocks of {container} not checkpointed: {why}",
-        "rescued": "the training forward ran out of memory at step {step}: memory freed, its random state and "
-        "{buffers} updated buffer(s) put back, {count} of {total} blocks of {container} checkpointed, the call run "
-        "again",
-        "out_of_memory_remembered": "{count} of {total} blocks of {container} checkpointed from the first step: an "
-        "earlier run (on {date}) ran out of memory {where} at step {step}",
-        "not_rescued": "out of memory {where} at step {step}: raised as plain PyTorch raises it",
-        "not_rescuable": "{model} is compiled by the script or distributed: a forward that runs out of memory is "
-        "not run again",
-        "next_run": "the next run with this script, model and inputs checkpoints {count} of {total} blocks of "
-        "{container} from its first step",
-        "next_run_no_cache": "with the cache on (--no-cache off), the next run would checkpoint {count} of {total} "
-        "blocks of {container} from its first step",
-        "next_run_no_blocks": "{model} has no repeated blocks to checkpoint: a smaller batch, gradient "
-        "accumulation or a smaller optimizer state would bring the step down",
-    }
-    changed_figure = ("blocks_checkpointed", "")
-    acts_on = ("<training model>'s repeated blocks: call route, recompute layer (torch.utils.checkpoint)",)
+    spec = UnitSpec(
+        reasons={
+            "no_budget": "no memory budget known: give --memory-limit GB (on the CPU), or run on an accelerator",
+            "waiting_for_forecast": "waiting for the measurement of the training model's first step",
+            "not_forecast": "the step could not be measured ({why}); nothing changed",
+            "fits": "the step's peak {peak} fits the budget {budget}",
+            "far_below": "the model's state and batch ({state}) are far below the device's budget {budget}: not "
+            "measured",
+            "no_blocks": "the step's peak {peak} exceeds the budget {budget}, and {model} has no repeated blocks (a "
+            "ModuleList or Sequential of one class) that the step calls and that could be checkpointed",
+            "blocks_held": "the step's peak {peak} exceeds the budget {budget}; {held} holds a layer of "
+            "{model}'s blocks",
+            "checkpointed": "{count} of {total} blocks of {container} checkpointed from step {step}: the forecast peak "
+            "{before} -> {after}, budget {budget}; their Python forward runs again in backward",
+            "still_over": "every block that could be checkpointed is, and the forecast peak {after} still exceeds the "
+            "budget {budget}",
+            "left_out": "{count} of {total} blocks of {container} not checkpointed: {why}",
+            "rescued": "the training forward ran out of memory at step {step}: memory freed, its random state and "
+            "{buffers} updated buffer(s) put back, {count} of {total} blocks of {container} checkpointed, the call run "
+            "again",
+            "out_of_memory_remembered": "{count} of {total} blocks of {container} checkpointed from the first step: an "
+            "earlier run (on {date}) ran out of memory {where} at step {step}",
+            "not_rescued": "out of memory {where} at step {step}: raised as plain PyTorch raises it",
+            "not_rescuable": "{model} is compiled by the script or distributed: a forward that runs out of memory is "
+            "not run again",
+            "next_run": "the next run with this script, model and inputs checkpoints {count} of {total} blocks of "
+            "{container} from its first step",
+            "next_run_no_cache": "with the cache on (--no-cache off), the next run would checkpoint {count} of {total} "
+            "blocks of {container} from its first step",
+            "next_run_no_blocks": "{model} has no repeated blocks to checkpoint: a smaller batch, gradient "
+            "accumulation or a smaller optimizer state would bring the step down",
+        },
+        changed_figure=("blocks_checkpointed", ""),
+        acts_on=("<training model>'s repeated blocks: call route, recompute layer (torch.utils.checkpoint)",),
+    )
 
     def apply(self) -> None:
         self._recompute_s = 0.0
@@ -161,18 +165,18 @@ class ActivationCheckpointing(Unit):
         self._held: dict = {}  # block name -> module, checkpointed by this unit
         self._blocks = None  # (container, names, candidates) once the first step is measured
         self._left_out = []  # (count, why) of the blocks that are no candidates
-        self._state = out_of_memory.CallState(self.backend.name)
+        self._state = out_of_memory.CallState(self.run.backend.name)
         self._rescued = False
         self._remembered = False  # an out-of-memory error of this run has been remembered for the next
         self._first = self.scope.child()
         self._first.hook(module_hooks.register_forward_pre_hook, self._called)
-        self.on_revert(self._forget)
-        if self.session.step_memory is None or self.session.step_memory.budget is None:
-            self.session.trials.measured(self)
-            self.because("no_budget")
+        self.scope.add(self._forget)
+        if self.run.step_memory is None or self.run.step_memory.budget is None:
+            self.run.trials.measured(self)
+            self.report.because("no_budget")
             return
-        self.because("waiting_for_forecast")
-        self.on(Event.MEMORY_FORECAST, self._forecast)
+        self.report.because("waiting_for_forecast")
+        self.scope.on(Event.MEMORY_FORECAST, self._forecast)
 
     def _forget(self) -> None:
         self._held.clear()
@@ -189,25 +193,25 @@ class ActivationCheckpointing(Unit):
         self._first.close()
         self._model = weakref.ref(module)
         self._inputs = input_shapes(args, {})
-        memory = self.session.step_memory
+        memory = self.run.step_memory
         if memory is None or memory.budget is None:  # no memory that could run out: nothing remembered, no layer
             return
-        remembered = self.session.memory.recall_memory(module, self._inputs) if self.session.memory else None
+        remembered = self.run.memory.recall_memory(module, self._inputs) if self.run.memory else None
         if remembered is not None and not self._held:
             self._recall(module, remembered)
         if compiled_by_the_script(module) or isinstance(module, torch.nn.parallel.DistributedDataParallel):
-            self.note("not_rescuable", model=type(module).__name__)
+            self.report.note("not_rescuable", model=type(module).__name__)
             return
-        self.hold(module, Layer.RESCUE, self._rescue)
+        self.scope.hold(module, Layer.RESCUE, self._rescue)
 
     def _recall(self, model, remembered: dict) -> None:
         container, names = repeated_blocks(model)
         names = tuple(name for name in names if name in remembered["blocks"]) or names
         if not self._checkpoint(model, names):
             return
-        self.session.trials.measured(self)
-        self.figures.update(checkpointed_from_step=self.session.steps.steps, remembered_on=remembered["date"])
-        self.because(
+        self.run.trials.measured(self)
+        self.report.figures.update(checkpointed_from_step=self.run.steps.steps, remembered_on=remembered["date"])
+        self.report.because(
             "out_of_memory_remembered",
             count=len(names),
             total=len(names),
@@ -226,14 +230,14 @@ class ActivationCheckpointing(Unit):
             return False
         for name in todo:
             block = modules[name]
-            self.hold(
+            self.scope.hold(
                 block, Layer.RECOMPUTE, functools.partial(self._recompute, weakref.ref(block), _parameters(block))
             )
             self._held[name] = block
-        self.figures["blocks_checkpointed"] = list(self._held)
+        self.report.figures["blocks_checkpointed"] = list(self._held)
         if self._steps_since is None:
-            self._steps_since = self.session.steps.steps
-            self.on(Event.TRAINING_STEP, self._step_ended)
+            self._steps_since = self.run.steps.steps
+            self.scope.on(Event.TRAINING_STEP, self._step_ended)
         return True
 
     def _rescue(self, call, args, kwargs):
@@ -260,10 +264,10 @@ class ActivationCheckpointing(Unit):
         self._say_left_out(model)
         buffers = self._state.put_back()
         container, names, candidates = self._candidates(model)
-        step = self.session.steps.steps
+        step = self.run.steps.steps
         self._remember("forward", step)
-        self.figures["rescued_at_step"] = step
-        self.because(
+        self.report.figures["rescued_at_step"] = step
+        self.report.because(
             "rescued",
             step=step,
             buffers=buffers,
@@ -271,7 +275,7 @@ class ActivationCheckpointing(Unit):
             total=len(names),
             container=container or type(model).__name__,
         )
-        self.moment("rescued", at_step=step)
+        self.report.moment("rescued", at_step=step)
         call.raised = None
         out_of_memory.release()
         return call(*args, **kwargs)  # where it runs out of memory again, that propagates as plain's
@@ -280,7 +284,7 @@ class ActivationCheckpointing(Unit):
         """Whether every block could be checkpointed (then it is); the error propagates where not."""
         if self._checkpoint(model, self._candidates(model)[2]):
             return True
-        self._remember("forward", self.session.steps.steps)
+        self._remember("forward", self.run.steps.steps)
         return False
 
     def _candidates(self, model) -> tuple:
@@ -289,7 +293,7 @@ class ActivationCheckpointing(Unit):
         once found, with why, in ``_left_out``)."""
         if self._blocks is not None:
             return self._blocks
-        forecast = self.session.step_memory.forecast_plain
+        forecast = self.run.step_memory.forecast_plain
         called = set(forecast.kept) if forecast is not None else None  # not measured: the blocks the model holds
         container, names = repeated_blocks(model, called=called)
         own = [name for name in names if forecast is not None and name in forecast.under_saved_tensor_hooks]
@@ -307,7 +311,7 @@ class ActivationCheckpointing(Unit):
         container, names, _ = self._candidates(model)
         for count, why in self._left_out:
             if count:
-                self.note(
+                self.report.note(
                     "left_out", count=count, why=why, total=len(names), container=container or type(model).__name__
                 )
 
@@ -317,9 +321,9 @@ class ActivationCheckpointing(Unit):
         model = self._model() if self._model is not None else None
         if model is None or error is None or not out_of_memory.is_out_of_memory(error):
             return
-        step = self.session.steps.steps
+        step = self.run.steps.steps
         where = "forward" if self._remembered else "outside_forward"
-        self.note("not_rescued", where=_where(where), step=step)
+        self.report.note("not_rescued", where=_where(where), step=step)
         if not self._remembered:
             self._remember(where, step)
 
@@ -329,46 +333,46 @@ class ActivationCheckpointing(Unit):
         container, _, names = self._candidates(model)
         sizes = {"count": len(names), "total": len(names), "container": container or type(model).__name__}
         if not names:
-            next_run = self.reason_for("next_run_no_blocks", model=type(model).__name__)
-        elif self.session.memory is None:
-            next_run = self.reason_for("next_run_no_cache", **sizes)
+            next_run = self.report.reason_for("next_run_no_blocks", model=type(model).__name__)
+        elif self.run.memory is None:
+            next_run = self.report.reason_for("next_run_no_cache", **sizes)
         else:
             decision = {"blocks": list(names), "where": where, "step": step}
-            self.session.memory.remember_memory(model, self._inputs, decision)
-            next_run = self.reason_for("next_run", **sizes)
-        self.figures["next_run"] = {"code": next_run.code, "what": next_run.text}
+            self.run.memory.remember_memory(model, self._inputs, decision)
+            next_run = self.report.reason_for("next_run", **sizes)
+        self.report.figures["next_run"] = {"code": next_run.code, "what": next_run.text}
 
     def _forecast(self, model, memory) -> None:
         """A step was measured (or could not be): checkpoint the fewest more blocks that bring the
         forecast of the steps after it under the budget, and have the next step measured."""
-        self.session.trials.measured(self)
+        self.run.trials.measured(self)
         forecast, budget = memory.forecast, memory.budget
         if memory.state == "far_below":
-            self.because("far_below", state=_mb(memory.state_bytes), budget=_mb(budget))
+            self.report.because("far_below", state=_mb(memory.state_bytes), budget=_mb(budget))
             return
         if forecast is None:
             if not self._held:
-                self.because("not_forecast", why=memory.why_not)
+                self.report.because("not_forecast", why=memory.why_not)
             return
         container, names, candidates = self._candidates(model)  # once, with no tracker's hooks about
         sizes = {"peak": _mb(forecast.peak), "budget": _mb(budget)}
         if forecast.peak <= budget:
             if not self._held:
-                self.because("fits", **sizes)
+                self.report.because("fits", **sizes)
             return
         self._say_left_out(model)
         todo = [name for name in candidates if name not in self._held]
         if not todo:
             if self._held:
-                self.note("still_over", after=_mb(forecast.peak), budget=_mb(budget))
+                self.report.note("still_over", after=_mb(forecast.peak), budget=_mb(budget))
             else:
-                self.because("no_blocks", model=type(model).__name__, **sizes)
+                self.report.because("no_blocks", model=type(model).__name__, **sizes)
             return
         modules = dict(model.named_modules())
         held = [route_of(modules[name]) for name in todo if route_of(modules[name]) is not None]
         if held:
             owner = next(iter(held[0].layers.values()))[0]
-            self.because(
+            self.report.because(
                 "blocks_held", held=getattr(owner, "name", type(owner).__name__), model=type(model).__name__, **sizes
             )
             return
@@ -377,20 +381,20 @@ class ActivationCheckpointing(Unit):
         after = forecast.without(chosen)
         memory.forecast = after
         memory.measure_next()
-        self.figures.update(
+        self.report.figures.update(
             forecast_peak_bytes_plain=memory.forecast_plain.peak, forecast_peak_bytes=after.peak, budget_bytes=budget
         )
-        self.because(
+        self.report.because(
             "checkpointed",
             count=len(self._held),
             total=len(names),
             container=container or type(model).__name__,
-            step=self.session.steps.steps,
+            step=self.run.steps.steps,
             before=_mb(memory.forecast_plain.peak),
             after=_mb(after.peak),
             budget=_mb(budget),
         )
-        self.moment("checkpointed", blocks=len(self._held))
+        self.report.moment("checkpointed", blocks=len(self._held))
 
     def _recompute(self, block_ref, parameters, call, args, kwargs):
         """A checkpointed block's call, passed through whole (its keywords are the block's, never
@@ -429,26 +433,27 @@ class ActivationCheckpointing(Unit):
             self._recompute_s += clock() - start
 
     def _step_ended(self, _optimizer) -> None:
-        steps = self.session.steps.steps - self._steps_since
+        steps = self.run.steps.steps - self._steps_since
         if steps > 0:
-            self.figures["recompute_ms_per_step"] = round(self._recompute_s * 1000 / steps, 3)
+            self.report.figures["recompute_ms_per_step"] = round(self._recompute_s * 1000 / steps, 3)
 
     def changes(self) -> list:
-        blocks = self.figures.get("blocks_checkpointed")
+        figures = self.report.figures
+        blocks = figures.get("blocks_checkpointed")
         if not blocks:
             return []
-        cost = self.figures.get("recompute_ms_per_step")
+        cost = figures.get("recompute_ms_per_step")
         cost = (
             f"; recomputing them (their Python forward run again) costs {cost} ms per step" if cost is not None else ""
         )
-        if "forecast_peak_bytes" not in self.figures:  # rescued or remembered: the reason says why
-            return [f"{len(blocks)} block(s) checkpointed ({', '.join(blocks)}): {self.reason.text}{cost}"]
-        measured = self.session.step_memory.measured
+        if "forecast_peak_bytes" not in figures:  # rescued or remembered: the reason says why
+            return [f"{len(blocks)} block(s) checkpointed ({', '.join(blocks)}): {self.report.reason.text}{cost}"]
+        measured = self.run.step_memory.measured
         peak = f", measured {_mb(measured[0])}" if measured else ""
         return [
             f"{len(blocks)} block(s) checkpointed ({', '.join(blocks)}): forecast peak "
-            f"{_mb(self.figures['forecast_peak_bytes_plain'])} -> {_mb(self.figures['forecast_peak_bytes'])}{peak}, "
-            f"budget {_mb(self.figures['budget_bytes'])}{cost}"
+            f"{_mb(figures['forecast_peak_bytes_plain'])} -> {_mb(figures['forecast_peak_bytes'])}{peak}, "
+            f"budget {_mb(figures['budget_bytes'])}{cost}"
         ]
 
 

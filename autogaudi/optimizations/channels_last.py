@@ -64,26 +64,31 @@ def to_memory_format(model, optimizer, layout) -> None:
 
 
 class ChannelsLast(DecidesCandidate):
-    numerics = (ROUNDING,)  # NHWC kernels sum in another order; a rejected trial ran its steps in it
-    after = ("graph_capture",)  # decides first on a profile: a model it holds keeps its format
-    reasons = {
-        "no_conv2d": "no Conv2d in the training model",
-        "already_channels_last": "left as is: the script already put the model in channels_last",
-        "input_bound": "not tried: the step is input-bound ({why}); a trial would time the loader",
-        "captured": "stepped aside: {holder} captures this model, and its graphs fix the memory format",
-        "fsdp2": "left as is: FSDP2 shards this model's parameters and owns their layout",
-        "switched_on": "{model} in channels_last (without a trial)",
-        "trial_running": "trial running on {model}",
-        "measured_faster": "{model} in channels_last: measured faster",
-        "rejected": "rejected: {model} kept as is, not faster",
-    }
-    acts_on = ("<training model> parameters (memory format)", "<training model> call route, inputs layer (4-D inputs)")
+    spec = DecidesCandidate.spec.but(
+        numerics=(ROUNDING,),  # NHWC kernels sum in another order; a rejected trial ran its steps in it
+        after=("graph_capture",),  # decides first on a profile: a model it holds keeps its format
+        reasons={
+            "no_conv2d": "no Conv2d in the training model",
+            "already_channels_last": "left as is: the script already put the model in channels_last",
+            "input_bound": "not tried: the step is input-bound ({why}); a trial would time the loader",
+            "captured": "stepped aside: {holder} captures this model, and its graphs fix the memory format",
+            "fsdp2": "left as is: FSDP2 shards this model's parameters and owns their layout",
+            "switched_on": "{model} in channels_last (without a trial)",
+            "trial_running": "trial running on {model}",
+            "measured_faster": "{model} in channels_last: measured faster",
+            "rejected": "rejected: {model} kept as is, not faster",
+        },
+        acts_on=(
+            "<training model> parameters (memory format)",
+            "<training model> call route, inputs layer (4-D inputs)",
+        ),
+    )
 
     def apply(self) -> None:
         self.candidate = Candidate(self, self._set_up, lambda _on: None, self._params, kept=self._kept)
         self._numerics_pending = False
-        self.because("waiting_for_profile")
-        self.on(Event.STEP_PROFILED, self._profiled)
+        self.report.because("waiting_for_profile")
+        self.scope.on(Event.STEP_PROFILED, self._profiled)
 
     def _params(self) -> dict:
         return {"model": type(self.candidate.model).__name__}
@@ -91,22 +96,22 @@ class ChannelsLast(DecidesCandidate):
     def _refusal(self, profile):
         model = profile.model
         if model is None:
-            return self.reason_for("no_training_model")
+            return self.report.reason_for("no_training_model")
         if not any(isinstance(m, torch.nn.Conv2d) for m in model.modules()):
-            return self.reason_for("no_conv2d")
+            return self.report.reason_for("no_conv2d")
         if in_channels_last(model):
-            return self.reason_for("already_channels_last")
+            return self.report.reason_for("already_channels_last")
         if fsdp2_managed(model):
-            return self.reason_for("fsdp2")
-        if profile.bound == "input" and self.name not in (*self.options.force, *self.options.trial):
+            return self.report.reason_for("fsdp2")
+        if profile.bound == "input" and self.name not in (*self.run.options.force, *self.run.options.trial):
             # Both arms would mostly time the wait for data: a trial measured 0.42x for channels_last
             # on ResNet-18 waiting 68% of each step for its loader (H100).
-            return self.reason_for("input_bound", why=profile.why)
+            return self.report.reason_for("input_bound", why=profile.why)
         capture = holder(model, Layer.CAPTURE)
         if capture is not None:
             # Compiled graphs fix the strides they were built for: a later switch of format crashed
             # inductor's compiled backward (stride assertion) on CUDA in the siamese and mnist scripts.
-            return self.reason_for("captured", holder=capture.name)
+            return self.report.reason_for("captured", holder=capture.name)
         return None
 
     def _profiled(self, profile) -> None:
@@ -114,7 +119,7 @@ class ChannelsLast(DecidesCandidate):
         if refusal:
             self.candidate.refuse(refusal)
             return
-        remembered = self.recalled_trial()
+        remembered = self.run.recalled_trial(self.name)
         if remembered is not None:
             self.candidate.follow(remembered, profile)
         else:
@@ -123,7 +128,7 @@ class ChannelsLast(DecidesCandidate):
     def _set_up(self, scope) -> None:
         """The inputs layer of the model's call: while on, 4-D inputs go in channels_last and the
         kernels run NHWC; the parameters stay as the script laid them out until the decision is kept."""
-        self.hold(self.candidate.model, Layer.INPUTS, self._inputs, scope)
+        scope.hold(self.candidate.model, Layer.INPUTS, self._inputs)
         self._numerics_pending = True  # measured on the first call in channels_last
 
     def _kept(self, scope) -> None:
@@ -137,7 +142,11 @@ class ChannelsLast(DecidesCandidate):
     def changes(self) -> list:
         if not self.in_use():
             return []
-        measured = f", {self.figures['speedup']}x per step in {self.trial_named()}" if "speedup" in self.figures else ""
+        measured = (
+            f", {self.report.figures['speedup']}x per step in {self.trial_named()}"
+            if "speedup" in self.report.figures
+            else ""
+        )
         return [f"{type(self.candidate.model).__name__} and its 4-D inputs in channels_last{measured}"]
 
     def _inputs(self, call, args, kwargs):
@@ -153,7 +162,7 @@ class ChannelsLast(DecidesCandidate):
         same dropout masks, so the figure is the kernels' rounding alone)."""
         self._numerics_pending = False
         as_kept, plain = _in_format(torch.channels_last), _in_format(torch.contiguous_format)
-        self.measure_numerics(
+        self.report.measure_numerics(
             self.candidate.model,
             args,
             kwargs,

@@ -23,7 +23,7 @@ import inspect
 
 from torch.nn.parallel import DistributedDataParallel
 
-from autogaudi.core.unit import ROUNDING, Unit
+from autogaudi.core.unit import ROUNDING, Unit, UnitSpec
 
 MB = 1024**2
 
@@ -38,17 +38,19 @@ def hpu_bucket_megabytes(module) -> int:
 
 
 class DdpTuning(Unit):
-    reasons = {
-        "bucket_view": "gradient_as_bucket_view",
-        "bucket_view_and_size": "gradient_as_bucket_view, bucket size from the model",
-        "static_graph_advice": "find_unused_parameters=True: DDP searches the autograd graph for unused parameters "
-        "every step; if the same parameters are used in every step, static_graph=True skips that search. torch "
-        "accepts it only before the first step, before autogaudi could see the steps, so it is left to you",
-        "kept_own_settings": "kept the script's own {settings}",
-    }
-    changed_figure = ("ddp_models_tuned", "{} DistributedDataParallel model(s) tuned")
-    targets = ("torch.nn.parallel.DistributedDataParallel.__init__",)
-    exact_when = "there are two ranks"  # on HPU
+    spec = UnitSpec(
+        reasons={
+            "bucket_view": "gradient_as_bucket_view",
+            "bucket_view_and_size": "gradient_as_bucket_view, bucket size from the model",
+            "static_graph_advice": "find_unused_parameters=True: DDP searches the autograd graph for unused parameters "
+            "every step; if the same parameters are used in every step, static_graph=True skips that search. torch "
+            "accepts it only before the first step, before autogaudi could see the steps, so it is left to you",
+            "kept_own_settings": "kept the script's own {settings}",
+        },
+        changed_figure=("ddp_models_tuned", "{} DistributedDataParallel model(s) tuned"),
+        targets=("torch.nn.parallel.DistributedDataParallel.__init__",),
+        exact_when="there are two ranks",  # on HPU
+    )
 
     @classmethod
     def numerics_on(cls, backend) -> tuple:
@@ -62,9 +64,9 @@ class DdpTuning(Unit):
         self._buffer_sync = (
             "forward_sync_buffers" if "forward_sync_buffers" in self._signature.parameters else "broadcast_buffers"
         )
-        self.figures["ddp_models_tuned"] = 0
-        self.wrap(DistributedDataParallel, "__init__", self._init)
-        self.because("bucket_view_and_size" if self.backend.name == "hpu" else "bucket_view")
+        self.report.figures["ddp_models_tuned"] = 0
+        self.scope.wrap(DistributedDataParallel, "__init__", self._init)
+        self.report.because("bucket_view_and_size" if self.run.backend.name == "hpu" else "bucket_view")
 
     def _init(self, wrapped, instance, args, kwargs):
         changes = self._choose(args, kwargs) if type(instance) is DistributedDataParallel else {}
@@ -82,13 +84,13 @@ class DdpTuning(Unit):
         buffer_choice = {"broadcast_buffers", "forward_sync_buffers"} & set(given)
         if not buffer_choice and next(module.buffers(), None) is None:
             changes[self._buffer_sync] = False
-        if self.backend.name == "hpu" and "bucket_cap_mb" not in given:
+        if self.run.backend.name == "hpu" and "bucket_cap_mb" not in given:
             changes["bucket_cap_mb"] = hpu_bucket_megabytes(module)
         if given.get("find_unused_parameters") and "static_graph" not in given:
-            self.note("static_graph_advice")
+            self.report.note("static_graph_advice")
         kept = sorted(name for name in ("gradient_as_bucket_view", "bucket_cap_mb", *buffer_choice) if name in given)
         if kept:
-            self.note("kept_own_settings", settings=", ".join(kept))
-        self.figures["ddp_models_tuned"] += 1
-        self.figures["last_settings"] = dict(changes)
+            self.report.note("kept_own_settings", settings=", ".join(kept))
+        self.report.figures["ddp_models_tuned"] += 1
+        self.report.figures["last_settings"] = dict(changes)
         return changes

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from autogaudi.core.events import Event
-from autogaudi.core.unit import ROUNDING, Unit
+from autogaudi.core.unit import ROUNDING, Unit, UnitSpec
 from autogaudi.measure import numerics
 
 
@@ -143,40 +143,42 @@ class FlatAllReduce:
 
 
 class FastDdp(Unit):
-    # One flat buffer: each gradient lands elsewhere in the all-reduce's chunks, so ranks' values can
-    # be summed in another order (measured at the first averaged step)
-    numerics = (ROUNDING,)
-    exact_when = "there are two ranks"
-    reasons = {
-        "flat_all_reduce": "one flattened all-reduce of the gradients after each synchronised backward",
-        "gradients_changed": "handed back to DDP's reducer: the set of parameters with gradients changed (ranks "
-        "per parameter {first} at first, then {then})",
-        "ddp_keeps_sync": "DDP kept its own gradient sync: {why}",
-        # note: the rounding against DDP's buckets was not measured (the report says "not measured")
-        "rounding_not_measured_memory": "rounding not measured: a copy of the gradients ({gb:.2f} GB) would take "
-        "more than {share:.0%} of the memory free on some rank",
-    }
-    changed_figure = ("models", "{} DDP model(s) averaging gradients in one flat all-reduce")
-    targets = ("torch.nn.parallel.DistributedDataParallel.forward",)
-    acts_on = ("after each backward pass (the session's step watcher)",)
+    spec = UnitSpec(
+        # One flat buffer: each gradient lands elsewhere in the all-reduce's chunks, so ranks' values can
+        # be summed in another order (measured at the first averaged step)
+        numerics=(ROUNDING,),
+        exact_when="there are two ranks",
+        reasons={
+            "flat_all_reduce": "one flattened all-reduce of the gradients after each synchronised backward",
+            "gradients_changed": "handed back to DDP's reducer: the set of parameters with gradients changed (ranks "
+            "per parameter {first} at first, then {then})",
+            "ddp_keeps_sync": "DDP kept its own gradient sync: {why}",
+            # note: the rounding against DDP's buckets was not measured (the report says "not measured")
+            "rounding_not_measured_memory": "rounding not measured: a copy of the gradients ({gb:.2f} GB) would take "
+            "more than {share:.0%} of the memory free on some rank",
+        },
+        changed_figure=("models", "{} DDP model(s) averaging gradients in one flat all-reduce"),
+        targets=("torch.nn.parallel.DistributedDataParallel.forward",),
+        acts_on=("after each backward pass (the session's step watcher)",),
+    )
 
     def apply(self) -> None:
         self._models = weakref.WeakKeyDictionary()  # DDP model -> FlatAllReduce, or None where DDP keeps it
-        self.figures.update(models=0, flat_all_reduces=0)
+        self.report.figures.update(models=0, flat_all_reduces=0)
         self._measured_steps, self._largest_rounding = 0, 0.0
-        self.wrap(DistributedDataParallel, "forward", self._forward)
-        self.on(Event.AFTER_BACKWARD, self._after_backward)
-        self.because("flat_all_reduce")
+        self.scope.wrap(DistributedDataParallel, "forward", self._forward)
+        self.scope.on(Event.AFTER_BACKWARD, self._after_backward)
+        self.report.because("flat_all_reduce")
 
     def _flat_all_reduce(self, model):
         if model not in self._models:
             why = why_ddp_keeps(model)
             if why:
-                self.note("ddp_keeps_sync", why=why)
+                self.report.note("ddp_keeps_sync", why=why)
                 self._models[model] = None
             else:
                 self._models[model] = FlatAllReduce(model)
-                self.figures["models"] += 1
+                self.report.figures["models"] += 1
         state = self._models[model]
         return None if state is None or state.handed_back else state
 
@@ -202,12 +204,12 @@ class FastDdp(Unit):
             changed = state.changed_counts()
             reference = self._ddp_reference(state) if state.first_counts is None else None
             state.average()
-            self.figures["flat_all_reduces"] += 1
+            self.report.figures["flat_all_reduces"] += 1
             if reference is not None:
                 self._rounding_measured(state, reference)
             if changed:
                 state.handed_back = True
-                self.because("gradients_changed", first=list(state.first_counts), then=list(changed))
+                self.report.because("gradients_changed", first=list(state.first_counts), then=list(changed))
 
     # How far the flat average is from DDP's own, at each model's first averaged step --------------
 
@@ -216,8 +218,8 @@ class FastDdp(Unit):
         some rank (decided with every rank, at a step every rank is at)."""
         size = state.numel * state.params[0].element_size()
         device = state.params[0].device
-        if not every_rank(numerics.bytes_fit(size, device, self.backend), state.group, device):
-            self.note("rounding_not_measured_memory", gb=size / 1024**3, share=numerics.FREE_SHARE)
+        if not every_rank(numerics.bytes_fit(size, device, self.run.backend), state.group, device):
+            self.report.note("rounding_not_measured_memory", gb=size / 1024**3, share=numerics.FREE_SHARE)
             return None
         with torch.no_grad():
             return bucketed_average(state.pieces(), state.buckets, state.world, state.group)
@@ -229,7 +231,7 @@ class FastDdp(Unit):
         difference = numerics.largest_relative_difference(*zip(*pairs)) if pairs else 0.0
         self._measured_steps += 1
         self._largest_rounding = max(self._largest_rounding, difference)
-        self.figures["numerics_measured"] = numerics.measured(
+        self.report.figures["numerics_measured"] = numerics.measured(
             self._largest_rounding,
             of="averaged gradients",
             steps=self._measured_steps,

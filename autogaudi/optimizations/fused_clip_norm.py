@@ -25,7 +25,7 @@ import torch
 import torch.nn.utils
 import torch.nn.utils.clip_grad
 
-from autogaudi.core.unit import ROUNDING, Unit
+from autogaudi.core.unit import ROUNDING, Unit, UnitSpec
 from autogaudi.measure import numerics
 from autogaudi.watch.engines import holds_dtensors
 
@@ -45,22 +45,24 @@ def torch_total_norm(parameters) -> torch.Tensor:
 
 
 class FusedClipNormUnit(Unit):
-    numerics = (ROUNDING,)  # the norm summed in one fused op (measured at the first call)
-    reasons = {"hpex": "hpex FusedClipNorm"}
-    changed_figure = ("fused_calls", "{} clip_grad_norm_ calls through FusedClipNorm")
-    targets = ("torch.nn.utils.clip_grad_norm_", "torch.nn.utils.clip_grad.clip_grad_norm_")
-    acts_for_device = True
+    spec = UnitSpec(
+        numerics=(ROUNDING,),  # the norm summed in one fused op (measured at the first call)
+        reasons={"hpex": "hpex FusedClipNorm"},
+        changed_figure=("fused_calls", "{} clip_grad_norm_ calls through FusedClipNorm"),
+        targets=("torch.nn.utils.clip_grad_norm_", "torch.nn.utils.clip_grad.clip_grad_norm_"),
+        acts_for_device=True,
+    )
 
     def apply(self) -> None:
         original = torch.nn.utils.clip_grad.clip_grad_norm_
         self._signature = inspect.signature(original)
         self._clippers = {}  # (parameter ids, max_norm) -> (parameters, clip)
-        self.figures.update(fused_calls=0, torch_calls=0)
+        self.report.figures.update(fused_calls=0, torch_calls=0)
         self._rounding_measured = False  # at the first fused call
         for owner in (torch.nn.utils, torch.nn.utils.clip_grad):
             if owner.clip_grad_norm_ is original:
-                self.wrap(owner, "clip_grad_norm_", self._clip)
-        self.because("hpex")
+                self.scope.wrap(owner, "clip_grad_norm_", self._clip)
+        self.report.because("hpex")
 
     def _clip(self, wrapped, instance, args, kwargs):
         bound = self._signature.bind(*args, **kwargs)
@@ -72,15 +74,15 @@ class FusedClipNormUnit(Unit):
         wrapped.read_as(**call)
         exact = float(call["norm_type"]) == 2.0 and not call["error_if_nonfinite"] and call.get("foreach") is None
         if not exact or holds_dtensors(parameters):
-            self.figures["torch_calls"] += 1
+            self.report.figures["torch_calls"] += 1
             return wrapped(**call)
         # measured at the first fused call, before the fused op scales the gradients in place
         reference = None if self._rounding_measured else torch_total_norm(parameters)
         total = self._clipper(parameters, float(call["max_norm"]))(parameters)
-        self.figures["fused_calls"] += 1
+        self.report.figures["fused_calls"] += 1
         if reference is not None:
             self._rounding_measured = True
-            self.figures["numerics_measured"] = numerics.measured(
+            self.report.figures["numerics_measured"] = numerics.measured(
                 numerics.largest_relative_difference([total], [reference]),
                 of="total norm",
                 steps=1,
@@ -95,5 +97,5 @@ class FusedClipNormUnit(Unit):
             if len(self._clippers) >= _MAX_CACHED_SETS:
                 self._clippers.pop(next(iter(self._clippers)))
             # The parameters are kept with the clipper so their ids cannot be reused meanwhile.
-            cached = self._clippers[key] = (parameters, self.backend.fused_clip_norm(parameters, max_norm))
+            cached = self._clippers[key] = (parameters, self.run.backend.fused_clip_norm(parameters, max_norm))
         return cached[1]

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional
 
-from autogaudi.core.unit import RANDOM, ROUNDING, Unit
+from autogaudi.core.unit import RANDOM, ROUNDING, Unit, UnitSpec
 from autogaudi.measure import numerics
 
 _RECOMPUTE = {"auto": None, "on": True, "off": False}
@@ -57,34 +57,36 @@ def reference_bytes(call: dict) -> int:
 
 
 class FusedSdpa(Unit):
-    # Another attention kernel (measured without dropout); with dropout_p, masks of FusedSDPA's own
-    numerics = (ROUNDING, RANDOM)
-    reasons = {
-        "hpex": "hpex FusedSDPA, recompute {recompute}",
-        # notes: why the kernel's rounding is not measured (yet)
-        "dropout_not_compared": "calls with dropout not compared with torch's op: FusedSDPA draws its own masks, "
-        "torch's op would draw from the script's generator; measured at the first call without dropout",
-        "rounding_not_measured_memory": "rounding not measured: torch's op on the same inputs would take "
-        "{gb:.2f} GB, more than {share:.0%} of the memory free",
-    }
-    changed_figure = ("fused_calls", "{} attention calls through FusedSDPA")
-    targets = ("torch.nn.functional.scaled_dot_product_attention",)
-    acts_for_device = True
+    spec = UnitSpec(
+        # Another attention kernel (measured without dropout); with dropout_p, masks of FusedSDPA's own
+        numerics=(ROUNDING, RANDOM),
+        reasons={
+            "hpex": "hpex FusedSDPA, recompute {recompute}",
+            # notes: why the kernel's rounding is not measured (yet)
+            "dropout_not_compared": "calls with dropout not compared with torch's op: FusedSDPA draws its own masks, "
+            "torch's op would draw from the script's generator; measured at the first call without dropout",
+            "rounding_not_measured_memory": "rounding not measured: torch's op on the same inputs would take "
+            "{gb:.2f} GB, more than {share:.0%} of the memory free",
+        },
+        changed_figure=("fused_calls", "{} attention calls through FusedSDPA"),
+        targets=("torch.nn.functional.scaled_dot_product_attention",),
+        acts_for_device=True,
+    )
 
     def apply(self) -> None:
-        self._fused = self.backend.fused_sdpa()
-        self._recompute = _RECOMPUTE[self.options.sdpa_recompute]
-        self.figures.update(fused_calls=0, torch_calls=0, torch_calls_by_reason={})
+        self._fused = self.run.backend.fused_sdpa()
+        self._recompute = _RECOMPUTE[self.run.options.sdpa_recompute]
+        self.report.figures.update(fused_calls=0, torch_calls=0, torch_calls_by_reason={})
         self._measuring = True  # until a call without dropout is measured, or cannot be
-        self.wrap(torch.nn.functional, "scaled_dot_product_attention", self._attention)
-        self.because("hpex", recompute=self.options.sdpa_recompute)
+        self.scope.wrap(torch.nn.functional, "scaled_dot_product_attention", self._attention)
+        self.report.because("hpex", recompute=self.run.options.sdpa_recompute)
 
     def _attention(self, wrapped, instance, args, kwargs):
         call = {**dict(zip(_PARAMETERS, args)), **kwargs}
         reason = fallback_reason(call)
         if reason is not None:
-            self.figures["torch_calls"] += 1
-            by_reason = self.figures["torch_calls_by_reason"]
+            self.report.figures["torch_calls"] += 1
+            by_reason = self.report.figures["torch_calls_by_reason"]
             by_reason[reason] = by_reason.get(reason, 0) + 1
             return wrapped(*args, **kwargs)
         output = self._fused.apply(
@@ -98,7 +100,7 @@ class FusedSdpa(Unit):
             "None",
             self._recompute,
         )
-        self.figures["fused_calls"] += 1
+        self.report.figures["fused_calls"] += 1
         if self._measuring:
             self._rounding_measured(wrapped, args, kwargs, call, output)
         return output
@@ -106,16 +108,16 @@ class FusedSdpa(Unit):
     def _rounding_measured(self, wrapped, args, kwargs, call, output) -> None:
         """The fused ``output`` against torch's op on the same inputs, at a call without dropout."""
         if call.get("dropout_p", 0.0) > 0:
-            self.note("dropout_not_compared")
+            self.report.note("dropout_not_compared")
             return
         self._measuring = False
         size = reference_bytes(call)
-        if not numerics.bytes_fit(size, call["query"].device, self.backend):
-            self.note("rounding_not_measured_memory", gb=size / 1024**3, share=numerics.FREE_SHARE)
+        if not numerics.bytes_fit(size, call["query"].device, self.run.backend):
+            self.report.note("rounding_not_measured_memory", gb=size / 1024**3, share=numerics.FREE_SHARE)
             return
         with torch.no_grad():
             reference = wrapped(*args, **kwargs)
-        self.figures["numerics_measured"] = numerics.measured(
+        self.report.figures["numerics_measured"] = numerics.measured(
             numerics.largest_relative_difference([output], [reference]),
             of="attention output",
             steps=1,

@@ -31,7 +31,7 @@ import sys
 
 import torch
 
-from autogaudi.core.unit import ROUNDING, Unit
+from autogaudi.core.unit import ROUNDING, Unit, UnitSpec
 from autogaudi.entry.before_bridge import MIGRATION_TOOLKIT, MIGRATION_VARIABLE
 from autogaudi.entry.main_script import script_path
 from autogaudi.entry.script_source import NOT_MAPPED
@@ -65,65 +65,69 @@ def _asked_by_the_script() -> bool:
 
 
 class GpuMigration(Unit):
-    # The math runs on the device instead of the host: other kernels, other rounding
-    numerics = (ROUNDING,)
-    exact_when = "never: the device's kernels round otherwise than the host's"
-    reasons = {
-        "mapped": "the script asked for cuda; it ran on hpu through Intel's GPU migration ({by})",
-        "other_device": "--device names another backend",
-        "exact": "off under --exact: the script runs where it asked",
-        "no_bridge": "the Gaudi bridge is not installed",
-        "bridge_loaded_first": "the Gaudi bridge was loaded (by `import torch` since torch 2.5) before autogaudi "
-        "started: the toolkit can only be switched on before it (PT_HPU_GPU_MIGRATION=1)",
-        "no_script": "no script file to read (python -c, an interactive session)",
-        "script_not_cuda": "the script and its own modules do not use CUDA",
-        "failed_before_bridge": "could not read the script before the bridge loaded: {error}",
-        # notes and recommendations
-        "not_mapped": "{library} ({what}, imported at {where}) is CUDA-bound and not mapped by the toolkit",
-        "mapping_stays": "the toolkit's mapping stays in this process after disable(): the bridge cannot unload it",
-        "cuda_asked_at_run_time": "the script asked torch.cuda.is_available() at run time without the toolkit on: "
-        "its CUDA code ran on the CPU",
-        "set_variable": "set PT_HPU_GPU_MIGRATION=1 before the script starts, so Intel's toolkit maps its CUDA calls",
-        "enable_before_torch": "start autogaudi before torch loads the Gaudi bridge: `python -m autogaudi script.py`, "
-        "AUTOGAUDI=1, or autogaudi.enable() above the script's `import torch`",
-    }
-    changed_figure = ("mapped_calls", "{} CUDA calls mapped to hpu by Intel's GPU migration")
-    targets = ("torch.cuda.is_available",)
-    acts_on = ("PT_HPU_GPU_MIGRATION, set as the script starts importing torch or the Gaudi bridge (before_bridge)",)
-    states = ("watching", "failed", "disabled")
+    spec = UnitSpec(
+        # The math runs on the device instead of the host: other kernels, other rounding
+        numerics=(ROUNDING,),
+        exact_when="never: the device's kernels round otherwise than the host's",
+        reasons={
+            "mapped": "the script asked for cuda; it ran on hpu through Intel's GPU migration ({by})",
+            "other_device": "--device names another backend",
+            "exact": "off under --exact: the script runs where it asked",
+            "no_bridge": "the Gaudi bridge is not installed",
+            "bridge_loaded_first": "the Gaudi bridge was loaded (by `import torch` since torch 2.5) before autogaudi "
+            "started: the toolkit can only be switched on before it (PT_HPU_GPU_MIGRATION=1)",
+            "no_script": "no script file to read (python -c, an interactive session)",
+            "script_not_cuda": "the script and its own modules do not use CUDA",
+            "failed_before_bridge": "could not read the script before the bridge loaded: {error}",
+            # notes and recommendations
+            "not_mapped": "{library} ({what}, imported at {where}) is CUDA-bound and not mapped by the toolkit",
+            "mapping_stays": "the toolkit's mapping stays in this process after disable(): the bridge cannot unload it",
+            "cuda_asked_at_run_time": "the script asked torch.cuda.is_available() at run time without the toolkit on: "
+            "its CUDA code ran on the CPU",
+            "set_variable": "set PT_HPU_GPU_MIGRATION=1 before the script starts, so Intel's toolkit maps its "
+            "CUDA calls",
+            "enable_before_torch": "start autogaudi before torch loads the Gaudi bridge: `python -m autogaudi "
+            "script.py`, "
+            "AUTOGAUDI=1, or autogaudi.enable() above the script's `import torch`",
+        },
+        changed_figure=("mapped_calls", "{} CUDA calls mapped to hpu by Intel's GPU migration"),
+        targets=("torch.cuda.is_available",),
+        acts_on=("PT_HPU_GPU_MIGRATION, set as the script starts importing torch or the Gaudi bridge (before_bridge)",),
+        states=("watching", "failed", "disabled"),
+    )
 
     def apply(self) -> None:
-        decided = self.session.migration or {"switched_on_by": None, "why_not": "no_script"}
+        decided = self.run.migration or {"switched_on_by": None, "why_not": "no_script"}
         self._decided = decided
         self._toolkit = sys.modules.get(TOOLKIT)
-        self.figures["switched_on_by"] = decided.get("switched_on_by")
+        self.report.figures["switched_on_by"] = decided.get("switched_on_by")
         for library, where in decided.get("not_mapped", {}).items():
-            self.note("not_mapped", library=library, what=NOT_MAPPED[library], where=where)
+            self.report.note("not_mapped", library=library, what=NOT_MAPPED[library], where=where)
         if self._toolkit is not None:
-            self.figures["script_uses_cuda_at"] = decided.get("cuda", [])
+            self.report.figures["script_uses_cuda_at"] = decided.get("cuda", [])
             if decided.get("switched_on_by") == "autogaudi":
-                self.on_revert(self._unset_variable)
-            self.because("mapped", by=f"switched on by {decided.get('switched_on_by') or 'the script'}")
+                self.scope.add(self._unset_variable)
+            self.report.because("mapped", by=f"switched on by {decided.get('switched_on_by') or 'the script'}")
         elif "error" in decided:
-            self.because("failed_before_bridge", error=decided["error"])
+            self.report.because("failed_before_bridge", error=decided["error"])
         else:
-            self.because(decided.get("why_not", "no_script"))
+            self.report.because(decided.get("why_not", "no_script"))
             if decided.get("why_not") == "bridge_loaded_first":
-                self.recommend("enable_before_torch", do="python -m autogaudi script.py")
-        self.wrap(torch.cuda, "is_available", self._is_available)
+                self.report.recommend("enable_before_torch", do="python -m autogaudi script.py")
+        self.scope.wrap(torch.cuda, "is_available", self._is_available)
 
     def _is_available(self, wrapped, instance, args, kwargs):
         answer = wrapped(*args, **kwargs)
-        if self._toolkit is None and "cuda_asked_at" not in self.figures and _asked_by_the_script():
-            self.figures["cuda_asked_at"] = self.session.steps.steps
-            self.note("cuda_asked_at_run_time")
-            self.recommend("set_variable", do=f"{VARIABLE}=1")
+        if self._toolkit is None and "cuda_asked_at" not in self.report.figures and _asked_by_the_script():
+            self.report.figures["cuda_asked_at"] = self.run.steps.steps
+            self.report.note("cuda_asked_at_run_time")
+            self.report.recommend("set_variable", do=f"{VARIABLE}=1")
         return answer
 
     def _unset_variable(self):
         if os.environ.get(VARIABLE) == "1":
             del os.environ[VARIABLE]
-        return self.reason_for("mapping_stays")
+        return self.report.reason_for("mapping_stays")
 
     def mapped_calls(self):
         """The toolkit's count of mapped calls, where it keeps one it can be asked for (the test double
@@ -135,21 +139,21 @@ class GpuMigration(Unit):
             return None
 
     def changes(self) -> list:
-        self.figures["mapped_calls"] = self.mapped_calls()
+        self.report.figures["mapped_calls"] = self.mapped_calls()
         if self._toolkit is None:
             return []
-        count = self.figures["mapped_calls"]
-        return [self.changed_figure[1].format(count if count is not None else "its")]
+        count = self.report.figures["mapped_calls"]
+        return [self.spec.changed_figure[1].format(count if count is not None else "its")]
 
     def facts(self):
         """For the report's first line: where the script asked the math to run and where it ran: the
         device, or the host where the script put its model there itself (mapped calls or not)."""
         if getattr(self, "_toolkit", None) is None:
             return None
-        on_device = getattr(self.session.placement, "on_device", None)
+        on_device = getattr(self.run.placement, "on_device", None)
         return {
             "asked_for": "cuda",
-            "ran_on": self.backend.device_type if on_device is not False else "cpu",
+            "ran_on": self.run.backend.device_type if on_device is not False else "cpu",
             "through": "Intel's GPU migration",
             "switched_on_by": self._decided.get("switched_on_by"),
             "mapped_calls": self.mapped_calls(),

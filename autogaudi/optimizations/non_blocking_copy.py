@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from autogaudi.core.unit import Unit
+from autogaudi.core.unit import Unit, UnitSpec
 
 
 def target_device_type(args, kwargs):
@@ -36,28 +36,30 @@ def wants_non_blocking(tensor, args, kwargs, accelerator: str) -> bool:
 
 
 class NonBlockingCopy(Unit):
-    reasons = {"pinned_to_device": "pinned host tensors to {device}"}
-    changed_figure = ("non_blocking_copies", "{} host-to-device copies made non-blocking")
-    targets = ("torch.Tensor.to",)
-    acts_on = ("CUDA: torch.Tensor.cuda",)
-    acts_for_device = True
+    spec = UnitSpec(
+        reasons={"pinned_to_device": "pinned host tensors to {device}"},
+        changed_figure=("non_blocking_copies", "{} host-to-device copies made non-blocking"),
+        targets=("torch.Tensor.to",),
+        acts_on=("CUDA: torch.Tensor.cuda",),
+        acts_for_device=True,
+    )
 
     def apply(self) -> None:
-        self.figures["non_blocking_copies"] = 0
-        self._accelerator = self.backend.device_type
-        self.wrap(torch.Tensor, "to", self._to)
+        self.report.figures["non_blocking_copies"] = 0
+        self._accelerator = self.run.backend.device_type
+        self.scope.wrap(torch.Tensor, "to", self._to)
         if self._accelerator == "cuda":
-            self.wrap(torch.Tensor, "cuda", self._cuda)
-        self.because("pinned_to_device", device=self._accelerator)
+            self.scope.wrap(torch.Tensor, "cuda", self._cuda)
+        self.report.because("pinned_to_device", device=self._accelerator)
 
     def _to(self, wrapped, instance, args, kwargs):
         if wants_non_blocking(instance, args, kwargs, self._accelerator):
-            self.figures["non_blocking_copies"] += 1
+            self.report.figures["non_blocking_copies"] += 1
             kwargs = {**kwargs, "non_blocking": True}
         return wrapped(*args, **kwargs)
 
     def _cuda(self, wrapped, instance, args, kwargs):
         if "non_blocking" not in kwargs and len(args) < 2 and instance.device.type == "cpu" and instance.is_pinned():
-            self.figures["non_blocking_copies"] += 1
+            self.report.figures["non_blocking_copies"] += 1
             kwargs = {**kwargs, "non_blocking": True}
         return wrapped(*args, **kwargs)

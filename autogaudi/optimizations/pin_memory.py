@@ -24,7 +24,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from autogaudi.core.events import Event
-from autogaudi.core.unit import Unit
+from autogaudi.core.unit import Unit, UnitSpec
 from autogaudi.watch.steps import loader_arguments
 
 
@@ -54,31 +54,33 @@ def pinning_arguments(device_type: str):
 
 
 class PinMemory(Unit):
-    reasons = {
-        "pinned": "pinned for {device}",
-        "pins_nothing_here": "this torch's DataLoader pins for no {device} device here (no accelerator it can "
-        "pin for): loaders are set to pin as on the device, and torch warns that it cannot",
-    }
-    changed_figure = ("loaders_pinned", "{} DataLoader(s) pinning memory")
-    acts_on = ("DataLoader construction (the session's step watcher)",)
-    acts_for_device = True
+    spec = UnitSpec(
+        reasons={
+            "pinned": "pinned for {device}",
+            "pins_nothing_here": "this torch's DataLoader pins for no {device} device here (no accelerator it can "
+            "pin for): loaders are set to pin as on the device, and torch warns that it cannot",
+        },
+        changed_figure=("loaders_pinned", "{} DataLoader(s) pinning memory"),
+        acts_on=("DataLoader construction (the session's step watcher)",),
+        acts_for_device=True,
+    )
 
     def apply(self) -> None:
-        self.figures["loaders_pinned"] = 0
+        self.report.figures["loaders_pinned"] = 0
         self._pinned = weakref.WeakSet()
-        device = self.backend.pin_memory_device
+        device = self.run.backend.pin_memory_device
         self._arguments = pinning_arguments(device)
         if self._arguments is None:
             self._arguments = {}
-            self.note("pins_nothing_here", device=device)
-        self.on(Event.LOADER_BUILT, self._adjust)
-        self.because("pinned", device=self.backend.device_type)
+            self.report.note("pins_nothing_here", device=device)
+        self.scope.on(Event.LOADER_BUILT, self._adjust)
+        self.report.because("pinned", device=self.run.backend.device_type)
 
     def _adjust(self, loader, args, kwargs):
         given = loader_arguments(loader, args, kwargs)
         if given is None or "pin_memory" in given:
             return None  # the script chose
-        self.figures["loaders_pinned"] += 1
+        self.report.figures["loaders_pinned"] += 1
         self._pinned.add(loader)
         return args, {**kwargs, "pin_memory": True, **self._arguments}
 

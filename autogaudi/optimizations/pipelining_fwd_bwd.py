@@ -13,11 +13,13 @@ from autogaudi.optimizations.step_marks import LazyModeUnit
 
 
 class PipeliningFwdBwd(LazyModeUnit):
-    reasons = {**LazyModeUnit.reasons, "forced": "lazy mode, forced on"}
-    changed_figure = ("mark_steps", "{} extra mark_step calls before backward")
-    acts_on = ("before each backward pass (the session's step watcher)",)
+    spec = LazyModeUnit.spec.but(
+        reasons={**LazyModeUnit.spec.reasons, "forced": "lazy mode, forced on"},
+        changed_figure=("mark_steps", "{} extra mark_step calls before backward"),
+        acts_on=("before each backward pass (the session's step watcher)",),
+    )
 
     def apply(self) -> None:
-        self.figures["mark_steps"] = 0
-        self.on(Event.BEFORE_BACKWARD, lambda _loss: self.mark())
-        self.because("forced")
+        self.report.figures["mark_steps"] = 0
+        self.scope.on(Event.BEFORE_BACKWARD, lambda _loss: self.mark())
+        self.report.because("forced")

@@ -24,7 +24,7 @@ from __future__ import annotations
 from torch.utils.data import IterableDataset, RandomSampler, Sampler, SequentialSampler
 
 from autogaudi.core.events import Event
-from autogaudi.core.unit import DATA, Unit
+from autogaudi.core.unit import DATA, Unit, UnitSpec
 from autogaudi.optimizations.shape_buckets.matter import compiled_for_shapes
 from autogaudi.watch.steps import loader_arguments
 
@@ -65,41 +65,44 @@ class PaddedSampler(Sampler):
 
 
 class StaticLastBatch(Unit):
-    numerics = (DATA,)
-    reasons = {
-        "policy": "policy {policy}",
-        "waiting": "a short last batch is kept whole once graph capture or torch.compile takes the training model",
-        "eager": "nothing padded: shapes cost nothing on this eager {backend} run (no graph capture or torch.compile)",
-        "hpu_eager": "HPU eager mode compiles nothing per shape unless graph capture or torch.compile is on",
-        "own_sampler": "a loader with its own {sampler} is not padded (its sampler stays the script's)",
-        "repeats_samples": "each epoch's last batch repeats samples from the epoch's start "
-        "(--last-batch drop: drop it)",
-    }
-    changed_figure = ("loaders_padded", "{} DataLoader(s) padded to whole batches")
-    acts_on = ("DataLoader construction (the session's step watcher)",)
-    acts_for_device = True
+    spec = UnitSpec(
+        numerics=(DATA,),
+        reasons={
+            "policy": "policy {policy}",
+            "waiting": "a short last batch is kept whole once graph capture or torch.compile takes the training model",
+            "eager": "nothing padded: shapes cost nothing on this eager {backend} run (no graph capture or "
+            "torch.compile)",
+            "hpu_eager": "HPU eager mode compiles nothing per shape unless graph capture or torch.compile is on",
+            "own_sampler": "a loader with its own {sampler} is not padded (its sampler stays the script's)",
+            "repeats_samples": "each epoch's last batch repeats samples from the epoch's start "
+            "(--last-batch drop: drop it)",
+        },
+        changed_figure=("loaders_padded", "{} DataLoader(s) padded to whole batches"),
+        acts_on=("DataLoader construction (the session's step watcher)",),
+        acts_for_device=True,
+    )
 
     def apply(self) -> None:
-        self.figures.update(loaders_padded=0, samples_added_per_epoch=0)
+        self.report.figures.update(loaders_padded=0, samples_added_per_epoch=0)
         self._model = None
         self._aside = False
-        self.on(Event.LOADER_BUILT, self._adjust)
-        if self.backend.is_lazy:
-            self.because("policy", policy=self.options.last_batch)
+        self.scope.on(Event.LOADER_BUILT, self._adjust)
+        if self.run.backend.is_lazy:
+            self.report.because("policy", policy=self.run.options.last_batch)
         else:
-            self.on(Event.STEP_PROFILED, self._profiled)
-            self.because("waiting")
+            self.scope.on(Event.STEP_PROFILED, self._profiled)
+            self.report.because("waiting")
 
     def _profiled(self, profile) -> None:
         self._model = profile.model
-        if compiled_for_shapes(self._model, self.options) is None:
-            code = "hpu_eager" if self.backend.name == "hpu" else "eager"
-            self.because(code, backend=self.backend.name)
+        if compiled_for_shapes(self._model, self.run.options) is None:
+            code = "hpu_eager" if self.run.backend.name == "hpu" else "eager"
+            self.report.because(code, backend=self.run.backend.name)
 
     def _shapes_matter(self) -> bool:
         if self._aside:
             return False
-        return self.backend.is_lazy or compiled_for_shapes(self._model, self.options) is not None
+        return self.run.backend.is_lazy or compiled_for_shapes(self._model, self.run.options) is not None
 
     def _adjust(self, loader, args, kwargs):
         call = loader_arguments(loader, args, kwargs, defaults=True)
@@ -116,7 +119,7 @@ class StaticLastBatch(Unit):
         # The sampler DataLoader itself would build, or the script's own if it is one of those.
         sampler = call["sampler"]
         if sampler is not None and type(sampler) not in (RandomSampler, SequentialSampler):
-            self.note("own_sampler", sampler=type(sampler).__name__)
+            self.report.note("own_sampler", sampler=type(sampler).__name__)
             return None
         if sampler is None:
             sampler = (
@@ -125,8 +128,8 @@ class StaticLastBatch(Unit):
         remainder = len(sampler) % batch_size
         if remainder == 0:
             return None
-        added = -remainder if self.options.last_batch == "drop" else batch_size - remainder
-        padded = PaddedSampler(sampler, batch_size, self.options.last_batch, self._whole_for(added))
+        added = -remainder if self.run.options.last_batch == "drop" else batch_size - remainder
+        padded = PaddedSampler(sampler, batch_size, self.run.options.last_batch, self._whole_for(added))
         return (), {**call, "sampler": padded, "shuffle": None}
 
     def _whole_for(self, added: int):
@@ -138,11 +141,11 @@ class StaticLastBatch(Unit):
                 return False
             if not counted:
                 counted.append(True)
-                self.figures["loaders_padded"] += 1
-                self.figures["samples_added_per_epoch"] += added
-                self.because("policy", policy=self.options.last_batch)
+                self.report.figures["loaders_padded"] += 1
+                self.report.figures["samples_added_per_epoch"] += added
+                self.report.because("policy", policy=self.run.options.last_batch)
                 if added > 0:
-                    self.note("repeats_samples")
+                    self.report.note("repeats_samples")
             return True
 
         return whole

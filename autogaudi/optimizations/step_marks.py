@@ -18,47 +18,50 @@ from __future__ import annotations
 import torch
 
 from autogaudi.core.events import Event
-from autogaudi.core.unit import ROUNDING, Unit
+from autogaudi.core.unit import ROUNDING, Unit, UnitSpec
 
 
 class LazyModeUnit(Unit):
-    # The bridge compiles what lies between two marks as one graph and fuses within it (by reading)
-    numerics = (ROUNDING,)
-    exact_when = "the script marks the same steps itself"
     """A unit that only makes sense where ops queue until ``mark_step()``: HPU lazy mode."""
 
-    reasons = {"hpu_eager": "HPU eager mode (PT_HPU_LAZY_MODE=0) runs ops as issued; there is nothing to mark"}
-
-    acts_for_device = True
+    spec = UnitSpec(
+        # The bridge compiles what lies between two marks as one graph and fuses within it (by reading)
+        numerics=(ROUNDING,),
+        exact_when="the script marks the same steps itself",
+        reasons={"hpu_eager": "HPU eager mode (PT_HPU_LAZY_MODE=0) runs ops as issued; there is nothing to mark"},
+        acts_for_device=True,
+    )
 
     def skip_reason(self):
         reason = super().skip_reason()
-        if reason is None and not self.backend.is_lazy:
-            reason = self.reason_for("hpu_eager")
+        if reason is None and not self.run.backend.is_lazy:
+            reason = self.report.reason_for("hpu_eager")
         return reason
 
     def mark(self, figure: str = "mark_steps") -> None:
-        self.backend.mark_step()
-        self.figures[figure] += 1
+        self.run.backend.mark_step()
+        self.report.figures[figure] += 1
 
 
 class StepMarks(LazyModeUnit):
-    reasons = {**LazyModeUnit.reasons, "lazy_mode": "lazy mode"}
-    changed_figure = ("mark_steps", "{} mark_step calls after backward and optimizer steps")
-    acts_on = ("after each backward pass and optimizer step, before each batch (the session's step watcher)",)
+    spec = LazyModeUnit.spec.but(
+        reasons={**LazyModeUnit.spec.reasons, "lazy_mode": "lazy mode"},
+        changed_figure=("mark_steps", "{} mark_step calls after backward and optimizer steps"),
+        acts_on=("after each backward pass and optimizer step, before each batch (the session's step watcher)",),
+    )
 
     def apply(self) -> None:
-        self.figures.update(mark_steps=0, eval_marks=0)
-        self.on(Event.AFTER_BACKWARD, self._mark_training)
-        self.on(Event.OPTIMIZER_STEP, lambda _optimizer: self._mark_training())
-        self.on(Event.BEFORE_BATCH, self._before_batch)
-        self.because("lazy_mode")
+        self.report.figures.update(mark_steps=0, eval_marks=0)
+        self.scope.on(Event.AFTER_BACKWARD, self._mark_training)
+        self.scope.on(Event.OPTIMIZER_STEP, lambda _optimizer: self._mark_training())
+        self.scope.on(Event.BEFORE_BATCH, self._before_batch)
+        self.report.because("lazy_mode")
 
     def _mark_training(self) -> None:
         self.mark()
-        steps = self.session.steps.optimizer_steps
+        steps = self.run.steps.optimizer_steps
         if steps:
-            self.figures["marks_per_optimizer_step"] = round(self.figures["mark_steps"] / steps, 2)
+            self.report.figures["marks_per_optimizer_step"] = round(self.report.figures["mark_steps"] / steps, 2)
 
     def _before_batch(self, _iterator) -> None:
         if not torch.is_grad_enabled():  # an evaluation loop: close the previous iteration's graph

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from autogaudi.core.events import Event
-from autogaudi.core.unit import Unit, warn
+from autogaudi.core.unit import Unit, UnitSpec, warn
 from autogaudi.entry.ranks import is_rank_zero
 
 
@@ -29,41 +29,43 @@ def leading_dimension(batch):
 
 
 class ThroughputMeter(Unit):
-    reasons = {
-        "progress": "progress every {every} steps",
-        "final_only": "final figures only (--log-every N for progress)",
-    }
-    acts_on = ("training steps and batch fetches (the session's step watcher)",)
+    spec = UnitSpec(
+        reasons={
+            "progress": "progress every {every} steps",
+            "final_only": "final figures only (--log-every N for progress)",
+        },
+        acts_on=("training steps and batch fetches (the session's step watcher)",),
+    )
 
     def apply(self) -> None:
         self._timed_samples = 0
-        self.on(Event.BATCH_FETCHED, self._count)
-        self.on(Event.TRAINING_STEP, self._after_step)
-        every = self.options.log_every
-        self.because("progress", every=every) if every else self.because("final_only")
+        self.scope.on(Event.BATCH_FETCHED, self._count)
+        self.scope.on(Event.TRAINING_STEP, self._after_step)
+        every = self.run.options.log_every
+        self.report.because("progress", every=every) if every else self.report.because("final_only")
 
     def _count(self, _iterator, batch, _waited) -> None:
-        if self.session.steps.warmed_up:
+        if self.run.steps.warmed_up:
             self._timed_samples += leading_dimension(batch) or 0
 
     def _after_step(self, _optimizer) -> None:
-        timed = self.session.steps.timed
+        timed = self.run.steps.timed
         if timed and self._timed_samples:
-            self.figures["samples_per_s"] = round(self._timed_samples / timed[1], 1)
-        every = self.options.log_every
-        if every and self.session.steps.steps % every == 0 and is_rank_zero():
+            self.report.figures["samples_per_s"] = round(self._timed_samples / timed[1], 1)
+        every = self.run.options.log_every
+        if every and self.run.steps.steps % every == 0 and is_rank_zero():
             self._log_progress()
 
     def _log_progress(self) -> None:
         # The only place that waits for the device, and only every `log_every` steps.
-        self.backend.synchronize()
-        figures = self.session.steps.figures()
+        self.run.backend.synchronize()
+        figures = self.run.steps.figures()
         line = f"step {figures['steps']}"
         if "steps_per_s" in figures:
             line += f" | {figures['steps_per_s']:.2f} steps/s"
-        if "samples_per_s" in self.figures:
-            line += f" | {self.figures['samples_per_s']:.1f} samples/s"
-        memory = self.backend.memory_stats()
+        if "samples_per_s" in self.report.figures:
+            line += f" | {self.report.figures['samples_per_s']:.1f} samples/s"
+        memory = self.run.backend.memory_stats()
         if memory:
             line += f" | {memory.format()}"
         warn(line)

@@ -45,19 +45,19 @@ class UnitRow:
     def as_dict(self) -> dict:
         unit = self.unit
         in_force = unit is not None and self.status is Status.APPLIED
-        reason = unit.reason if in_force else self.reason
+        reason = unit.report.reason if in_force else self.reason
         return {
             "name": self.name,
             "summary": self.summary,
             "status": (unit.status() if in_force else self.status).value,
             "changes": unit.changes_kept() if in_force else [],
-            "recommendations": [_advice(advice) for advice in unit.recommendations] if unit else [],
-            "targets": list(unit.targets) + list(unit.acts_on) if unit else [],
+            "recommendations": [_advice(advice) for advice in unit.report.recommendations] if unit else [],
+            "targets": list(unit.spec.targets) + list(unit.spec.acts_on) if unit else [],
             "reason": reason.text if reason is not None else "",
             "reason_code": reason.code if reason is not None else None,
             "reason_params": dict(reason.params) if reason is not None else {},
-            "figures": dict(unit.figures) if unit else {},
-            **_said("note", unit.notes if unit else []),
+            "figures": dict(unit.report.figures) if unit else {},
+            **_said("note", unit.report.notes if unit else []),
             # how what the unit did can have made the numbers differ from plain PyTorch's ([]: it cannot),
             # and by how much where the unit measured it (None: not measured; autogaudi.measure.numerics.measured)
             **_numerics(unit if self.status is not Status.SKIPPED else None),
@@ -66,4 +66,4 @@ class UnitRow:
 
 def _numerics(unit) -> dict:
     how = list(unit.numerics_in_run()) if unit is not None else []
-    return {"numerics": how, "numerics_measured": unit.figures.get("numerics_measured") if how else None}
+    return {"numerics": how, "numerics_measured": unit.report.figures.get("numerics_measured") if how else None}

@@ -50,4 +50,4 @@ def test_a_rejected_candidate_is_released_with_nothing_held(trial_clock):
     assert states[-1] is State.RELEASED and not candidate.on
     assert candidate.scope is None and candidate.model is None and candidate.optimizer is None
     assert unit.changes() == [] and unit.status() is Status.NOT_NEEDED
-    assert unit.reason.code == "rejected"
+    assert unit.report.reason.code == "rejected"

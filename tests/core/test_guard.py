@@ -152,8 +152,8 @@ def unit_sources():
 
 @pytest.mark.parametrize("path", unit_sources(), ids=lambda path: path.name)
 def test_no_unit_registers_a_torch_hook_or_sets_a_call_slot_itself(path: pathlib.Path):
-    """Hooks go through ``Unit.hook`` (which takes the ``register_*`` method uncalled), a model's call
-    through ``Unit.hold``: a call of a ``register_*hook`` method, or an assignment of the compiled-call
+    """Hooks go through ``unit.scope.hook`` (which takes the ``register_*`` method uncalled), a model's call
+    through ``unit.scope.hold``: a call of a ``register_*hook`` method, or an assignment of the compiled-call
     slot, in a unit's module would bypass the guard."""
     tree = ast.parse(path.read_text(), filename=str(path))
     offending = []
@@ -178,21 +178,21 @@ class BrokenUnit(ActsOnProfile):
     (before or after the call), a hook on the loss, or a listener."""
 
     where = None
-    reasons = {"broken": "breaks at {where}"}
+    spec = ActsOnProfile.spec.but(reasons={"broken": "breaks at {where}"})
 
     def apply(self):
-        self.because("broken", where=self.where)
+        self.report.because("broken", where=self.where)
         if self.where == "wrapper":
-            self.wrap(torch.nn.functional, "relu", self._broken_wrapper)
+            self.scope.wrap(torch.nn.functional, "relu", self._broken_wrapper)
         if self.where == "listener":
-            self.on(Event.OPTIMIZER_STEP, self._raise)
+            self.scope.on(Event.OPTIMIZER_STEP, self._raise)
         if self.where == "loss_hook":
-            self.on(Event.BEFORE_BACKWARD, lambda loss: self.hook(loss.register_hook, self._raise))
-        self.on(Event.STEP_PROFILED, self._profiled)
+            self.scope.on(Event.BEFORE_BACKWARD, lambda loss: self.scope.hook(loss.register_hook, self._raise))
+        self.scope.on(Event.STEP_PROFILED, self._profiled)
 
     def _profiled(self, profile):
         if self.where in ("layer_before", "layer_after"):
-            self.hold(profile.model, Layer.INPUTS, self._broken_layer)
+            self.scope.hold(profile.model, Layer.INPUTS, self._broken_layer)
 
     def _broken_wrapper(self, wrapped, instance, args, kwargs):
         raise RuntimeError("broken wrapper")

@@ -36,7 +36,7 @@ def test_an_unknown_code_names_the_known_ones():
 
 @pytest.mark.parametrize("name, unit_class", list(unit_classes()))
 def test_unit_codes_do_not_shadow_core_codes(name, unit_class):
-    assert not set(unit_class.reasons) & set(CORE), name
+    assert not set(unit_class.spec.reasons) & set(CORE), name
 
 
 def test_an_exception_given_as_a_parameter_is_not_kept_with_its_frames():

@@ -32,7 +32,7 @@ def test_every_declared_requirement_and_order_names_a_registered_unit():
     for info in UNITS:
         module, name = info.module.split(":")
         unit_class = getattr(importlib.import_module(module), name)
-        for needed in (*unit_class.requires, *unit_class.after):
+        for needed in (*unit_class.spec.requires, *unit_class.spec.after):
             assert needed in UNIT_NAMES, (info.name, needed)
 
 

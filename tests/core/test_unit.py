@@ -170,7 +170,7 @@ def test_user_exceptions_propagate_unchanged():
 
 def test_units_too_new_for_this_torch_are_skipped_with_the_reason(hpu_double, monkeypatch):
     hpu_double(lazy=True)
-    monkeypatch.setattr(StepMarks, "min_torch", (99, 0))
+    monkeypatch.setattr(StepMarks, "spec", StepMarks.spec.but(min_torch=(99, 0)))
     autogaudi.enable(device="hpu", only="step_marks")
     row = autogaudi.report().unit("step_marks")
     assert (row["status"], row["reason_code"]) == ("skipped", "old_torch")
@@ -194,3 +194,30 @@ def test_the_report_and_settled_read_each_units_status(monkeypatch):
         assert session.settled() is (Status.DECIDING not in statuses.values())
         seen.update(statuses.values())
     assert {Status.DECIDING, Status.APPLIED} <= seen
+
+
+def test_a_unit_author_meets_at_most_twenty_public_names_on_unit():
+    """A unit declares one spec and patches, speaks and reads through its scope, report and run view:
+    the base class a new unit reads stays small."""
+    from autogaudi.core.unit import Unit
+
+    public = [name for name in dir(Unit) if not name.startswith("_")]
+    assert len(public) <= 20, public
+
+
+def test_no_unit_reaches_into_the_session():
+    """What a unit reads of the run is named in its run view (autogaudi/core/run_view.py), not taken
+    from the session wherever it happens to be."""
+    import ast
+    import pathlib
+
+    import autogaudi.optimizations
+
+    folder = pathlib.Path(autogaudi.optimizations.__file__).parent
+    reached = {
+        f"{path.relative_to(folder)}:{node.lineno}"
+        for path in folder.rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Attribute) and node.attr in ("session", "_session")
+    }
+    assert not reached

@@ -112,7 +112,7 @@ class Profile:
 
 
 class Unit:
-    """What graph_capture's pay-back rule reads of its unit: the backend, the session's cache."""
+    """What graph_capture's pay-back rule reads of its unit: the run's backend, cache and options; its figures."""
 
     _when_to_try = graph_capture.GraphCapture._when_to_try
     _estimate_one_off = graph_capture.GraphCapture._estimate_one_off
@@ -120,10 +120,9 @@ class Unit:
     _replay_offered = graph_capture.GraphCapture._replay_offered
 
     def __init__(self, cache=None, backend=None):
-        self.backend = backend or cpu()
-        self.figures = {}
-        self.session = type("Session", (), {"cache": cache})()
-        self.options = type("Options", (), {"exact_random": False})()
+        options = SimpleNamespace(exact_random=False)
+        self.run = SimpleNamespace(backend=backend or cpu(), cache=cache, options=options)
+        self.report = SimpleNamespace(figures={})
         self._estimate = None
 
 
@@ -141,7 +140,7 @@ def test_a_regional_capture_is_waited_for_and_judged_on_the_share_of_the_saving_
     monkeypatch.setattr(graph_capture, "remaining_steps", lambda: None)
     unit = Unit()
     too_short, start_at = unit._when_to_try(Profile(blocks, 2500))
-    assert unit.figures["capture_tier"] == "regional"
+    assert unit.report.figures["capture_tier"] == "regional"
     saved_per_step_s = 0.010 * 0.5 * one_offs.REGIONAL_KEEPS
     estimate = CpuBackend.capture_one_off_rate_s * math.sqrt(2500 / 3)  # one block of three compiled
     assert too_short is None and start_at == math.ceil(estimate / saved_per_step_s)
@@ -314,12 +313,12 @@ def test_the_unit_offers_the_replay_tier_only_where_the_backend_has_it_and_it_ca
 ):
     monkeypatch.setattr(graph_capture, "remaining_steps", lambda: None)
     unit = Unit(backend=backend("test"))
-    unit.options.exact_random = exact_random
+    unit.run.options.exact_random = exact_random
     profile = Profile(nn.Linear(2, 2), 2500)
     profile.calls_per_step = calls
     unit._when_to_try(profile)
-    assert ("one_off_predicted_replay_s" in unit.figures) is offered
-    assert unit.figures["capture_tier"] == ("replay" if offered else "whole")
+    assert ("one_off_predicted_replay_s" in unit.report.figures) is offered
+    assert unit.report.figures["capture_tier"] == ("replay" if offered else "whole")
 
 
 def test_the_benchmark_table_shows_predicted_against_actual_and_whole_against_regional():

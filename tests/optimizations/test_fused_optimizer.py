@@ -941,7 +941,9 @@ def test_a_warm_run_takes_the_remembered_decision_at_the_step_the_first_run_took
     from autogaudi.optimizations.fused_optimizer import unit as fused_optimizer
 
     record = {"decision": remembered, "speedup": 1.9, "run": 1, "date": "2026-11-28"}
-    monkeypatch.setattr(fused_optimizer.FusedOptimizer, "recalled_trial", lambda unit: record)
+    from autogaudi.core.run_view import RunView
+
+    monkeypatch.setattr(RunView, "recalled_trial", lambda run, name: record if name == "fused_optimizer" else None)
     timed_updates(monkeypatch, step_clock, fused_ms=[0.5 if remembered == "rejected" else 2.0], unfused_ms=1.0)
     copies = counted_copies(monkeypatch)
     enable("cpu")

@@ -27,7 +27,7 @@ class HpuDelegates:
         if not params:
             self._kept(owner, "it has no parameters yet")
             return
-        delegate = self.backend.fused_optimizer(owner, params, hyperparameters)
+        delegate = self.run.backend.fused_optimizer(owner, params, hyperparameters)
         # Share the user's state and mirror their groups before each step: schedulers,
         # param_groups edits and checkpoints act on the user's object, the kernel sees the result.
         self._extra_settings[owner] = {
@@ -35,11 +35,11 @@ class HpuDelegates:
         }
         self._share_groups(instance, delegate)
         handles = (
-            self.hook(
+            self.scope.hook(
                 instance.register_state_dict_post_hook,
                 functools.partial(torch_format_checkpoint, steps=self._group_steps),
             ),
-            self.hook(instance.register_load_state_dict_post_hook, int_steps),
+            self.scope.hook(instance.register_load_state_dict_post_hook, int_steps),
         )
         int_steps(instance)
         self._delegates[instance] = (delegate, handles)
@@ -48,7 +48,7 @@ class HpuDelegates:
             # A copy or pickle of the object carries torch's state (tensor steps from the group
             # counters), which a plain torch.optim object steps on correctly.
             self._getstate_wrapped = True
-            self.wrap(torch.optim.Optimizer, "__getstate__", self._torch_format_getstate)
+            self.scope.wrap(torch.optim.Optimizer, "__getstate__", self._torch_format_getstate)
         self._count_fused(+1)
 
     def _share_groups(self, instance, delegate) -> None:

@@ -24,7 +24,7 @@ import weakref
 import torch
 
 from autogaudi.core.events import Event
-from autogaudi.core.unit import FORMULA, ROUNDING, Unit
+from autogaudi.core.unit import FORMULA, ROUNDING, Unit, UnitSpec
 from autogaudi.entry.ranks import several_ranks
 from autogaudi.measure import machine_load, numerics, trials
 from autogaudi.optimizations.fused_optimizer.hpu_delegate import HpuDelegates
@@ -53,28 +53,29 @@ TIMED_STEPS = 2 * trials.BLOCK * trials.ROUNDS
 
 
 class FusedOptimizer(HpuDelegates, Unit):
-    numerics = (ROUNDING,)  # one fused update rounds otherwise than torch's per-op one (measured on CPU)
+    spec = UnitSpec(
+        numerics=(ROUNDING,),  # one fused update rounds otherwise than torch's per-op one (measured on CPU)
+        reasons=REASONS,
+        changed_figure=("optimizers_fused", "{} optimizer(s) run as one fused kernel per step"),
+        targets=tuple(f"torch.optim.{cls.__name__}.__init__" for cls in FUSABLE),
+        acts_on=(
+            "torch.optim.{Adam,AdamW,SGD}.step, wrapped when the first such optimizer is built",
+            "HPU: torch.optim.Optimizer.__getstate__, wrapped with it (copies and pickles in torch's format)",
+        ),
+    )
 
     @classmethod
     def numerics_on(cls, backend) -> tuple:
         """On HPU the hpex kernels: FusedAdamW adds eps before the bias correction (:mod:`.hpu_format`)."""
-        return (ROUNDING, FORMULA) if backend.name == "hpu" else cls.numerics
-
-    reasons = REASONS
-    changed_figure = ("optimizers_fused", "{} optimizer(s) run as one fused kernel per step")
-    targets = tuple(f"torch.optim.{cls.__name__}.__init__" for cls in FUSABLE)
-    acts_on = (
-        "torch.optim.{Adam,AdamW,SGD}.step, wrapped when the first such optimizer is built",
-        "HPU: torch.optim.Optimizer.__getstate__, wrapped with it (copies and pickles in torch's format)",
-    )
+        return (ROUNDING, FORMULA) if backend.name == "hpu" else cls.spec.numerics
 
     def apply(self) -> None:
-        self.figures.update(optimizers_fused=0, optimizers_kept=0)
+        self.report.figures.update(optimizers_fused=0, optimizers_kept=0)
         self._fused_count = 0  # optimizers fused now
         self._put_back_count = 0  # optimizers timed and kept unfused (their steps never ran fused)
         self._step_seconds = collections.deque(maxlen=TIMED_STEPS)  # the training steps while timing
         self._last_step_end = None
-        self._native = self.backend.name != "hpu"
+        self._native = self.run.backend.name != "hpu"
         # CUDA/CPU: user's optimizer -> the state dict whose steps are in the fused kernel's format
         self._fused = weakref.WeakKeyDictionary()
         self._delegates = weakref.WeakKeyDictionary()  # HPU: user's optimizer -> (hpex optimizer, hook handles)
@@ -89,22 +90,22 @@ class FusedOptimizer(HpuDelegates, Unit):
         self._timed = []  # the UpdateTimes of every optimizer timed (the report's update_ms)
         self._steps_seen = weakref.WeakKeyDictionary()  # optimizer being decided -> its steps counted at the last step
         self._record = None  # the last decision timed, for a later run to follow (measured_decision)
-        if not self.backend.host_runs_ahead:
-            self.on(Event.TRAINING_STEP, self._step_ended)
+        if not self.run.backend.host_runs_ahead:
+            self.scope.on(Event.TRAINING_STEP, self._step_ended)
         for optimizer_class in FUSABLE:
-            self.wrap(optimizer_class, "__init__", functools.partial(self._init, optimizer_class))
-        self.on_revert(self._hand_state_back_to_torch)
-        self.on_revert(self._fused.clear)
-        self.because("torch_fused" if self._native else "hpex")
+            self.scope.wrap(optimizer_class, "__init__", functools.partial(self._init, optimizer_class))
+        self.scope.add(self._hand_state_back_to_torch)
+        self.scope.add(self._fused.clear)
+        self.report.because("torch_fused" if self._native else "hpex")
 
     def _init(self, owner, wrapped, instance, args, kwargs):
-        if type(instance) is not owner or self.session.steps.in_own_work:  # a subclass, AdamW running
+        if type(instance) is not owner or self.run.steps.in_own_work:  # a subclass, AdamW running
             return wrapped(*args, **kwargs)  # Adam's __init__, or an optimizer of autogaudi's own copy
         refusal, hyperparameters = self._refusal(owner, args, kwargs)
         result = wrapped(*args, **kwargs)  # exactly the script's call: nothing of ours on the object
         # The earliest the trained parameters are known (autogaudi.watch.placement): off the device, the
         # hpex path steps aside here, before this optimizer gets a delegate.
-        self.session.placement.observe(
+        self.run.placement.observe(
             [p for group in instance.param_groups for p in group["params"]], "optimizer's construction"
         )
         if self.set_aside:
@@ -119,9 +120,9 @@ class FusedOptimizer(HpuDelegates, Unit):
         elif self._native and self._timed_here():
             times = self._trying[instance] = UpdateTimes(optimizer=instance)
             self._timed.append(times)
-            self.session.trials.measuring(self, times)
+            self.run.trials.measuring(self, times)
             self._route_steps(owner)
-            self.because("timing")
+            self.report.because("timing")
         elif self._native:
             self._fuse(instance)
             self._route_steps(owner)
@@ -135,10 +136,10 @@ class FusedOptimizer(HpuDelegates, Unit):
         lazy a graph break, the run would not have), and not with several ranks (each would decide on
         its own timings, and replicas on different kernels drift apart). ``--force``d: fused untimed,
         the user taking its rounding."""
-        if self.backend.host_runs_ahead or self.name in self.options.force:
+        if self.run.backend.host_runs_ahead or self.name in self.run.options.force:
             return False
         if several_ranks():
-            self.note("not_timed_several_ranks")
+            self.report.note("not_timed_several_ranks")
             return False
         return True
 
@@ -146,7 +147,7 @@ class FusedOptimizer(HpuDelegates, Unit):
         """From its next update on, ``optimizer`` runs torch's fused kernel (CPU, CUDA)."""
         self._fused[optimizer] = None
         self._count_fused(+1)
-        self.because("torch_fused")
+        self.report.because("torch_fused")
 
     def needs_work_on_device(self) -> bool:
         return not self._native  # the hpex path; torch's fused=True runs on the host too
@@ -159,7 +160,7 @@ class FusedOptimizer(HpuDelegates, Unit):
             hyperparameters = user_hyperparameters(owner, args, kwargs)
         except TypeError:  # the user's call is wrong: let torch raise its own error
             return "the constructor arguments do not bind", None
-        return self.backend.fused_optimizer_refusal(owner, hyperparameters), hyperparameters
+        return self.run.backend.fused_optimizer_refusal(owner, hyperparameters), hyperparameters
 
     def _unfusable(self, optimizer):
         """Why the fused kernel would refuse this optimizer's tensors at its step, as a Reason, or None.
@@ -171,16 +172,16 @@ class FusedOptimizer(HpuDelegates, Unit):
         else:
             refused_by = None
         found = unfusable_tensor(optimizer, dtensor_refused_by=refused_by)
-        return self.reason_for(found[0], **found[1]) if found else None
+        return self.report.reason_for(found[0], **found[1]) if found else None
 
     def _kept(self, owner, why: str, code: str = "optimizer_kept", refusal=None) -> None:
         """A note that ``owner``'s optimizer runs unfused, ``why`` (the code of the kernel's refusal
         where there is one, as ``refusal``)."""
-        self.figures["optimizers_kept"] += 1
-        self.note(code, optimizer=owner.__name__, why=why, refusal=refusal)
+        self.report.figures["optimizers_kept"] += 1
+        self.report.note(code, optimizer=owner.__name__, why=why, refusal=refusal)
 
     def _count_refusal(self, reason) -> None:
-        refusals = self.figures.setdefault("kernel_refusals", {})
+        refusals = self.report.figures.setdefault("kernel_refusals", {})
         refusals[reason.code] = refusals.get(reason.code, 0) + 1
 
     def _unfuse(self, optimizer, reason) -> None:
@@ -207,11 +208,11 @@ class FusedOptimizer(HpuDelegates, Unit):
 
     def _count_fused(self, change: int) -> None:
         self._fused_count += change
-        self.figures["optimizers_fused"] = self._fused_count
+        self.report.figures["optimizers_fused"] = self._fused_count
 
     def numerics_in_run(self) -> tuple:
         # An optimizer timed and kept unfused never ran fused: only a fused one's rounding is in the run.
-        return self.numerics_on(self.backend) if self._fused_count else ()
+        return self.numerics_on(self.run.backend) if self._fused_count else ()
 
     # Each step of an optimizer it fused --------------------------------------------------------
 
@@ -220,7 +221,7 @@ class FusedOptimizer(HpuDelegates, Unit):
             # Wrapped only now that torch has put its hook layer on `owner.step` (it does so in the
             # first __init__), so this wrapper sits outside it and can route the step.
             self._raw_steps[owner] = owner.step.__wrapped__
-            self.wrap(owner, "step", self._step)
+            self.scope.wrap(owner, "step", self._step)
 
     def _step(self, wrapped, instance, args, kwargs):
         if instance not in self._fused and instance not in self._delegates and instance not in self._trying:
@@ -246,7 +247,7 @@ class FusedOptimizer(HpuDelegates, Unit):
             unfusable = self._unfusable(optimizer)
             if unfusable:
                 self._unfuse(optimizer, unfusable)
-            elif optimizer in self._trying and self.recalled_trial() is None:
+            elif optimizer in self._trying and self.run.recalled_trial(self.name) is None:
                 shadow = self._fused_on_copies(optimizer)
             else:
                 reference = self._unfused_reference(optimizer)
@@ -290,7 +291,7 @@ class FusedOptimizer(HpuDelegates, Unit):
         try:  # numerics.unfused_update runs the step it is given on copies: here the fused one
             return numerics.unfused_update(optimizer, fused_update), seconds[0]
         except RuntimeError as error:  # the kernel refused these tensors: the run never needed it
-            self._unfuse(optimizer, self.reason_for("fused_step_raised", error=error))
+            self._unfuse(optimizer, self.report.reason_for("fused_step_raised", error=error))
             return None
 
     def _counted_step(self, optimizer, fused_s, unfused_s: float) -> None:
@@ -300,7 +301,7 @@ class FusedOptimizer(HpuDelegates, Unit):
         whatever the timings: the step it switches at is the same in every run, first or warm."""
         times = self._trying[optimizer]
         times.steps += 1
-        self.session.windows.take(self)  # timed: no other measurement starts meanwhile (none is waited for)
+        self.run.windows.take(self)  # timed: no other measurement starts meanwhile (none is waited for)
         if fused_s is not None and times.steps > 1:
             times.fused.append(fused_s)
             times.unfused.append(unfused_s)
@@ -312,7 +313,7 @@ class FusedOptimizer(HpuDelegates, Unit):
         """The steps are given back once no optimizer that has stepped is still timed: one built and
         never stepped holds no other measurement back."""
         if not any(times.steps for times in self._trying.values()):
-            self.session.windows.release(self)
+            self.run.windows.release(self)
 
     def _decide(self, optimizer, times) -> None:
         """Fuse the optimizer from its next step where the trials' rule finds the fused update faster
@@ -321,7 +322,7 @@ class FusedOptimizer(HpuDelegates, Unit):
         del self._trying[optimizer]
         times.stop(decided=True)
         self._release_windows()
-        remembered = self.recalled_trial()
+        remembered = self.run.recalled_trial(self.name)
         if remembered is not None:
             self._follow(optimizer, remembered)
             return
@@ -346,7 +347,7 @@ class FusedOptimizer(HpuDelegates, Unit):
         said = dict(decision=record["decision"], speedup=record.get("speedup"), **origin(record))
         if record["decision"] == "kept":
             self._fuse(optimizer)
-            self.because("remembered_timing", **said)
+            self.report.because("remembered_timing", **said)
         else:
             self._put_back(optimizer, "remembered_timing", **said)
 
@@ -361,11 +362,11 @@ class FusedOptimizer(HpuDelegates, Unit):
         """``optimizer`` kept on the script's own kernels, for ``code``: measured slower, or a gain
         too small to be worth its rounding."""
         self._put_back_count += 1
-        self.figures["optimizers_put_back"] = self._put_back_count
+        self.report.figures["optimizers_put_back"] = self._put_back_count
         said = dict(optimizer=type(optimizer).__name__, **values)
-        self.note(code, **said)
+        self.report.note(code, **said)
         if not self._fused_count:
-            self.because(code, **said)
+            self.report.because(code, **said)
 
     def _step_ended(self, optimizer) -> None:
         """A decision made in a step counts once the step is over: the run's steady state starts after
@@ -388,7 +389,7 @@ class FusedOptimizer(HpuDelegates, Unit):
         one on the same steps (the report's effect of the unit where one is fused)."""
         timed = [times for times in self._timed if times.fused]
         if timed:
-            self.figures["update_ms"] = update_ms(timed)
+            self.report.figures["update_ms"] = update_ms(timed)
 
     # How far the fused update is from torch's own -------------------------------------------------
 
@@ -411,7 +412,7 @@ class FusedOptimizer(HpuDelegates, Unit):
             self._not_measured(optimizer, "rounding_not_measured_dtensor", optimizer=name)
         elif any(param.is_shared() for param in numerics.parameters(optimizer)):
             self._not_measured(optimizer, "rounding_not_measured_shared", optimizer=name)
-        elif not numerics.copy_fits(tensors := numerics.optimizer_tensors(optimizer), self.backend):
+        elif not numerics.copy_fits(tensors := numerics.optimizer_tensors(optimizer), self.run.backend):
             gb = sum(tensor.numel() * tensor.element_size() for tensor in tensors) / 1024**3
             self._not_measured(
                 optimizer, "rounding_not_measured_memory", optimizer=name, gb=gb, share=numerics.FREE_SHARE
@@ -424,7 +425,7 @@ class FusedOptimizer(HpuDelegates, Unit):
         """No copies: the rounding is not measured, and ``of`` (an optimizer), where it was to be
         timed, is fused untimed."""
         self._rounding_steps = MEASURED_STEPS
-        self.note(code, **params)
+        self.report.note(code, **params)
         if self._trying.pop(of, None) is not None:
             self._fuse(of)
             self._release_windows()
@@ -437,7 +438,7 @@ class FusedOptimizer(HpuDelegates, Unit):
         difference = numerics.largest_relative_difference(fused, unfused)
         self._rounding_steps += 1
         self._largest_rounding = max(self._largest_rounding, difference)
-        self.figures["numerics_measured"] = numerics.measured(
+        self.report.figures["numerics_measured"] = numerics.measured(
             self._largest_rounding, of="parameters", steps=self._rounding_steps, against="torch's unfused step"
         )
 
@@ -454,5 +455,5 @@ class FusedOptimizer(HpuDelegates, Unit):
         step_group_by_group(
             optimizer,
             self._raw_steps[type(optimizer)],
-            lambda error: self._unfuse(optimizer, self.reason_for("fused_step_raised", error=error)),
+            lambda error: self._unfuse(optimizer, self.report.reason_for("fused_step_raised", error=error)),
         )

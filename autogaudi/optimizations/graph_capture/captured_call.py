@@ -43,8 +43,8 @@ class CapturedCall:
         own that runs it compiled (one compiled code for the class) during the model's captured call,
         and eagerly otherwise; the model's call itself stays eager around them."""
         name, block_class, blocks, _share = one_offs.repeated_blocks(module)
-        compiled = self.backend.graph_blocks(exact_random=exact)
-        self.figures["regions"] = {"container": name, "block": block_class.__name__, "count": len(blocks)}
+        compiled = self.run.backend.graph_blocks(exact_random=exact)
+        self.report.figures["regions"] = {"container": name, "block": block_class.__name__, "count": len(blocks)}
         in_call = []  # non-empty while the model's captured call runs
 
         def layer_of(block):
@@ -54,7 +54,7 @@ class CapturedCall:
             return block_layer
 
         for block in blocks:
-            self.hold(block, Layer.CAPTURE, layer_of(block), self.candidate.scope)
+            self.candidate.scope.hold(block, Layer.CAPTURE, layer_of(block))
 
         def graphed(*args, **kwargs):
             in_call.append(True)
@@ -68,7 +68,7 @@ class CapturedCall:
     def _forget_graphs(self) -> None:
         graphed, self._graphed = self._graphed, None
         if graphed is not None:
-            self.backend.release_graphs(graphed)
+            self.run.backend.release_graphs(graphed)
 
     def _around(self, call, args, kwargs):
         """The capture layer: ``call`` is the model's own eager call."""
@@ -77,13 +77,13 @@ class CapturedCall:
             return call(*args, **kwargs)
         if module.training != self._training_mode or not torch.is_grad_enabled():
             # Evaluation: not what the trial measured, and each mode would be one more compilation.
-            self.note("eager_outside_training")
+            self.report.note("eager_outside_training")
             return call(*args, **kwargs)
         shapes = input_shapes(args, kwargs)
         if shapes not in self._shapes:
             self._shapes.append(shapes)
             if len(self._shapes) > MAX_SHAPES:
-                self.session.trials.cancel(self)
+                self.run.trials.cancel(self)
                 self.candidate.release("dynamic_shapes", count=len(self._shapes), shapes=self._shapes[:4])
                 return call(*args, **kwargs)
         state = self._random_state_to_measure(module)
@@ -108,7 +108,7 @@ class CapturedCall:
         if not self._numerics_pending:
             return None
         return numerics.random_state(
-            numerics.random_devices(module, self.backend.device_type), self.backend.device_type
+            numerics.random_devices(module, self.run.backend.device_type), self.run.backend.device_type
         )
 
     def _measure_numerics(self, module, args, kwargs, output, state) -> None:
@@ -120,7 +120,7 @@ class CapturedCall:
         --exact-random the copy draws the same masks, and the figure is rounding."""
         self._numerics_pending = False
         with self.fail_open():  # the step has its output already: a failure here must not call again
-            self.measure_numerics(
+            self.report.measure_numerics(
                 module,
                 args,
                 kwargs,
@@ -132,7 +132,7 @@ class CapturedCall:
 
     def _compile_for_new_shape(self, args, kwargs):
         started = time.perf_counter()
-        cached_before = self.backend.compile_cache_counts()
+        cached_before = self.run.backend.compile_cache_counts()
         with warnings.catch_warnings():  # compiling: torch.compile's advice is not the user's
             warnings.simplefilter("ignore", UserWarning)
             result = self._graphed(*args, **kwargs)
@@ -140,10 +140,10 @@ class CapturedCall:
         seconds = time.perf_counter() - started
         first = self._compiled_for == 1
         if first:
-            cached = self.backend.compile_cache_counts()
+            cached = self.run.backend.compile_cache_counts()
             if cached is not None:
                 hits, misses = (cached[kind] - cached_before[kind] for kind in ("hits", "misses"))
-                self.figures["compile_cache"] = "hit" if hits and not misses else "miss" if misses else "none"
+                self.report.figures["compile_cache"] = "hit" if hits and not misses else "miss" if misses else "none"
             # The compiler is loaded now, its exit handlers registered; ours, registered after, runs first.
             atexit.register(self._stop_compile_workers)
             self.candidate.scope.add(lambda: atexit.unregister(self._stop_compile_workers))
@@ -160,8 +160,8 @@ class CapturedCall:
         the whole, and what was compiled is saved for the next run then, the backward included."""
         eager_s = self.candidate.profile.measured.ms_per_step / 1000
         if first:
-            self.figures["warm_up_s"] = round(call_s, 3)
-            self.figures["one_off_actual_s"] = round(self._set_up_seconds + call_s, 3)
+            self.report.figures["warm_up_s"] = round(call_s, 3)
+            self.report.figures["one_off_actual_s"] = round(self._set_up_seconds + call_s, 3)
         else:
             self._add_later_compile(call_s)
 
@@ -169,31 +169,30 @@ class CapturedCall:
             handle.remove()
             seconds = max(call_s, time.perf_counter() - started - eager_s)
             if first:
-                self.figures["warm_up_s"] = round(seconds, 3)
+                self.report.figures["warm_up_s"] = round(seconds, 3)
                 self._learn_one_off(self._set_up_seconds + seconds)
             else:
                 self._add_later_compile(seconds - call_s)
             if is_rank_zero():  # for the next run: compiled once, loaded after
-                one_offs.save_artifacts(self.session.cache, self._artifacts_key, self.backend)
+                one_offs.save_artifacts(self.run.cache, self._artifacts_key, self.run.backend)
 
-        handle = self.session.events.on(Event.TRAINING_STEP, self, step_ended)
-        self.candidate.scope.add(handle.remove)
+        handle = self.candidate.scope.on(Event.TRAINING_STEP, step_ended)
 
     def _add_later_compile(self, seconds: float) -> None:
-        self.figures["later_compiles_s"] = round(self.figures.get("later_compiles_s", 0.0) + seconds, 3)
+        self.report.figures["later_compiles_s"] = round(self.report.figures.get("later_compiles_s", 0.0) + seconds, 3)
 
     def _learn_one_off(self, actual_s: float) -> None:
         """Set what the capture cost (set-up and first compile) against its estimate, in the figures
         and, on rank 0, in this machine's records that later estimates learn from."""
-        self.figures["one_off_actual_s"] = round(actual_s, 3)
+        self.report.figures["one_off_actual_s"] = round(actual_s, 3)
         if self._estimate is not None and is_rank_zero():
-            one_offs.remember(self.session.cache, self.backend, one_offs.record_of(self._estimate, actual_s))
+            one_offs.remember(self.run.cache, self.run.backend, one_offs.record_of(self._estimate, actual_s))
 
     def _stop_compile_workers(self) -> None:
         """At exit, with capture still on: shut down the compile workers it started, timed."""
-        seconds = self.backend.stop_compile_workers()
+        seconds = self.run.backend.stop_compile_workers()
         if seconds is not None:
-            self.figures["compile_workers_at_exit_s"] = round(seconds, 3)
+            self.report.figures["compile_workers_at_exit_s"] = round(seconds, 3)
 
     def _eager_after(self, failure, call, args, kwargs):
         """The captured call raised: run the call as plain PyTorch would. If that raises too, the

@@ -11,7 +11,7 @@ def read_sites(profiler) -> list:
     """(file, line) of each host read of a device value the step profiler located in its census steps
     (its ``host_read_sites`` figure, ``file:line (n/step)``, the file relative to the working folder)."""
     sites = []
-    for text in profiler.figures.get("host_read_sites", ()) if profiler is not None else ():
+    for text in profiler.report.figures.get("host_read_sites", ()) if profiler is not None else ():
         path, _, line = text.rsplit(" (", 1)[0].rpartition(":")
         if line.isdigit():
             sites.append((os.path.abspath(path), int(line)))

@@ -56,70 +56,75 @@ def _saved_per_step_s(profile) -> float:
 
 
 class GraphCapture(CapturedCall, DecidesCandidate):
-    # Compiled kernels fuse and reorder; compiled dropout draws other masks (--exact-random: the same
-    # masks, still not the same rounding). A rejected trial ran its steps captured.
-    numerics = (ROUNDING, RANDOM)
-    after = ("mixed_precision",)  # decides first on a profile: a model it holds is not captured
-    acts_for_device = True
-    reasons = {
-        "too_short": "not tried: {steps} steps left ({source}) could save at most {most:.2f} s, less than the "
-        "{estimate:.1f} s (likely {low:.1f}-{high:.1f} s) a capture of {model} is estimated to cost on {backend} "
-        "({basis})",
-        "not_host_bound": "not captured: the step profile reads {bound} ({why})",
-        "compiled_by_script": "stepped aside: the script (or its framework) already compiles the model with "
-        "torch.compile",
-        "fsdp2": "not captured: FSDP2 shards this model, gathering its parameters in hooks around each block; "
-        "compile each block before fully_shard (as torchtitan does) instead",
-        "mixed_precision": "stepped aside: {holder} holds this model's precision (its autocast would be traced "
-        "into the graph)",
-        "data_dependent_control_flow": "not captured: {module}.forward reads a device value at {where} (a branch "
-        "on a tensor, .item()); {backend} graphs replay the ops they recorded, so a later batch would take the "
-        "branch taken at capture; compute both sides and select with torch.where, or capture its static "
-        "sub-modules yourself",
-        "positional_forward": "not captured: {model}.forward takes *args or positional-only arguments, which "
-        "ModuleCacher refuses",
-        "cpu_fallback_ops": "not captured: {ops} ran on the CPU in this run (the bridge's cpu_fallback count), "
-        "and an HPU graph capture asserts on a CPU fallback",
-        "module_hooks": "not captured: module hooks on {where} would not run when HPU graphs replay",
-        "called_several_times": "not captured: {model} is called {calls} times per step, and {backend} graphs "
-        "overwrite an earlier call's outputs",
-        "gradient_checkpointing": "not captured: the model uses gradient checkpointing, which HPU graphs cannot replay",
-        "no_optimizer": "not captured: the loop updates its parameters without torch.optim, and HPU graphs need "
-        "zero_grad(set_to_none=False)",
-        "parameters_without_gradient": "not captured: {without} of {total} optimized parameters had no gradient in "
-        "the profiled step; HPU graphs need zero_grad(set_to_none=False), which would make the optimizer update "
-        "them",
-        "captured_forced": "captured {model} (forced)",
-        "captured_no_trials": "captured {model} (trials off)",
-        "trial_waits": "host-bound; a trial on {model} waits for training step {step}: the run's length is "
-        "unknown, and only from there would its steps so far have lost more than the {estimate:.1f} s (likely "
-        "{low:.1f}-{high:.1f} s) its capture is estimated to cost on {backend} ({basis}), so a shorter run pays "
-        "nothing for one",
-        "trial_running": "host-bound; trial running on {model}",
-        "measured_faster": "captured {model}: measured faster",
-        "rejected": "rejected: {model} captured was not faster in the trial; released",
-        "dynamic_shapes": "switched off: dynamic shapes, {count} distinct input shapes (each one a "
-        "recompilation), e.g. {shapes}",
-        # notes
-        "exact_random_no_effect": "--exact-random has no effect on {backend}: its graph compiler has no such setting",
-        "captured_called_several_times": "{model} is called {calls} times per step: captured without graphs that "
-        "replay into static outputs (CUDA graphs), which a later call would overwrite",
-        "dropout_exact": "dropout draws eager's random masks (--exact-random)",
-        "dropout_differs": "compiled dropout draws different random masks than eager (same distribution) and "
-        "leaves the script's generator elsewhere, so later draws differ too, kept or rejected; --exact-random "
-        "makes them the same, at a cost in speed",
-        "gradients_reused": "zero_grad(set_to_none=False) while graphs are on: gradient tensors are reused, not freed",
-        "graph_breaks": "torch.compile broke the captured code's graph {count}x at {where} ({reasons}): the "
-        "code between breaks compiles apart, and the break itself runs eagerly",
-        "recompiled": "torch.compile recompiled the captured code {count}x ({reasons})",
-        "eager_outside_training": "calls outside training (eval mode or no_grad) run eagerly: only training steps "
-        "were measured",
-    }
-    targets = ("torch.utils.checkpoint.checkpoint",)  # HPU lazy only: calls counted (graphs refuse them)
-    acts_on = (
-        "<training model> call route, capture layer (in nn.Module's compiled-call slot, instance)",
-        "HPU lazy: zero_grad of the optimizer's and the training model's classes (wrapt, acting on those "
-        "two objects only)",
+    spec = DecidesCandidate.spec.but(
+        # Compiled kernels fuse and reorder; compiled dropout draws other masks (--exact-random: the same
+        # masks, still not the same rounding). A rejected trial ran its steps captured.
+        numerics=(ROUNDING, RANDOM),
+        after=("mixed_precision",),  # decides first on a profile: a model it holds is not captured
+        acts_for_device=True,
+        reasons={
+            "too_short": "not tried: {steps} steps left ({source}) could save at most {most:.2f} s, less than the "
+            "{estimate:.1f} s (likely {low:.1f}-{high:.1f} s) a capture of {model} is estimated to cost on {backend} "
+            "({basis})",
+            "not_host_bound": "not captured: the step profile reads {bound} ({why})",
+            "compiled_by_script": "stepped aside: the script (or its framework) already compiles the model with "
+            "torch.compile",
+            "fsdp2": "not captured: FSDP2 shards this model, gathering its parameters in hooks around each block; "
+            "compile each block before fully_shard (as torchtitan does) instead",
+            "mixed_precision": "stepped aside: {holder} holds this model's precision (its autocast would be traced "
+            "into the graph)",
+            "data_dependent_control_flow": "not captured: {module}.forward reads a device value at {where} (a branch "
+            "on a tensor, .item()); {backend} graphs replay the ops they recorded, so a later batch would take the "
+            "branch taken at capture; compute both sides and select with torch.where, or capture its static "
+            "sub-modules yourself",
+            "positional_forward": "not captured: {model}.forward takes *args or positional-only arguments, which "
+            "ModuleCacher refuses",
+            "cpu_fallback_ops": "not captured: {ops} ran on the CPU in this run (the bridge's cpu_fallback count), "
+            "and an HPU graph capture asserts on a CPU fallback",
+            "module_hooks": "not captured: module hooks on {where} would not run when HPU graphs replay",
+            "called_several_times": "not captured: {model} is called {calls} times per step, and {backend} graphs "
+            "overwrite an earlier call's outputs",
+            "gradient_checkpointing": "not captured: the model uses gradient checkpointing, which HPU graphs "
+            "cannot replay",
+            "no_optimizer": "not captured: the loop updates its parameters without torch.optim, and HPU graphs need "
+            "zero_grad(set_to_none=False)",
+            "parameters_without_gradient": "not captured: {without} of {total} optimized parameters had no gradient in "
+            "the profiled step; HPU graphs need zero_grad(set_to_none=False), which would make the optimizer update "
+            "them",
+            "captured_forced": "captured {model} (forced)",
+            "captured_no_trials": "captured {model} (trials off)",
+            "trial_waits": "host-bound; a trial on {model} waits for training step {step}: the run's length is "
+            "unknown, and only from there would its steps so far have lost more than the {estimate:.1f} s (likely "
+            "{low:.1f}-{high:.1f} s) its capture is estimated to cost on {backend} ({basis}), so a shorter run pays "
+            "nothing for one",
+            "trial_running": "host-bound; trial running on {model}",
+            "measured_faster": "captured {model}: measured faster",
+            "rejected": "rejected: {model} captured was not faster in the trial; released",
+            "dynamic_shapes": "switched off: dynamic shapes, {count} distinct input shapes (each one a "
+            "recompilation), e.g. {shapes}",
+            # notes
+            "exact_random_no_effect": "--exact-random has no effect on {backend}: its graph compiler has no "
+            "such setting",
+            "captured_called_several_times": "{model} is called {calls} times per step: captured without graphs that "
+            "replay into static outputs (CUDA graphs), which a later call would overwrite",
+            "dropout_exact": "dropout draws eager's random masks (--exact-random)",
+            "dropout_differs": "compiled dropout draws different random masks than eager (same distribution) and "
+            "leaves the script's generator elsewhere, so later draws differ too, kept or rejected; --exact-random "
+            "makes them the same, at a cost in speed",
+            "gradients_reused": "zero_grad(set_to_none=False) while graphs are on: gradient tensors are reused, "
+            "not freed",
+            "graph_breaks": "torch.compile broke the captured code's graph {count}x at {where} ({reasons}): the "
+            "code between breaks compiles apart, and the break itself runs eagerly",
+            "recompiled": "torch.compile recompiled the captured code {count}x ({reasons})",
+            "eager_outside_training": "calls outside training (eval mode or no_grad) run eagerly: only training steps "
+            "were measured",
+        },
+        targets=("torch.utils.checkpoint.checkpoint",),  # HPU lazy only: calls counted (graphs refuse them)
+        acts_on=(
+            "<training model> call route, capture layer (in nn.Module's compiled-call slot, instance)",
+            "HPU lazy: zero_grad of the optimizer's and the training model's classes (wrapt, acting on those "
+            "two objects only)",
+        ),
     )
 
     def apply(self) -> None:
@@ -134,10 +139,10 @@ class GraphCapture(CapturedCall, DecidesCandidate):
         self._artifacts_key = None  # what its compiled code depends on, naming the saved compile caches
         self._set_up_seconds = 0.0
         self._compile_mark = None  # torch's compile records when capture began (compile_counts.mark)
-        if self.backend.graphs_hold_gradients:
-            self.wrap(torch.utils.checkpoint, "checkpoint", self._count_checkpoint)
-        self.because("waiting_for_profile")
-        self.on(Event.STEP_PROFILED, self._profiled)
+        if self.run.backend.graphs_hold_gradients:
+            self.scope.wrap(torch.utils.checkpoint, "checkpoint", self._count_checkpoint)
+        self.report.because("waiting_for_profile")
+        self.scope.on(Event.STEP_PROFILED, self._profiled)
 
     def _params(self) -> dict:
         return {"model": type(self.candidate.model).__name__}
@@ -145,20 +150,20 @@ class GraphCapture(CapturedCall, DecidesCandidate):
     def changes(self) -> list:
         if not self.in_use():
             return []
-        text = f"{type(self.candidate.model).__name__} captured ({self.backend.graph_kind()})"
-        if "speedup" in self.figures:
-            text += f", {self.figures['speedup']}x per step in {self.trial_named()}"
-        parts = {name: self.figures[name] for name in ONE_OFF_PARTS if name in self.figures}
+        text = f"{type(self.candidate.model).__name__} captured ({self.run.backend.graph_kind()})"
+        if "speedup" in self.report.figures:
+            text += f", {self.report.figures['speedup']}x per step in {self.trial_named()}"
+        parts = {name: self.report.figures[name] for name in ONE_OFF_PARTS if name in self.report.figures}
         if parts:
             listed = ", ".join(
                 f"{name.removesuffix('_s').replace('_', ' ')} {value} s" for name, value in parts.items()
             )
             text += f", one-off {round(sum(parts.values()), 3)} s ({listed})"
-        if "one_off_actual_s" in self.figures and "one_off_predicted_s" in self.figures:
-            text += f" (estimated {self.figures['one_off_predicted_s']} s before paying)"
-        if "pays_back_after_steps" in self.figures:
-            text += f", pays back after {self.figures['pays_back_after_steps']} steps"
-        if self.figures.get("compile_cache") == "hit":
+        if "one_off_actual_s" in self.report.figures and "one_off_predicted_s" in self.report.figures:
+            text += f" (estimated {self.report.figures['one_off_predicted_s']} s before paying)"
+        if "pays_back_after_steps" in self.report.figures:
+            text += f", pays back after {self.report.figures['pays_back_after_steps']} steps"
+        if self.report.figures.get("compile_cache") == "hit":
             text += ", compiled from the cache"
         return [text]
 
@@ -169,28 +174,28 @@ class GraphCapture(CapturedCall, DecidesCandidate):
     def _refusal(self, profile, any_bound: bool):
         """Why the profiled model is not captured (a Reason), or None (``any_bound``: whatever the step is bound by)."""
         if profile.bound != "host" and not any_bound:
-            return self.reason_for("not_host_bound", bound=profile.bound, why=profile.why)
+            return self.report.reason_for("not_host_bound", bound=profile.bound, why=profile.why)
         if profile.model is None:
-            return self.reason_for("no_training_model")
+            return self.report.reason_for("no_training_model")
         if compiled_by_the_script(profile.model):
-            return self.reason_for("compiled_by_script")
+            return self.report.reason_for("compiled_by_script")
         if fsdp2_managed(profile.model):
-            return self.reason_for("fsdp2")
+            return self.report.reason_for("fsdp2")
         precision = holder(profile.model, Layer.PRECISION)
         if precision is not None:
-            return self.reason_for("mixed_precision", holder=precision.name)
-        refusal = self._control_flow_refusal(profile.model) or self.backend.graph_refusal(profile.model)
+            return self.report.reason_for("mixed_precision", holder=precision.name)
+        refusal = self._control_flow_refusal(profile.model) or self.run.backend.graph_refusal(profile.model)
         if refusal:
             code, params = refusal
-            return self.reason_for(code, **params)
-        if profile.calls_per_step > 1 and not self.backend.graphs_can_keep_outputs:
-            return self.reason_for(
+            return self.report.reason_for(code, **params)
+        if profile.calls_per_step > 1 and not self.run.backend.graphs_can_keep_outputs:
+            return self.report.reason_for(
                 "called_several_times",
                 model=type(profile.model).__name__,
                 calls=profile.calls_per_step,
-                backend=self.backend.name,
+                backend=self.run.backend.name,
             )
-        if self.backend.graphs_hold_gradients:
+        if self.run.backend.graphs_hold_gradients:
             return self._gradient_refusal(profile)
         return None
 
@@ -198,39 +203,41 @@ class GraphCapture(CapturedCall, DecidesCandidate):
         """(code, params) where the backend's graphs would replay a decision the model's forward takes on a
         device value (the step profiler's host reads, located in a forward's source), or None. Forcing
         does not lift it: a replay of the other branch changes what the model computes."""
-        if not self.backend.graphs_replay_recorded_branches:
+        if not self.run.backend.graphs_replay_recorded_branches:
             return None
-        found = forward_reading(model, read_sites(self.session.profiler))
+        found = forward_reading(model, read_sites(self.run.profiler))
         if found is None:
             return None
         module, site = found
         return "data_dependent_control_flow", {
             "module": type(module).__name__,
             "where": short_location(site),
-            "backend": self.backend.name,
+            "backend": self.run.backend.name,
         }
 
     def _profiled(self, profile) -> None:
-        forced = self.name in self.options.force
-        asked = self.name in self.options.trial  # --trial: measure it now, whatever the profile reads
-        trial = not (forced or asked or self.options.no_trials)
+        forced = self.name in self.run.options.force
+        asked = self.name in self.run.options.trial  # --trial: measure it now, whatever the profile reads
+        trial = not (forced or asked or self.run.options.no_trials)
         # First: a run too short to pay back any capture is so whatever the profile says. Every rank
         # takes rank 0's figures: ranks that waited for different steps would start trials apart.
         too_short, start_at_step = rank_zero_choice(self._when_to_try(profile)) if trial else (None, 0)
-        refusal = self.reason_for("too_short", **too_short) if too_short else self._refusal(profile, forced or asked)
+        refusal = (
+            self.report.reason_for("too_short", **too_short) if too_short else self._refusal(profile, forced or asked)
+        )
         if refusal:
             self.candidate.refuse(refusal)
             return
-        remembered = self.recalled_trial()
+        remembered = self.run.recalled_trial(self.name)
         if remembered is not None:  # no waiting: the decision is known, the compile likely cached
             self.candidate.follow(remembered, profile)
             return
-        if start_at_step > self.session.steps.steps:
+        if start_at_step > self.run.steps.steps:
             # Nothing is set up before the trial is due (importing the compiler alone took 1.2 s on
             # the 2-core CPU, more than a short script's whole run): a run that ends first pays nothing.
             self.candidate.defer(start_at_step, functools.partial(self._when_due, profile, start_at_step))
-            self.figures["trial_waits_for_step"] = start_at_step
-            self.because("trial_waits", step=start_at_step, **self._estimate_params(profile))
+            self.report.figures["trial_waits_for_step"] = start_at_step
+            self.report.because("trial_waits", step=start_at_step, **self._estimate_params(profile))
             return
         self._try(profile, start_at_step)
 
@@ -255,7 +262,7 @@ class GraphCapture(CapturedCall, DecidesCandidate):
         """Capture the profiled model; the seconds it took. The one-off's estimate goes in the figures
         first, to be set against what the first compile measures."""
         estimate = self._estimate_one_off(profile)
-        self.figures.update(
+        self.report.figures.update(
             one_off_predicted_s=estimate["seconds"],
             one_off_predicted_range_s=[estimate["low_s"], estimate["high_s"]],
             one_off_predicted_basis=estimate["basis"],
@@ -269,34 +276,34 @@ class GraphCapture(CapturedCall, DecidesCandidate):
         """Capture the profiled model, into the candidate's scope."""
         module = profile.model
         self._training_mode = module.training
-        if self.backend.graphs_hold_gradients:
+        if self.run.backend.graphs_hold_gradients:
             self._keep_gradient_tensors(profile.optimizer, module)
         name = type(module).__name__
-        exact = self.options.exact_random and self.backend.graphs_can_draw_eager_random
-        if self.options.exact_random and not exact:
-            self.note("exact_random_no_effect", backend=self.backend.name)
+        exact = self.run.options.exact_random and self.run.backend.graphs_can_draw_eager_random
+        if self.run.options.exact_random and not exact:
+            self.report.note("exact_random_no_effect", backend=self.run.backend.name)
         several = profile.calls_per_step > 1
         if several:
-            self.note("captured_called_several_times", model=name, calls=profile.calls_per_step)
+            self.report.note("captured_called_several_times", model=name, calls=profile.calls_per_step)
         # What an earlier run compiled for this script, model and inputs, into the compiler's caches first.
         self._compile_mark = self._compile_mark or compile_counts.mark()
-        self.figures["compile_artifacts"] = one_offs.load_artifacts(
-            self.session.cache, self._artifacts_key, self.backend
+        self.report.figures["compile_artifacts"] = one_offs.load_artifacts(
+            self.run.cache, self._artifacts_key, self.run.backend
         )
         if self._estimate["tier"] == "regional":
             self._graphed = self._capture_regions(module, exact)
         elif self._estimate["tier"] == "replay":
-            self._graphed = self.backend.graph_replay(module)
+            self._graphed = self.run.backend.graph_replay(module)
         else:
-            self._graphed = self.backend.graph_forward(module, exact_random=exact, static_outputs=not several)
+            self._graphed = self.run.backend.graph_forward(module, exact_random=exact, static_outputs=not several)
         self.candidate.scope.add(self._forget_graphs)
-        self.hold(module, Layer.CAPTURE, self._around, self.candidate.scope)
-        self.figures["model"] = name
+        self.candidate.scope.hold(module, Layer.CAPTURE, self._around)
+        self.report.figures["model"] = name
         dropout = numerics.active_dropout(module)
         self._masks_differ = dropout and not exact
         self._numerics_pending = True  # measured on the first captured call
         if dropout:
-            self.note("dropout_exact" if exact else "dropout_differs")
+            self.report.note("dropout_exact" if exact else "dropout_differs")
 
     def run_ending(self, error) -> None:
         """Graph breaks and recompiles since capture began, by torch's counters, with the lines torch
@@ -304,14 +311,16 @@ class GraphCapture(CapturedCall, DecidesCandidate):
         if self._compile_mark is None:
             return
         found = compile_counts.since(self._compile_mark)
-        self.figures.update(graph_breaks=found["graph_breaks"], recompiles=found["recompiles"])
+        self.report.figures.update(graph_breaks=found["graph_breaks"], recompiles=found["recompiles"])
         breaks, recompiles = found["graph_breaks"], found["recompiles"]
         if breaks["count"]:
             reasons = "; ".join(f"{r['code'] or 'no code'}: {r['reason']} ({r['count']}x)" for r in breaks["reasons"])
-            self.note("graph_breaks", count=breaks["count"], where=", ".join(breaks["where"]) or "?", reasons=reasons)
+            self.report.note(
+                "graph_breaks", count=breaks["count"], where=", ".join(breaks["where"]) or "?", reasons=reasons
+            )
         if recompiles["count"]:
             reasons = "; ".join(f"{r['where']}: {r['reason']}" for r in recompiles["reasons"])
-            self.note("recompiled", count=recompiles["count"], reasons=reasons)
+            self.report.note("recompiled", count=recompiles["count"], reasons=reasons)
 
     def _when_to_try(self, profile) -> tuple:
         """(None, or the figures of why no trial could pay for itself; the training step from which one may start).
@@ -338,31 +347,33 @@ class GraphCapture(CapturedCall, DecidesCandidate):
     def _estimate_one_off(self, profile) -> dict:
         """This model's capture one-off, predicted once per run (:func:`autogaudi.measure.one_offs.estimate`)."""
         if self._estimate is None:
-            exact = self.options.exact_random and self.backend.graphs_can_draw_eager_random
-            self._artifacts_key = one_offs.artifacts_key(self.backend, profile.model, profile.inputs, exact)
-            blob, _why, _changed = one_offs.artifacts_lookup(self.session.cache, self._artifacts_key)
+            exact = self.run.options.exact_random and self.run.backend.graphs_can_draw_eager_random
+            self._artifacts_key = one_offs.artifacts_key(self.run.backend, profile.model, profile.inputs, exact)
+            blob, _why, _changed = one_offs.artifacts_lookup(self.run.cache, self._artifacts_key)
             traits = one_offs.traits(profile.model, profile.measured.ops_per_step)
-            records = one_offs.remembered(self.session.cache, self.backend)
+            records = one_offs.remembered(self.run.cache, self.run.backend)
             warm = blob is not None
-            estimates = {"whole": one_offs.estimate(traits, records, self.backend, warm=warm)}
-            if self.backend.graphs_by_region and traits["blocks_share"] >= one_offs.REGIONAL_SHARE:
-                estimates["regional"] = one_offs.estimate(traits, records, self.backend, warm=warm, tier="regional")
+            estimates = {"whole": one_offs.estimate(traits, records, self.run.backend, warm=warm)}
+            if self.run.backend.graphs_by_region and traits["blocks_share"] >= one_offs.REGIONAL_SHARE:
+                estimates["regional"] = one_offs.estimate(traits, records, self.run.backend, warm=warm, tier="regional")
             if self._replay_offered(profile, exact):
-                estimates["replay"] = one_offs.estimate(traits, records, self.backend, warm=warm, tier="replay")
+                estimates["replay"] = one_offs.estimate(traits, records, self.run.backend, warm=warm, tier="replay")
             if len(estimates) > 1:
-                self.figures.update({f"one_off_predicted_{tier}_s": e["seconds"] for tier, e in estimates.items()})
+                self.report.figures.update(
+                    {f"one_off_predicted_{tier}_s": e["seconds"] for tier, e in estimates.items()}
+                )
             remaining = remaining_steps()
             self._estimate = one_offs.choose(
                 estimates.values(), _saved_per_step_s(profile), None if remaining is None else remaining[0]
             )
-            self.figures["capture_tier"] = self._estimate["tier"]
+            self.report.figures["capture_tier"] = self._estimate["tier"]
         return self._estimate
 
     def _replay_offered(self, profile, exact: bool) -> bool:
         """Whether the backend's replay tier (device graphs without a compiler) can capture this model:
         one call per step (each replay writes its outputs over the last ones) and random ops left as
         the backend draws them (--exact-random is the compiler's option)."""
-        return self.backend.replay_one_off_rate_s is not None and profile.calls_per_step == 1 and not exact
+        return self.run.backend.replay_one_off_rate_s is not None and profile.calls_per_step == 1 and not exact
 
     def _estimate_params(self, profile) -> dict:
         """The estimate as the pay-back reasons name it."""
@@ -373,19 +384,19 @@ class GraphCapture(CapturedCall, DecidesCandidate):
             low=estimate["low_s"],
             high=estimate["high_s"],
             basis=estimate["basis"],
-            backend=self.backend.name,
+            backend=self.run.backend.name,
         )
 
     def _gradient_refusal(self, profile):
         """Why graphs that hold gradients cannot be used for this model and loop (a Reason), or None."""
         if self._checkpoint_calls or uses_gradient_checkpointing(profile.model):
-            return self.reason_for("gradient_checkpointing")
+            return self.report.reason_for("gradient_checkpointing")
         if profile.optimizer is None:
-            return self.reason_for("no_optimizer")
+            return self.report.reason_for("no_optimizer")
         params = [p for group in profile.optimizer.param_groups for p in group["params"]]
         without = sum(p.grad is None for p in params)
         if without:
-            return self.reason_for("parameters_without_gradient", without=without, total=len(params))
+            return self.report.reason_for("parameters_without_gradient", without=without, total=len(params))
         return None
 
     def _keep_gradient_tensors(self, optimizer, model) -> None:
@@ -393,7 +404,7 @@ class GraphCapture(CapturedCall, DecidesCandidate):
         # On the classes, checked by identity: nothing lands in the user's objects' __dict__.
         self.candidate.scope.wrap(type(optimizer), "zero_grad", self._zero_grad)
         self.candidate.scope.wrap(type(model), "zero_grad", self._zero_grad)
-        self.note("gradients_reused")
+        self.report.note("gradients_reused")
 
     def _zero_grad(self, wrapped, instance, args, kwargs):
         candidate = self.candidate
@@ -401,14 +412,14 @@ class GraphCapture(CapturedCall, DecidesCandidate):
         return wrapped(set_to_none=False) if candidate.on and ours else wrapped(*args, **kwargs)
 
     def _switch(self, on: bool) -> None:
-        if self.backend.graphs_hold_gradients and self.candidate.optimizer is not None:
+        if self.run.backend.graphs_hold_gradients and self.candidate.optimizer is not None:
             own_gradient_tensors(self.candidate.optimizer, on)
 
     def _decided(self, keep: bool, record: dict) -> None:
-        self.figures.update(
+        self.report.figures.update(
             speedup=record["speedup"],
             set_up_s=record["set_up_s"],
             warm_up_s=round(record["one_off_s"] - record["set_up_s"], 3),
         )
         if "pays_back_after_steps" in record:
-            self.figures["pays_back_after_steps"] = record["pays_back_after_steps"]
+            self.report.figures["pays_back_after_steps"] = record["pays_back_after_steps"]

@@ -21,7 +21,7 @@ import torch
 from torch.utils.data import IterableDataset
 
 from autogaudi.core.events import Event
-from autogaudi.core.unit import RANDOM, ROUNDING, Unit
+from autogaudi.core.unit import RANDOM, ROUNDING, Unit, UnitSpec
 from autogaudi.measure import machine_load, trials
 from autogaudi.optimizations.loader_workers.loader_state import LoaderState, Phase, Timing
 from autogaudi.optimizations.loader_workers.thread_cut import ThreadCut, with_threads
@@ -87,57 +87,62 @@ _UNIT_REASON = {"not_starved": "none_starved", "no_faster": "workers_no_faster"}
 
 
 class LoaderWorkers(Unit):
-    # Workers draw from streams of their own, and the intra-op threads it cuts sum some CPU kernels in
-    # another order (measured: a float32 sum of 2**20 values differs between 1 and 2 threads)
-    numerics = (ROUNDING, RANDOM)
-    exact_when = "the dataset draws no random numbers and the steps run no multi-threaded CPU reduction"
-    reasons = {
-        "no_loader": "no DataLoader it may tune built yet",
-        "measuring": "measuring each loader's first epoch",
-        "none_starved": "measured: no loader starves the step, all kept in-process",
-        "workers_no_faster": "measured: workers were tried and were no faster, all kept in-process",
-        "workers": "{workers} workers for input-bound loaders (in-process ones: from the next batch)",
-        "workers_raised": "{workers} workers for input-bound loaders; a loader whose script chose num_workers was "
-        "raised in place (--force), and the script reads the raised number",
-        "not_starved": "kept in-process: waiting for data is {share} of a step (workers are tried from {threshold})",
-        "no_faster": "workers measured no faster ({after:.2f} vs {before:.2f} ms per batch, worker start-up "
-        "included): put back in-process",
-        "draws_global_random": "kept in-process: its __getitem__ draws from the global random generators, "
-        "which worker processes would replace by their own",
-        "mutates_state": "kept in-process: its __getitem__ changes the dataset's attribute {attribute!r}, which "
-        "workers would change in their copies only",
-        "holds_generator": "kept in-process: the dataset holds a random generator ({kind}), which each worker "
-        "would copy and draw the same numbers from",
-        "main_reruns": "kept in-process: under the {method} start method each worker re-runs {file}, which does "
-        'more than define and import outside `if __name__ == "__main__":`',
-        "not_picklable": "kept in-process: under the {method} start method workers get the dataset pickled, "
-        "and that fails: {error}",
-        "threads_cut": "while workers build the batches the main process computes with {threads} intra-op "
-        "thread(s), not the script's {script}: CPU kernels that split a sum across threads add in another order "
-        "(rounding: measured on the training model's next forward, where one is found)",
-        "threads_cut_no_model": "the thread cut's rounding not measured: no training model found (the step profiler "
-        "finds it) when the cut began",
-        "threads_cut_script_compiles": "the thread cut's rounding not measured: the script compiles the training "
-        "model, whose call it owns",
-        "workers_failed": "workers failed ({error}); the loader went back in-process, its batches built there",
-        "script_chose_workers": "a loader whose script chose num_workers is kept as is",
-        "iterable_dataset": "iterable datasets are kept in-process: each worker would replay the whole stream",
-        "forced_measured": "--force loader_workers: a loader whose script chose num_workers={chosen} is measured "
-        "too; if raised, its workers' random streams differ from the plain run's (same distribution)",
-        "shard_iterable": "the step waits for data {share:.0%} of the time and an IterableDataset feeds it "
-        "in-process; workers would each replay the whole stream unless the dataset splits it by "
-        "torch.utils.data.get_worker_info() (id, num_workers): if yours does, try num_workers={workers}",
-        "more_workers": "the step waits for data {share:.0%} of the time and the script chose num_workers={chosen}; "
-        "this machine has {cores} cores for {ranks} local rank(s): try num_workers={workers}, or --force "
-        "loader_workers to have it measured and raised (worker random streams then differ from this run's, same "
-        "distribution)",
-    }
-    changed_figure = ("loaders_tuned", "{} DataLoader(s) given worker processes")
-    targets = ("torch.get_num_threads", "torch.set_num_threads")
-    acts_on = ("DataLoader construction, epochs and batch fetches (the session's step watcher)",)
+    spec = UnitSpec(
+        # Workers draw from streams of their own, and the intra-op threads it cuts sum some CPU kernels in
+        # another order (measured: a float32 sum of 2**20 values differs between 1 and 2 threads)
+        numerics=(ROUNDING, RANDOM),
+        exact_when="the dataset draws no random numbers and the steps run no multi-threaded CPU reduction",
+        reasons={
+            "no_loader": "no DataLoader it may tune built yet",
+            "measuring": "measuring each loader's first epoch",
+            "none_starved": "measured: no loader starves the step, all kept in-process",
+            "workers_no_faster": "measured: workers were tried and were no faster, all kept in-process",
+            "workers": "{workers} workers for input-bound loaders (in-process ones: from the next batch)",
+            "workers_raised": "{workers} workers for input-bound loaders; a loader whose script chose num_workers was "
+            "raised in place (--force), and the script reads the raised number",
+            "not_starved": "kept in-process: waiting for data is {share} of a step (workers are tried from "
+            "{threshold})",
+            "no_faster": "workers measured no faster ({after:.2f} vs {before:.2f} ms per batch, worker start-up "
+            "included): put back in-process",
+            "draws_global_random": "kept in-process: its __getitem__ draws from the global random generators, "
+            "which worker processes would replace by their own",
+            "mutates_state": "kept in-process: its __getitem__ changes the dataset's attribute {attribute!r}, which "
+            "workers would change in their copies only",
+            "holds_generator": "kept in-process: the dataset holds a random generator ({kind}), which each worker "
+            "would copy and draw the same numbers from",
+            "main_reruns": "kept in-process: under the {method} start method each worker re-runs {file}, which does "
+            'more than define and import outside `if __name__ == "__main__":`',
+            "not_picklable": "kept in-process: under the {method} start method workers get the dataset pickled, "
+            "and that fails: {error}",
+            "threads_cut": "while workers build the batches the main process computes with {threads} intra-op "
+            "thread(s), not the script's {script}: CPU kernels that split a sum across threads add in another order "
+            "(rounding: measured on the training model's next forward, where one is found)",
+            "threads_cut_no_model": "the thread cut's rounding not measured: no training model found (the step "
+            "profiler "
+            "finds it) when the cut began",
+            "threads_cut_script_compiles": "the thread cut's rounding not measured: the script compiles the training "
+            "model, whose call it owns",
+            "workers_failed": "workers failed ({error}); the loader went back in-process, its batches built there",
+            "script_chose_workers": "a loader whose script chose num_workers is kept as is",
+            "iterable_dataset": "iterable datasets are kept in-process: each worker would replay the whole stream",
+            "forced_measured": "--force loader_workers: a loader whose script chose num_workers={chosen} is measured "
+            "too; if raised, its workers' random streams differ from the plain run's (same distribution)",
+            "shard_iterable": "the step waits for data {share:.0%} of the time and an IterableDataset feeds it "
+            "in-process; workers would each replay the whole stream unless the dataset splits it by "
+            "torch.utils.data.get_worker_info() (id, num_workers): if yours does, try num_workers={workers}",
+            "more_workers": "the step waits for data {share:.0%} of the time and the script chose "
+            "num_workers={chosen}; "
+            "this machine has {cores} cores for {ranks} local rank(s): try num_workers={workers}, or --force "
+            "loader_workers to have it measured and raised (worker random streams then differ from this run's, same "
+            "distribution)",
+        },
+        changed_figure=("loaders_tuned", "{} DataLoader(s) given worker processes"),
+        targets=("torch.get_num_threads", "torch.set_num_threads"),
+        acts_on=("DataLoader construction, epochs and batch fetches (the session's step watcher)",),
+    )
 
     def apply(self) -> None:
-        self.figures.update(loaders_tuned=0, loaders_kept=0)
+        self.report.figures.update(loaders_tuned=0, loaders_kept=0)
         self._tuned = 0  # loaders with workers now
         self._ever_tuned = False  # a loader had workers (their steps ran with the threads cut)
         self._loaders = weakref.WeakKeyDictionary()  # DataLoader -> LoaderState, for loaders it may tune
@@ -146,39 +151,39 @@ class LoaderWorkers(Unit):
         self._starting = None  # the LoaderState whose next iterator is being created
         self._threads = ThreadCut()
         self._threads.install(self.scope)
-        self.on(Event.LOADER_BUILT, self._consider)
-        self.on(Event.EPOCH_START, self._new_epoch)
-        self.on(Event.BEFORE_BATCH, self._before_batch)
-        self.on(Event.BATCH_FETCHED, self._after_batch)
+        self.scope.on(Event.LOADER_BUILT, self._consider)
+        self.scope.on(Event.EPOCH_START, self._new_epoch)
+        self.scope.on(Event.BEFORE_BATCH, self._before_batch)
+        self.scope.on(Event.BATCH_FETCHED, self._after_batch)
         self._script_workers: list = []  # num_workers of the loaders whose script chose it
         self._iterable_loaders = 0  # in-process loaders over an IterableDataset (never tuned)
-        self.on(Event.STEP_PROFILED, self._advise)  # advice, where a step profiler runs
+        self.scope.on(Event.STEP_PROFILED, self._advise)  # advice, where a step profiler runs
         self._measuring = None  # the scope of the layer that measures the cut, once
         self._cut_waiting = None  # the loader whose cut's measurement waits for the step profiler
         self._model = None  # the training model, weakly, once the step profiler found it
-        self.on(Event.STEP_PROFILED, self._found_model)
-        self.because("no_loader")
+        self.scope.on(Event.STEP_PROFILED, self._found_model)
+        self.report.because("no_loader")
 
     def numerics_in_run(self) -> tuple:
         # Workers that ran and were put back (no faster) ran their checked batches with the threads cut.
-        return self.numerics_on(self.backend) if self._ever_tuned else ()
+        return self.numerics_on(self.run.backend) if self._ever_tuned else ()
 
     def _kept(self, code: str, **values) -> None:
-        self.figures["loaders_kept"] += 1
-        self.note(code, **values)
+        self.report.figures["loaders_kept"] += 1
+        self.report.note(code, **values)
 
     def _keep(self, state, code: str, **values) -> None:
         """Keep a measured loader in-process (or put it back) for ``code``; the unit says so while no
         loader has workers."""
         state.phase = Phase.DONE
         self._kept(code, **values)
-        kept = self.figures.setdefault("kept_because", {})
+        kept = self.report.figures.setdefault("kept_because", {})
         kept[code] = kept.get(code, 0) + 1
         if not self._tuned:
             if code in _UNIT_REASON:
-                self.because(_UNIT_REASON[code])
+                self.report.because(_UNIT_REASON[code])
             else:
-                self.because(code, **values)
+                self.report.because(code, **values)
 
     def _consider(self, loader, args, kwargs):
         given = loader_arguments(loader, args, kwargs)
@@ -187,7 +192,7 @@ class LoaderWorkers(Unit):
         dataset, chosen = given.get("dataset"), given.get("num_workers")
         # --force loader_workers: a script's num_workers below the budget is measured and may be raised.
         raisable = (
-            self.name in self.options.force
+            self.name in self.run.options.force
             and chosen is not None
             and chosen < worker_budget()[0]
             and not given.get("persistent_workers", False)  # their iterator, and its workers, are reused
@@ -201,18 +206,18 @@ class LoaderWorkers(Unit):
             self._iterable_loaders += 1
         else:
             state = self._loaders[loader] = LoaderState(loader)
-            self.session.trials.measuring(self, state)
+            self.run.trials.measuring(self, state)
             if not self._tuned:
-                self.because("measuring")
+                self.report.because("measuring")
             if raisable:
-                self.note("forced_measured", chosen=chosen)
+                self.report.note("forced_measured", chosen=chosen)
         return None
 
     def _kept_as_built(self, code: str) -> None:
         """A loader it may not tune; the unit's reason says so while no loader was measured."""
         self._kept(code)
         if not (self._loaders or self._decided):
-            self.because(code)
+            self.report.because(code)
 
     def _advise(self, profile) -> None:
         """A step that waits for data from a loader autogaudi may not tune: a script-chosen num_workers
@@ -223,7 +228,7 @@ class LoaderWorkers(Unit):
         workers, _threads = worker_budget()
         share = profile.measured.input_wait_fraction
         if self._iterable_loaders:
-            self.recommend(
+            self.report.recommend(
                 "shard_iterable",
                 share=share,
                 workers=workers,
@@ -238,7 +243,7 @@ class LoaderWorkers(Unit):
             return
         cores = machine_load.physical_cores()
         ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        self.recommend(
+        self.report.recommend(
             "more_workers",
             share=share,
             chosen=chosen,
@@ -289,7 +294,7 @@ class LoaderWorkers(Unit):
             # Before tuning, the first batches of an epoch are not measured: the sampler draws its seed
             # there and the time since the previous epoch's last batch is not a training step.
             counted = state.phase is Phase.CHECKING or state.epoch_batches >= WARMUP_BATCHES
-            if counted and not self.session.windows.take(self, yields=True):
+            if counted and not self.run.windows.take(self, yields=True):
                 # Another measurement holds the steps (a census, a timed update): its work would
                 # read as the step's. The window goes on from the batch after it lets go; the others
                 # never wait for it (on several ranks they start at the same step on each).
@@ -304,7 +309,7 @@ class LoaderWorkers(Unit):
         if timed and measured_enough(window, state.phase):
             self._decide(state, iterator)
             if not any(other.timed for other in self._loaders.values()):
-                self.session.windows.release(self)
+                self.run.windows.release(self)
         if state.epoch_batches == 1 and state.scope is not None and in_process(iterator):
             # a tuned loader's later epoch: its first batch was built here, the rest by workers
             self._start_workers(state, iterator, state.loader())
@@ -334,11 +339,11 @@ class LoaderWorkers(Unit):
         loader = state.loader()
         before, after = state.windows[Phase.MEASURING], state.windows[Phase.CHECKING]
         self._decided = True
-        self.session.trials.measured(self)  # decided, whether or not the loader outlives its windows
+        self.run.trials.measured(self)  # decided, whether or not the loader outlives its windows
         if state.phase is Phase.MEASURING:
             state.phase = Phase.DONE
-            self.figures["input_bound_fraction"] = round(before.input_bound, 3)
-            self.figures["ms_per_batch_before"] = round(before.ms_per_batch, 3)
+            self.report.figures["input_bound_fraction"] = round(before.input_bound, 3)
+            self.report.figures["ms_per_batch_before"] = round(before.ms_per_batch, 3)
             if state.getitem_changes is not None:
                 self._keep(state, state.getitem_changes[0], **state.getitem_changes[1])
             elif before.input_bound < INPUT_BOUND:
@@ -351,7 +356,7 @@ class LoaderWorkers(Unit):
                 self._tune(loader, state, iterator)
         else:
             state.phase = Phase.DONE
-            self.figures["ms_per_batch_after"] = round(after.ms_per_batch, 3)
+            self.report.figures["ms_per_batch_after"] = round(after.ms_per_batch, 3)
             if not workers_faster(before, after, trials.materiality_of(self), worker_budget()[0]):
                 self._untune(state)
                 self._keep(state, "no_faster", after=after.ms_per_batch, before=before.ms_per_batch)
@@ -369,23 +374,23 @@ class LoaderWorkers(Unit):
         script_threads = self._threads.script_threads()
         self._threads.hold(state, threads, state.scope)
         if torch._C.get_num_threads() < script_threads:
-            self.note("threads_cut", threads=torch._C.get_num_threads(), script=script_threads)
+            self.report.note("threads_cut", threads=torch._C.get_num_threads(), script=script_threads)
             self._measure_cut(state)
         self._tuned += 1
         self._ever_tuned = True
-        self.figures.update(loaders_tuned=self._tuned, workers=workers, main_threads=torch._C.get_num_threads())
-        self.moment("workers", workers=workers)
+        self.report.figures.update(loaders_tuned=self._tuned, workers=workers, main_threads=torch._C.get_num_threads())
+        self.report.moment("workers", workers=workers)
         # timed on from the last measured batch, or from the next epoch's start: the workers' start-up
         # counts against them
         if in_process(iterator):
             state.phase = Phase.CHECKING
-            self.because("workers", workers=workers)
+            self.report.because("workers", workers=workers)
             if self._start_workers(state, iterator, loader):
-                self.figures["workers_from_batch"] = state.epoch_batches + 1
+                self.report.figures["workers_from_batch"] = state.epoch_batches + 1
         else:  # the script's own workers: raised in place, from the next epoch
             set_attributes(state.scope, loader, num_workers=workers, prefetch_factor=loader.prefetch_factor or 2)
             state.phase = Phase.NEXT_EPOCH
-            self.because("workers_raised", workers=workers)
+            self.report.because("workers_raised", workers=workers)
 
     def _found_model(self, profile) -> None:
         if profile.model is not None:
@@ -401,24 +406,24 @@ class LoaderWorkers(Unit):
         if self._measuring is not None:  # measured once, where the cut first applies
             return
         model = self._model() if self._model is not None else None
-        if model is None and self._model is None and self.session.profiler is not None:
+        if model is None and self._model is None and self.run.profiler is not None:
             self._cut_waiting = state  # the step profiler has not named the model yet
             return
         if model is None:
-            self.note("threads_cut_no_model")
+            self.report.note("threads_cut_no_model")
             return
         if compiled_by_the_script(model):
-            self.note("threads_cut_script_compiles")
+            self.report.note("threads_cut_script_compiles")
             return
         self._measuring = state.scope.child()
-        self.hold(model, Layer.MEASURE, functools.partial(self._measured_call, model), self._measuring)
+        self._measuring.hold(model, Layer.MEASURE, functools.partial(self._measured_call, model))
 
     def _measured_call(self, model, call, args, kwargs):
         if not (model.training and torch.is_grad_enabled()):
             return call(*args, **kwargs)
-        self.close_scope(self._measuring)
+        self._measuring.close()
         cut, script = torch._C.get_num_threads(), self._threads.script_threads()
-        self.measure_numerics(
+        self.report.measure_numerics(
             model,
             args,
             kwargs,
@@ -445,7 +450,7 @@ class LoaderWorkers(Unit):
             self._workers_failed(state, error)
             return False
         state.sources.add(source)
-        self.session.steps.route_batches(iterator, source)
+        self.run.steps.route_batches(iterator, source)
         return True
 
     def _workers_failed(self, state, error) -> None:
@@ -460,8 +465,8 @@ class LoaderWorkers(Unit):
         if state.scope is None:
             return
         scope, state.scope = state.scope, None
-        self.close_scope(scope)
-        self.moment("in_process")
+        scope.close()
+        self.report.moment("in_process")
         self._tuned -= 1
-        self.figures["loaders_tuned"] = self._tuned
-        self.figures["main_threads"] = torch._C.get_num_threads()
+        self.report.figures["loaders_tuned"] = self._tuned
+        self.report.figures["main_threads"] = torch._C.get_num_threads()

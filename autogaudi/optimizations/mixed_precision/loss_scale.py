@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import collections
 import collections.abc
-import functools
 
 import torch
 
@@ -154,13 +153,13 @@ class LossScale:
             self._unscale(self._scaled)
         self._restore()
 
-    def install(self, unit, scope) -> None:
-        """Listen through ``unit`` to the session's backward passes and optimizer steps until
-        ``scope`` closes (the session's dispatcher, not torch's hook tables: a listener removed while
+    def install(self, scope) -> None:
+        """Listen through the unit's ``scope`` to the session's backward passes and optimizer steps until
+        it closes (the session's dispatcher, not torch's hook tables: a listener removed while
         torch runs a step's hooks would change the table torch is iterating)."""
-        self._hook = functools.partial(unit.hook, scope=scope)  # the tensor hooks, through the core's guard
-        unit.on(Event.BEFORE_BACKWARD, self.before_backward, scope)
-        unit.on(Event.AFTER_BACKWARD, self.after_backward, scope)
-        unit.on(Event.BEFORE_OPTIMIZER_STEP, self.before_step, scope)
-        unit.on(Event.OPTIMIZER_STEP, self.after_step, scope)
+        self._hook = scope.hook  # the tensor hooks, through the core's guard
+        scope.on(Event.BEFORE_BACKWARD, self.before_backward)
+        scope.on(Event.AFTER_BACKWARD, self.after_backward)
+        scope.on(Event.BEFORE_OPTIMIZER_STEP, self.before_step)
+        scope.on(Event.OPTIMIZER_STEP, self.after_step)
         scope.add(self.close)

@@ -87,59 +87,63 @@ def tf32(on: bool):
 
 
 class MixedPrecision(DecidesCandidate):
-    numerics = (PRECISION,)
-    reasons = {
-        "no_bf16": "this GPU has no bf16 (compute capability < 8.0): --precision fp16 runs fp16 with loss scaling",
-        "no_fp16": "Gaudi's autocast is documented for bf16 (its op lists are bf16/float32): --precision bf16",
-        "script_scaler": "stepped aside: the script scales its loss itself (GradScaler)",
-        "script_low_precision": "stepped aside: {share:.0%} of the step's matrix products already run below float32 "
-        "(the script's own autocast or model dtype)",
-        "script_tf32": "stepped aside: the script already switched TF32 on",
-        "compiled_by_script": "stepped aside: the script compiles the model (torch.compile); autocast it inside "
-        "the compiled model's forward instead",
-        "no_matrix_products": "nothing to speed up: the step runs no matrix products",
-        "fsdp2": "stepped aside: FSDP2 shards this model (its copy for the guard cannot be made); give fully_shard "
-        "mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) instead",
-        "no_copy": "not checked, so not used: the model could not be copied for the guard ({error})",
-        "not_checked": "not used: in {passes} backward passes the model's outputs never got the gradient of a "
-        "loss the guard could compare against",
-        "checking": "{precision}: checking {checks} steps against float32 on a copy of the model",
-        "guard_failed": "not used: {precision} differed from float32 beyond the bounds ({outside})",
-        "on": "{model} forward in {precision}, checked against float32",
-        "trial_running": "{precision} checked; trial running on {model}",
-        "measured_faster": "{model} forward in {precision}: checked, and measured faster",
-        "rejected": "float32 kept: {precision} was checked but not faster in the trial",
-        "fell_back": "back to float32 from training step {step}: {what}",
-        "losses_read_every": "losses are read every {every} backward passes: the steps between the bad loss and its "
-        "read ran in {precision}",
-    }
-    targets = ("torch.amp.GradScaler.scale",)  # only seen: a script that scales its loss keeps fp16 off
-    states = ("watching", "checking", "in_use", "trial", "kept", "rejected", "failed", "disabled")
-    acts_on = (
-        "<training model> call route: precision layer (autocast, float32 outputs), observe layer while checked",
-        "CUDA TF32 switches (torch.backends.cuda.matmul / cudnn allow_tf32), --precision tf32",
-        "losses before each backward (the session's step watcher), watched for NaN/Inf and spikes",
-        "fp16: a hook on each backpropagated tensor and every gradient before and after each backward "
-        "(loss scaling), before and after each optimizer step (the step watcher's; steps skipped on overflow)",
+    spec = DecidesCandidate.spec.but(
+        numerics=(PRECISION,),
+        reasons={
+            "no_bf16": "this GPU has no bf16 (compute capability < 8.0): --precision fp16 runs fp16 with loss scaling",
+            "no_fp16": "Gaudi's autocast is documented for bf16 (its op lists are bf16/float32): --precision bf16",
+            "script_scaler": "stepped aside: the script scales its loss itself (GradScaler)",
+            "script_low_precision": "stepped aside: {share:.0%} of the step's matrix products already run below "
+            "float32 "
+            "(the script's own autocast or model dtype)",
+            "script_tf32": "stepped aside: the script already switched TF32 on",
+            "compiled_by_script": "stepped aside: the script compiles the model (torch.compile); autocast it inside "
+            "the compiled model's forward instead",
+            "no_matrix_products": "nothing to speed up: the step runs no matrix products",
+            "fsdp2": "stepped aside: FSDP2 shards this model (its copy for the guard cannot be made); give fully_shard "
+            "mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) instead",
+            "no_copy": "not checked, so not used: the model could not be copied for the guard ({error})",
+            "not_checked": "not used: in {passes} backward passes the model's outputs never got the gradient of a "
+            "loss the guard could compare against",
+            "checking": "{precision}: checking {checks} steps against float32 on a copy of the model",
+            "guard_failed": "not used: {precision} differed from float32 beyond the bounds ({outside})",
+            "on": "{model} forward in {precision}, checked against float32",
+            "trial_running": "{precision} checked; trial running on {model}",
+            "measured_faster": "{model} forward in {precision}: checked, and measured faster",
+            "rejected": "float32 kept: {precision} was checked but not faster in the trial",
+            "fell_back": "back to float32 from training step {step}: {what}",
+            "losses_read_every": "losses are read every {every} backward passes: the steps between the bad loss "
+            "and its "
+            "read ran in {precision}",
+        },
+        targets=("torch.amp.GradScaler.scale",),  # only seen: a script that scales its loss keeps fp16 off
+        states=("watching", "checking", "in_use", "trial", "kept", "rejected", "failed", "disabled"),
+        acts_on=(
+            "<training model> call route: precision layer (autocast, float32 outputs), observe layer while checked",
+            "CUDA TF32 switches (torch.backends.cuda.matmul / cudnn allow_tf32), --precision tf32",
+            "losses before each backward (the session's step watcher), watched for NaN/Inf and spikes",
+            "fp16: a hook on each backpropagated tensor and every gradient before and after each backward "
+            "(loss scaling), before and after each optimizer step (the step watcher's; steps skipped on overflow)",
+        ),
     )
 
     def skip_reason(self):
         reason = super().skip_reason()
         if reason is not None:
             return reason
-        precision = self.options.precision
-        if precision == "tf32" and self.backend.name != "cuda":
+        precision = self.run.options.precision
+        if precision == "tf32" and self.run.backend.name != "cuda":
             why = ": TF32 is a matmul mode of CUDA devices (Ampere and later)"
-            return self.reason_for("other_backend", backends="cuda", backend=self.backend.name, why=why)
-        if precision == "bf16" and self.backend.name == "cuda" and not torch.cuda.is_bf16_supported():
-            return self.reason_for("no_bf16")
-        if self.backend.name == "hpu" and self._chosen() == "fp16":
-            return self.reason_for("no_fp16")
+            return self.report.reason_for("other_backend", backends="cuda", backend=self.run.backend.name, why=why)
+        if precision == "bf16" and self.run.backend.name == "cuda" and not torch.cuda.is_bf16_supported():
+            return self.report.reason_for("no_bf16")
+        if self.run.backend.name == "hpu" and self._chosen() == "fp16":
+            return self.report.reason_for("no_fp16")
         return None
 
     def _chosen(self) -> str:
-        has_bf16 = self.backend.name != "cuda" or torch.cuda.is_bf16_supported()
-        return chosen_precision(self.options.precision, has_bf16)
+        has_bf16 = self.run.backend.name != "cuda" or torch.cuda.is_bf16_supported()
+        return chosen_precision(self.run.options.precision, has_bf16)
 
     def apply(self) -> None:
         self._precision = self._chosen()
@@ -147,7 +151,7 @@ class MixedPrecision(DecidesCandidate):
             self, self._set_up, self._switch, self._params, codes={"forced": "on", "no_trials": "on"},
             try_again=self._try_again,
         )  # fmt: skip
-        self.candidate.needs_trial = self.options.precision == "auto"  # asked for by name: on once checked
+        self.candidate.needs_trial = self.run.options.precision == "auto"  # asked for by name: on once checked
         self._guard = None  # checking on a copy of the model, before the precision may switch on
         self._guarding = None  # the guard's hooks and listeners, closed once it decided
         self._loss_scale = None  # fp16, while it is a candidate
@@ -157,9 +161,9 @@ class MixedPrecision(DecidesCandidate):
         self._history: list = []  # losses read so far (the guard's float32 ones first)
         self._remembered = None  # auto: the speed trial of an earlier run with this set-up, model and inputs
         self._script_scales = False
-        self.wrap(torch.amp.GradScaler, "scale", self._seen_scaling)
-        self.because("waiting_for_profile")
-        self.on(Event.STEP_PROFILED, self._profiled)
+        self.scope.wrap(torch.amp.GradScaler, "scale", self._seen_scaling)
+        self.report.because("waiting_for_profile")
+        self.scope.on(Event.STEP_PROFILED, self._profiled)
 
     def _params(self) -> dict:
         return {"precision": self._precision, "model": type(self.candidate.model).__name__}
@@ -170,34 +174,38 @@ class MixedPrecision(DecidesCandidate):
             if self._loss_scale is not None and self.candidate.on:  # scaled twice: the script's scaler stays
                 self._fall_back("the script began scaling its loss itself (GradScaler)")
             elif self._loss_scale is not None:  # still being checked or tried
-                self.session.trials.cancel(self)
+                self.run.trials.cancel(self)
                 self.candidate.release("script_scaler")
         return wrapped(*args, **kwargs)
 
     def changes(self) -> list:
         if not self.in_use():
             return []
-        measured = f", {self.figures['speedup']}x per step in {self.trial_named()}" if "speedup" in self.figures else ""
-        checked = f"checked against float32 (one-off {self.figures['guard_s']} s)"
+        measured = (
+            f", {self.report.figures['speedup']}x per step in {self.trial_named()}"
+            if "speedup" in self.report.figures
+            else ""
+        )
+        checked = f"checked against float32 (one-off {self.report.figures['guard_s']} s)"
         scaled = " with loss scaling" if self._loss_scale is not None else ""
         return [f"{type(self.candidate.model).__name__} in {self._precision}{scaled}, {checked}{measured}"]
 
     def _refusal(self, profile):
         if profile.model is None:
-            return self.reason_for("no_training_model")
+            return self.report.reason_for("no_training_model")
         share = profile.measured.fp32_matrix_fraction
         if share is None:
-            return self.reason_for("no_matrix_products")
+            return self.report.reason_for("no_matrix_products")
         if share < FP32_MATRIX_SHARE:  # the script already runs its matrix products below float32
-            return self.reason_for("script_low_precision", share=1 - share)
+            return self.report.reason_for("script_low_precision", share=1 - share)
         if self._precision == "tf32" and torch.backends.cuda.matmul.allow_tf32:
-            return self.reason_for("script_tf32")
+            return self.report.reason_for("script_tf32")
         if self._precision == "fp16" and self._script_scales:
-            return self.reason_for("script_scaler")
+            return self.report.reason_for("script_scaler")
         if fsdp2_managed(profile.model):
-            return self.reason_for("fsdp2")
+            return self.report.reason_for("fsdp2")
         if self._precision != "tf32" and compiled_by_the_script(profile.model):
-            return self.reason_for("compiled_by_script")  # hooks added under its graphs would recompile them
+            return self.report.reason_for("compiled_by_script")  # hooks added under its graphs would recompile them
         return None
 
     def _profiled(self, profile, recall: bool = True) -> None:
@@ -205,13 +213,15 @@ class MixedPrecision(DecidesCandidate):
         if refusal:
             self.candidate.refuse(refusal)
             return
-        self._remembered = self.recalled_trial() if recall and self.options.precision == "auto" else None
+        self._remembered = (
+            self.run.recalled_trial(self.name) if recall and self.run.options.precision == "auto" else None
+        )
         if self._remembered is not None and self._remembered["decision"] != "kept":
             # Not faster in an earlier run with this set-up, model and inputs: no guard, nothing set up;
             # where this run's steps differ from that trial's, it is checked and tried after all.
             self.candidate.follow(self._remembered, profile)
             return
-        device_type = self.backend.device_type
+        device_type = self.run.backend.device_type
         if self._precision == "tf32":
             reference, candidate = (lambda: tf32(False)), (lambda: tf32(True))
         else:
@@ -220,33 +230,33 @@ class MixedPrecision(DecidesCandidate):
         scales = GUARD_SCALES if self._precision == "fp16" else (1.0,)
         started = time.perf_counter()
         try:
-            guard = Guard(profile.model, candidate, reference, device_type, scales, self.session.steps.unseen)
+            guard = Guard(profile.model, candidate, reference, device_type, scales, self.run.steps.unseen)
         except Exception as error:  # a model deepcopy refuses (an open file, a lock)
-            self.candidate.refuse(self.reason_for("no_copy", error=repr(error)))
+            self.candidate.refuse(self.report.reason_for("no_copy", error=repr(error)))
             return
         self._guard = guard
         self.candidate.set_up(profile)
         self.candidate.checking()
         guard.seconds += time.perf_counter() - started
-        self.because("checking", precision=self._precision, checks=GUARD_CHECKS)
+        self.report.because("checking", precision=self._precision, checks=GUARD_CHECKS)
 
     def _set_up(self, scope) -> None:
         """The precision layer, fp16's loss scaling, and the guard's observe layer and listeners (a
         scope of their own, closed once it decided)."""
         model = self.candidate.model
         scope.add(self._forget)
-        self.hold(model, Layer.PRECISION, self._in_precision, scope)
+        scope.hold(model, Layer.PRECISION, self._in_precision)
         if self._precision == "fp16":
-            device = next((p.device for p in model.parameters()), torch.device(self.backend.device_type))
+            device = next((p.device for p in model.parameters()), torch.device(self.run.backend.device_type))
             self._loss_scale = LossScale(self._scaled_parameters, device, lambda: self.candidate.on, self._overflowing)
-            self._loss_scale.install(self, scope)
+            self._loss_scale.install(scope)
         self._guarding = scope.child()
         # The shadow steps on a copy are work inside the user's steps: no measurement times those steps.
-        self.session.windows.take(self)
-        self._guarding.add(lambda: self.session.windows.release(self))
-        self.hold(model, Layer.OBSERVE, self._guard_forward, self._guarding)
-        self.on(Event.BEFORE_BACKWARD, self._guard_loss, self._guarding)
-        self.on(Event.AFTER_BACKWARD, self._guard_check, self._guarding)
+        self.run.windows.take(self)
+        self._guarding.add(lambda: self.run.windows.release(self))
+        self._guarding.hold(model, Layer.OBSERVE, self._guard_forward)
+        self._guarding.on(Event.BEFORE_BACKWARD, self._guard_loss)
+        self._guarding.on(Event.AFTER_BACKWARD, self._guard_check)
 
     def _forget(self) -> None:
         """The candidate undone: nothing of it kept (its guard, loss scaling, the parameters it scaled)."""
@@ -265,7 +275,7 @@ class MixedPrecision(DecidesCandidate):
         """The parameters whose gradients a scaled backward may write: the training model's and every
         optimizer's (a head or a second model outside the forward), each once; rebuilt when an
         optimizer or a parameter group is added."""
-        optimizers = list(self.session.steps.optimizers)
+        optimizers = list(self.run.steps.optimizers)
         key = tuple((id(o), len(o.param_groups), sum(len(g["params"]) for g in o.param_groups)) for o in optimizers)
         if self._scaled_key != key:
             groups = [group["params"] for optimizer in optimizers for group in optimizer.param_groups]
@@ -275,13 +285,13 @@ class MixedPrecision(DecidesCandidate):
         return self._scaled
 
     def _overflowing(self, skipped: int) -> None:
-        self.figures["skipped_steps"] = skipped
+        self.report.figures["skipped_steps"] = skipped
         self._fall_back(f"{SKIPS_IN_A_ROW} optimizer steps in a row had inf/NaN gradients ({skipped} skipped in all)")
 
     def _in_precision(self, call, args, kwargs):
         """The precision layer: autocast while on (TF32 is a process-wide switch: nothing per call)."""
         if self.candidate.on and self._precision in DTYPES:
-            return autocast_call(call, args, kwargs, self.backend.device_type, DTYPES[self._precision])
+            return autocast_call(call, args, kwargs, self.run.backend.device_type, DTYPES[self._precision])
         return call(*args, **kwargs)
 
     def _guard_forward(self, call, args, kwargs):
@@ -293,7 +303,7 @@ class MixedPrecision(DecidesCandidate):
         output = call(*args, **kwargs)
         if training and self._guard.pending:
             for tensor, keep in self._guard.after_forward(output):
-                self.hook(tensor.register_hook, keep, scope=self._guarding)
+                self._guarding.hook(tensor.register_hook, keep)
         return output
 
     def _guard_loss(self, tensors) -> None:
@@ -302,7 +312,7 @@ class MixedPrecision(DecidesCandidate):
             self._history.append(self._guard.loss)
 
     def _guard_check(self) -> None:
-        self.session.windows.take(self)  # still checking: the hold stays fresh
+        self.run.windows.take(self)  # still checking: the hold stays fresh
         self._guard.check()
         if len(self._guard.figures) >= GUARD_CHECKS:
             self._guarded()
@@ -311,9 +321,9 @@ class MixedPrecision(DecidesCandidate):
 
     def _guarded(self) -> None:
         guard, guarding, self._guard, self._guarding = self._guard, self._guarding, None, None
-        self.close_scope(guarding)
+        guarding.close()
         checks = guard.figures
-        self.figures.update(
+        self.report.figures.update(
             guard_checks=len(checks),
             guard_output_error=round(max(f["output_error"] for f in checks), 5),
             guard_loss_change=round(max(f["loss_change"] for f in checks), 5),
@@ -337,7 +347,7 @@ class MixedPrecision(DecidesCandidate):
         """Checked: on now (``bf16``, ``tf32``), or through a speed trial (``auto``: the trial of an
         earlier run with the same set-up, model and inputs where there is one; the guard above runs in
         every run, since numerics depend on this run's weights); watched from here."""
-        self.on(Event.BEFORE_BACKWARD, self._watch, self.candidate.scope)
+        self.candidate.scope.on(Event.BEFORE_BACKWARD, self._watch)
         if self._remembered is not None:
             self.candidate.follow(self._remembered)
         else:
@@ -362,7 +372,7 @@ class MixedPrecision(DecidesCandidate):
             self._losses.append(self._loss_scale.scale.to(self._losses[0].device))
         values, self._losses = torch.stack(self._losses).tolist(), []
         if self._loss_scale is not None:
-            self.figures.update(loss_scale=values.pop(), skipped_steps=self._loss_scale.skipped)
+            self.report.figures.update(loss_scale=values.pop(), skipped_steps=self._loss_scale.skipped)
         for value in values:
             trend = median(self._history[-50:]) if len(self._history) >= 5 else None
             if not math.isfinite(value):
@@ -370,12 +380,12 @@ class MixedPrecision(DecidesCandidate):
             if trend is not None and trend > 0 and value > SPIKE * trend:
                 return self._fall_back(f"a loss of {value:.4g}, {value / trend:.1f}x the median of the last losses")
             self._history.append(value)
-        self.figures["losses_watched"] = self.figures.get("losses_watched", 0) + len(values)
+        self.report.figures["losses_watched"] = self.report.figures.get("losses_watched", 0) + len(values)
 
     def _fall_back(self, what: str) -> None:
-        step = self.session.steps.steps
-        self.session.trials.cancel(self)
-        self.figures["fell_back_at_step"] = step
-        self.moment("fell_back")
-        self.note("losses_read_every", every=WATCH_EVERY, precision=self._precision)
+        step = self.run.steps.steps
+        self.run.trials.cancel(self)
+        self.report.figures["fell_back_at_step"] = step
+        self.report.moment("fell_back")
+        self.report.note("losses_read_every", every=WATCH_EVERY, precision=self._precision)
         self.candidate.release("fell_back", step=step, what=what)

@@ -29,7 +29,7 @@ import torch
 from autogaudi.core.events import Event
 from autogaudi.core.registry import PROFILER
 from autogaudi.core.status import Status
-from autogaudi.core.unit import RANDOM, ROUNDING, Unit
+from autogaudi.core.unit import RANDOM, ROUNDING, Unit, UnitSpec
 from autogaudi.optimizations.shape_buckets import buckets, check, matter, padding, signature
 from autogaudi.watch.model_call import Layer, holder, trains
 
@@ -58,35 +58,38 @@ def short_last_batch(iterator) -> bool:
 
 
 class ShapeBuckets(Unit):
-    requires = (PROFILER,)
-    after = ("graph_capture",)  # decides once capture has taken the model (or refused it)
-    numerics = (ROUNDING, RANDOM)  # a longer row sums in another order; dropout draws over the padded shape
-    reasons = {
-        "eager": "nothing padded: shapes cost nothing on this eager {backend} run (no graph capture, "
-        "torch.compile or HPU)",
-        "no_batches": "no DataLoader batches seen before the profile: no lengths to choose buckets from",
-        "static_shapes": "the batches' shapes did not vary",
-        "batch_only": "only the batch dimension varies (an epoch's short last batch): padding it would change "
-        "the batch's mean",
-        "varies_elsewhere": "shapes vary along {paths}, not a sequence dimension",
-        "inputs_held": "not padded: {holder} holds the model's inputs",
-        "traced": "not padded: the script's torch.compile traces {model}'s call from a module around it",
-        "checking": "padding up to {buckets}: waiting for a training call to check it on a copy of {model}",
-        "bucketed": "{model}'s sequence lengths padded up to {buckets}, checked on a copy: {difference} relative",
-        "no_mask": "not padded: the sequence length varies, but no attention mask says which positions are padding",
-        "length_elsewhere": "not padded: {path} has the sequence length in another dimension",
-        "float_labels": "not padded: {path} holds per-position float targets (no ignore index)",
-        "fill_not_constant": "not padded: {path} holds different values at masked positions (no padding value to copy)",
-        "outputs_reshaped": "not padded: {model}'s outputs change shape with padding, not only along the sequence",
-        "padding_moves_result": "not padded: padding moved {model}'s outputs or gradients by {difference} "
-        "(tolerance {tolerance}); its result depends on the padded positions (an unmasked mean?)",
-        "check_failed": "not padded: the check on a copy of {model} could not run ({error})",
-        "bucket_added": "a length past every bucket: bucket {bucket} added",
-        "marked_dynamic": "not padded ({refused}): {model}'s sequence dimension of {names} marked dynamic for "
-        "its torch.compile instead (one graph for every length, up to torch's recompile limit)",
-    }
-    acts_for_device = True  # a model left on the host runs eagerly there, whatever the backend
-    acts_on = ("<training model> call route, inputs layer (sequence tensors padded, outputs cut back)",)
+    spec = UnitSpec(
+        requires=(PROFILER,),
+        after=("graph_capture",),  # decides once capture has taken the model (or refused it)
+        numerics=(ROUNDING, RANDOM),  # a longer row sums in another order; dropout draws over the padded shape
+        reasons={
+            "eager": "nothing padded: shapes cost nothing on this eager {backend} run (no graph capture, "
+            "torch.compile or HPU)",
+            "no_batches": "no DataLoader batches seen before the profile: no lengths to choose buckets from",
+            "static_shapes": "the batches' shapes did not vary",
+            "batch_only": "only the batch dimension varies (an epoch's short last batch): padding it would change "
+            "the batch's mean",
+            "varies_elsewhere": "shapes vary along {paths}, not a sequence dimension",
+            "inputs_held": "not padded: {holder} holds the model's inputs",
+            "traced": "not padded: the script's torch.compile traces {model}'s call from a module around it",
+            "checking": "padding up to {buckets}: waiting for a training call to check it on a copy of {model}",
+            "bucketed": "{model}'s sequence lengths padded up to {buckets}, checked on a copy: {difference} relative",
+            "no_mask": "not padded: the sequence length varies, but no attention mask says which positions are padding",
+            "length_elsewhere": "not padded: {path} has the sequence length in another dimension",
+            "float_labels": "not padded: {path} holds per-position float targets (no ignore index)",
+            "fill_not_constant": "not padded: {path} holds different values at masked positions (no padding "
+            "value to copy)",
+            "outputs_reshaped": "not padded: {model}'s outputs change shape with padding, not only along the sequence",
+            "padding_moves_result": "not padded: padding moved {model}'s outputs or gradients by {difference} "
+            "(tolerance {tolerance}); its result depends on the padded positions (an unmasked mean?)",
+            "check_failed": "not padded: the check on a copy of {model} could not run ({error})",
+            "bucket_added": "a length past every bucket: bucket {bucket} added",
+            "marked_dynamic": "not padded ({refused}): {model}'s sequence dimension of {names} marked dynamic for "
+            "its torch.compile instead (one graph for every length, up to torch's recompile limit)",
+        },
+        acts_for_device=True,  # a model left on the host runs eagerly there, whatever the backend
+        acts_on=("<training model> call route, inputs layer (sequence tensors padded, outputs cut back)",),
+    )
 
     def apply(self) -> None:
         self._before: set = set()  # signatures of the DataLoader batches: what the script produced
@@ -104,13 +107,13 @@ class ShapeBuckets(Unit):
         self._traced = False  # a call of the model was traced by the script's own torch.compile
         self._positions = self._padded = 0
         self._graphs_at = {}  # "start", "warm": compiled_graphs() then
-        self.figures["shapes"] = self._shapes()
-        self.on(Event.BATCH_FETCHED, self._fetched)
-        self.on(Event.STEP_PROFILED, self._profiled)
-        self.because("waiting_for_profile")
+        self.report.figures["shapes"] = self._shapes()
+        self.scope.on(Event.BATCH_FETCHED, self._fetched)
+        self.scope.on(Event.STEP_PROFILED, self._profiled)
+        self.report.because("waiting_for_profile")
 
     def _shapes(self) -> dict:
-        graphs = compiled_graphs(self.backend) if self._graphs_at else None  # read once bucketing began
+        graphs = compiled_graphs(self.run.backend) if self._graphs_at else None  # read once bucketing began
         start, warm = self._graphs_at.get("start"), self._graphs_at.get("warm")
         return {
             "distinct_before": len(self._before),
@@ -126,7 +129,7 @@ class ShapeBuckets(Unit):
         shape = signature.signature((batch,), {})
         if shape not in self._before:
             self._before.add(shape)
-            self.figures["shapes"] = self._shapes()
+            self.report.figures["shapes"] = self._shapes()
         if self._model is None and len(self._lengths) < LENGTHS_KEPT:
             found = padding.find_mask(signature.named_tensors(batch))
             if found is not None:
@@ -134,7 +137,7 @@ class ShapeBuckets(Unit):
             self._short_last = self._short_last or short_last_batch(iterator)
 
     def _where_shapes_matter(self, model):
-        return matter.where_shapes_matter(self.backend, model, self.options)
+        return matter.where_shapes_matter(self.run.backend, model, self.run.options)
 
     def _profiled(self, profile) -> None:
         model = profile.model
@@ -150,9 +153,9 @@ class ShapeBuckets(Unit):
         elif holder(model, Layer.INPUTS) is not None:
             self._settle("inputs_held", holder=holder(model, Layer.INPUTS).name)
         elif self._where_shapes_matter(model) is None:
-            self.because("eager", backend=self.backend.name)
+            self.report.because("eager", backend=self.run.backend.name)
             self._model = model
-            self.on(Event.TRAINING_STEP, self._watch_for_capture)
+            self.scope.on(Event.TRAINING_STEP, self._watch_for_capture)
         else:
             self._start(model)
 
@@ -163,7 +166,7 @@ class ShapeBuckets(Unit):
 
     def _settle(self, code: str, **params) -> None:
         self._refused = True
-        self.because(code, **params)
+        self.report.because(code, **params)
 
     def _start(self, model) -> None:
         self._model = model
@@ -171,12 +174,12 @@ class ShapeBuckets(Unit):
         self._buckets = buckets.choose(self._lengths, most) if self._lengths else ()
         self._padding_idx = padding.embedding_padding_idx(model)
         self._forward = getattr(model, "_orig_mod", model).forward  # names the arguments (a compiled module's own)
-        self._graphs_at["start"] = compiled_graphs(self.backend) or 0
+        self._graphs_at["start"] = compiled_graphs(self.run.backend) or 0
         self._scope = self.scope.child()
-        self.hold(model, Layer.INPUTS, self._around, self._scope)
-        self.on(Event.TRAINING_STEP, self._stepped, self._scope)
-        self.because("checking", buckets=list(self._buckets), model=type(model).__name__)
-        self.figures["shapes"] = self._shapes()
+        self._scope.hold(model, Layer.INPUTS, self._around)
+        self._scope.on(Event.TRAINING_STEP, self._stepped)
+        self.report.because("checking", buckets=list(self._buckets), model=type(model).__name__)
+        self.report.figures["shapes"] = self._shapes()
 
     def _refuse(self, code: str, **params) -> None:
         """Padding not provable for this model: the layer goes, the model runs as the script calls it;
@@ -187,29 +190,31 @@ class ShapeBuckets(Unit):
         if (
             code != "traced"
             and self._dynamic
-            and matter.compiled_for_shapes(self._model, self.options) == "torch.compile"
+            and matter.compiled_for_shapes(self._model, self.run.options) == "torch.compile"
         ):
-            self.because("marked_dynamic", refused=code, names=sorted(self._dynamic), model=type(self._model).__name__)
+            self.report.because(
+                "marked_dynamic", refused=code, names=sorted(self._dynamic), model=type(self._model).__name__
+            )
         else:
             self._dynamic = None
-            self.close_scope(self._scope)
+            self._scope.close()
             self._scope = None
-        self.figures["shapes"] = self._shapes()
+        self.report.figures["shapes"] = self._shapes()
 
     def _stepped(self, _optimizer) -> None:
         if self._traced:
             self._refuse("traced")
             return
         if "warm" not in self._graphs_at and self._checked is not None and self._met >= set(self._buckets):
-            self._graphs_at["warm"] = compiled_graphs(self.backend) or 0
-        self.figures["shapes"] = self._shapes()
+            self._graphs_at["warm"] = compiled_graphs(self.run.backend) or 0
+        self.report.figures["shapes"] = self._shapes()
 
     def _bucket(self, length: int) -> int:
         bucket = buckets.bucket_for(length, self._buckets)
         if bucket is None:
             bucket = buckets.overflow(length)
             self._buckets = tuple(sorted({*self._buckets, bucket}))
-            self.note("bucket_added", bucket=bucket)
+            self.report.note("bucket_added", bucket=bucket)
         return bucket
 
     def _around(self, call, args, kwargs):
@@ -221,7 +226,7 @@ class ShapeBuckets(Unit):
         if self._dynamic:
             marked_args, marked_kwargs = padding.marked_dynamic(self._forward, args, kwargs, self._dynamic)
             return call(*marked_args, **marked_kwargs)
-        via_host = self.backend.name == "hpu" and self.backend.is_lazy  # every op's shapes make its graph
+        via_host = self.run.backend.name == "hpu" and self.run.backend.is_lazy  # every op's shapes make its graph
         try:
             rows, length, plan = padding.fills(
                 padding.named_arguments(self._forward, args, kwargs, via_host), self._fills, self._padding_idx
@@ -258,7 +263,7 @@ class ShapeBuckets(Unit):
         model = self._model
         try:
             self._checked = check.check(
-                model, call, padded_call, rows, length, bucket, self.session.steps.unseen, self.backend.device_type
+                model, call, padded_call, rows, length, bucket, self.run.steps.unseen, self.run.backend.device_type
             )
         except check.CheckFailed as failed:
             self._refuse(failed.code, **failed.params)
@@ -267,7 +272,7 @@ class ShapeBuckets(Unit):
             self._refuse("check_failed", error=f"{type(error).__name__}: {error}")
             return False
         difference = f"{self._checked:.2g}"
-        self.because("bucketed", model=type(model).__name__, buckets=list(self._buckets), difference=difference)
+        self.report.because("bucketed", model=type(model).__name__, buckets=list(self._buckets), difference=difference)
         return True
 
     def decision(self) -> Status:

@@ -21,7 +21,7 @@ from collections import Counter
 import torch
 
 from autogaudi.core.events import Event
-from autogaudi.core.unit import ROUNDING, Unit
+from autogaudi.core.unit import ROUNDING, Unit, UnitSpec
 from autogaudi.entry.paths import short_location
 from autogaudi.entry.ranks import rank_zero_choice, several_ranks
 from autogaudi.measure import machine_load
@@ -41,30 +41,34 @@ FP32_MATRIX_SHARE = 0.9  # a step whose matrix products run in float32 at least 
 
 
 class StepProfiler(Unit):
-    reasons = {
-        "warming_up": "waiting for {steps} warm-up steps",
-        "others_measuring": "waiting while another unit times its own work inside the steps ({units})",
-        "census_waits": "the census's device timing costs about {one_off_s:g} s once on {backend}; it starts once "
-        "the run has lasted {after_s:g} s, so that a shorter run pays nothing for it",
-        "remembered_profile": "{bound}-bound, as measured in run {run} on {date} with the same script, model "
-        "and inputs: {why}",
-        **{f"{bound}_bound": f"{bound}-bound: {{why}}" for bound in ("input", "host", "communication", "device")},
-        "unclear_bound": "{why}",
-        "follows_rank_zero": "this rank measured {bound}-bound ({why}); every rank follows rank 0",
-        "hpu_lazy_device_time": "HPU lazy: the device time is the wait in synchronize() after mark_step, which also "
-        "drains the host's graph building; a host-bound run can read device-bound",
-        "host_reads": "{per_step:g} host read(s) of device values per step (.item(), float(), bool(), .cpu()) at "
-        "{sites}: each makes the host wait until the device has finished the step, so the next step cannot be "
-        "queued behind it; read every N steps, or accumulate on the device",
-        "fp32_products": "device-bound, and {share:.0%} of the step's matrix products run in float32: bf16 autocast "
-        'runs them on the matrix units; try torch.autocast(device_type="{device}", dtype=torch.bfloat16) around '
-        "the forward and the loss, and compare the loss curve",
-    }
-    acts_on = (
-        "training steps and batch fetches (the session's step watcher)",
-        "global module forward hooks and a TorchDispatchMode, during three to five census steps",
+    spec = UnitSpec(
+        reasons={
+            "warming_up": "waiting for {steps} warm-up steps",
+            "others_measuring": "waiting while another unit times its own work inside the steps ({units})",
+            "census_waits": "the census's device timing costs about {one_off_s:g} s once on {backend}; it starts once "
+            "the run has lasted {after_s:g} s, so that a shorter run pays nothing for it",
+            "remembered_profile": "{bound}-bound, as measured in run {run} on {date} with the same script, model "
+            "and inputs: {why}",
+            **{f"{bound}_bound": f"{bound}-bound: {{why}}" for bound in ("input", "host", "communication", "device")},
+            "unclear_bound": "{why}",
+            "follows_rank_zero": "this rank measured {bound}-bound ({why}); every rank follows rank 0",
+            "hpu_lazy_device_time": "HPU lazy: the device time is the wait in synchronize() after mark_step, "
+            "which also "
+            "drains the host's graph building; a host-bound run can read device-bound",
+            "host_reads": "{per_step:g} host read(s) of device values per step (.item(), float(), bool(), .cpu()) at "
+            "{sites}: each makes the host wait until the device has finished the step, so the next step cannot be "
+            "queued behind it; read every N steps, or accumulate on the device",
+            "fp32_products": "device-bound, and {share:.0%} of the step's matrix products run in float32: bf16 "
+            "autocast "
+            'runs them on the matrix units; try torch.autocast(device_type="{device}", dtype=torch.bfloat16) around '
+            "the forward and the loss, and compare the loss curve",
+        },
+        acts_on=(
+            "training steps and batch fetches (the session's step watcher)",
+            "global module forward hooks and a TorchDispatchMode, during three to five census steps",
+        ),
+        exact_when="the script itself marks a step after each optimizer step",  # in HPU lazy mode
     )
-    exact_when = "the script itself marks a step after each optimizer step"  # in HPU lazy mode
 
     @classmethod
     def numerics_on(cls, backend) -> tuple:
@@ -96,11 +100,11 @@ class StepProfiler(Unit):
         self._identify = None  # the root modules of the step that identifies the model
         self._known_end = None  # the training step a framework says the run ends at (looked up once)
         self._listening = self.scope.child()  # the step and batch listeners, closed once classified
-        self.on(Event.TRAINING_STEP, self._after_step, self._listening)
-        self.on(Event.BATCH_FETCHED, self._after_batch, self._listening)
-        self.on_revert(self._abandon_census)
-        self.session.trials.measuring(self, self)
-        self.because("warming_up", steps=self.options.warmup_steps)
+        self._listening.on(Event.TRAINING_STEP, self._after_step)
+        self._listening.on(Event.BATCH_FETCHED, self._after_batch)
+        self.scope.add(self._abandon_census)
+        self.run.trials.measuring(self, self)
+        self.report.because("warming_up", steps=self.run.options.warmup_steps)
 
     def _after_batch(self, _iterator, _batch, waited: float) -> None:
         if self._step_began is not None:
@@ -110,18 +114,18 @@ class StepProfiler(Unit):
         """Warm-up ends at ``done == 0``; odd ``done`` ends a clean step, even ``done`` a census step.
         Training steps are whole iterations (the session paces them on one optimizer, or on backward
         passes where no optimizer steps)."""
-        if not self.session.steps.warmed_up:
+        if not self.run.steps.warmed_up:
             return
         if self._recall is not False and self._recalled(optimizer):
             return
         if self._done == 0 and (self._census_waits() or self._others_measuring()):
             return
-        self.session.windows.take(self)  # the census's steps: held from its first to its last
+        self.run.windows.take(self)  # the census's steps: held from its first to its last
         done, self._done = self._done, self._done + 1
         if done % 2:
             self._clean.append((steps.clock() - self._step_began, self._waited))
             self._step_began, self._census_began = None, steps.clock()
-            self._census_step = CensusStep(self.backend, self._roots, self)
+            self._census_step = CensusStep(self.run.backend, self._roots, self)
             return
         if done:
             census_step, self._census_step = self._census_step, None  # a failing stop is not undone twice
@@ -144,10 +148,10 @@ class StepProfiler(Unit):
         A unit forced or put on trial by the user is the user taking its one-offs: no wait then. Nor
         with several ranks: each rank's clock would end the wait at its own step, and the census ends
         in a broadcast every rank must reach at the same step."""
-        one_off = self.backend.census_one_off_s
-        if not one_off or self.options.force or self.options.trial or several_ranks():
+        one_off = self.run.backend.census_one_off_s
+        if not one_off or self.run.options.force or self.run.options.trial or several_ranks():
             return False
-        watcher = self.session.steps
+        watcher = self.run.steps
         if self._known_end is None:
             remaining = remaining_steps()
             self._known_end = watcher.steps + remaining[0] if remaining is not None else 0
@@ -158,19 +162,19 @@ class StepProfiler(Unit):
         after_s = one_off / CENSUS_ONE_OFF_SHARE
         if run_s >= after_s:
             return False
-        if self.reason.code != "census_waits":
-            self.because("census_waits", one_off_s=one_off, backend=self.backend.name, after_s=after_s)
+        if self.report.reason.code != "census_waits":
+            self.report.because("census_waits", one_off_s=one_off, backend=self.run.backend.name, after_s=after_s)
         return True
 
     def _others_measuring(self) -> bool:
         """Whether another measurement holds the steps (fused_optimizer's update timed against
         torch's, on copies; a trial): a census step would count that work as the step's, and its
         dispatch mode would slow what the other times. The census starts after it."""
-        windows = self.session.windows
+        windows = self.run.windows
         if windows.take(self):
             return False
-        if self.reason.code != "others_measuring":
-            self.because("others_measuring", units=windows.holder_name())
+        if self.report.reason.code != "others_measuring":
+            self.report.because("others_measuring", units=windows.holder_name())
         return True
 
     def _abandon_census(self) -> None:
@@ -183,40 +187,40 @@ class StepProfiler(Unit):
         measured = classification.classify(*shares)
         bound, why = rank_zero_choice(measured)
         if bound != measured[0]:
-            self.note("follows_rank_zero", bound=measured[0], why=measured[1])
+            self.report.note("follows_rank_zero", bound=measured[0], why=measured[1])
         root = training_root(self._roots, optimizer)
         # ``is not None``: a module's truth is its length where it has one (an empty Sequential is
         # false; torch.compile's OptimizedModule asks the module it compiled, and raises without one).
         calls = max((step_calls.get(id(root), 0) for step_calls in self._calls), default=0) if root is not None else 0
         inputs = self._inputs.get(id(root), ())
         self.profile = StepProfile(bound, why, figures, root, optimizer, calls_per_step=calls, inputs=inputs)
-        self.figures.update(bound=bound, profiled_at_step=self.session.steps.steps, **figures.as_dict())
-        self.figures["census_extra_s"] = round(classification.census_extra_s(self._clean, self._census_s), 3)
-        self.because(f"{bound}_bound", why=why)
+        self.report.figures.update(bound=bound, profiled_at_step=self.run.steps.steps, **figures.as_dict())
+        self.report.figures["census_extra_s"] = round(classification.census_extra_s(self._clean, self._census_s), 3)
+        self.report.because(f"{bound}_bound", why=why)
         if root is not None:
-            self.figures["model"] = model_name(self.profile.model)
-            self.figures["model_calls_per_step"] = calls
-        if self.backend.name == "hpu" and self.backend.is_lazy:
+            self.report.figures["model"] = model_name(self.profile.model)
+            self.report.figures["model_calls_per_step"] = calls
+        if self.run.backend.name == "hpu" and self.run.backend.is_lazy:
             # The bridge's synchronize() marks a step and drains the host pipeline before it waits
             # (hpu/csrc/bindings.cpp): what is timed as device work includes the
             # host's graph building. Unverified on hardware; said rather than corrected.
-            self.note("hpu_lazy_device_time")
+            self.report.note("hpu_lazy_device_time")
         self._advise(root)
         self._publish()
 
     def _publish(self) -> None:
-        self.session.windows.release(self)
+        self.run.windows.release(self)
         self._roots, self._calls = [], []  # hold none of the user's objects
-        self.moment("profiled", bound=self.profile.bound)
-        self.close_scope(self._listening)  # classified once: no more work on every step and batch
-        self.session.events.emit(Event.STEP_PROFILED, self.profile)
+        self.report.moment("profiled", bound=self.profile.bound)
+        self._listening.close()  # classified once: no more work on every step and batch
+        self.run.emit(Event.STEP_PROFILED, self.profile)
 
     def _recalled(self, optimizer) -> bool:
         """Where earlier runs with this set-up left decisions, the first step after warm-up runs with
         forward hooks only, to find the training model and its inputs; with an entry for them the
         remembered profile is published at once, and no census step runs (True). Otherwise
         profiling starts from here (False)."""
-        memory = self.session.memory
+        memory = self.run.memory
         if self._recall is None:
             if memory is None or not memory.has_entries():
                 self._recall = False
@@ -224,7 +228,7 @@ class StepProfiler(Unit):
             self._recall = self.scope.child()
             self._identify = RootModules(self._roots, self._recall)
             return True
-        self.close_scope(self._recall)
+        self._recall.close()
         self._recall = False
         identify, self._identify = self._identify, None
         root = training_root(self._roots, optimizer)
@@ -246,14 +250,14 @@ class StepProfiler(Unit):
             inputs,
             remembered=record,
         )
-        self.figures.update(
+        self.report.figures.update(
             bound=record["bound"],
-            profiled_at_step=self.session.steps.steps,
+            profiled_at_step=self.run.steps.steps,
             **record["figures"],
             remembered_from_run=record["run"],
         )
-        self.figures.update(model=model_name(self.profile.model), model_calls_per_step=calls)
-        self.because("remembered_profile", bound=record["bound"], why=record["why"], **origin(record))
+        self.report.figures.update(model=model_name(self.profile.model), model_calls_per_step=calls)
+        self.report.because("remembered_profile", bound=record["bound"], why=record["why"], **origin(record))
         self._publish()
         return True
 
@@ -261,19 +265,19 @@ class StepProfiler(Unit):
         """Figures from what the census steps saw, and where they cost time on this backend, what the
         user could change (autogaudi changes neither: both change what the script computes or prints)."""
         device = next((p.device.type for p in root.parameters()), None) if root is not None else None
-        device = device or self.backend.device_type  # reads of the training device's values only
+        device = device or self.run.backend.device_type  # reads of the training device's values only
         on_device = [
             Counter({where: count for (kind, where), count in reads.items() if kind == device}) for reads in self._reads
         ]
         per_step = median(sum(reads.values()) for reads in on_device)  # Counter.total(): 3.10+
         sites = sum(on_device, Counter())
         sites.pop(None, None)  # reads made outside any user frame
-        self.figures["host_reads_per_step"] = per_step
+        self.report.figures["host_reads_per_step"] = per_step
         where = [f"{short_location(site)} ({count / len(self._reads):g}/step)" for site, count in sites.most_common(3)]
         if where:
-            self.figures["host_read_sites"] = where
-        if per_step >= 1 and self.backend.host_runs_ahead:
-            self.recommend(
+            self.report.figures["host_read_sites"] = where
+        if per_step >= 1 and self.run.backend.host_runs_ahead:
+            self.report.recommend(
                 "host_reads",
                 per_step=per_step,
                 sites=", ".join(where),
@@ -284,12 +288,12 @@ class StepProfiler(Unit):
             return
         fp32 = self._matrix_ops[torch.float32] / matrix
         # Also in the profile: what mixed_precision reads, remembered with it for a later run.
-        self.figures["fp32_matrix_fraction"] = self.profile.measured.fp32_matrix_fraction = round(fp32, 3)
-        if fp32 >= FP32_MATRIX_SHARE and self.profile.bound == "device" and self.backend.fast_bf16():
-            self.recommend(
+        self.report.figures["fp32_matrix_fraction"] = self.profile.measured.fp32_matrix_fraction = round(fp32, 3)
+        if fp32 >= FP32_MATRIX_SHARE and self.profile.bound == "device" and self.run.backend.fast_bf16():
+            self.report.recommend(
                 "fp32_products",
                 share=fp32,
-                device=self.backend.device_type,
+                device=self.run.backend.device_type,
                 do=f"--precision auto ({fp32:.0%} of the matrix products run in float32)",
                 # bf16 matrix units run about twice the float32 rate: half the float32 matrix share
                 saves=round(self.profile.measured.compute_fraction * fp32 / 2, 3),
