@@ -558,7 +558,14 @@ def test_ranks_that_measure_apart_follow_rank_zero_and_finish_the_trial_together
     in DDP's all-reduce, and the job would hang (run_python's timeout fails the test then)."""
     # Rank 0's Python outlasts rank 1's wait for data, so that rank 0 does not wait for rank 1 in the
     # all-reduce (it would read communication-bound, and start no trial)
-    env = {"AUTOGAUDI": "1", "AUTOGAUDI_QUIET": "1", "STEPS": "40", "SLOW_DATA_RANK": "1", "SLOW_HOST_RANK": "0"}
+    env = {
+        "AUTOGAUDI": "1",
+        "AUTOGAUDI_QUIET": "1",
+        "AUTOGAUDI_TRIAL": "graph_capture",
+        "STEPS": "40",
+        "SLOW_DATA_RANK": "1",
+        "SLOW_HOST_RANK": "0",
+    }
     result, workers = torchrun(tmp_path, *TORCHRUN, SCRIPTS / "ddp_train.py", env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     profiles = [worker["units"]["step_profiler"] for worker in workers]
