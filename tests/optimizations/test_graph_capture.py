@@ -327,6 +327,7 @@ def test_a_rejected_hpu_capture_lets_go_of_the_cacher_and_its_graphs(
     )
     capture_one_off(HpuBackend, 0.0)
     monkeypatch.setattr(trials, "MARGIN", 0.0)
+    step_clock.tick = 1e-6  # the profile's steps take some time too: it reads the one clock
     replay = graphs.ModuleCacher._replay
     monkeypatch.setattr(graphs.ModuleCacher, "_replay", lambda *a: step_clock.advance(0.004) or replay(*a))
     autogaudi.enable(device="hpu", only="step_profiler,graph_capture", trial="graph_capture")
