@@ -147,7 +147,8 @@ def test_a_rejected_trial_leaves_the_process_and_the_model_as_they_were(
     from autogaudi.optimizations import channels_last
 
     monkeypatch.setattr(trials, "MARGIN", 0.0)
-    capture_one_off(CpuBackend, 0.0)  # a trial at once, not after a wait
+    capture_one_off(CpuBackend, 0.0)
+    step_clock.tick = 1e-6  # the profile's steps take some time too: it reads the one clock
     real_in_layout = channels_last._in_layout
 
     def slow_in_layout(layout, args, kwargs):  # 4 ms per argument converted: the trial measures it slower
@@ -156,7 +157,7 @@ def test_a_rejected_trial_leaves_the_process_and_the_model_as_they_were(
 
     monkeypatch.setattr(channels_last, "_in_layout", slow_in_layout)
     before = process_state()
-    autogaudi.enable(device="cpu", only=CAPTURE_UNITS)
+    autogaudi.enable(device="cpu", only=CAPTURE_UNITS, trial=candidate)
 
     def run():
         model = make()
