@@ -10,12 +10,20 @@ less plain's. Each autogaudi run's report says what it thinks it paid (``-net_s`
 ``whole_run``: start, per-call work, measuring and trials, less what its changes saved). The case
 agrees where the reports' median claim lies within the pairs' differences (their minimum to
 maximum): a claim outside what the pairs measured is a report that misses (or invents) a cost.
+
+Two checks on the pairs themselves: each pair's CPU seconds (user and system, the process and its
+children), which a loaded machine inflates far less than wall time (a process that waits for a core
+pays its CPU seconds many times over in wall time); and whether both runs of a pair printed the same
+result line (the case's ``result``): an unseeded script (``regression`` draws its data unseeded and
+runs until its loss is small) does other work in each run, and such a pair measures the script.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
+import resource
 import shutil
 import statistics
 import subprocess
@@ -46,13 +54,21 @@ def judge(differences: list, claims: list) -> dict:
     return {"measured_s": measured, "claimed_s": claimed, "agrees": measured["min"] <= claimed <= measured["max"]}
 
 
-def timed_run(command: list, folder: Path, env: dict, timeout: float) -> float:
-    began = time.perf_counter()
+def children_cpu_s() -> float:
+    """CPU seconds (user and system) of every child process waited for so far."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def timed_run(command: list, env: dict, folder: Path, timeout: float, result: str) -> tuple:
+    """(wall seconds, CPU seconds, the last line matching ``result`` or None) of one run."""
+    began, cpu_began = time.perf_counter(), children_cpu_s()
     done = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True, timeout=timeout)
-    seconds = time.perf_counter() - began
+    seconds, cpu_s = time.perf_counter() - began, children_cpu_s() - cpu_began
     if done.returncode != 0:
         sys.exit(f"{' '.join(command)} failed ({done.returncode}):\n{done.stderr[-4000:]}")
-    return seconds
+    lines = [match.group(0) for match in re.finditer(result, done.stdout + done.stderr)]
+    return seconds, cpu_s, lines[-1] if lines else None
 
 
 def measure_case(case: dict, pairs: int, scratch: Path, timeout: float) -> dict:
@@ -70,15 +86,18 @@ def measure_case(case: dict, pairs: int, scratch: Path, timeout: float) -> dict:
             {**corpus.clean_env(case, "autogaudi"), "AUTOGAUDI_NO_CACHE": "0", "AUTOGAUDI_CACHE_DIR": str(cache)},
         ),
     }
-    differences, claims, walls = [], [], {"plain": [], "autogaudi": []}
+    differences, cpu_differences, claims, walls = [], [], [], {"plain": [], "autogaudi": []}
+    unlike = 0  # pairs whose two runs printed different results
     for pair in range(pairs + 1):
         order = ("plain", "autogaudi") if pair % 2 else ("autogaudi", "plain")
-        seconds = {name: timed_run(commands[name][0], folder, commands[name][1], timeout) for name in order}
+        runs = {name: timed_run(*commands[name], folder, timeout, case["result"]) for name in order}
         if pair:  # the first pair warms the disk cache and fills autogaudi's cache folder
-            differences.append(seconds["autogaudi"] - seconds["plain"])
+            differences.append(runs["autogaudi"][0] - runs["plain"][0])
+            cpu_differences.append(runs["autogaudi"][1] - runs["plain"][1])
+            unlike += runs["autogaudi"][2] != runs["plain"][2]
             claims.append(claimed_slower_s(json.loads(report.read_text())))
-            for name, value in seconds.items():
-                walls[name].append(value)
+            for name, (seconds, _cpu_s, _result) in runs.items():
+                walls[name].append(seconds)
     medians = {name: statistics.median(values) for name, values in walls.items()}
     return {
         "case": case["name"],
@@ -86,6 +105,8 @@ def measure_case(case: dict, pairs: int, scratch: Path, timeout: float) -> dict:
         "wall_s": medians,
         "ratio_plain_over_autogaudi": round(medians["plain"] / medians["autogaudi"], 3),
         "differences_s": [round(value, 3) for value in differences],
+        "cpu_differences_s": [round(value, 3) for value in cpu_differences],
+        "pairs_with_other_results": unlike,
         "claims_s": claims,
         **judge(differences, claims),
     }
@@ -119,6 +140,12 @@ def main() -> None:
                 f"{measured['median']:+.3f} s ({measured['min']:+.3f} to {measured['max']:+.3f}) over {args.pairs} "
                 f"pairs; the reports say {'not known' if claimed is None else f'{claimed:+.3f} s'}: "
                 + {True: "within", False: "OUTSIDE", None: "not checked"}[result["agrees"]]
+                + f"; CPU autogaudi less plain {statistics.median(result['cpu_differences_s']):+.3f} s"
+                + (
+                    f"; {result['pairs_with_other_results']} pairs printed other results"
+                    if result["pairs_with_other_results"]
+                    else ""
+                )
             )
     if args.out:
         args.out.write_text(json.dumps({**facts, "pairs": args.pairs, "results": results}, indent=2) + "\n")

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 import autogaudi
-from autogaudi.measure import machine_load, trials
+from autogaudi.measure import clock as measure_clock
+from autogaudi.measure import machine_load
 from autogaudi.optimizations import step_profiler
-from autogaudi.watch import placement, steps
+from autogaudi.watch import placement
 from tests.helpers import HPU_DOUBLE, REPO, SimulatedClock
 
 # Test files that read torch's own thread count: loader_workers cuts it while its workers run, which
@@ -117,19 +118,12 @@ def _host_stands_for_device(tensor) -> str:
 
 
 @pytest.fixture
-def trial_clock(monkeypatch):
-    """The trials' clock, moved by the test (``clock.advance(seconds)``) instead of by real time."""
-    clock = SimulatedClock()
-    monkeypatch.setattr(trials, "clock", clock)
-    return clock
-
-
-@pytest.fixture
 def step_clock(monkeypatch):
-    """The clock batch waits, the step profiler and loader_workers time by, moved by the test
-    (``clock.advance(seconds)``: in a dataset for a wait, in the loop for the host's time, in an op
-    for compute). The thread's CPU time moves with it: the thread is never off the CPU."""
+    """The one clock every measurement reads (step boundaries, batch waits, trials' arms, the step
+    profiler, loader_workers, the fused update), moved by the test (``clock.advance(seconds)``: in a
+    dataset for a wait, in the loop for the host's time, in an op for compute). The thread's CPU time
+    moves with it: the thread is never off the CPU."""
     clock = SimulatedClock()
-    monkeypatch.setattr(steps, "clock", clock)
+    monkeypatch.setattr(measure_clock, "now", clock)
     monkeypatch.setattr(step_profiler.census, "thread_clock", clock)
     return clock

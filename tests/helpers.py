@@ -55,8 +55,8 @@ class GuardOwner:
 
 class SimulatedClock:
     """A clock that moves only when told: decisions taken on the times a test gives, with no sleeps
-    and whatever else the machine runs (``autogaudi.measure.trials.clock`` and ``autogaudi.watch.steps.clock``, see
-    the fixtures). With ``tick``, each reading moves it on by that much: every stretch timed from one
+    and whatever else the machine runs (``autogaudi.measure.clock.now``, see the ``step_clock``
+    fixture). With ``tick``, each reading moves it on by that much: every stretch timed from one
     reading to the next lasts one tick."""
 
     def __init__(self, tick: float = 0.0):

@@ -346,7 +346,7 @@ def check_dropped_objects_die() -> None:
 
 
 @pytest.fixture
-def decided_trials(monkeypatch, trial_clock):
+def decided_trials(monkeypatch, step_clock):
     """Trials decided as the state says (``set(keep)``), each step one tick of the test's clock, and
     short: one step per block and round, one profiled pair (the states are the same, the steps fewer)."""
     for module, name in (
@@ -433,7 +433,7 @@ def test_the_matrix_size_is_every_unit_times_its_states():
     ids=[f"{info.name}-{state}" for info, state in CELLS],
 )
 def test_a_unit_in_this_state_breaks_nothing_a_script_does(
-    info, state, request, hpu_double, decided_trials, cheap_capture, trial_clock, step_clock, world
+    info, state, request, hpu_double, decided_trials, cheap_capture, step_clock, world
 ):
     if on_hpu(info):
         hpu_double(lazy=True)
@@ -450,7 +450,6 @@ def test_a_unit_in_this_state_breaks_nothing_a_script_does(
     while not until(unit):
         assert training.steps < MAX_STEPS, f"{info.name} never reached {state}: {autogaudi.report().unit(info.name)}"
         training.step()
-        trial_clock.advance(0.001)
         step_clock.advance(0.001)  # computing (a loader_workers cell's batches wait besides)
     assert_reached(info, REACHED_FROM.get(state, state))
     if state == "failed":

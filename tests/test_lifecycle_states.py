@@ -1,9 +1,8 @@
 """Every state of a decision's lifecycle (:class:`autogaudi.core.candidate.State`), reached by a script
 and asserted as the unit's report row shows it (its status and reason code) and by what is on the
-script's model. Trials are decided by the test (the contract matrix's fixtures) on clocks it moves,
+script's model. Trials are decided by the test (the contract matrix's fixtures) on the clock it moves,
 so each case reaches its state whatever the machine's load."""
 
-import dataclasses
 import sys
 
 import pytest
@@ -13,7 +12,6 @@ from torch import nn
 import autogaudi
 from autogaudi.core.candidate import State
 from autogaudi.entry import runtime
-from autogaudi.optimizations import step_profiler
 from autogaudi.watch import model_call
 from tests.test_contract_matrix import MAX_STEPS, Training, decided_trials  # noqa: F401
 
@@ -24,14 +22,13 @@ def row(name="channels_last"):
     return autogaudi.report().unit(name)
 
 
-def trained_until(reached, clocks, training=None):
+def trained_until(reached, clock, training=None):
     """The script's training (``training``, or the contract matrix's), stepped until ``reached()``."""
     training = Training() if training is None else training
     while not reached():
         assert training.steps < MAX_STEPS, row()
         training.step()
-        for clock in clocks:
-            clock.advance(0.001)
+        clock.advance(0.001)
     return training
 
 
@@ -45,63 +42,48 @@ class NoConvolution(Training):
         self.scheduler = torch.optim.lr_scheduler.StepLR(self.optimizer, step_size=5, gamma=0.5)
 
 
-def waiting(clocks, **_):
+def waiting(clock, **_):
     autogaudi.enable(device="cpu", **TRIAL)
     return Training()  # built; no step yet, so no profile
 
 
-def deferred(clocks, monkeypatch, **_):
-    """A host-bound step (given: 2 ms, half of it the host's) in a plain loop: graph capture's trial
-    waits until the steps run could have paid for its one-off, with nothing set up meanwhile."""
-    measured = step_profiler.census_figures
-
-    def given(*args):
-        figures, shares = measured(*args)
-        return dataclasses.replace(figures, ms_per_step=2.0, compute_fraction=0.5), shares
-
-    monkeypatch.setattr(step_profiler.classification, "census_figures", given)
-    monkeypatch.setattr(step_profiler.classification, "classify", lambda *a, **k: ("host", "given by the test"))
-    autogaudi.enable(device="cpu", only="step_profiler,graph_capture")
-    return trained_until(lambda: row("graph_capture")["status"] != "watching", clocks)
-
-
-def checking(clocks, **_):
+def checking(clock, **_):
     autogaudi.enable(device="cpu", only="step_profiler,mixed_precision", precision="auto")
-    return trained_until(lambda: row("mixed_precision")["reason_code"] == "checking", clocks)
+    return trained_until(lambda: row("mixed_precision")["reason_code"] == "checking", clock)
 
 
-def trial(clocks, **_):
+def trial(clock, **_):
     autogaudi.enable(device="cpu", **TRIAL)
-    return trained_until(lambda: row()["reason_code"] == "trial_running", clocks)
+    return trained_until(lambda: row()["reason_code"] == "trial_running", clock)
 
 
-def decided(clocks, keep, decision, **options):
+def decided(clock, keep, decision, **options):
     keep["keep"] = decision == "kept"
     autogaudi.enable(device="cpu", **TRIAL, **options)
-    return trained_until(lambda: bool(autogaudi.report().trials), clocks)
+    return trained_until(lambda: bool(autogaudi.report().trials), clock)
 
 
-def following(clocks, keep, monkeypatch, tmp_path):
+def following(clock, keep, monkeypatch, tmp_path):
     """A second run of the same script, model and inputs, the first's kept decision in the cache:
     it is on at once, and this run's steps are checked against the trial's time meanwhile."""
     monkeypatch.setenv("AUTOGAUDI_NO_CACHE", "0")
     # decisions are remembered per script file: pytest's is one, an xdist worker's __main__ has none
     monkeypatch.setattr(sys.modules["__main__"], "__file__", __file__, raising=False)
     cache = {"cache_dir": str(tmp_path / "cache")}
-    decided(clocks, keep, "kept", **cache)
+    decided(clock, keep, "kept", **cache)
     autogaudi.disable()
     autogaudi.enable(device="cpu", **TRIAL, **cache)
-    return trained_until(lambda: row()["reason_code"] == "remembered", clocks)
+    return trained_until(lambda: row()["reason_code"] == "remembered", clock)
 
 
-def refused(clocks, **_):
+def refused(clock, **_):
     autogaudi.enable(device="cpu", **TRIAL)
-    return trained_until(lambda: row()["status"] != "watching", clocks, NoConvolution())
+    return trained_until(lambda: row()["status"] != "watching", clock, NoConvolution())
 
 
-def failed(clocks, **_):
+def failed(clock, **_):
     autogaudi.enable(device="cpu", only="step_profiler,channels_last", force="channels_last")
-    training = trained_until(lambda: row()["status"] == "applied", clocks)
+    training = trained_until(lambda: row()["status"] == "applied", clock)
     runtime._STATE.session.unit("channels_last").failed_at_run_time(RuntimeError("what the guard reports"))
     return training
 
@@ -110,19 +92,18 @@ def failed(clocks, **_):
 # anything of the unit's is on the model: None where it may be either)
 CASES = {
     State.WAITING: (waiting, "channels_last", "watching", "waiting_for_profile", False),
-    State.DEFERRED: (deferred, "graph_capture", "deciding", "trial_waits", False),
     State.CHECKING: (checking, "mixed_precision", "deciding", "checking", None),
     State.TRIAL: (trial, "channels_last", "deciding", "trial_running", None),
     State.FOLLOWING: (following, "channels_last", "deciding", "remembered", True),
     State.ON: (
-        lambda clocks, keep, **_: decided(clocks, keep, "kept"),
+        lambda clock, keep, **_: decided(clock, keep, "kept"),
         "channels_last",
         "applied",
         "measured_faster",
         True,
     ),
     State.RELEASED: (
-        lambda clocks, keep, **_: decided(clocks, keep, "rejected"),
+        lambda clock, keep, **_: decided(clock, keep, "rejected"),
         "channels_last",
         "not needed",
         "rejected",
@@ -143,11 +124,10 @@ def test_a_script_reaches_the_state_and_the_report_says_so(
     monkeypatch,
     tmp_path,
     decided_trials,  # noqa: F811
-    trial_clock,
     step_clock,
 ):
     reach, unit, status, code, on_model = CASES[state]
-    training = reach((trial_clock, step_clock), keep=decided_trials, monkeypatch=monkeypatch, tmp_path=tmp_path)
+    training = reach(step_clock, keep=decided_trials, monkeypatch=monkeypatch, tmp_path=tmp_path)
     reached = row(unit)
     assert reached["status"] == status and code in (None, reached["reason_code"]), reached
     if on_model is not None:

@@ -8,25 +8,24 @@ left a switch on. Here the state is explicit (:class:`State`), everything the ca
 in one child scope of the unit (closed on release, on revert and on failure alike), and the report
 reads the unit's status and what is in use from that state. A unit supplies only its
 refusals, ``set_up(scope)`` (what it builds, into the scope, returning nothing or its figures) and
-``switch(on)``; a unit that checks before it tries (a guard) or waits for a step says so through
-:meth:`Candidate.checking` and :meth:`Candidate.defer`.
+``switch(on)``; a unit that checks before it tries (a guard) says so through :meth:`Candidate.checking`.
+A trial that would change the run's numbers runs only where the user asks for it (:meth:`Candidate.untried`).
 """
 
 from __future__ import annotations
 
 import enum
 
-from autogaudi.core.events import Event
 from autogaudi.core.reasons import CORE
+from autogaudi.core.registry import SWITCHED_ON_BY
 from autogaudi.core.status import Status
-from autogaudi.core.unit import ActsOnProfile
+from autogaudi.core.unit import NUMERICS, ActsOnProfile
 from autogaudi.measure.trials import WARMUP, Check, Trial, materiality_of
 from autogaudi.store.decisions import origin
 
 
 class State(enum.Enum):
     WAITING = "waiting"  # for the step profile: nothing set up
-    DEFERRED = "deferred"  # profiled; a trial waits for a later step, nothing set up yet
     CHECKING = "checking"  # set up, checked by the unit before it may switch on (a guard)
     TRIAL = "trial"  # set up, switched between steps by a trial
     FOLLOWING = "following"  # a remembered decision followed while this run's check of it runs
@@ -36,7 +35,7 @@ class State(enum.Enum):
     FAILED = "failed"  # the unit failed at run time: everything it set up undone
 
 
-UNDECIDED = (State.WAITING, State.DEFERRED, State.CHECKING, State.TRIAL, State.FOLLOWING)
+UNDECIDED = (State.WAITING, State.CHECKING, State.TRIAL, State.FOLLOWING)
 
 # The reason codes the candidate gives through its unit, by moment; a unit may rename them.
 CODES = {
@@ -84,19 +83,18 @@ class Candidate:
         self.state = State.REFUSED
         self.unit.report.reason = reason
 
-    def defer(self, step: int, then) -> None:
-        """Wait, with nothing set up, for training step ``step``; then ``then()``."""
-        self.state = State.DEFERRED
+    def untried(self) -> bool:
+        """Refuse a trial that would change the run's numbers (True) unless the user asked for it
+        (``--trial``, or the unit's own option naming it): a trial runs the user's own steps with the
+        candidate, from a step the step profile's timings set, so under the defaults a seeded run
+        would give other numbers quiet or busy, on an empty or a warm cache."""
         unit = self.unit
-        waiting = unit.scope.child()
-
-        def due(_optimizer) -> None:
-            if unit.run.steps.steps < step:
-                return
-            waiting.close()
-            then()
-
-        waiting.on(Event.TRAINING_STEP, due)
+        numerics = unit.numerics_on(unit.run.backend)
+        if not numerics or unit.name in unit.run.options.trial or unit.name in SWITCHED_ON_BY:
+            return False
+        how = " and ".join(NUMERICS[effect] for effect in numerics)
+        self.refuse(unit.report.reason_for("changes_numbers", how=how, unit=unit.name))
+        return True
 
     def set_up(self, profile) -> dict:
         """Set the candidate up on ``profile``'s model, once, into a child scope of the unit."""
@@ -116,11 +114,14 @@ class Candidate:
     def try_(self, profile=None, **trial) -> None:
         """Set up (where not yet) and switch on: at once where ``--force``d, with ``--no-trials``
         or where no trial is needed, else through a trial (``trial``: :class:`Trial`'s
-        ``not_before_step`` and ``one_off_limit_s``)."""
-        self.set_up(profile or self.profile)
+        ``one_off_limit_s``)."""
         unit = self.unit
         forced = unit.name in unit.run.options.force
-        if forced or unit.run.options.no_trials or not self.needs_trial:
+        untrialled = forced or unit.run.options.no_trials or not self.needs_trial
+        if not untrialled and self.untried():
+            return
+        self.set_up(profile or self.profile)
+        if untrialled:
             self._set_up_figures_reported()
             self._keep()
             self._because("forced" if forced else "no_trials")
@@ -150,6 +151,8 @@ class Candidate:
         unit.report.because("remembered", decision=record["decision"], speedup=record["speedup"], **origin(record))
         if not keep:
             self.release()
+            return
+        if self.untried():  # a keep a run under the defaults would not have tried: plain's numbers
             return
         self.set_up(profile or self.profile)
         self._set_up_figures_reported()

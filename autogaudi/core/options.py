@@ -167,9 +167,10 @@ OPTIONS: tuple = (
         "trial",
         (),
         _units_of(TRIAL_UNITS),
-        "comma-separated units to A/B-test in the run even where the step profile says they would "
-        "not help or could not pay back (graph_capture: not host-bound, or the run too short; "
-        "channels_last: input-bound); kept only if measured faster",
+        "comma-separated units to A/B-test in the run (none is by default: a trial runs the script's "
+        "steps with a change to its numbers), even where the step profile says they would not help or "
+        "could not pay back (graph_capture: not host-bound, or the run too short; channels_last: "
+        "input-bound); kept only if measured faster",
         "UNIT,...",
     ),
     Option(

@@ -20,13 +20,12 @@ The run is settled when the runner has nothing left to run and no unit measures 
 
 from __future__ import annotations
 
-import time
 import typing
 import weakref
 
 from autogaudi.core.events import Event
 from autogaudi.entry.ranks import rank_zero_choice, several_ranks
-from autogaudi.measure import machine_load
+from autogaudi.measure import clock, machine_load
 
 BLOCK = 3  # steps per block
 ROUNDS = 2  # each round is on, off, off, on
@@ -142,11 +141,6 @@ class StepWindows:
         return self._steps.steps - self._used_at >= STALE_STEPS
 
 
-def clock() -> float:
-    """The clock trials time steps by (seconds); tests replace it to decide trials on given step times."""
-    return time.perf_counter()
-
-
 class Trial:
     """One A/B trial: ``switch(on: bool)`` flips the candidate; ``decided(keep, record)`` is told the outcome."""
 
@@ -159,7 +153,6 @@ class Trial:
         switch,
         decided,
         set_up_s: float = 0.0,
-        not_before_step: int = 0,
         one_off_limit_s=None,
         materiality: float = 0.0,
     ):
@@ -168,7 +161,6 @@ class Trial:
         self.switch = switch
         self.decided = decided
         self.set_up_s = set_up_s  # what setting the candidate up took, outside the user's steps
-        self.not_before_step = not_before_step  # the training step from which it may start
         # the high end of the one-off's estimate: stopped beyond it (None or 0: an estimate that says nothing)
         self.one_off_limit_s = one_off_limit_s
         self.materiality = materiality  # :func:`decide`'s, for a candidate that changes the numbers
@@ -354,11 +346,10 @@ class TrialRunner:
             self._start_next()
 
     def _start_next(self) -> None:
-        """Start the first queued trial whose step has come, once the runner holds the steps; with
-        none ready, look again after every step (a waiting trial's unit owns that listener until some
+        """Start the first queued trial once the runner holds the steps; while another measurement
+        holds them, look again after every step (a waiting trial's unit owns that listener until some
         trial starts)."""
-        ready = [t for t in self.queue if t.not_before_step <= self.steps.steps]
-        self.current = ready[0] if ready and self.windows.take(self) else None
+        self.current = self.queue[0] if self.queue and self.windows.take(self) else None
         if self.current is None:
             self.windows.release(self)
         if self.current is not None:
@@ -372,7 +363,7 @@ class TrialRunner:
             self._waiting = self.events.on(Event.TRAINING_STEP, self.queue[0].unit, self._look_again)
 
     def _look_again(self, _optimizer) -> None:
-        if any(trial.not_before_step <= self.steps.steps for trial in self.queue) and self.windows.take(self):
+        if self.windows.take(self):
             self._stop_waiting()
             self._start_next()
 
@@ -383,19 +374,19 @@ class TrialRunner:
 
     def _flip(self, on: bool) -> None:
         self.current.switch(on)
-        self.last_clock = clock()  # the switch itself is not part of either arm's step
+        self.last_clock = clock.now()  # the switch itself is not part of either arm's step
 
     def _after_step(self, _optimizer) -> None:
         trial = self.current
         self.windows.take(self)  # still measuring: the hold stays fresh
-        trial.record(clock() - self.last_clock)
+        trial.record(clock.now() - self.last_clock)
         trial.check_one_off()
         if not trial.finished:
             upcoming = trial.schedule[trial.position]
             if upcoming != trial.schedule[trial.position - 1]:
                 self._flip(upcoming)
             else:
-                self.last_clock = clock()
+                self.last_clock = clock.now()
             return
         keep, record = trial.outcome()
         keep = bool(rank_zero_choice(keep))

@@ -256,7 +256,7 @@ class Report:
             f"{name}: its trial was still running when the run ended; nothing kept" for name in summary["unfinished"]
         ]
         lines += block("tried", tried)
-        coming = [format_next(advice, summary["ms_per_step"]) for advice in summary["next"]] + self._waiting_trials()
+        coming = [format_next(advice, summary["ms_per_step"]) for advice in summary["next"]]
         lines += block("next", coming) or (
             [f"  next     nothing measured to try: {self._profile_reason()}"] if self._profile_reason() else []
         )
@@ -265,16 +265,6 @@ class Report:
         if self.children:
             lines.append(f"  children {format_children(self.children)}")
         return lines
-
-    def _waiting_trials(self) -> list:
-        """Trials a unit holds back until the run has lasted long enough to pay for their one-off: what
-        a longer run of the script would try."""
-        return [
-            f"{row['name']}: a trial waits for step {row['figures']['trial_waits_for_step']}, from where the run "
-            "could pay for its one-off (--verbose: the estimate)"
-            for row in self.units
-            if row.get("reason_code") == "trial_waits" and "trial_waits_for_step" in row.get("figures", {})
-        ]
 
     def _profile_reason(self) -> str:
         """What bounds the step, where the step profiler classified it."""

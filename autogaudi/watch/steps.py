@@ -34,7 +34,6 @@ import contextlib
 import functools
 import inspect
 import sys
-import time
 import weakref
 
 import torch
@@ -44,6 +43,7 @@ from torch.utils.data import dataloader
 from autogaudi.core import guard
 from autogaudi.core.events import Event
 from autogaudi.core.unit import Scope
+from autogaudi.measure import clock as measure_clock
 from autogaudi.measure.timeline import Timeline
 from autogaudi.watch.evaluation import EvaluationPasses
 from autogaudi.watch.step_count import StepCount
@@ -80,11 +80,10 @@ def loader_arguments(loader, args: tuple, kwargs: dict, defaults: bool = False):
 
 
 def clock() -> float:
-    """The clock step boundaries and batch waits are timed by (seconds), and the step profiler's,
-    loader_workers', fused_optimizer's update and the doctor's measurements with them; tests replace
-    it to decide on given times (the ``step_clock`` fixture). Not the trials' (``trials.clock``):
-    a test that steadies the trials' clock must see only the trials read it."""
-    return time.perf_counter()
+    """The one clock (:func:`autogaudi.measure.clock.now`), read at every call: step boundaries, batch
+    waits, the step profiler's, loader_workers', fused_optimizer's, the trials' and the doctor's
+    measurements; a test replaces ``now`` to decide them all on given times."""
+    return measure_clock.now()
 
 
 class TrainingSteps:

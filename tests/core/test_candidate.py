@@ -1,5 +1,6 @@
 """The candidate lifecycle (autogaudi/core/candidate.py), through channels_last on a clock the test moves:
-its states as the trial runs and decides, and a release that keeps nothing set up or referenced."""
+its states as the trial runs and decides, a release that keeps nothing set up or referenced, and no
+trial that would change the numbers unless asked for."""
 
 import torch
 from torch import nn
@@ -12,8 +13,8 @@ from tests.optimizations.test_channels_last import cnn
 from tests.optimizations.test_step_profiler import STEPS
 
 
-def run(trial_clock, faster: bool):
-    autogaudi.enable(device="cpu", only="step_profiler,channels_last")
+def run(step_clock, faster: bool, **options):
+    autogaudi.enable(device="cpu", only="step_profiler,channels_last", **{"trial": "channels_last", **options})
     unit = runtime._STATE.session.unit("channels_last")
     model = cnn()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -23,15 +24,15 @@ def run(trial_clock, faster: bool):
     )
     for _ in range(STEPS + 40):
         nn.functional.cross_entropy(model(torch.randn(4, 3, 8, 8)), torch.randint(0, 4, (4,))).backward()
-        trial_clock.advance(0.001 if nhwc[-1] == faster else 0.002)
+        step_clock.advance(0.001 if nhwc[-1] == faster else 0.002)
         optimizer.step()
         optimizer.zero_grad()
         states.append(unit.candidate.state)
     return unit, model, states
 
 
-def test_a_candidate_goes_from_waiting_through_its_trial_to_on(trial_clock):
-    unit, model, states = run(trial_clock, faster=True)
+def test_a_candidate_goes_from_waiting_through_its_trial_to_on(step_clock):
+    unit, model, states = run(step_clock, faster=True)
     assert states[0] is State.WAITING and State.TRIAL in states and states[-1] is State.ON
     assert [s for i, s in enumerate(states) if i == 0 or s is not states[i - 1]] == [
         State.WAITING,
@@ -44,10 +45,19 @@ def test_a_candidate_goes_from_waiting_through_its_trial_to_on(trial_clock):
     assert model[0].weight.is_contiguous()
 
 
-def test_a_rejected_candidate_is_released_with_nothing_held(trial_clock):
-    unit, _model, states = run(trial_clock, faster=False)
+def test_a_rejected_candidate_is_released_with_nothing_held(step_clock):
+    unit, _model, states = run(step_clock, faster=False)
     candidate = unit.candidate
     assert states[-1] is State.RELEASED and not candidate.on
     assert candidate.scope is None and candidate.model is None and candidate.optimizer is None
     assert unit.changes() == [] and unit.status() is Status.NOT_NEEDED
     assert unit.report.reason.code == "rejected"
+
+
+def test_under_the_defaults_a_candidate_that_changes_the_numbers_is_not_tried(step_clock):
+    """Its trial would run the user's steps with it from a step the profile's timings set: a seeded
+    run's numbers would move with the machine's load."""
+    unit, _model, states = run(step_clock, faster=True, trial=())
+    assert states[-1] is State.REFUSED and State.TRIAL not in states
+    assert unit.report.reason.code == "changes_numbers" and unit.candidate.scope is None
+    assert runtime._STATE.session.trials.records == []

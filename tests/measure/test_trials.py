@@ -65,8 +65,8 @@ def run_trial(clock, on_seconds, off_seconds, one_off=0.0, off_after_on=None, ji
     return state, decisions, ran, runner
 
 
-def test_keeps_the_candidate_that_is_faster(trial_clock):
-    state, decisions, ran, runner = run_trial(trial_clock, on_seconds=0.002, off_seconds=0.006, one_off=0.05)
+def test_keeps_the_candidate_that_is_faster(step_clock):
+    state, decisions, ran, runner = run_trial(step_clock, on_seconds=0.002, off_seconds=0.006, one_off=0.05)
     ((keep, record),) = decisions
     assert keep and state["on"] and record["decision"] == "kept"
     assert 2.0 < record["speedup"] < 4.5
@@ -81,53 +81,48 @@ def test_keeps_the_candidate_that_is_faster(trial_clock):
     assert runner.records == [record]
 
 
-def test_the_one_off_includes_what_setting_the_candidate_up_took(trial_clock):
-    _, decisions, _, _ = run_trial(trial_clock, on_seconds=0.002, off_seconds=0.006, one_off=0.05, set_up_s=1.5)
+def test_the_one_off_includes_what_setting_the_candidate_up_took(step_clock):
+    _, decisions, _, _ = run_trial(step_clock, on_seconds=0.002, off_seconds=0.006, one_off=0.05, set_up_s=1.5)
     ((_, record),) = decisions
     assert record["set_up_s"] == 1.5
     assert record["one_off_s"] == pytest.approx(1.55, abs=0.03)
 
 
-def test_an_off_arm_slowed_by_the_candidate_is_read_from_the_steps_before_the_trial(trial_clock):
+def test_an_off_arm_slowed_by_the_candidate_is_read_from_the_steps_before_the_trial(step_clock):
     # Plain steps take 4 ms; the candidate takes 4.4 ms and leaves "off" steps at 8 ms after it has
     # been on: against the interleaved arm it would read 1.8x, against the plain steps it is slower.
     # (10% apart, on the test's clock.)
-    _, decisions, _, _ = run_trial(trial_clock, on_seconds=0.0044, off_seconds=0.004, off_after_on=0.008)
+    _, decisions, _, _ = run_trial(step_clock, on_seconds=0.0044, off_seconds=0.004, off_after_on=0.008)
     ((keep, record),) = decisions
     assert record["ms_per_step_without_interleaved"] > 1.5 * record["ms_per_step_before_trial"]
     assert record["ms_per_step_without"] == record["ms_per_step_before_trial"]
     assert not keep and record["speedup"] < 1.0
 
 
-def test_a_trial_waits_for_its_step_then_runs_its_whole_schedule(trial_clock):
-    state, decisions, ran, _ = run_trial(trial_clock, on_seconds=0.001, off_seconds=0.002, not_before_step=10)
-    assert ran[:10] == [False] * 10 and state["switches"] > 0
-    assert len(ran) == 10 + decisions[0][1]["steps"]
-
-
 def test_cancelling_a_waiting_trial_leaves_no_listener_and_reports_idle():
     steps = FakeSteps()
     unit = FakeUnit()
     runner = trials.TrialRunner(steps, steps.events)
-    runner.submit(trials.Trial(unit, "later", lambda on: None, lambda keep, record: None, not_before_step=100))
+    runner.windows.take(FakeUnit())  # another measurement holds the steps: the trial waits for them
+    runner.submit(trials.Trial(unit, "later", lambda on: None, lambda keep, record: None))
     assert steps.listening and not runner.idle
     runner.cancel(unit)
     assert not steps.listening and runner.idle
 
 
-def test_reverts_a_candidate_that_is_slower(trial_clock):
-    state, decisions, _, _ = run_trial(trial_clock, on_seconds=0.006, off_seconds=0.002)
+def test_reverts_a_candidate_that_is_slower(step_clock):
+    state, decisions, _, _ = run_trial(step_clock, on_seconds=0.006, off_seconds=0.002)
     ((keep, record),) = decisions
     assert not keep and not state["on"] and record["decision"] == "rejected"
     assert record["speedup"] < 0.6
 
 
-def test_a_tie_within_the_margin_is_not_kept(trial_clock):
-    _, decisions, _, _ = run_trial(trial_clock, on_seconds=0.004, off_seconds=0.004)
+def test_a_tie_within_the_margin_is_not_kept(step_clock):
+    _, decisions, _, _ = run_trial(step_clock, on_seconds=0.004, off_seconds=0.004)
     assert decisions[0][0] is False
 
 
-def test_trials_run_one_after_another(trial_clock):
+def test_trials_run_one_after_another(step_clock):
     steps, order = FakeSteps(), []
     runner = trials.TrialRunner(steps, steps.events)
     for name in ("first", "second"):
@@ -135,7 +130,7 @@ def test_trials_run_one_after_another(trial_clock):
             trials.Trial(FakeUnit(), name, lambda on, name=name: order.append((name, on)), lambda keep, record: None)
         )
     while steps.listening:
-        trial_clock.advance(0.001)
+        step_clock.advance(0.001)
         steps.end_step()
     firsts = [i for i, (name, _) in enumerate(order) if name == "first"]
     seconds = [i for i, (name, _) in enumerate(order) if name == "second"]
@@ -170,54 +165,54 @@ def idle_machine(monkeypatch):
     return lambda value: load.update(now=value)
 
 
-def test_a_check_matches_a_step_time_near_the_remembered_one_after_its_warm_up(trial_clock, idle_machine):
-    ((matches, record),) = run_check(trial_clock, 0.004, expected_s=0.0042)[0]
+def test_a_check_matches_a_step_time_near_the_remembered_one_after_its_warm_up(step_clock, idle_machine):
+    ((matches, record),) = run_check(step_clock, 0.004, expected_s=0.0042)[0]
     assert matches and record["decision"] == "matches" and record["check"] == "remembered"
     assert record["arm"] == "with" and record["steps"] == 2 + 2 * trials.BLOCK
     assert record["ratio"] == pytest.approx(0.004 / 0.0042, rel=0.2)  # the slow warm-up steps are not in it
 
 
 @pytest.mark.parametrize("step_seconds", [0.002, 0.012])
-def test_a_check_differs_from_steady_steps_a_quarter_off_either_way(trial_clock, idle_machine, step_seconds):
-    decisions, ran, runner = run_check(trial_clock, step_seconds, expected_s=0.006)
+def test_a_check_differs_from_steady_steps_a_quarter_off_either_way(step_clock, idle_machine, step_seconds):
+    decisions, ran, runner = run_check(step_clock, step_seconds, expected_s=0.006)
     ((matches, record),) = decisions
     assert not matches and record["decision"] == "differs"
     assert ran == 2 + 2 * trials.BLOCK and runner.idle and runner.records == [record]
 
 
-def test_a_check_on_a_busier_machine_expects_its_steps_slower_by_the_load(trial_clock, idle_machine):
+def test_a_check_on_a_busier_machine_expects_its_steps_slower_by_the_load(step_clock, idle_machine):
     """Twice the load then: steps twice as long are what the remembered decision predicts, not a
     contradiction; on the same load they are one."""
     idle_machine(2.0)
-    ((matches, record),) = run_check(trial_clock, 0.012, expected_s=0.006)[0]
+    ((matches, record),) = run_check(step_clock, 0.012, expected_s=0.006)[0]
     assert matches and record["load"] == 2.0 and record["load_remembered"] == 1.0
-    ((matches, _),) = run_check(trial_clock, 0.012, expected_s=0.006, load_then=2.0)[0]
+    ((matches, _),) = run_check(step_clock, 0.012, expected_s=0.006, load_then=2.0)[0]
     assert not matches
 
 
-def test_a_check_whose_steps_stray_widens_its_tolerance_by_their_spread(trial_clock, idle_machine):
+def test_a_check_whose_steps_stray_widens_its_tolerance_by_their_spread(step_clock, idle_machine):
     """Steady steps straying by half their median either way: 1.5x the remembered time is within it."""
     jitter = (0.0, 0.0045, -0.0045, 0.0045, -0.0045, 0.0)
-    ((matches, record),) = run_check(trial_clock, 0.009, expected_s=0.006, jitter=jitter)[0]
+    ((matches, record),) = run_check(step_clock, 0.009, expected_s=0.006, jitter=jitter)[0]
     assert matches and record["tolerance"] > 1.5
-    ((matches, _),) = run_check(trial_clock, 0.009, expected_s=0.006)[0]
+    ((matches, _),) = run_check(step_clock, 0.009, expected_s=0.006)[0]
     assert not matches  # the same median, steady: a contradiction
 
 
 @pytest.mark.parametrize("jitter, kept", [(0.0, True), (0.004, False)])
-def test_a_gain_within_the_arms_spread_is_not_kept(trial_clock, jitter, kept):
+def test_a_gain_within_the_arms_spread_is_not_kept(step_clock, jitter, kept):
     """Medians 20% apart (past MARGIN); steps that stray by more than that either way (a busy
     machine) leave the script as written, steady ones keep the candidate."""
-    state, decisions, _ran, _runner = run_trial(trial_clock, on_seconds=0.008, off_seconds=0.010, jitter=jitter)
+    state, decisions, _ran, _runner = run_trial(step_clock, on_seconds=0.008, off_seconds=0.010, jitter=jitter)
     ((keep, record),) = decisions
     assert keep is kept and state["on"] is kept
     assert record["speedup"] == pytest.approx(1.25, rel=0.01)
     assert (record["spread_with"] > 0.3) is not kept
 
 
-def test_a_trial_whose_one_off_passes_its_estimates_high_end_is_stopped_in_warm_up(trial_clock, idle_machine):
+def test_a_trial_whose_one_off_passes_its_estimates_high_end_is_stopped_in_warm_up(step_clock, idle_machine):
     state, decisions, ran, runner = run_trial(
-        trial_clock, on_seconds=0.002, off_seconds=0.006, one_off=5.0, one_off_limit_s=2.0
+        step_clock, on_seconds=0.002, off_seconds=0.006, one_off=5.0, one_off_limit_s=2.0
     )
     ((keep, record),) = decisions
     assert not keep and not state["on"] and record["decision"] == "stopped"
@@ -226,15 +221,15 @@ def test_a_trial_whose_one_off_passes_its_estimates_high_end_is_stopped_in_warm_
     assert record["arms"] == [["without", trials.BLOCK], ["warm-up", 1]] and runner.idle
 
 
-def test_a_one_off_within_its_estimate_runs_the_whole_trial(trial_clock):
+def test_a_one_off_within_its_estimate_runs_the_whole_trial(step_clock):
     _state, decisions, ran, _runner = run_trial(
-        trial_clock, on_seconds=0.002, off_seconds=0.006, one_off=1.0, one_off_limit_s=2.0
+        step_clock, on_seconds=0.002, off_seconds=0.006, one_off=1.0, one_off_limit_s=2.0
     )
     ((keep, record),) = decisions
     assert keep and record["decision"] == "kept" and len(ran) == record["steps"]
 
 
-def test_no_trial_starts_while_another_measurement_holds_the_steps(trial_clock):
+def test_no_trial_starts_while_another_measurement_holds_the_steps(step_clock):
     """A unit's own work in the steps (fused_optimizer timing an update twice) would weigh on one arm:
     the trial starts at the step after its hold is released."""
     steps, started = FakeSteps(), []

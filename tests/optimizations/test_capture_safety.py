@@ -139,24 +139,25 @@ def read_as(monkeypatch, bound):
     ids=["mlp-capture", "cnn-capture", "cnn-channels-last"],
 )
 def test_a_rejected_trial_leaves_the_process_and_the_model_as_they_were(
-    monkeypatch, trial_clock, capture_one_off, make, shape, bound, candidate
+    monkeypatch, step_clock, capture_one_off, make, shape, bound, candidate
 ):
-    slow_graphs(monkeypatch, trial_clock)
+    slow_graphs(monkeypatch, step_clock)
     read_as(monkeypatch, bound)
     from autogaudi.measure import trials
     from autogaudi.optimizations import channels_last
 
     monkeypatch.setattr(trials, "MARGIN", 0.0)
-    capture_one_off(CpuBackend, 0.0)  # a trial at once, not after a wait
+    capture_one_off(CpuBackend, 0.0)
+    step_clock.tick = 1e-6  # the profile's steps take some time too: it reads the one clock
     real_in_layout = channels_last._in_layout
 
     def slow_in_layout(layout, args, kwargs):  # 4 ms per argument converted: the trial measures it slower
-        trial_clock.advance(0.004 * (len(args) + len(kwargs)))
+        step_clock.advance(0.004 * (len(args) + len(kwargs)))
         return real_in_layout(layout, args, kwargs)
 
     monkeypatch.setattr(channels_last, "_in_layout", slow_in_layout)
     before = process_state()
-    autogaudi.enable(device="cpu", only=CAPTURE_UNITS)
+    autogaudi.enable(device="cpu", only=CAPTURE_UNITS, trial=candidate)
 
     def run():
         model = make()

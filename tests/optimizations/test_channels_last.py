@@ -62,7 +62,7 @@ def test_forced_converts_model_inputs_and_momentum_with_the_same_losses():
 
 def test_trial_steps_train_like_plain_and_are_reported():
     plain, _ = train(cnn(), STEPS + 35)
-    autogaudi.enable(device="cpu", only="step_profiler,channels_last")
+    autogaudi.enable(device="cpu", only="step_profiler,channels_last", trial="channels_last")
     losses, _ = train(cnn(), STEPS + 35)
     torch.testing.assert_close(losses, plain, rtol=1e-4, atol=1e-5)
     (trial,) = autogaudi.report().trials
@@ -123,12 +123,12 @@ def test_the_conversion_is_a_function_that_round_trips_model_and_optimizer_state
     assert all(torch.equal(a, b) for a, b in zip(after, before))
 
 
-def test_the_script_sees_its_parameters_strides_unchanged_until_the_trial_keeps_channels_last(trial_clock):
+def test_the_script_sees_its_parameters_strides_unchanged_until_the_trial_keeps_channels_last(step_clock):
     """While the trial runs only the inputs go in channels_last: a script reading its weight's
     strides (or its gradient's) between steps reads its own layout until the decision is kept."""
     from autogaudi.entry import runtime
 
-    autogaudi.enable(device="cpu", only="step_profiler,channels_last")
+    autogaudi.enable(device="cpu", only="step_profiler,channels_last", trial="channels_last")
     model = cnn()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     nhwc = []
@@ -140,7 +140,7 @@ def test_the_script_sees_its_parameters_strides_unchanged_until_the_trial_keeps_
     for _ in range(STEPS + 60):
         images, labels = torch.randn(8, 3, 16, 16), torch.randint(0, 4, (8,))
         nn.functional.cross_entropy(model(images), labels).backward()
-        trial_clock.advance(0.001 if nhwc[-1] else 0.002)  # the NHWC arm is the faster
+        step_clock.advance(0.001 if nhwc[-1] else 0.002)  # the NHWC arm is the faster
         seen.append((weight.stride(), weight.grad.stride(), bool(trials.records)))
         optimizer.step()
         optimizer.zero_grad()

@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import autogaudi
 from autogaudi.entry import runtime
+from autogaudi.measure import clock as measure_clock
 from autogaudi.optimizations.step_profiler import (
     DECIDING_PAIRS,
     PAIRS,
@@ -28,7 +29,6 @@ from autogaudi.optimizations.step_profiler import (
     pair_shares,
     settled,
 )
-from autogaudi.watch import steps
 from tests.helpers import SCRIPTS, clean_env, run_python, said
 from tests.optimizations.ddp_helpers import TORCHRUN, torchrun
 
@@ -128,7 +128,7 @@ def test_pairs_that_settle_early_read_as_every_pair_would():
 @torch.library.custom_op("autogaudi_tests::takes", mutates_args=())
 def takes(inputs: torch.Tensor, seconds: float) -> torch.Tensor:
     """An op whose kernel computes for ``seconds`` of the step clock (the ``step_clock`` fixture's)."""
-    steps.clock.advance(seconds)
+    measure_clock.now.advance(seconds)
     return inputs.clone()
 
 
@@ -145,7 +145,7 @@ class Timed(nn.Module):
     def forward(self, inputs):
         self.calls += 1
         stall = self.stall_s if self.calls == self.stall_at else 0.0
-        steps.clock.advance(self.host + (0.0 if self.stall_in_op else stall))
+        measure_clock.now.advance(self.host + (0.0 if self.stall_in_op else stall))
         inputs = takes(inputs, self.device + (stall if self.stall_in_op else 0.0))
         return self.model(inputs)
 
@@ -203,7 +203,7 @@ class SlowerUnderTheCensus(Timed):
 
     def forward(self, inputs):
         if _get_current_dispatch_mode() is not None:
-            steps.clock.advance(self.extra)
+            measure_clock.now.advance(self.extra)
         return super().forward(inputs)
 
 
@@ -558,7 +558,14 @@ def test_ranks_that_measure_apart_follow_rank_zero_and_finish_the_trial_together
     in DDP's all-reduce, and the job would hang (run_python's timeout fails the test then)."""
     # Rank 0's Python outlasts rank 1's wait for data, so that rank 0 does not wait for rank 1 in the
     # all-reduce (it would read communication-bound, and start no trial)
-    env = {"AUTOGAUDI": "1", "AUTOGAUDI_QUIET": "1", "STEPS": "40", "SLOW_DATA_RANK": "1", "SLOW_HOST_RANK": "0"}
+    env = {
+        "AUTOGAUDI": "1",
+        "AUTOGAUDI_QUIET": "1",
+        "AUTOGAUDI_TRIAL": "graph_capture",
+        "STEPS": "40",
+        "SLOW_DATA_RANK": "1",
+        "SLOW_HOST_RANK": "0",
+    }
     result, workers = torchrun(tmp_path, *TORCHRUN, SCRIPTS / "ddp_train.py", env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     profiles = [worker["units"]["step_profiler"] for worker in workers]

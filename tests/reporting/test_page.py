@@ -90,10 +90,10 @@ def test_a_timeline_step_leaves_the_garbage_collector_nothing_to_track():
     assert kept < 10
 
 
-def test_a_run_that_ends_during_a_trial_changed_nothing(trial_clock):
+def test_a_run_that_ends_during_a_trial_changed_nothing(step_clock):
     """A candidate on trial is on in some steps only: not listed as changed; the run says the trial
     was cut short, and the chart shades it from its start."""
-    autogaudi.enable(device="cpu", only="step_profiler,channels_last")
+    autogaudi.enable(device="cpu", only="step_profiler,channels_last", trial="channels_last")
     model = cnn()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     unit = runtime._STATE.session.unit("channels_last")
@@ -101,7 +101,7 @@ def test_a_run_that_ends_during_a_trial_changed_nothing(trial_clock):
         nn.functional.cross_entropy(model(torch.randn(8, 3, 16, 16)), torch.randint(0, 4, (8,))).backward()
         optimizer.step()
         optimizer.zero_grad()
-        trial_clock.advance(0.01)
+        step_clock.advance(0.01)
         if unit.candidate.on:  # the candidate's arm is running
             break
     report = autogaudi.report().as_dict()

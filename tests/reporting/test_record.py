@@ -113,26 +113,6 @@ def test_a_unit_that_decided_nothing_needs_changing_says_not_needed(tmp_path):
     assert re.search(r"  channels_last +not needed ", result.stderr)  # the same words in the table
 
 
-def test_a_trial_held_back_until_the_run_could_pay_for_it_is_what_comes_next():
-    """A host-bound run too short for a capture's one-off: the short report says what a longer run
-    would try, not that nothing was measured to try."""
-    profile = {"name": "step_profiler", "status": "watching", "figures": {"bound": "host"}}
-    waiting = {
-        "name": "graph_capture",
-        "status": "watching",
-        "reason_code": "trial_waits",
-        "figures": {"trial_waits_for_step": 5715},
-    }
-    lines = bare_report(units=[profile, waiting]).format(verbose=False).splitlines()
-    (next_line,) = [line for line in lines if line.startswith("  next")]
-    assert next_line.startswith("  next     graph_capture: a trial waits for step 5715")
-    started = {**waiting, "reason_code": "trial_running"}
-    lines = bare_report(units=[profile, started]).format(verbose=False).splitlines()
-    assert [line for line in lines if line.startswith("  next")] == [
-        "  next     nothing measured to try: the step is host-bound (--verbose: by how much)"
-    ]
-
-
 def test_nothing_changed_is_said_so(tmp_path):
     result = run_python("-m", "autogaudi", "--only", "step_profiler", SCRIPTS / "train_tiny.py")
     assert "  changed  nothing (--verbose says why for each unit)" in result.stderr

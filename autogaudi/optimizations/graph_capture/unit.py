@@ -10,8 +10,8 @@ How: calls of the model that owns most of the optimizer's parameters (a DDP mode
 run through the capture layer of the model's call route (:mod:`autogaudi.watch.model_call`), which
 ``torch.save``, ``pickle`` and ``copy.deepcopy`` drop: a saved model is a plain one. The gates (:meth:`_refusal`:
 not host-bound, compiled by the script, outputs a replay would overwrite, a forward deciding on a
-device value (HPU lazy), HPU graphs' gradient rules; :meth:`_when_to_try`: a run too short to pay back
-this model's estimated one-off) each give a reason code;
+device value (HPU lazy), HPU graphs' gradient rules; :meth:`_too_short`: a run too short to pay back
+this model's estimated one-off; under the defaults, any trial: it would change the numbers) each give a reason code;
 a capture not kept is released with every reference; an exception from the captured call re-runs
 the call eagerly and switches capture off; past ``MAX_SHAPES`` input shapes it switches off. The
 rules, their measurements and what each figure means: docs/units/graph_capture.md.
@@ -19,8 +19,6 @@ rules, their measurements and what each figure means: docs/units/graph_capture.m
 
 from __future__ import annotations
 
-import functools
-import math
 import time
 
 import torch
@@ -93,10 +91,6 @@ class GraphCapture(CapturedCall, DecidesCandidate):
             "them",
             "captured_forced": "captured {model} (forced)",
             "captured_no_trials": "captured {model} (trials off)",
-            "trial_waits": "host-bound; a trial on {model} waits for training step {step}: the run's length is "
-            "unknown, and only from there would its steps so far have lost more than the {estimate:.1f} s (likely "
-            "{low:.1f}-{high:.1f} s) its capture is estimated to cost on {backend} ({basis}), so a shorter run pays "
-            "nothing for one",
             "trial_running": "host-bound; trial running on {model}",
             "measured_faster": "captured {model}: measured faster",
             "rejected": "rejected: {model} captured was not faster in the trial; released",
@@ -220,8 +214,8 @@ class GraphCapture(CapturedCall, DecidesCandidate):
         asked = self.name in self.run.options.trial  # --trial: measure it now, whatever the profile reads
         trial = not (forced or asked or self.run.options.no_trials)
         # First: a run too short to pay back any capture is so whatever the profile says. Every rank
-        # takes rank 0's figures: ranks that waited for different steps would start trials apart.
-        too_short, start_at_step = rank_zero_choice(self._when_to_try(profile)) if trial else (None, 0)
+        # takes rank 0's figures: ranks that decided apart would start trials apart.
+        too_short = rank_zero_choice(self._too_short(profile)) if trial else None
         refusal = (
             self.report.reason_for("too_short", **too_short) if too_short else self._refusal(profile, forced or asked)
         )
@@ -229,29 +223,13 @@ class GraphCapture(CapturedCall, DecidesCandidate):
             self.candidate.refuse(refusal)
             return
         remembered = self.run.recalled_trial(self.name)
-        if remembered is not None:  # no waiting: the decision is known, the compile likely cached
+        if remembered is not None:  # the decision is known, the compile likely cached
             self.candidate.follow(remembered, profile)
             return
-        if start_at_step > self.run.steps.steps:
-            # Nothing is set up before the trial is due (importing the compiler alone took 1.2 s on
-            # the 2-core CPU, more than a short script's whole run): a run that ends first pays nothing.
-            self.candidate.defer(start_at_step, functools.partial(self._when_due, profile, start_at_step))
-            self.report.figures["trial_waits_for_step"] = start_at_step
-            self.report.because("trial_waits", step=start_at_step, **self._estimate_params(profile))
+        if trial and self.candidate.untried():  # a trial would change the numbers: only where asked
             return
-        self._try(profile, start_at_step)
-
-    def _try(self, profile, start_at_step: int) -> None:
-        """A trial, stopped where the capture's one-off runs past its estimate's high end."""
-        high = self._estimate_one_off(profile)["high_s"]
-        self.candidate.try_(profile, not_before_step=start_at_step, one_off_limit_s=high)
-
-    def _when_due(self, profile, start_at_step: int) -> None:
-        refusal = self._refusal(profile, any_bound=False)  # the script may have compiled it meanwhile
-        if refusal:
-            self.candidate.refuse(refusal)
-        else:
-            self._try(profile, start_at_step)
+        # A trial, stopped where the capture's one-off runs past its estimate's high end.
+        self.candidate.try_(profile, one_off_limit_s=self._estimate_one_off(profile)["high_s"])
 
     def _set_up(self, _scope) -> dict:
         """The candidate's set-up: capture, timed (a trial's record, or the figures, bring it)."""
@@ -322,27 +300,20 @@ class GraphCapture(CapturedCall, DecidesCandidate):
             reasons = "; ".join(f"{r['where']}: {r['reason']}" for r in recompiles["reasons"])
             self.report.note("recompiled", count=recompiles["count"], reasons=reasons)
 
-    def _when_to_try(self, profile) -> tuple:
-        """(None, or the figures of why no trial could pay for itself; the training step from which one may start).
-
-        Where a framework says how many steps are left, a trial starts only if they could win back
-        the one-off this model's capture is estimated to cost (:mod:`autogaudi.measure.one_offs`). Where
-        nothing says (a plain loop), the trial waits until the steps run so far could have saved
-        that much (rent until renting has cost what buying does): a run that ends before then pays
-        nothing for capture, and a longer one forgoes at most that one-off's worth of savings, so
-        either way the run loses at most about one one-off against the best choice in hindsight."""
-        if profile.model is None:  # refused: no training model
-            return None, 0
+    def _too_short(self, profile):
+        """None, or the figures of why no trial could pay for itself: where a framework says how many
+        steps are left, a trial is worth running only if they could win back the one-off this model's
+        capture is estimated to cost (:mod:`autogaudi.measure.one_offs`)."""
+        remaining = remaining_steps()
+        if profile.model is None or remaining is None:  # no training model: refused; a plain loop: unknown
+            return None
         params = self._estimate_params(profile)
         # the tier chosen keeps only its share of what a whole capture could save
         saved_per_step_s = _saved_per_step_s(profile) * one_offs.keeps(self._estimate["tier"])
-        remaining = remaining_steps()
-        if remaining is None:
-            return None, math.ceil(params["estimate"] / saved_per_step_s)
         steps, source = remaining
         if steps * saved_per_step_s >= params["estimate"]:
-            return None, 0
-        return dict(steps=steps, source=source, most=steps * saved_per_step_s, **params), 0
+            return None
+        return dict(steps=steps, source=source, most=steps * saved_per_step_s, **params)
 
     def _estimate_one_off(self, profile) -> dict:
         """This model's capture one-off, predicted once per run (:func:`autogaudi.measure.one_offs.estimate`)."""
