@@ -287,6 +287,16 @@ def test_a_set_up_that_ends_in_gloos_teardown_abort_runs_again_and_other_failure
 
 
 @pytest.mark.slow
+def short_adder_case() -> dict:
+    """minGPT's adder shortened to 10 iterations, its result the loss of the last."""
+    case = next(case for case in CPU_CASES if case["name"] == "mingpt-adder")
+    return {
+        **case,
+        "command": [arg.replace("max_iters=40", "max_iters=11") for arg in case["command"]],
+        "result": r"iter 10: train loss [0-9.]+",
+    }
+
+
 @pytest.mark.skipif(not CPU_CASES, reason=NO_CORPUS)
 def test_a_cuda_written_case_trains_on_the_doubles_hpu_under_each_release_with_plains_losses(tmp_path, monkeypatch):
     """minGPT's adder (``'cuda' if torch.cuda.is_available()`` in its package) under the defaults with
@@ -294,12 +304,7 @@ def test_a_cuda_written_case_trains_on_the_doubles_hpu_under_each_release_with_p
     its loss plain's on the CPU within tolerance. Its run shortened further: 10 iterations."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     corpus = load_corpus()
-    case = next(case for case in CPU_CASES if case["name"] == "mingpt-adder")
-    case = {
-        **case,
-        "command": [arg.replace("max_iters=40", "max_iters=11") for arg in case["command"]],
-        "result": r"iter 10: train loss [0-9.]+",
-    }
+    case = short_adder_case()
     variants = ["plain", "hpu double latest", "hpu double 1.19"]
     row = corpus.run_case(case, variants, tmp_path, corpus.log, 600)
     assert row["runs"]["plain"]["result"] is not None, row["runs"]["plain"]["output_tail"]
@@ -323,12 +328,7 @@ def test_the_eager_releases_second_run_of_a_case_on_hpu_finds_every_graph_in_the
     second process compiles nothing and hits the recipe cache, its loss the first's."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     corpus = load_corpus()
-    case = next(case for case in CPU_CASES if case["name"] == "mingpt-adder")
-    case = {
-        **case,
-        "command": [arg.replace("max_iters=40", "max_iters=11") for arg in case["command"]],
-        "result": r"iter 10: train loss [0-9.]+",
-    }
+    case = short_adder_case()
     first, again = "hpu double latest capture forced", "hpu double latest capture forced again"
     row = corpus.run_case(case, ["plain", first, again], tmp_path, corpus.log, 900)
     compiled = row["runs"][first]["double"]["metrics"]
