@@ -92,6 +92,10 @@ class Backend:
     def mark_step(self) -> None:
         """Flush queued work (HPU lazy mode); nothing to do on eager backends."""
 
+    def compiling_for_autogaudi(self) -> None:
+        """autogaudi's own capture compiles in the step under way: the device's signals must not count
+        what it compiles as the script's recompiles. Nothing to do where no signals are read."""
+
     def synchronize(self) -> None:
         """Wait until the device has finished the work issued so far."""
 

@@ -134,6 +134,10 @@ class HpuBackend(Backend):
         self.signals = HpuSignals(importlib.import_module("habana_frameworks.torch.hpu.metrics"), session)
         return self.signals.stop
 
+    def compiling_for_autogaudi(self) -> None:
+        if self.signals is not None:
+            self.signals.compiling_for_autogaudi()
+
     def fast_bf16(self) -> bool:
         return True  # the MME's native type (Gaudi performance guide: bf16 autocast)
 

@@ -81,8 +81,10 @@ class HpuSignals:
         self.fallback_ops: dict = {}  # op -> {"count", "steps", "first_step", "where"}, after warm-up
         self.compiled_steps: list = []  # {"step", "compilations", "micros", "shapes"} after warm-up
         self.compilations = 0  # after warm-up
-        self.trial_compilations = 0  # after warm-up, in steps where one of autogaudi's trials ran (its captures)
+        # after warm-up, in steps where autogaudi compiled: one of its trials ran, or its capture compiled
+        self.own_compilations = 0
         self._trial_at_start = False  # whether a trial was running when the step under way began
+        self._own_compile = False  # whether autogaudi's capture compiled in the step under way
         self.warmup_shapes = None  # the last batch's shapes during warm-up
         self._batch_shapes = None  # the shapes of the batch the step under way trained on
         self._last = self._read()
@@ -111,6 +113,9 @@ class HpuSignals:
             "micros": compiled["TotalTime"],
         }
 
+    def compiling_for_autogaudi(self) -> None:
+        self._own_compile = True
+
     def _batch(self, iterator, batch, waited) -> None:
         self._batch_shapes = _shapes_of(batch)
 
@@ -122,6 +127,7 @@ class HpuSignals:
         compiled = now["compilations"] - before["compilations"]
         running = self._session.trials.current is not None
         trial, self._trial_at_start = self._trial_at_start or running, running
+        own, self._own_compile = trial or self._own_compile, False
         if step <= self._session.options.warmup_steps:
             self.warmup["cpu_fallbacks"] += now["fallbacks"] - before["fallbacks"]
             self.warmup["compilations"] += compiled
@@ -135,8 +141,8 @@ class HpuSignals:
                 )
                 seen["count"] += ran
                 seen["steps"] += 1
-        if compiled > 0 and trial:
-            self.trial_compilations += compiled
+        if compiled > 0 and own:
+            self.own_compilations += compiled
         elif compiled > 0:
             self.compilations += compiled
             if len(self.compiled_steps) < _KEPT_STEPS:
@@ -190,7 +196,7 @@ class HpuSignals:
             "warmup_shapes": self.warmup_shapes,
             "cpu_fallback_ops": {op: dict(seen) for op, seen in self.fallback_ops.items()},
             "compilations_after_warmup": self.compilations,
-            "compilations_in_trials": self.trial_compilations,
+            "compilations_by_autogaudi": self.own_compilations,
             "compiled_steps": [dict(record) for record in self.compiled_steps],
             "findings": [{"code": r.code, "params": dict(r.params), "text": r.text} for r in self.findings()],
             "failure": self.failure,

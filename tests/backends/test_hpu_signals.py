@@ -130,8 +130,24 @@ def test_compilations_while_a_trial_runs_are_autogaudis_not_the_scripts(hpu_doub
             metrics.inject_compilation()  # what a graph capture on trial compiles
 
     _, report, signals = run(hpu_double, steps=6, inject=inject)
-    assert (signals["compilations_in_trials"], signals["compilations_after_warmup"]) == (1, 0)
+    assert (signals["compilations_by_autogaudi"], signals["compilations_after_warmup"]) == (1, 0)
     assert signals["findings"] == [] and "gaudi:" not in report.format()
+
+
+def test_compilations_of_autogaudis_own_capture_outside_a_trial_are_not_the_scripts(hpu_double):
+    """A forced capture compiles in the step its captured call first runs: no trial is running, and
+    the step's compilations (its backward's too) are still autogaudi's; the next step's are the script's."""
+
+    def inject(step, metrics):
+        if step == 4:
+            autogaudi.entry.runtime._STATE.session.backend.compiling_for_autogaudi()
+            metrics.inject_compilation()
+        if step == 5:
+            metrics.inject_compilation()
+
+    _, _report, signals = run(hpu_double, steps=7, inject=inject)
+    assert (signals["compilations_by_autogaudi"], signals["compilations_after_warmup"]) == (1, 1)
+    assert [record["step"] for record in signals["compiled_steps"]] == [6]
 
 
 def test_a_fallback_names_the_scripts_line_that_calls_the_op(hpu_double, tmp_path, monkeypatch):

@@ -133,6 +133,7 @@ class CapturedCall:
     def _compile_for_new_shape(self, args, kwargs):
         started = time.perf_counter()
         cached_before = self.run.backend.compile_cache_counts()
+        self.run.backend.compiling_for_autogaudi()  # the device's signals: this step's compiles are ours
         with warnings.catch_warnings():  # compiling: torch.compile's advice is not the user's
             warnings.simplefilter("ignore", UserWarning)
             result = self._graphed(*args, **kwargs)
