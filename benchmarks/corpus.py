@@ -256,6 +256,7 @@ def clean_env(case: dict, variant: str) -> dict:
     if variant in HPU_DOUBLE_RELEASE:
         env["PYTHONPATH"] = os.pathsep.join((str(HPU_DOUBLE), env["PYTHONPATH"]))
         env["HPU_DOUBLE_RELEASE"] = HPU_DOUBLE_RELEASE[variant]
+        env.pop("PT_HPU_LAZY_MODE", None)  # the variant names the release: its default mode, or hpu_mode's
     return env
 
 

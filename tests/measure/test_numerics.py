@@ -114,10 +114,10 @@ def test_a_common_shape_gives_plain_numbers_or_the_report_names_what_changed_the
 
 
 @pytest.mark.slow
-def test_a_host_bound_mlp_with_dropout_under_the_defaults_names_its_capture_trial(monkeypatch):
-    """Whatever the capture trial decides, its steps ran compiled dropout, which draws other masks
-    from the script's generator: the losses after it differ, and the report says graph_capture
-    changed random draws and rounding, measured with the masks in it."""
+def test_a_host_bound_mlp_with_dropout_names_the_capture_trial_it_asked_for(monkeypatch):
+    """Whatever the capture trial (asked for: it changes the numbers) decides, its steps ran compiled
+    dropout, which draws other masks from the script's generator: the losses after it differ, and the
+    report says graph_capture changed random draws and rounding, measured with the masks in it."""
     from autogaudi.optimizations import step_profiler
 
     monkeypatch.setattr(
@@ -140,7 +140,7 @@ def test_a_host_bound_mlp_with_dropout_under_the_defaults_names_its_capture_tria
         return losses, torch.get_rng_state()
 
     plain, plain_stream = run()
-    autogaudi.enable(device="cpu")
+    autogaudi.enable(device="cpu", trial="graph_capture")
     losses, stream = run()
     report = autogaudi.report()
     assert [trial["candidate"] for trial in report.trials] == ["graph_capture"]

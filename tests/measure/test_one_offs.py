@@ -114,7 +114,7 @@ class Profile:
 class Unit:
     """What graph_capture's pay-back rule reads of its unit: the run's backend, cache and options; its figures."""
 
-    _when_to_try = graph_capture.GraphCapture._when_to_try
+    _too_short = graph_capture.GraphCapture._too_short
     _estimate_one_off = graph_capture.GraphCapture._estimate_one_off
     _estimate_params = graph_capture.GraphCapture._estimate_params
     _replay_offered = graph_capture.GraphCapture._replay_offered
@@ -126,36 +126,31 @@ class Unit:
         self._estimate = None
 
 
-def test_a_plain_loop_waits_until_its_steps_could_have_paid_this_models_estimate(monkeypatch):
+def test_a_plain_loop_of_unknown_length_is_not_refused_as_too_short(monkeypatch):
     monkeypatch.setattr(graph_capture, "remaining_steps", lambda: None)
-    saved_per_step_s = 0.010 * 0.5
     for ops in (100, 2500):
-        too_short, start_at = Unit()._when_to_try(Profile(nn.Linear(2, 2), ops))
-        estimate = CpuBackend.capture_one_off_rate_s * math.sqrt(ops)
-        assert too_short is None and start_at == math.ceil(estimate / saved_per_step_s)
+        assert Unit()._too_short(Profile(nn.Linear(2, 2), ops)) is None
 
 
-def test_a_regional_capture_is_waited_for_and_judged_on_the_share_of_the_saving_it_keeps(monkeypatch):
+def test_a_regional_capture_is_judged_on_the_share_of_the_saving_it_keeps(monkeypatch):
     blocks = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8))  # every parameter in a block
-    monkeypatch.setattr(graph_capture, "remaining_steps", lambda: None)
+    monkeypatch.setattr(graph_capture, "remaining_steps", lambda: (1000, "a framework"))
     unit = Unit()
-    too_short, start_at = unit._when_to_try(Profile(blocks, 2500))
+    too_short = unit._too_short(Profile(blocks, 2500))
     assert unit.report.figures["capture_tier"] == "regional"
     saved_per_step_s = 0.010 * 0.5 * one_offs.REGIONAL_KEEPS
     estimate = CpuBackend.capture_one_off_rate_s * math.sqrt(2500 / 3)  # one block of three compiled
-    assert too_short is None and start_at == math.ceil(estimate / saved_per_step_s)
-    monkeypatch.setattr(graph_capture, "remaining_steps", lambda: (1000, "a framework"))
-    too_short, _ = Unit()._when_to_try(Profile(blocks, 2500))
     assert too_short["most"] == pytest.approx(1000 * saved_per_step_s)
+    assert too_short["estimate"] == pytest.approx(estimate)
 
 
 def test_known_remaining_steps_that_cannot_pay_the_estimate_start_no_trial(monkeypatch):
     monkeypatch.setattr(graph_capture, "remaining_steps", lambda: (1000, "a framework"))
     # 1000 steps saving 5 ms each: 5 s. A 100-op model is estimated at 8 s, a 16-op one at the 2 s floor.
-    too_short, _ = Unit()._when_to_try(Profile(nn.Linear(2, 2), 100))
+    too_short = Unit()._too_short(Profile(nn.Linear(2, 2), 100))
     assert too_short["estimate"] == pytest.approx(8.0) and too_short["most"] == pytest.approx(5.0)
     assert {"low", "high", "basis", "model", "backend"} <= set(too_short)
-    assert Unit()._when_to_try(Profile(nn.Linear(2, 2), 16)) == (None, 0)
+    assert Unit()._too_short(Profile(nn.Linear(2, 2), 16)) is None
 
 
 def test_the_rule_learns_from_the_machines_records(monkeypatch, tmp_path):
@@ -165,7 +160,7 @@ def test_the_rule_learns_from_the_machines_records(monkeypatch, tmp_path):
     for _ in range(20):
         one_offs.remember(cache, cpu(), fast)
     # The prior's 8 s would refuse; this machine's measurements bring it to the 2 s floor, within the 5 s saved.
-    assert Unit(cache)._when_to_try(Profile(nn.Linear(2, 2), 100)) == (None, 0)
+    assert Unit(cache)._too_short(Profile(nn.Linear(2, 2), 100)) is None
 
 
 class Blobs(CpuBackend):
@@ -248,10 +243,10 @@ def test_saved_artifacts_make_the_estimate_a_warm_compiles(tmp_path, monkeypatch
     cache = Cache(str(tmp_path), 1 << 30)
     profile = Profile(nn.Linear(2, 2), 2500)
     cold = Unit(cache)
-    cold._when_to_try(profile)
+    cold._estimate_one_off(profile)
     one_offs.save_artifacts(cache, key(), Blobs())
     warm = Unit(cache)
-    warm._when_to_try(profile)
+    warm._estimate_one_off(profile)
     assert warm._estimate["warm"] and not cold._estimate["warm"]
     assert warm._estimate["seconds"] < cold._estimate["seconds"]
 
@@ -316,7 +311,7 @@ def test_the_unit_offers_the_replay_tier_only_where_the_backend_has_it_and_it_ca
     unit.run.options.exact_random = exact_random
     profile = Profile(nn.Linear(2, 2), 2500)
     profile.calls_per_step = calls
-    unit._when_to_try(profile)
+    unit._estimate_one_off(profile)
     assert ("one_off_predicted_replay_s" in unit.report.figures) is offered
     assert unit.report.figures["capture_tier"] == ("replay" if offered else "whole")
 

@@ -561,8 +561,8 @@ def test_ranks_that_measure_apart_follow_rank_zero_and_finish_the_trial_together
     env = {
         "AUTOGAUDI": "1",
         "AUTOGAUDI_QUIET": "1",
-        "AUTOGAUDI_TRIAL": "graph_capture",
-        "STEPS": "40",
+        "AUTOGAUDI_TRIAL": "graph_capture",  # asked for: a trial that changes the numbers runs only so
+        "STEPS": "70",  # the profile, then the trial's 30 steps (its blocks and warm-up) with room to spare
         "SLOW_DATA_RANK": "1",
         "SLOW_HOST_RANK": "0",
     }
