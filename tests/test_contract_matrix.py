@@ -100,7 +100,8 @@ STANDS_ELSEWHERE = {
     ("gpu_migration", "in_use"): ("watching", "bridge_loaded_first"),
     ("step_profiler", "watching"): ("deciding", "warming_up"),  # profiles from the first step
     ("step_profiler", "in_use"): ("watching", "host_bound"),  # its profile is what the others act on
-    ("fused_optimizer", "watching"): ("deciding", "timing"),  # the script's optimizer is timed from its build
+    # under the defaults on the CPU: left as built, its timing would choose the numbers (in use: --trial)
+    ("fused_optimizer", "watching"): ("watching", "changes_numbers"),
     ("pin_memory", "watching"): ("applied", "pinned"),  # pins the loader at its construction
     ("ddp_tuning", "watching"): ("applied", "bucket_view"),  # tunes DDP at its construction
     ("shape_buckets", "in_use"): ("not needed", "static_shapes"),  # the batches are all one shape
@@ -204,7 +205,9 @@ def settled_in_use(unit) -> bool:
 
 # state -> (options for the unit called name, whether the unit is there: a predicate on the live unit)
 def recipe(name: str, state: str):
+    # what puts each in use: capture and memory format forced, the fused update asked for (timed, on the CPU)
     base = {"force": name} if name in ("graph_capture", "channels_last") else {}
+    base = {"trial": name} if name == "fused_optimizer" else base
     in_use = {
         "watching": ({}, lambda unit: True),
         "in_use": (base, settled_in_use),

@@ -24,6 +24,19 @@ from autogaudi.measure.trials import WARMUP, Check, Trial, materiality_of
 from autogaudi.store.decisions import origin
 
 
+def untried_reason(unit):
+    """Why ``unit`` may not choose by a timing of the run's own steps, as a Reason, or None where it
+    may: it changes the numbers and the user did not ask for it (``--trial``, or the unit's own option
+    switching it on). A timing moves with the machine's load and the cache's state, so under the
+    defaults a choice that changes the numbers is never taken on one: a seeded run gives the same
+    numbers run after run."""
+    numerics = unit.numerics_on(unit.run.backend)
+    if not numerics or unit.name in unit.run.options.trial or unit.name in SWITCHED_ON_BY:
+        return None
+    how = " and ".join(NUMERICS[effect] for effect in numerics)
+    return unit.report.reason_for("changes_numbers", how=how, unit=unit.name)
+
+
 class State(enum.Enum):
     WAITING = "waiting"  # for the step profile: nothing set up
     CHECKING = "checking"  # set up, checked by the unit before it may switch on (a guard)
@@ -84,17 +97,12 @@ class Candidate:
         self.unit.report.reason = reason
 
     def untried(self) -> bool:
-        """Refuse a trial that would change the run's numbers (True) unless the user asked for it
-        (``--trial``, or the unit's own option naming it): a trial runs the user's own steps with the
-        candidate, from a step the step profile's timings set, so under the defaults a seeded run
-        would give other numbers quiet or busy, on an empty or a warm cache."""
-        unit = self.unit
-        numerics = unit.numerics_on(unit.run.backend)
-        if not numerics or unit.name in unit.run.options.trial or unit.name in SWITCHED_ON_BY:
-            return False
-        how = " and ".join(NUMERICS[effect] for effect in numerics)
-        self.refuse(unit.report.reason_for("changes_numbers", how=how, unit=unit.name))
-        return True
+        """Refuse a trial that would change the run's numbers (True) unless the user asked for it:
+        :func:`untried_reason`."""
+        reason = untried_reason(self.unit)
+        if reason is not None:
+            self.refuse(reason)
+        return reason is not None
 
     def set_up(self, profile) -> dict:
         """Set the candidate up on ``profile``'s model, once, into a child scope of the unit."""

@@ -22,7 +22,8 @@ DEVICES = ("auto", "hpu", "cuda", "cpu")
 SDPA_RECOMPUTE = ("auto", "on", "off")
 LAST_BATCH = ("repeat", "drop")
 PRECISIONS = ("off", "auto", "bf16", "fp16", "tf32")
-TRIAL_UNITS = ("graph_capture", "channels_last")  # the units that decide by a trial
+# the units that choose by timing the run's own steps, and change its numbers: only where asked for
+TRIAL_UNITS = ("graph_capture", "channels_last", "fused_optimizer", "hpu_mode")
 ENV_PREFIX = "AUTOGAUDI_"
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("", "0", "false", "no", "off")
@@ -167,10 +168,12 @@ OPTIONS: tuple = (
         "trial",
         (),
         _units_of(TRIAL_UNITS),
-        "comma-separated units to A/B-test in the run (none is by default: a trial runs the script's "
-        "steps with a change to its numbers), even where the step profile says they would not help or "
-        "could not pay back (graph_capture: not host-bound, or the run too short; channels_last: "
-        "input-bound); kept only if measured faster",
+        "comma-separated units to A/B-test in the run (none is by default: each changes the run's numbers, "
+        "and a choice timed on the run's own steps moves with the machine's load), even where the step profile "
+        "says they would not help or could not pay back (graph_capture: not host-bound, or the run too short; "
+        "channels_last: input-bound; fused_optimizer: the fused update timed on copies where the host waits for "
+        "each op, as on CPU; hpu_mode: lazy and eager measured one run each, later runs set the faster); kept "
+        "only if measured faster",
         "UNIT,...",
     ),
     Option(

@@ -32,9 +32,8 @@ CORE = {
     "and inputs; this run's step time is checked against that trial's",
     "remembered_stopped": "not tried: its trial in run {run} on {date} with the same script, model and inputs was "
     "stopped when its one-off passed {limit} s, the high end of its estimate",
-    "changes_numbers": "not tried: its trial would run the training steps with it, which changes the run's numbers "
-    "({how}), from a step the step profile's timings set, so a seeded run would differ with the machine's load; "
-    "ask for one with --trial {unit}",
+    "changes_numbers": "not tried: it changes the run's numbers ({how}) and would be chosen by timing the run's own "
+    "steps, which the machine's load moves, so a seeded run would differ run to run; ask for it with --trial {unit}",
     "one_off_overran": "stopped: its one-off reached {spent} s, past the high end of its estimate ({limit} s); "
     "released, nothing more paid for it",
     # notes of a unit whose effect on the numbers was to be measured on a copy (UnitReport.measure_numerics)

@@ -66,7 +66,7 @@ def choose_hpu_mode(options, caches: dict):
     if path is not None:
         with open(path, encoding="utf-8", errors="replace") as handle:
             source = handle.read()
-    decided = modes.decide(caches["cache"], path, source, bridge_loaded())
+    decided = modes.decide(caches["cache"], path, source, bridge_loaded(), asked="hpu_mode" in options.trial)
     if decided.get("set"):
         caches["set"][modes.VARIABLE] = os.environ[modes.VARIABLE]
     return decided

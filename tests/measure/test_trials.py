@@ -172,12 +172,18 @@ def test_a_check_matches_a_step_time_near_the_remembered_one_after_its_warm_up(s
     assert record["ratio"] == pytest.approx(0.004 / 0.0042, rel=0.2)  # the slow warm-up steps are not in it
 
 
-@pytest.mark.parametrize("step_seconds", [0.002, 0.012])
-def test_a_check_differs_from_steady_steps_a_quarter_off_either_way(step_clock, idle_machine, step_seconds):
-    decisions, ran, runner = run_check(step_clock, step_seconds, expected_s=0.006)
+def test_a_check_differs_from_steady_steps_clearly_slower_than_the_keep_promised(step_clock, idle_machine):
+    decisions, ran, runner = run_check(step_clock, 0.012, expected_s=0.006)
     ((matches, record),) = decisions
     assert not matches and record["decision"] == "differs"
     assert ran == 2 + 2 * trials.BLOCK and runner.idle and runner.records == [record]
+
+
+def test_a_check_matches_steps_faster_than_the_keep_promised_by_any_amount(step_clock, idle_machine):
+    """A quieter machine than the deciding run's is no contradiction of a keep, nor a reason to pay
+    for a trial again."""
+    ((matches, record),) = run_check(step_clock, 0.0005, expected_s=0.006)[0]
+    assert matches and record["decision"] == "matches" and record["ratio"] < 0.1
 
 
 def test_a_check_on_a_busier_machine_expects_its_steps_slower_by_the_load(step_clock, idle_machine):
@@ -292,7 +298,7 @@ def test_a_unit_switched_off_gives_the_steps_back_whatever_it_was_measuring():
     import autogaudi
     from autogaudi.entry import runtime
 
-    autogaudi.enable(device="cpu", only="fused_optimizer")
+    autogaudi.enable(device="cpu", only="fused_optimizer", trial="fused_optimizer")
     session = runtime._STATE.session
     model = torch.nn.Linear(4, 1)
     optimizer = torch.optim.AdamW(model.parameters())

@@ -70,7 +70,8 @@ def counts(row) -> dict:
 
 
 def enable(backend):
-    autogaudi.enable(device=backend, only="fused_optimizer")
+    """Asked for (``--trial``): on CPU the update is timed before it is fused, as the tests below check."""
+    autogaudi.enable(device=backend, only="fused_optimizer", trial="fused_optimizer")
 
 
 @pytest.fixture(params=["cpu", "hpu"])
@@ -165,6 +166,26 @@ def counting(monkeypatch, kernel):
     original = getattr(torch, kernel)
     monkeypatch.setattr(torch, kernel, lambda *args, **kwargs: calls.append(kernel) or original(*args, **kwargs))
     return calls
+
+
+@pytest.mark.parametrize("backend", ["cpu", "hpu"])
+def test_under_the_defaults_the_update_is_fused_only_where_no_timing_chooses_it(backend, hpu_double, monkeypatch):
+    """Where the host waits for each op (CPU) the fused update would be chosen by a timing, which the
+    machine's load moves: under the defaults the optimizer runs as built, plain's numbers bit for
+    bit, nothing timed. Where the host runs ahead (HPU) it is fused from the first step, untimed."""
+    if backend == "hpu":
+        hpu_double(lazy=True)
+    plain, plain_net, _ = train(OPTIMIZERS["adamw"], steps=6)
+    autogaudi.enable(device=backend, only="fused_optimizer")
+    calls = counting(monkeypatch, "_fused_adamw_")
+    losses, net, _ = train(OPTIMIZERS["adamw"], steps=6)
+    row = autogaudi.report().unit("fused_optimizer")
+    if backend == "cpu":
+        assert losses == plain and all(map(torch.equal, net.parameters(), plain_net.parameters()))
+        assert calls == [] and "update_ms" not in row["figures"]
+        assert (row["reason_code"], row["figures"]["optimizers_fused"]) == ("changes_numbers", 0)
+    else:
+        assert (row["reason_code"], row["figures"]["optimizers_fused"]) == ("hpex", 1)
 
 
 def test_cpu_keeps_the_users_object_as_built_and_steps_it_with_torchs_fused_kernel(monkeypatch):
@@ -834,7 +855,7 @@ def test_the_runs_steady_state_starts_once_the_update_is_decided(monkeypatch, st
     from autogaudi.optimizations.step_profiler import classification
 
     timed_updates(monkeypatch, step_clock, fused_ms=[0.0], unfused_ms=2.0)
-    autogaudi.enable(device="cpu", only="step_profiler,fused_optimizer", warmup_steps=1)
+    autogaudi.enable(device="cpu", only="step_profiler,fused_optimizer", warmup_steps=1, trial="fused_optimizer")
     net = model()
     optimizer = OPTIMIZERS["adamw"](net)
     settled, trials_wait = [], []

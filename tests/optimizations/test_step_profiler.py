@@ -277,7 +277,7 @@ def test_the_census_waits_for_another_units_timing_but_not_for_an_optimizer_that
     from autogaudi.measure import trials
     from autogaudi.optimizations.fused_optimizer import unit as fused_optimizer
 
-    autogaudi.enable(device="cpu", only="step_profiler,fused_optimizer")
+    autogaudi.enable(device="cpu", only="step_profiler,fused_optimizer", trial="fused_optimizer")
     model = Timed(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3)), host=0.010)
     main = torch.optim.AdamW(model.parameters())
     for stepped_twice in (False, True):
@@ -300,7 +300,7 @@ def test_the_census_waits_for_another_units_timing_but_not_for_an_optimizer_that
         else:
             assert started == decided, seen
         autogaudi.disable()
-        autogaudi.enable(device="cpu", only="step_profiler,fused_optimizer")
+        autogaudi.enable(device="cpu", only="step_profiler,fused_optimizer", trial="fused_optimizer")
 
 
 def test_a_step_whose_ops_compute_most_of_it_is_device_bound(step_clock):

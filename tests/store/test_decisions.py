@@ -89,11 +89,12 @@ def test_a_second_run_follows_the_first_runs_profile_and_trial_without_measuring
     assert json.loads(path.read_text())["runs"] == 2
 
 
-@pytest.mark.xfail(
-    strict=False, reason="open: on the shared first run a busy machine's steps can contradict the kept decision"
-)
 def test_a_remembered_kept_decision_is_applied_without_a_trial(tmp_path, after_first_run):
-    rewrite_entry(tmp_path, lambda entry: entry["trials"]["channels_last"].update(decision="kept"))
+    """Remembered far slower than any run here takes: this run, quiet or busy, is faster than the keep
+    promised, which does not contradict it (only a run clearly slower does, tested below)."""
+    rewrite_entry(
+        tmp_path, lambda entry: entry["trials"]["channels_last"].update(decision="kept", ms_per_step_with=1e6)
+    )
     second, _ = run(tmp_path, "second", "--trial", "channels_last")
     row = unit(second, "channels_last")
     (check,) = second["trials"]

@@ -6,12 +6,14 @@ script's optimizer is built as written and stays the script's, so its checkpoint
 pickles are plain PyTorch's: on CPU and CUDA each step sets ``fused=True`` for the time of the
 update; on HPU the step runs an hpex optimizer that shares its state (:mod:`.hpu_format`).
 
-A fused update rounds otherwise than torch's per-op one. Where the host waits for each op, the run
-keeps torch's unfused step while the fused update is measured beside it on copies (its rounding and
-its time), and switches to it only after a fixed number of steps, and only for a gain worth its
-rounding (:mod:`.update_times`): the run's numbers are plain's until then, and the same run after
-run. Where it is not timed, the fused update runs from the first step and its first steps are
-measured against torch's unfused step on copies. What torch refuses only inside the fused step is
+A fused update rounds otherwise than torch's per-op one. Where the host waits for each op (CPU), it
+is worth fusing only if timed faster, and a timing moves with the machine's load: under the defaults
+the optimizer is left as built (``changes_numbers``), so a seeded run's numbers never hang on a clock.
+Asked for (``--trial fused_optimizer``), the run keeps torch's unfused step while the fused update is
+timed beside it on copies, and switches after a fixed number of steps, only for a gain worth its
+rounding (:mod:`.update_times`). Where the host queues ahead of the device (CUDA, HPU) the fused
+update runs from the first step, untimed, in every run, its first steps measured against torch's
+unfused step on copies. What torch refuses only inside the fused step is
 checked before each update (:mod:`.kernels`). docs/units/fused_optimizer.md has the rules and the measurements.
 """
 
@@ -23,6 +25,7 @@ import weakref
 
 import torch
 
+from autogaudi.core.candidate import untried_reason
 from autogaudi.core.events import Event
 from autogaudi.core.unit import FORMULA, ROUNDING, Unit, UnitSpec
 from autogaudi.entry.ranks import several_ranks
@@ -118,6 +121,11 @@ class FusedOptimizer(HpuDelegates, Unit):
             self._kept(owner, unfusable.text, refusal=unfusable.code)
             self._count_refusal(unfusable)
         elif self._native and self._timed_here():
+            untried = untried_reason(self)  # its timing would choose the run's numbers: only where asked for
+            if untried is not None:
+                self.report.figures["optimizers_kept"] += 1
+                self.report.because(untried.code, **untried.params)
+                return result
             times = self._trying[instance] = UpdateTimes(optimizer=instance)
             self._timed.append(times)
             self.run.trials.measuring(self, times)

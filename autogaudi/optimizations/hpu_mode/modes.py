@@ -69,10 +69,14 @@ def choose(record: dict):
     return None, "first_run"
 
 
-def decide(cache, script, source: str, bridge_loaded: bool) -> dict:
-    """What to set ``PT_HPU_LAZY_MODE`` to before the bridge loads, and why (``code``); sets it."""
+def decide(cache, script, source: str, bridge_loaded: bool, asked: bool) -> dict:
+    """What to set ``PT_HPU_LAZY_MODE`` to before the bridge loads, and why (``code``); sets it. Only
+    where ``asked`` (``--trial hpu_mode``): the modes round differently, and which one a run gets would
+    hang on the cache's state and on step times the machine's load moves."""
     if VARIABLE in os.environ:
         return {"code": "set_by_environment", "mode": "lazy" if os.environ[VARIABLE] != "0" else "eager"}
+    if not asked:
+        return {"code": "changes_numbers"}
     if cache is None or script is None:
         return {"code": "no_cache" if cache is None else "no_script"}
     tied = tied_to(source)

@@ -28,7 +28,6 @@ import torch
 
 from autogaudi.core.events import Event
 from autogaudi.core.registry import PROFILER
-from autogaudi.core.status import Status
 from autogaudi.core.unit import RANDOM, ROUNDING, Unit, UnitSpec
 from autogaudi.optimizations.shape_buckets import buckets, check, matter, padding, signature
 from autogaudi.watch.model_call import Layer, holder, trains
@@ -55,6 +54,18 @@ def short_last_batch(iterator) -> bool:
         return not sampler.drop_last and len(sampler.sampler) % sampler.batch_size != 0
     except (AttributeError, TypeError):
         return False
+
+
+class PaddingCheck:
+    """The shadow check as the measurement runner reads it: deciding from the moment padding is set
+    up until the check passed or refused it (:meth:`autogaudi.measure.trials.TrialRunner.measuring`)."""
+
+    def __init__(self):
+        self.deciding = True
+
+    @property
+    def done(self) -> bool:
+        return not self.deciding
 
 
 class ShapeBuckets(Unit):
@@ -103,6 +114,7 @@ class ShapeBuckets(Unit):
         self._padding_idx = None
         self._checked = None  # the check's relative difference, once it passed
         self._refused = False
+        self._padding_check = None  # the shadow check's state, as the runner reads it, once padding is set up
         self._dynamic = None  # names of the tensors whose sequence dimension is marked dynamic, where padding is not
         self._traced = False  # a call of the model was traced by the script's own torch.compile
         self._positions = self._padded = 0
@@ -155,6 +167,7 @@ class ShapeBuckets(Unit):
         elif self._where_shapes_matter(model) is None:
             self.report.because("eager", backend=self.run.backend.name)
             self._model = model
+            self.run.trials.measured(self)
             self.scope.on(Event.TRAINING_STEP, self._watch_for_capture)
         else:
             self._start(model)
@@ -166,7 +179,15 @@ class ShapeBuckets(Unit):
 
     def _settle(self, code: str, **params) -> None:
         self._refused = True
+        self._decided()
         self.report.because(code, **params)
+
+    def _decided(self) -> None:
+        """Nothing left to check for the model: the runner reads the unit as decided."""
+        if self._padding_check is not None:
+            self._padding_check.deciding = False
+        else:
+            self.run.trials.measured(self)
 
     def _start(self, model) -> None:
         self._model = model
@@ -176,6 +197,8 @@ class ShapeBuckets(Unit):
         self._forward = getattr(model, "_orig_mod", model).forward  # names the arguments (a compiled module's own)
         self._graphs_at["start"] = compiled_graphs(self.run.backend) or 0
         self._scope = self.scope.child()
+        self._padding_check = PaddingCheck()
+        self.run.trials.measuring(self, self._padding_check)
         self._scope.hold(model, Layer.INPUTS, self._around)
         self._scope.on(Event.TRAINING_STEP, self._stepped)
         self.report.because("checking", buckets=list(self._buckets), model=type(model).__name__)
@@ -271,16 +294,10 @@ class ShapeBuckets(Unit):
         except Exception as error:  # the copy could not run: no proof, so no padding
             self._refuse("check_failed", error=f"{type(error).__name__}: {error}")
             return False
+        self._decided()
         difference = f"{self._checked:.2g}"
         self.report.because("bucketed", model=type(model).__name__, buckets=list(self._buckets), difference=difference)
         return True
-
-    def decision(self) -> Status:
-        if self._scope is not None and self._checked is None and not self._dynamic:
-            return Status.DECIDING
-        if self._refused or self._model is not None:
-            return Status.NOT_NEEDED
-        return Status.WATCHING
 
     def changes(self) -> list:
         if self._dynamic:
