@@ -143,7 +143,7 @@ CHECKPOINT_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin")
 # An argument may become several: minGPT's adder on one-digit sums (its evaluation at iteration 0
 # then reads 100 problems, not 10,000) and chargpt on 32-character blocks, not 128 (its 500
 # sampled characters at iteration 0 and each step attend over a quarter of the context): the same
-# code paths and decisions, with less arithmetic on the way.
+# code paths, each unit reaching a decision as in the longer run, with less arithmetic on the way.
 ADDER_SHORT = (
     {"--trainer.max_iters=300": ["--trainer.max_iters=40", "--data.ndigit=1"]},
     r"iter 30: train loss [0-9.]+",
