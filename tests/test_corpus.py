@@ -286,7 +286,6 @@ def test_a_set_up_that_ends_in_gloos_teardown_abort_runs_again_and_other_failure
     assert len(calls) == 3
 
 
-@pytest.mark.slow
 def short_adder_case() -> dict:
     """minGPT's adder shortened to 10 iterations, its result the loss of the last."""
     case = next(case for case in CPU_CASES if case["name"] == "mingpt-adder")
@@ -297,19 +296,39 @@ def short_adder_case() -> dict:
     }
 
 
+@pytest.fixture(scope="module")
+def short_adder_plain(tmp_path_factory):
+    """The shortened adder's plain run, once for the tests that run it on the double."""
+    corpus = load_corpus()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("OMP_NUM_THREADS", "1")
+        row = corpus.run_case(short_adder_case(), ["plain"], tmp_path_factory.mktemp("plain"), corpus.log, 600)
+    return row
+
+
+def short_adder_against_plain(plain_row, variants, scratch, timeout) -> dict:
+    """The shortened adder's ``variants``, each with its verdict against the shared plain run."""
+    corpus, case = load_corpus(), short_adder_case()
+    plain = plain_row["runs"]["plain"]
+    assert plain["result"] is not None, plain["output_tail"]
+    runs = corpus.run_case(case, variants, scratch, corpus.log, timeout)["runs"]
+    for variant, mine in runs.items():
+        mine.update(corpus.verdict(case, variant, plain, mine))
+    return runs
+
+
+@pytest.mark.slow
 @pytest.mark.skipif(not CPU_CASES, reason=NO_CORPUS)
-def test_a_cuda_written_case_trains_on_the_doubles_hpu_under_each_release_with_plains_losses(tmp_path, monkeypatch):
+def test_a_cuda_written_case_trains_on_the_doubles_hpu_under_each_release_with_plains_losses(
+    tmp_path, monkeypatch, short_adder_plain
+):
     """minGPT's adder (``'cuda' if torch.cuda.is_available()`` in its package) under the defaults with
     the HPU double, once per release it models: migrated, every parameter its optimizer holds on hpu,
     its loss plain's on the CPU within tolerance. Its run shortened further: 10 iterations."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    corpus = load_corpus()
-    case = short_adder_case()
-    variants = ["plain", "hpu double latest", "hpu double 1.19"]
-    row = corpus.run_case(case, variants, tmp_path, corpus.log, 600)
-    assert row["runs"]["plain"]["result"] is not None, row["runs"]["plain"]["output_tail"]
+    runs = short_adder_against_plain(short_adder_plain, ["hpu double latest", "hpu double 1.19"], tmp_path, 600)
     for variant, lazy in (("hpu double latest", False), ("hpu double 1.19", True)):
-        mine = row["runs"][variant]
+        mine = runs[variant]
         assert mine["verdict"] in ("same", "slower"), (variant, mine["why"], mine["output_tail"][-2000:])
         backend = mine["report"]["backend"]
         assert backend["lazy"] is lazy
@@ -322,20 +341,20 @@ def test_a_cuda_written_case_trains_on_the_doubles_hpu_under_each_release_with_p
 
 @pytest.mark.slow
 @pytest.mark.skipif(not CPU_CASES, reason=NO_CORPUS)
-def test_the_eager_releases_second_run_of_a_case_on_hpu_finds_every_graph_in_the_recipe_cache(tmp_path, monkeypatch):
+def test_the_eager_releases_second_run_of_a_case_on_hpu_finds_every_graph_in_the_recipe_cache(
+    tmp_path, monkeypatch, short_adder_plain
+):
     """minGPT's adder on the double's hpu (latest), its blocks compiled with hpu_backend (capture
     forced: a short run ends before the trial), then again in the first run's cache folder: the
     second process compiles nothing and hits the recipe cache, its loss the first's."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    corpus = load_corpus()
-    case = short_adder_case()
     first, again = "hpu double latest capture forced", "hpu double latest capture forced again"
-    row = corpus.run_case(case, ["plain", first, again], tmp_path, corpus.log, 900)
-    compiled = row["runs"][first]["double"]["metrics"]
-    assert compiled["graph_compilation"]["TotalNumber"] > 0, row["runs"][first]["output_tail"][-2000:]
+    runs = short_adder_against_plain(short_adder_plain, [first, again], tmp_path, 900)
+    compiled = runs[first]["double"]["metrics"]
+    assert compiled["graph_compilation"]["TotalNumber"] > 0, runs[first]["output_tail"][-2000:]
     assert compiled["recipe_cache"]["TotalHit"] == 0
-    mine = row["runs"][again]
+    mine = runs[again]
     assert mine["double"]["metrics"]["graph_compilation"]["TotalNumber"] == 0
     assert mine["double"]["metrics"]["recipe_cache"]["TotalHit"] > 0
     assert mine["verdict"] in ("same", "slower"), (mine["why"], mine["output_tail"][-2000:])
-    assert mine["result"] == row["runs"][first]["result"]
+    assert mine["result"] == runs[first]["result"]

@@ -8,6 +8,7 @@ import json
 import logging
 import random
 
+import pytest
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -82,6 +83,7 @@ def trained_as_plain(make, memory_limit=1e-5, **fit_args):
 # script (its blocks BatchNorm's, random and printing, its head hooked), three interpreters.
 
 
+@pytest.mark.slow
 def test_under_exact_with_any_memory_limit_the_script_prints_what_plain_prints(tmp_path):
     script = SCRIPTS / "observed_batchnorm_blocks.py"
     plain = run_python(script)

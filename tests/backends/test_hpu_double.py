@@ -119,6 +119,7 @@ print(loss.device, dict(metrics.metric_global("graph_compilation").stats())["Tot
 """
 
 
+@pytest.mark.slow
 def test_a_second_process_compiling_a_model_on_hpu_finds_every_graph_in_the_recipe_cache(tmp_path):
     env = clean_env(PYTHONPATH=str(HPU_DOUBLE), PT_HPU_RECIPE_CACHE_CONFIG=f"{tmp_path},false,100")
     first, second = (run_python("-c", COMPILED_ON_HPU, env=env) for _ in range(2))

@@ -12,7 +12,7 @@ import json
 import pytest
 
 from autogaudi.entry.script_source import read_script
-from tests.helpers import HPU_DOUBLE, SCRIPTS, clean_env, run_python
+from tests.helpers import HPU_DOUBLE, SCRIPTS, clean_env, plain_run, run_python
 
 # The units that act for the device, which step aside off it (fused_optimizer: its hpex path).
 DEVICE_UNITS = ("step_marks", "fused_optimizer", "fused_clip_norm", "pin_memory", "static_last_batch")
@@ -50,7 +50,7 @@ def devices(result) -> dict:
 
 def plain_loss(script, **env):
     """The script as written, without autogaudi or the double: on this machine, the CPU."""
-    result = run_python(SCRIPTS / script, env=clean_env(**env))
+    result = plain_run(SCRIPTS / script, **env)
     assert result.returncode == 0, result.stderr
     return loss_of(result)
 

@@ -30,9 +30,10 @@ def row():
 
 class Bookkeeping(nn.Module):
     """A tiny layer with the Python work model code often does around its ops (shape checks,
-    config lookups): the host's time, not the kernels'."""
+    config lookups): the host's time, not the kernels'. A little of it: dynamo traces every
+    iteration of the loop when it compiles the layer."""
 
-    def __init__(self, work: int = 3000):
+    def __init__(self, work: int = 30):
         super().__init__()
         self.linear = nn.Linear(8, 8)
         self.work = work
@@ -383,7 +384,7 @@ def test_a_recompile_storm_switches_capture_off_and_names_the_shapes(hpu_double)
 
 @pytest.mark.slow
 def test_host_bound_plain_loop_asked_for_gets_a_compile_trial_and_trains_like_plain(monkeypatch, capture_one_off):
-    def tiny():  # Python-heavy tiny layers: a 20-layer plain MLP sat on the 50% line and flipped
+    def tiny():  # the profile is given below: little Python per layer, so that dynamo traces it quickly
         torch.manual_seed(0)
         return nn.Sequential(*[Bookkeeping() for _ in range(20)], nn.Linear(8, 3))
 

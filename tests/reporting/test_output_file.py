@@ -8,7 +8,7 @@ import pytest
 
 from autogaudi.core.errors import OptionsError
 from autogaudi.reporting import output_file as report_file
-from tests.helpers import SCRIPTS, full_filesystem, run_python
+from tests.helpers import SCRIPTS, full_filesystem, plain_run, run_python
 
 REFUSED = {
     "missing folder": lambda tmp: tmp / "missing" / "r.json",
@@ -91,7 +91,7 @@ def test_a_full_disk_still_gives_the_short_report_and_the_scripts_exit_code(tmp_
     with full_filesystem(tmp_path / "full") as full:
         path = full / "r.json"
         result = run_python("-m", "autogaudi", "--quiet", "--report", path, SCRIPTS / "train_tiny.py")
-        plain = run_python(SCRIPTS / "train_tiny.py")
+        plain = plain_run(SCRIPTS / "train_tiny.py")
         assert (result.returncode, result.stdout) == (plain.returncode, plain.stdout)
         assert "report (torch" in result.stderr  # the short report, though --quiet: the file is lost
         assert f"the report file {path} was not written" in result.stderr

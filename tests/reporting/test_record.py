@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from tests.helpers import REPO, SCRIPTS, bare_report, clean_env, run_python
+from tests.helpers import REPO, SCRIPTS, bare_report, clean_env, plain_run, run_python
 
 BACKEND = "cuda" if torch.cuda.is_available() else "cpu"  # what a launcher run picks on this machine
 
@@ -16,7 +16,7 @@ def test_launcher_prints_the_table_and_writes_json(tmp_path):
     path = tmp_path / "report.json"
     result = run_python("-m", "autogaudi", "--verbose", "--report", path, SCRIPTS / "train_tiny.py")
     assert result.returncode == 0, result.stderr
-    plain = run_python(SCRIPTS / "train_tiny.py")
+    plain = plain_run(SCRIPTS / "train_tiny.py")
     assert result.stdout == plain.stdout  # the report never touches the script's own output
     report = json.loads(path.read_text())
     assert report["backend"]["name"] == BACKEND

@@ -95,6 +95,7 @@ def run_conv(tmp_path, *options, env=None, name="run"):
     return json.loads(report.read_text())
 
 
+@pytest.mark.slow
 def test_the_cache_command_lists_what_runs_remembered_and_clears_it(tmp_path):
     cache_dir = tmp_path / "cache"
     run_conv(tmp_path, "--cache-dir", cache_dir, "--trial", "channels_last")
