@@ -119,7 +119,7 @@ def test_version():
         (["--device", "tpu"], "valid choices for device: auto, hpu, cuda, cpu"),
         (["--disable", "nonsense"], "valid choices for disable: gpu_migration, hpu_mode, step_marks"),
         (["--log-every", "-1"], "must be a whole number >= 0"),
-        (["--trial", "fused_optimizer"], "valid choices for trial: graph_capture, channels_last"),
+        (["--trial", "pin_memory"], "valid choices for trial: graph_capture, channels_last, fused_optimizer, hpu_mode"),
         (["--trial", "graph_capture", "--no-trials"], "no_trials rules out; choose one"),
         ([], "give a script to run"),
     ],
