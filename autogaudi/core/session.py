@@ -393,7 +393,7 @@ class Session:
         for unit in list(self.applied):
             run_guarded(unit, unit.run_ending, ended_by)
         self.remember()
-        if self.cache is not None and self.steps.trained and is_rank_zero():
+        if self.cache is not None and self.steps.trained and is_rank_zero() and compile_caches_written():
             try:  # not in every DataLoader or compile worker: they compiled and decided nothing
                 self.cache.evict()  # the compile caches grew during the run
             except Exception as error:
@@ -417,6 +417,14 @@ class Session:
         if not self.options.quiet or not_written:
             sys.stderr.write(report.format() + (not_written or ""))
             sys.stderr.flush()
+
+
+def compile_caches_written() -> bool:
+    """Whether a compiler may have written into the cache's compile folders in this run: inductor's
+    on-disk cache was loaded (torch.compile compiled), or the Gaudi bridge (its recipe cache). Only
+    then is the cache evicted at exit: autogaudi's own writes evict as they write, and walking a
+    cache of thousands of files would cost every short run that compiled nothing."""
+    return "torch._inductor.codecache" in sys.modules or before_bridge.BRIDGE in sys.modules
 
 
 def budget_possible(options, backend) -> bool:
