@@ -83,13 +83,13 @@ model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Li
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 model(torch.randn(4, 8)).pow(2).mean().backward()
 optimizer.step()
-print(sorted(name for name in ("psutil",) if name in sys.modules))
+print(sorted(name for name in ("psutil", "autogaudi.reporting.record") if name in sys.modules))
 """
 
 
-def test_a_short_quiet_run_imports_no_psutil(tmp_path):
-    """psutil costs a start 7-20 ms; a quiet run reads the machine's memory without it (the fused
-    optimizer's check on copies at the first step)."""
+def test_a_short_quiet_run_imports_neither_psutil_nor_the_report(tmp_path):
+    """psutil costs a start 7-20 ms: a quiet run reads the machine's memory without it (the fused
+    optimizer's check on copies at the first step); and it builds no report, so loads none."""
     script = tmp_path / "one_step.py"
     script.write_text(ONE_STEP)
     env = clean_env(AUTOGAUDI_NO_CACHE="0", AUTOGAUDI_CACHE_DIR=tmp_path / "cache")

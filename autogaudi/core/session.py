@@ -29,7 +29,7 @@ from autogaudi.entry.children import gathered as gathered_children
 from autogaudi.entry.ranks import gather_from_ranks, is_rank_zero, several_ranks
 from autogaudi.measure.trials import StepWindows, TrialRunner
 from autogaudi.reporting import output_file as report_file
-from autogaudi.reporting.record import Report, UnitRow
+from autogaudi.reporting.rows import UnitRow
 from autogaudi.store.cache import inductor_cache_distrust, note
 from autogaudi.store.decisions import Memory
 from autogaudi.watch.placement import Placement
@@ -335,7 +335,10 @@ class Session:
             self.rank_rows = {rank: None if got is None else got["units"] for rank, got in posted.items()}
             self.rank_step_s = {str(rank): None if got is None else got["steps"] for rank, got in posted.items()}
 
-    def report(self) -> Report:
+    def report(self):
+        """The run's :class:`~autogaudi.reporting.record.Report`, its module loaded here: a quiet run builds none."""
+        from autogaudi.reporting.record import Report
+
         stats = self.backend.memory_stats()
         watcher = self.step_memory
         if watcher is None:
