@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import resource
 import shutil
@@ -125,6 +126,7 @@ def main() -> None:
     cases = corpus.load_cases(corpora, "cpu", args.cases.split(",") if args.cases else None)
     cases = [corpus.shortened(case) if args.short else case for case in cases]
     facts = {"machine": corpus.machine_name(), "date": time.strftime("%Y-%m-%d"), "commit": _commit()}  # the code run
+    facts["load_1min_before"] = os.getloadavg()[0]  # a busy machine's pairs spread wide: say how busy
     results = []
     with tempfile.TemporaryDirectory(prefix="autogaudi-against-plain-") as folder:
         for case in cases:
@@ -133,6 +135,7 @@ def main() -> None:
                 print(f"{case['name']}: skipped, needs {', '.join(missing)}")
                 continue
             result = measure_case(case, args.pairs, Path(folder), args.timeout)
+            result["load_1min_after"] = os.getloadavg()[0]
             results.append(result)
             measured, claimed = result["measured_s"], result["claimed_s"]
             print(

@@ -73,3 +73,26 @@ def test_the_launcher_and_the_doctor_do_not_import_each_other():
     assert launcher.returncode == 0 and doctor.returncode == 0, launcher.stderr + doctor.stderr
     assert launcher.stdout.strip() == "['autogaudi.entry.launcher']"  # neither the doctor nor torch before the script
     assert "autogaudi.entry.launcher" not in doctor.stdout
+
+
+ONE_STEP = """
+import sys
+import torch
+
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+model(torch.randn(4, 8)).pow(2).mean().backward()
+optimizer.step()
+print(sorted(name for name in ("psutil", "autogaudi.reporting.record") if name in sys.modules))
+"""
+
+
+def test_a_short_quiet_run_imports_neither_psutil_nor_the_report(tmp_path):
+    """psutil costs a start 7-20 ms: a quiet run reads the machine's memory without it (the fused
+    optimizer's check on copies at the first step); and it builds no report, so loads none."""
+    script = tmp_path / "one_step.py"
+    script.write_text(ONE_STEP)
+    env = clean_env(AUTOGAUDI_NO_CACHE="0", AUTOGAUDI_CACHE_DIR=tmp_path / "cache")
+    result = run_python("-m", "autogaudi", "--quiet", script, env=env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"

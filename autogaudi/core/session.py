@@ -29,7 +29,7 @@ from autogaudi.entry.children import gathered as gathered_children
 from autogaudi.entry.ranks import gather_from_ranks, is_rank_zero, several_ranks
 from autogaudi.measure.trials import StepWindows, TrialRunner
 from autogaudi.reporting import output_file as report_file
-from autogaudi.reporting.record import Report, UnitRow
+from autogaudi.reporting.rows import UnitRow
 from autogaudi.store.cache import inductor_cache_distrust, note
 from autogaudi.store.decisions import Memory
 from autogaudi.watch.placement import Placement
@@ -335,7 +335,10 @@ class Session:
             self.rank_rows = {rank: None if got is None else got["units"] for rank, got in posted.items()}
             self.rank_step_s = {str(rank): None if got is None else got["steps"] for rank, got in posted.items()}
 
-    def report(self) -> Report:
+    def report(self):
+        """The run's :class:`~autogaudi.reporting.record.Report`, its module loaded here: a quiet run builds none."""
+        from autogaudi.reporting.record import Report
+
         stats = self.backend.memory_stats()
         watcher = self.step_memory
         if watcher is None:
@@ -393,7 +396,7 @@ class Session:
         for unit in list(self.applied):
             run_guarded(unit, unit.run_ending, ended_by)
         self.remember()
-        if self.cache is not None and self.steps.trained and is_rank_zero():
+        if self.cache is not None and self.steps.trained and is_rank_zero() and compile_caches_written():
             try:  # not in every DataLoader or compile worker: they compiled and decided nothing
                 self.cache.evict()  # the compile caches grew during the run
             except Exception as error:
@@ -417,6 +420,14 @@ class Session:
         if not self.options.quiet or not_written:
             sys.stderr.write(report.format() + (not_written or ""))
             sys.stderr.flush()
+
+
+def compile_caches_written() -> bool:
+    """Whether a compiler may have written into the cache's compile folders in this run: inductor's
+    on-disk cache was loaded (torch.compile compiled), or the Gaudi bridge (its recipe cache). Only
+    then is the cache evicted at exit: autogaudi's own writes evict as they write, and walking a
+    cache of thousands of files would cost every short run that compiled nothing."""
+    return "torch._inductor.codecache" in sys.modules or before_bridge.BRIDGE in sys.modules
 
 
 def budget_possible(options, backend) -> bool:

@@ -4,10 +4,11 @@
 Why files: a forked ``multiprocessing`` child ends with ``os._exit`` (no ``atexit``), a child may
 end after its parent stopped listening, and children share no process group with the parent (the
 ranks of a torchrun job do, and :mod:`autogaudi.entry.ranks` gathers those; a rank is never a child
-here). So the first process of a run to start a session makes a folder and names it in
-``AUTOGAUDI_CHILD_REPORTS``; a process below it that trained writes its part there at exit, instead
-of printing a second report onto the user's stderr; the parent reads the parts into its own report
-and removes the folder.
+here). So the first process of a run to start a session names a folder in ``AUTOGAUDI_CHILD_REPORTS``; a
+process below it that trained makes it (private to the user) and writes its part there at exit,
+instead of printing a second report onto the user's stderr; the parent reads the parts into its own
+report and removes the folder. The folder is made only by a child that has a part: most runs start
+no child, and making, listing and removing a folder would cost every start and exit.
 """
 
 from __future__ import annotations
@@ -57,8 +58,8 @@ def start(fork_session, report_at_exit) -> None:
     elif parts.folder is None:
         import tempfile  # here, not at the top: the runtime imports this module in every process
 
-        _remove_stale_folders(tempfile.gettempdir())
-        parts.folder, parts.owner = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-"), True
+        name = f"{PREFIX}{os.getpid()}-{os.urandom(4).hex()}"  # named now, made by the first child with a part
+        parts.folder, parts.owner = os.path.join(tempfile.gettempdir(), name), True
         parts.previous_env = named
         os.environ[ENV] = parts.folder
     if not parts.at_fork_registered and hasattr(os, "register_at_fork"):
@@ -105,9 +106,11 @@ def stop() -> None:
     parts = _PARTS
     if not parts.owner:
         return
-    import shutil
+    if os.path.isdir(parts.folder):  # a child wrote a part: the folder goes, with those of killed runs
+        import shutil
 
-    shutil.rmtree(parts.folder, ignore_errors=True)
+        shutil.rmtree(parts.folder, ignore_errors=True)
+        _remove_stale_folders(os.path.dirname(parts.folder))
     if os.environ.get(ENV) == parts.folder:
         if parts.previous_env is None:
             del os.environ[ENV]
@@ -166,11 +169,23 @@ def write_part(session) -> None:
 
     path = os.path.join(parts.folder, f"{os.getpid()}.json")
     try:
+        _make_folder(parts.folder)
         with open(path + ".tmp", "w", encoding="utf-8") as handle:
             json.dump(part, handle, default=str)
         os.replace(path + ".tmp", path)
     except OSError:  # the parent is gone and took its folder with it: nobody to tell
         pass
+
+
+def _make_folder(folder: str) -> None:
+    """The run's folder, made by the first child to write (readable by this user only); one that
+    exists must be a folder of this user's, not a link: another user's would receive the part."""
+    try:
+        os.mkdir(folder, 0o700)
+    except FileExistsError:
+        found = os.lstat(folder)
+        if not os.path.isdir(folder) or os.path.islink(folder) or found.st_uid != os.getuid():
+            raise OSError(f"{folder} is not this user's folder") from None
 
 
 def gathered():
@@ -183,6 +198,8 @@ def gathered():
     found = []
     try:
         names = sorted(name for name in os.listdir(parts.folder) if name.endswith(".json"))
+    except FileNotFoundError:  # no child wrote a part
+        return []
     except OSError:
         return None
     for name in names:

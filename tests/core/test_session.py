@@ -1,11 +1,14 @@
 """The session's start order: registry order, each unit after the units it requires or names in
 ``after``; and a unit whose required unit is not on is skipped, saying which."""
 
+import os
+
 import pytest
 
 import autogaudi
 from autogaudi.core import session
 from autogaudi.core.registry import UNIT_NAMES, UNITS
+from tests.helpers import clean_env, run_python
 
 
 class Declared:
@@ -69,3 +72,29 @@ def test_a_units_listener_added_once_profiled_runs_before_a_later_started_units(
     owners = [listener.owner.name for listener in live.events._listeners[Event.AFTER_BACKWARD]]
     assert "mixed_precision" in owners and "fast_ddp" in owners
     assert owners.index("mixed_precision") < owners.index("fast_ddp")
+
+
+ONE_STEP = """
+import torch
+
+model = torch.nn.Linear(4, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+model(torch.randn(2, 4)).sum().backward()
+optimizer.step()
+"""
+
+
+def test_a_run_that_compiled_nothing_leaves_the_cache_unwalked_at_exit(tmp_path):
+    """Eviction at exit is for what compilers wrote (autogaudi's own writes evict as they write): a
+    run that compiled nothing does not walk the cache, however full, and the next compile's exit does."""
+    script, cache = tmp_path / "one_step.py", tmp_path / "cache"
+    script.write_text(ONE_STEP)
+    env = clean_env(AUTOGAUDI_NO_CACHE="0", AUTOGAUDI_CACHE_DIR=cache, AUTOGAUDI_CACHE_MAX_MB="1")
+    assert run_python("-m", "autogaudi", "--quiet", script, env=env).returncode == 0  # makes the tagged folder
+    big = cache / "compile" / "inductor" / "old"
+    big.parent.mkdir(parents=True, exist_ok=True)
+    big.write_bytes(b"0" * (2 * 1024 * 1024))
+    os.utime(big, (1, 1))
+    result = run_python("-m", "autogaudi", "--quiet", script, env=env)
+    assert result.returncode == 0, result.stderr
+    assert big.exists()

@@ -82,9 +82,10 @@ def test_a_forked_child_writes_its_own_counts_not_its_parent_s():
     assert report["steps"]["steps"] == 5
 
 
-def test_folders_of_runs_that_were_killed_go_at_the_next_start(tmp_path):
-    """SIGKILL leaves a run no chance to remove its folder: the next run removes those whose owner
-    is gone, and nothing else (a live run's folder, a name not quite autogaudi's)."""
+def test_folders_of_runs_that_were_killed_go_with_a_later_runs_own(tmp_path):
+    """SIGKILL leaves a run no chance to remove its folder: a later run that removes its own (a child
+    wrote there) removes those whose owner is gone, and nothing else (a live run's folder, a name not
+    quite autogaudi's)."""
     import subprocess
     import sys
 
@@ -99,3 +100,52 @@ def test_folders_of_runs_that_were_killed_go_at_the_next_start(tmp_path):
         (tmp_path / name).mkdir()
     children._remove_stale_folders(str(tmp_path))
     assert sorted(path.name for path in tmp_path.iterdir()) == sorted([names["alive"], names["other"]])
+
+
+NO_CHILD = r"""
+import json, os, sys, tempfile
+import torch
+import autogaudi
+
+autogaudi.enable(device="cpu", quiet=True, only="throughput_meter")
+named = os.environ["AUTOGAUDI_CHILD_REPORTS"]
+seen = {"named_in_temp": os.path.dirname(named) == tempfile.gettempdir(), "made": os.path.exists(named)}
+autogaudi.disable()
+seen["env_left"] = "AUTOGAUDI_CHILD_REPORTS" in os.environ
+print(json.dumps(seen))
+"""
+
+
+def test_a_run_that_starts_no_child_makes_no_folder(tmp_path):
+    """The folder is named at start and made by the first child with a part: a run without children
+    neither makes one nor lists the temporary folder, and leaves the environment as it found it."""
+    result = run_python("-c", NO_CHILD, env=clean_env(TMPDIR=tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout.splitlines()[-1]) == {"named_in_temp": True, "made": False, "env_left": False}
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_child_makes_the_folder_private_and_refuses_one_it_does_not_own(tmp_path):
+    folder = tmp_path / "parts"
+    children._make_folder(str(folder))
+    assert folder.is_dir() and folder.stat().st_mode & 0o777 == 0o700
+    children._make_folder(str(folder))  # a second child finds it made
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    (tmp_path / "link").symlink_to(target)
+    with pytest.raises(OSError):
+        children._make_folder(str(tmp_path / "link"))
+
+
+def test_a_run_whose_child_wrote_removes_its_folder_and_killed_runs_ones(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+
+    gone = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True).stdout)
+    parts = children._Parts()
+    parts.folder, parts.owner = str(tmp_path / f"{children.PREFIX}{os.getpid()}-0a1b2c3d"), True
+    monkeypatch.setattr(children, "_PARTS", parts)
+    children._make_folder(parts.folder)  # as its first child with a part would
+    (tmp_path / f"{children.PREFIX}{gone}-abcd1234").mkdir()
+    children.stop()
+    assert list(tmp_path.iterdir()) == []
