@@ -14,6 +14,7 @@ from autogaudi.measure import machine_load
 from autogaudi.optimizations import step_profiler
 from autogaudi.watch import placement
 from tests.helpers import HPU_DOUBLE, REPO, SimulatedClock
+from tests.suite_order import mark_the_slow_lane
 
 # Test files that read torch's own thread count: loader_workers cuts it while its workers run, which
 # it cannot where the count is already one. They run with the machine's count.
@@ -30,7 +31,9 @@ def pytest_configure(config):
             compileall.compile_dir(folder, quiet=1)
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items):
+    mark_the_slow_lane(items)
     for item in items:
         if item.path.name in MACHINE_THREADS:
             item.add_marker(pytest.mark.machine_threads)

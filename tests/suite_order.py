@@ -1,4 +1,9 @@
-"""How the suite is spread over pytest-xdist's workers (loaded by pyproject's ``-p tests.suite_order``).
+"""Which lane a test is in, and how the suite is spread over pytest-xdist's workers (loaded by
+pyproject's ``-p tests.suite_order``).
+
+A test that starts an interpreter (each imports torch: seconds of CPU) is ``slow``, found from the code
+rather than marked by hand: the test, the fixtures it asks for and the functions they call (the tests'
+own, transitively) name ``subprocess``. The fast lane (``-m "not slow"``) is the in-process tests.
 
 The end-to-end tests marked ``slow`` are a few percent of the tests and most of the suite's time. Run
 first (their files first, each file kept in one piece), they are spread over the workers while
@@ -7,9 +12,49 @@ worker whose partner has nothing left decides the wall time alone. A worker that
 takes half of another's queue (``--dist worksteal``) unless the command line names its own ``--dist``.
 """
 
+import ast
+import inspect
 import os
+import sys
+import textwrap
 
 import pytest
+
+STARTS_PROCESSES = {"subprocess"}  # a function that names it starts an interpreter (or may)
+
+
+def starts_interpreters(function, seen=None) -> bool:
+    """Whether ``function`` names ``subprocess``, or calls a function of the tests' own that does."""
+    seen = set() if seen is None else seen
+    if function in seen:
+        return False
+    seen.add(function)
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+    except (OSError, TypeError, SyntaxError):
+        return False
+    names = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
+    if names & STARTS_PROCESSES:
+        return True
+    module = sys.modules.get(getattr(function, "__module__", None) or "")
+    called = (getattr(module, name, None) for name in names)
+    return any(
+        inspect.isfunction(value) and value.__module__.startswith("tests") and starts_interpreters(value, seen)
+        for value in called
+    )
+
+
+def mark_the_slow_lane(items) -> None:
+    """Every test that starts an interpreter (its own code, its fixtures', what they call) marked
+    ``slow``: called by tests/conftest.py's collection hook, which runs before ``-m`` selects."""
+    for item in items:
+        functions = [getattr(item, "function", None)]
+        for definitions in getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {}).values():
+            functions.extend(definition.func for definition in definitions)
+        if item.get_closest_marker("slow") is None and any(
+            function is not None and starts_interpreters(function) for function in functions
+        ):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.hookimpl(tryfirst=True)

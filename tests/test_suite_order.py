@@ -4,6 +4,7 @@ the command line names its own ``--dist``."""
 import types
 
 from tests import suite_order
+from tests.helpers import run_python
 
 
 def item(nodeid, slow=False):
@@ -52,3 +53,27 @@ def test_workers_steal_unless_the_command_line_chose_a_distribution(monkeypatch)
     chosen = config("load", "-n", "2")
     suite_order.pytest_configure(chosen)
     assert chosen.option.dist == "load"
+
+
+def _starts_through_a_helper():
+    return run_python("-c", "pass")
+
+
+def _in_process():
+    return sum(range(3))
+
+
+def test_a_test_that_starts_an_interpreter_is_in_the_slow_lane_found_from_its_code():
+    """Directly (``subprocess``), through the tests' own helper (``run_python``), or through a function
+    of this module that calls it; an in-process function is not."""
+    assert suite_order.starts_interpreters(run_python)
+    assert suite_order.starts_interpreters(_starts_through_a_helper)
+    assert not suite_order.starts_interpreters(_in_process)
+
+
+def test_the_collected_fast_lane_holds_no_test_that_runs_a_script(request):
+    """Every collected test whose own code names ``run_python`` is marked slow."""
+    for item in request.session.items:
+        function = getattr(item, "function", None)
+        if function is not None and "run_python" in function.__code__.co_names:
+            assert item.get_closest_marker("slow") is not None, item.nodeid
