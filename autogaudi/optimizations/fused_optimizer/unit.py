@@ -120,7 +120,7 @@ class FusedOptimizer(HpuDelegates, Unit):
         if unfusable:
             self._kept(owner, unfusable.text, refusal=unfusable.code)
             self._count_refusal(unfusable)
-        elif self._native and self._timed_here():
+        elif self._native and self._timed_here(instance):
             untried = untried_reason(self)  # its timing would choose the run's numbers: only where asked for
             if untried is not None:
                 self.report.figures["optimizers_kept"] += 1
@@ -138,13 +138,16 @@ class FusedOptimizer(HpuDelegates, Unit):
             self._attach_hpu_delegate(owner, instance, hyperparameters)
         return result
 
-    def _timed_here(self) -> bool:
+    def _timed_here(self, optimizer) -> bool:
         """Whether this optimizer's update is timed before it is fused: only where the host waits for
         each op (CPU; where it queues ahead of the device, timing would take a synchronisation, on HPU
         lazy a graph break, the run would not have), and not with several ranks (each would decide on
-        its own timings, and replicas on different kernels drift apart). ``--force``d: fused untimed,
-        the user taking its rounding."""
+        its own timings, and replicas on different kernels drift apart), nor over parameters in shared
+        memory (Hogwild: other processes update them during a step, so no copy compares; the run's
+        numbers race anyway). ``--force``d: fused untimed, the user taking its rounding."""
         if self.run.backend.host_runs_ahead or self.name in self.run.options.force:
+            return False
+        if any(param.is_shared() for param in numerics.parameters(optimizer)):
             return False
         if several_ranks():
             self.report.note("not_timed_several_ranks")
