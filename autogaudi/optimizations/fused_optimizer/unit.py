@@ -55,6 +55,12 @@ MEASURED_STEPS = 3
 TIMED_STEPS = 2 * trials.BLOCK * trials.ROUNDS
 
 
+def in_shared_memory(optimizer) -> bool:
+    """Whether ``optimizer``'s parameters are in shared memory (Hogwild: other processes write them
+    during a step, so no copy of them compares)."""
+    return any(param.is_shared() for param in numerics.parameters(optimizer))
+
+
 class FusedOptimizer(HpuDelegates, Unit):
     spec = UnitSpec(
         numerics=(ROUNDING,),  # one fused update rounds otherwise than torch's per-op one (measured on CPU)
@@ -124,7 +130,7 @@ class FusedOptimizer(HpuDelegates, Unit):
             untried = untried_reason(self)  # its timing would choose the run's numbers: only where asked for
             if untried is not None:
                 self.report.figures["optimizers_kept"] += 1
-                self.report.because(untried.code, **untried.params)
+                self.report.reason = untried
                 return result
             times = self._trying[instance] = UpdateTimes(optimizer=instance)
             self._timed.append(times)
@@ -147,7 +153,7 @@ class FusedOptimizer(HpuDelegates, Unit):
         numbers race anyway). ``--force``d: fused untimed, the user taking its rounding."""
         if self.run.backend.host_runs_ahead or self.name in self.run.options.force:
             return False
-        if any(param.is_shared() for param in numerics.parameters(optimizer)):
+        if in_shared_memory(optimizer):
             return False
         if several_ranks():
             self.report.note("not_timed_several_ranks")
@@ -421,7 +427,7 @@ class FusedOptimizer(HpuDelegates, Unit):
         name = type(optimizer).__name__
         if not numerics.plain_tensors(optimizer):
             self._not_measured(optimizer, "rounding_not_measured_dtensor", optimizer=name)
-        elif any(param.is_shared() for param in numerics.parameters(optimizer)):
+        elif in_shared_memory(optimizer):
             self._not_measured(optimizer, "rounding_not_measured_shared", optimizer=name)
         elif not numerics.copy_fits(tensors := numerics.optimizer_tensors(optimizer), self.run.backend):
             gb = sum(tensor.numel() * tensor.element_size() for tensor in tensors) / 1024**3

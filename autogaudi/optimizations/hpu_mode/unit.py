@@ -52,13 +52,12 @@ class HpuMode(Unit):
         self._mode = "lazy" if self.run.backend.is_lazy else "eager"
         self.report.figures.update(mode=self._mode, mode_set=int(bool(decided.get("set"))))
         self._decided = decided
+        if decided["code"] == "changes_numbers":  # the release's default mode, as plain runs it
+            self.report.reason = untried_reason(self)
+            return
         params = {"mode": self._mode, "error": decided.get("error")}
         record = decided.get("record") or {}
         other = "eager" if self._mode == "lazy" else "lazy"
-        if decided["code"] == "changes_numbers":  # the release's default mode, as plain runs it
-            untried = untried_reason(self)
-            self.report.because(untried.code, **untried.params)
-            return
         self.report.because(decided["code"], other=other, other_ms=record.get(other), **params)
 
     def run_ending(self, error) -> None:

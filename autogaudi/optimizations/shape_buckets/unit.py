@@ -56,18 +56,6 @@ def short_last_batch(iterator) -> bool:
         return False
 
 
-class PaddingCheck:
-    """The shadow check as the measurement runner reads it: deciding from the moment padding is set
-    up until the check passed or refused it (:meth:`autogaudi.measure.trials.TrialRunner.measuring`)."""
-
-    def __init__(self):
-        self.deciding = True
-
-    @property
-    def done(self) -> bool:
-        return not self.deciding
-
-
 class ShapeBuckets(Unit):
     spec = UnitSpec(
         requires=(PROFILER,),
@@ -102,6 +90,11 @@ class ShapeBuckets(Unit):
         acts_on=("<training model> call route, inputs layer (sequence tensors padded, outputs cut back)",),
     )
 
+    # The shadow check, as the measurement runner reads it once padding is set up: deciding until the
+    # check passed (a difference kept) or refused padding (the layer gone, or the dimension marked dynamic).
+    deciding = property(lambda self: self._scope is not None and self._checked is None and not self._dynamic)
+    done = property(lambda self: not self.deciding)
+
     def apply(self) -> None:
         self._before: set = set()  # signatures of the DataLoader batches: what the script produced
         self._after: set = set()  # signatures of the calls that reached the model while held
@@ -114,7 +107,6 @@ class ShapeBuckets(Unit):
         self._padding_idx = None
         self._checked = None  # the check's relative difference, once it passed
         self._refused = False
-        self._padding_check = None  # the shadow check's state, as the runner reads it, once padding is set up
         self._dynamic = None  # names of the tensors whose sequence dimension is marked dynamic, where padding is not
         self._traced = False  # a call of the model was traced by the script's own torch.compile
         self._positions = self._padded = 0
@@ -179,15 +171,8 @@ class ShapeBuckets(Unit):
 
     def _settle(self, code: str, **params) -> None:
         self._refused = True
-        self._decided()
+        self.run.trials.measured(self)
         self.report.because(code, **params)
-
-    def _decided(self) -> None:
-        """Nothing left to check for the model: the runner reads the unit as decided."""
-        if self._padding_check is not None:
-            self._padding_check.deciding = False
-        else:
-            self.run.trials.measured(self)
 
     def _start(self, model) -> None:
         self._model = model
@@ -197,8 +182,7 @@ class ShapeBuckets(Unit):
         self._forward = getattr(model, "_orig_mod", model).forward  # names the arguments (a compiled module's own)
         self._graphs_at["start"] = compiled_graphs(self.run.backend) or 0
         self._scope = self.scope.child()
-        self._padding_check = PaddingCheck()
-        self.run.trials.measuring(self, self._padding_check)
+        self.run.trials.measuring(self, self)  # deciding until the shadow check passed or refused padding
         self._scope.hold(model, Layer.INPUTS, self._around)
         self._scope.on(Event.TRAINING_STEP, self._stepped)
         self.report.because("checking", buckets=list(self._buckets), model=type(model).__name__)
@@ -294,7 +278,6 @@ class ShapeBuckets(Unit):
         except Exception as error:  # the copy could not run: no proof, so no padding
             self._refuse("check_failed", error=f"{type(error).__name__}: {error}")
             return False
-        self._decided()
         difference = f"{self._checked:.2g}"
         self.report.because("bucketed", model=type(model).__name__, buckets=list(self._buckets), difference=difference)
         return True
