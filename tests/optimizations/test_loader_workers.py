@@ -174,6 +174,26 @@ def test_random_getitem_is_left_alone(step_clock):
     assert row()["note_codes"] == ["draws_global_random"]
 
 
+class SumsInGetitem(Slow):
+    """Each sample adds a sum of 2**20 float32 values, which torch splits across its intra-op threads."""
+
+    def __getitem__(self, index):
+        features, label = super().__getitem__(index)
+        return features + (torch.linspace(0, 1, 2**20) * 1.1).sum(), label
+
+
+def test_a_dataset_whose_samples_round_otherwise_on_one_thread_stays_in_process(starving):
+    """Each worker runs one intra-op thread: a sample whose own sum splits across the script's threads
+    would come out otherwise there, and whether workers stay is a timing (no timing may choose the numbers)."""
+    threads = torch.get_num_threads()
+    if threads < 2:
+        pytest.skip("one intra-op thread here: a worker's sums add as the script's")
+    only_loader_workers()
+    _, _, workers, _ = train(lambda: DataLoader(SumsInGetitem(), batch_size=8), epochs=2)
+    assert workers == [0, 0] and row()["figures"]["loaders_tuned"] == 0
+    assert ("rounds_otherwise", {"threads": threads}) in said(row()) and row()["numerics"] == []
+
+
 def test_explicit_choices_subclasses_and_iterables_are_left_alone():
     class Stream(IterableDataset):
         def __iter__(self):
@@ -239,7 +259,7 @@ def test_a_starving_loader_the_script_configured_gets_advice_not_a_change(step_c
     """ResNet-18 with the script's -j 4 on 16 cores waited for data 68% of each step: autogaudi keeps
     the script's num_workers and says what it measured and what to try (not where the script already
     asked for more workers than the machine's budget)."""
-    from autogaudi.optimizations.loader_workers.unit import worker_budget
+    from autogaudi.optimizations.loader_workers.thread_cut import worker_budget
 
     autogaudi.enable(device="cpu", only="step_profiler,loader_workers")
     loader = DataLoader(Slow(clock=step_clock), batch_size=8, num_workers=chosen)
@@ -260,7 +280,7 @@ def test_a_starving_loader_the_script_configured_gets_advice_not_a_change(step_c
 def test_a_starving_iterable_dataset_stays_in_process_with_advice_on_sharding(step_clock):
     """Workers over an IterableDataset each replay the whole stream unless it shards itself, which
     only the dataset can do: autogaudi keeps it in-process and says how to make workers safe."""
-    from autogaudi.optimizations.loader_workers.unit import worker_budget
+    from autogaudi.optimizations.loader_workers.thread_cut import worker_budget
 
     class SlowStream(IterableDataset):
         def __iter__(self):
@@ -284,7 +304,7 @@ def test_forced_a_starving_loader_the_script_configured_is_measured_and_raised(s
     dataset draws no random numbers; the note says what differs where it would). Starving by fixture:
     the script's own worker builds its batches where the step clock does not move, and on real time
     a machine at load 5 slowed this tiny step to 40 ms, as long as the worker's wait."""
-    from autogaudi.optimizations.loader_workers.unit import worker_budget
+    from autogaudi.optimizations.loader_workers.thread_cut import worker_budget
 
     make = lambda: DataLoader(Slow(), batch_size=8, shuffle=True, num_workers=chosen)  # noqa: E731
     plain_losses, plain_seen, plain_workers, _ = train(make)
@@ -468,9 +488,11 @@ def test_workers_that_die_or_stall_hand_the_epoch_back_with_the_same_batches(sta
     assert seen == plain_seen and losses == plain_losses
     assert row()["reason_code"] == "workers_failed" and row()["figures"]["loaders_tuned"] == 0
     assert ("RuntimeError" if how == "exit" else "_TooSlow") in row()["reason_params"]["error"]
-    notes = [note for note in said(row()) if not note[0].startswith("threads_cut")]  # the cut while they ran
+    notes = [note for note in said(row()) if not note[0].startswith("threads_")]  # the cut, taken or not
     assert notes == [("workers_failed", row()["reason_params"])]  # and no note from the undo
-    assert row()["numerics"] == ["rounding", "random"]  # workers ran, with the threads cut: named
+    # only loader_workers runs (no step profiler names the model): the threads stay the script's, and
+    # workers that build the plain batches change no number
+    assert "threads_kept_no_model" in row()["note_codes"] and row()["numerics"] == []
     gc.collect()
     assert psutil.Process().children() == []
 
@@ -499,9 +521,12 @@ def test_no_worker_is_left_to_torchs_sigchld_handler_while_the_indices_are_put(m
     gc.collect()
 
 
-def test_the_script_reads_and_sets_its_own_thread_count_while_workers_take_cores(starving):
-    from autogaudi.optimizations.loader_workers.unit import worker_budget
+def test_the_script_reads_and_sets_its_own_thread_count_while_workers_take_cores(starving, monkeypatch):
+    from autogaudi.optimizations.loader_workers.thread_cut import worker_budget
+    from autogaudi.optimizations.loader_workers.unit import LoaderWorkers
 
+    # the cut taken at once (no model here to measure it on: the tests below measure it)
+    monkeypatch.setattr(LoaderWorkers, "_cut_after_measuring", LoaderWorkers._cut)
     script_threads = torch.get_num_threads()
     only_loader_workers()
     loader = DataLoader(Slow(), batch_size=8)
@@ -514,7 +539,7 @@ def test_the_script_reads_and_sets_its_own_thread_count_while_workers_take_cores
     assert read[:-1] == [script_threads] * (BATCHES_PER_EPOCH - 1) and read[-1] == 3
     assert torch._C.get_num_threads() == min(3, worker_budget()[1])
     # the report names what the cut can change in the numbers, and by how many threads
-    assert row()["numerics"] == ["rounding", "random"] and row()["numerics_measured"] is None
+    assert row()["numerics"] == ["rounding"] and row()["numerics_measured"] is None
     if worker_budget()[1] < script_threads:
         assert ("threads_cut", {"threads": worker_budget()[1], "script": script_threads}) in said(row())
     autogaudi.disable()
@@ -533,28 +558,51 @@ def _cut_run(delay):
 
 
 def test_the_thread_cut_is_measured_on_a_copy_of_the_profiled_model_and_leaves_the_run_as_it_was(starving, monkeypatch):
-    from autogaudi.optimizations.loader_workers.unit import LoaderWorkers, worker_budget
+    from autogaudi.core import unit_report
+    from autogaudi.optimizations.loader_workers.thread_cut import worker_budget
 
     if worker_budget()[1] >= torch.get_num_threads():
         pytest.skip("no thread cut on this machine")
     measured = _cut_run(0.0)
     figure = row()["figures"]["numerics_measured"]
-    assert (figure["of"], figure["steps"]) == ("outputs", 1) and "threads_cut" in row()["note_codes"]
+    assert (figure["of"], figure["steps"], figure["max_rel_diff"]) == ("outputs", 1, 0.0)
+    assert "threads_cut" in row()["note_codes"] and row()["numerics"] == ["rounding"]
     autogaudi.disable()
-    monkeypatch.setattr(LoaderWorkers, "_measure_cut", lambda *args: None)
+    # the same verdict without running the copy: the measurement itself moved nothing
+    monkeypatch.setattr(unit_report.numerics, "forward_difference", lambda *args, **kwargs: 0.0)
     unmeasured = _cut_run(0.0)
     assert measured[0] == unmeasured[0]  # dropout draws included
     assert torch.equal(measured[1], unmeasured[1]) and measured[2] == unmeasured[2]
 
 
-def test_without_a_training_model_the_thread_cut_is_not_measured(starving):
-    from autogaudi.optimizations.loader_workers.unit import worker_budget
+def test_a_thread_cut_that_changes_the_outputs_is_not_taken(starving, monkeypatch):
+    """Whether workers stay is a timing: a cut that rounds the training forward otherwise would let
+    the machine's load choose the numbers, so the script's threads stay beside the workers."""
+    from autogaudi.core import unit_report
+    from autogaudi.optimizations.loader_workers.thread_cut import worker_budget
 
-    if worker_budget()[1] >= torch.get_num_threads():
+    script_threads = torch.get_num_threads()
+    if worker_budget()[1] >= script_threads:
+        pytest.skip("no thread cut on this machine")
+    monkeypatch.setattr(unit_report.numerics, "forward_difference", lambda *args, **kwargs: 3e-7)
+    _cut_run(0.0)
+    assert row()["figures"]["loaders_tuned"] == 1  # workers kept
+    assert ("threads_kept_rounding", {"script": script_threads, "threads": worker_budget()[1]}) in said(row())
+    assert "threads_cut" not in row()["note_codes"] and row()["numerics"] == []
+    assert row()["numerics_measured"] is None and row()["figures"]["main_threads"] == script_threads
+
+
+def test_without_a_training_model_the_thread_cut_is_not_taken(starving):
+    from autogaudi.optimizations.loader_workers.thread_cut import worker_budget
+
+    script_threads = torch.get_num_threads()
+    if worker_budget()[1] >= script_threads:
         pytest.skip("no thread cut on this machine")
     only_loader_workers()
     train(lambda: DataLoader(Slow(delay=0.0), batch_size=8), epochs=1)
-    assert "threads_cut_no_model" in row()["note_codes"] and row()["numerics_measured"] is None
+    assert ("threads_kept_no_model", {"script": script_threads}) in said(row())
+    assert row()["numerics_measured"] is None and row()["numerics"] == []
+    assert row()["figures"]["main_threads"] == script_threads
 
 
 class RaisesAt(Slow):

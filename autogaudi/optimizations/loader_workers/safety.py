@@ -177,12 +177,36 @@ def pickling_error(objects, main_reimported: bool):
     return None
 
 
-def why_not_workers(loader):
+def rounds_otherwise_in_a_worker(dataset, threads: int) -> bool:
+    """Whether the first sample comes out otherwise with one intra-op thread, as torch gives each
+    worker, than with the main process's ``threads``: a ``__getitem__`` whose own torch reductions
+    split across threads adds in another order. Built twice, once each way; called only for a dataset
+    whose measured ``__getitem__`` drew no random numbers and changed no attribute. A dataset that has
+    no first sample to build is not judged by it."""
+    if threads <= 1:
+        return False
+    from autogaudi.measure.numerics import float_leaves
+
+    try:
+        with_threads = float_leaves(dataset[0])
+        torch._C.set_num_threads(1)
+        try:
+            in_a_worker = float_leaves(dataset[0])
+        finally:
+            torch._C.set_num_threads(threads)
+    except Exception:
+        return False
+    return len(with_threads) != len(in_a_worker) or not all(map(torch.equal, with_threads, in_a_worker))
+
+
+def why_not_workers(loader, threads: int):
     """(reason code, values) why this loader's dataset must stay in-process, or None: checked before
-    any worker starts."""
+    any worker starts, in the main process running ``threads`` intra-op threads."""
     kind = held_generator(loader.dataset)
     if kind is not None:
         return "holds_generator", {"kind": kind}
+    if rounds_otherwise_in_a_worker(loader.dataset, threads):
+        return "rounds_otherwise", {"threads": threads}
     method = start_method(loader)
     if method not in SPAWNING:
         return None

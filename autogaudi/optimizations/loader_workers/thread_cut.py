@@ -1,9 +1,14 @@
-"""The main process's intra-op threads while workers take cores: cut, with the script still reading
-its own number, and a forward run with a given number (to measure the cut's rounding)."""
+"""The cores a loader's workers take and the main process's intra-op threads left beside them: the
+cut, with the script still reading its own number, and a forward run with a given number (to
+measure the cut's rounding)."""
 
 from __future__ import annotations
 
+import os
+
 import torch
+
+from autogaudi.measure import machine_load
 
 
 class ThreadCut:
@@ -65,3 +70,11 @@ def with_threads(threads: int):
             torch._C.set_num_threads(before)
 
     return forward
+
+
+def worker_budget():
+    """(workers, main-process threads) for this machine and this process's share of it."""
+    cores = machine_load.physical_cores()
+    per_rank = max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    workers = max(2, min(8, per_rank - 1))
+    return workers, max(1, per_rank - workers)

@@ -24,7 +24,7 @@ from autogaudi.core.events import Event
 from autogaudi.core.unit import RANDOM, ROUNDING, Unit, UnitSpec
 from autogaudi.measure import machine_load, trials
 from autogaudi.optimizations.loader_workers.loader_state import LoaderState, Phase, Timing
-from autogaudi.optimizations.loader_workers.thread_cut import ThreadCut, with_threads
+from autogaudi.optimizations.loader_workers.thread_cut import ThreadCut, with_threads, worker_budget
 from autogaudi.watch import steps
 from autogaudi.watch.model_call import Layer, compiled_by_the_script
 from autogaudi.watch.steps import loader_arguments
@@ -39,14 +39,6 @@ EARLY_BATCHES, CLEARLY_INPUT_BOUND = 6, 0.8
 # worker_iterator.START_BOUND_S): BATCH_BOUND_FACTOR times the in-process wait measured, at least
 # BATCH_BOUND_S. Past a bound the batch is built in-process, as the plain run builds it.
 BATCH_BOUND_S, BATCH_BOUND_FACTOR = 10.0, 100
-
-
-def worker_budget():
-    """(workers, main-process threads) for this machine and this process's share of it."""
-    cores = machine_load.physical_cores()
-    per_rank = max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    workers = max(2, min(8, per_rank - 1))
-    return workers, max(1, per_rank - workers)
 
 
 def measured_enough(timing: Timing, phase: Phase) -> bool:
@@ -64,22 +56,6 @@ def workers_faster(before: Timing, after: Timing, materiality: float, workers: i
     numbers (their random streams, the thread cut's rounding), by ``materiality`` of the in-process
     batch's period."""
     return trials.decide(after.rounds(workers), before.rounds(workers), materiality=materiality).keep
-
-
-def set_attributes(scope, owner, **values) -> None:
-    """Set attributes on a user's object; ``scope`` puts back each one that still holds what was set."""
-    before = {name: getattr(owner, name) for name in values}
-    for name, value in values.items():
-        setattr(owner, name, value)
-    owner = weakref.ref(owner)
-
-    def undo():
-        target = owner()
-        for name, value in before.items():
-            if target is not None and getattr(target, name) == values[name]:
-                setattr(target, name, value)
-
-    scope.add(undo)
 
 
 # A loader's own outcome and the unit's, where it differs (the unit's says "all")
@@ -110,18 +86,24 @@ class LoaderWorkers(Unit):
             "workers would change in their copies only",
             "holds_generator": "kept in-process: the dataset holds a random generator ({kind}), which each worker "
             "would copy and draw the same numbers from",
+            "rounds_otherwise": "kept in-process: its __getitem__ builds other numbers with one intra-op thread, "
+            "as each worker runs, than with the script's {threads} (a sum split across threads adds in another order)",
             "main_reruns": "kept in-process: under the {method} start method each worker re-runs {file}, which does "
             'more than define and import outside `if __name__ == "__main__":`',
             "not_picklable": "kept in-process: under the {method} start method workers get the dataset pickled, "
             "and that fails: {error}",
             "threads_cut": "while workers build the batches the main process computes with {threads} intra-op "
-            "thread(s), not the script's {script}: CPU kernels that split a sum across threads add in another order "
-            "(rounding: measured on the training model's next forward, where one is found)",
-            "threads_cut_no_model": "the thread cut's rounding not measured: no training model found (the step "
-            "profiler "
-            "finds it) when the cut began",
-            "threads_cut_script_compiles": "the thread cut's rounding not measured: the script compiles the training "
-            "model, whose call it owns",
+            "thread(s), not the script's {script}: measured to leave the training model's outputs bit for bit as "
+            "they were (CPU kernels that split a sum across threads can add in another order elsewhere)",
+            "threads_kept_rounding": "the main process keeps the script's {script} intra-op threads beside the "
+            "workers: {threads} changed the training model's outputs (rounding), and no timing may choose that",
+            "threads_kept_no_model": "the main process keeps the script's {script} intra-op threads beside the "
+            "workers: no training model found (the step profiler finds it) to show that fewer change no output",
+            "threads_kept_not_measured": "the main process keeps the script's {script} intra-op threads beside "
+            "the workers: whether {threads} change the training model's outputs could not be measured",
+            "threads_kept_script_compiles": "the main process keeps the script's {script} intra-op threads beside "
+            "the workers: the script compiles the training model, whose call it owns, so fewer threads' rounding "
+            "cannot be measured",
             "workers_failed": "workers failed ({error}); the loader went back in-process, its batches built there",
             "script_chose_workers": "a loader whose script chose num_workers is kept as is",
             "iterable_dataset": "iterable datasets are kept in-process: each worker would replay the whole stream",
@@ -144,7 +126,8 @@ class LoaderWorkers(Unit):
     def apply(self) -> None:
         self.report.figures.update(loaders_tuned=0, loaders_kept=0)
         self._tuned = 0  # loaders with workers now
-        self._ever_tuned = False  # a loader had workers (their steps ran with the threads cut)
+        self._ever_cut = False  # the threads were cut while workers ran (their steps' rounding)
+        self._ever_raised = False  # a script's own workers were raised (their random streams)
         self._loaders = weakref.WeakKeyDictionary()  # DataLoader -> LoaderState, for loaders it may tune
         self._decided = False  # a loader's window was decided (its state goes with the loader)
         self._iterators = weakref.WeakKeyDictionary()  # iterator -> LoaderState
@@ -159,14 +142,15 @@ class LoaderWorkers(Unit):
         self._iterable_loaders = 0  # in-process loaders over an IterableDataset (never tuned)
         self.scope.on(Event.STEP_PROFILED, self._advise)  # advice, where a step profiler runs
         self._measuring = None  # the scope of the layer that measures the cut, once
-        self._cut_waiting = None  # the loader whose cut's measurement waits for the step profiler
+        self._cut_measured = None  # whether the cut left the outputs as they were (None: not measured yet)
+        self._cut_waiting: list = []  # the tuned loaders whose cut waits for its measurement
         self._model = None  # the training model, weakly, once the step profiler found it
         self.scope.on(Event.STEP_PROFILED, self._found_model)
         self.report.because("no_loader")
 
     def numerics_in_run(self) -> tuple:
         # Workers that ran and were put back (no faster) ran their checked batches with the threads cut.
-        return self.numerics_on(self.run.backend) if self._ever_tuned else ()
+        return ((ROUNDING,) if self._ever_cut else ()) + ((RANDOM,) if self._ever_raised else ())
 
     def _kept(self, code: str, **values) -> None:
         self.report.figures["loaders_kept"] += 1
@@ -350,10 +334,15 @@ class LoaderWorkers(Unit):
                 self._keep(state, "not_starved", share=f"{before.input_bound:.0%}", threshold=f"{INPUT_BOUND:.0%}")
             elif loader is None:
                 return
-            elif (why := why_not_workers(loader)) is not None:  # checked before any worker starts
-                self._keep(state, why[0], **why[1])
             else:
-                self._tune(loader, state, iterator)
+                checked_from = steps.clock()
+                why = why_not_workers(loader, self._threads.script_threads())  # before any worker starts
+                if state.last_end is not None:  # its samples built are no step's time, nor the workers'
+                    state.last_end += steps.clock() - checked_from
+                if why is not None:
+                    self._keep(state, why[0], **why[1])
+                else:
+                    self._tune(loader, state, iterator)
         else:
             state.phase = Phase.DONE
             self.report.figures["ms_per_batch_after"] = round(after.ms_per_batch, 3)
@@ -362,7 +351,7 @@ class LoaderWorkers(Unit):
                 self._keep(state, "no_faster", after=after.ms_per_batch, before=before.ms_per_batch)
 
     def _tune(self, loader, state, iterator) -> None:
-        from autogaudi.optimizations.loader_workers.worker_iterator import give_up_all, in_process
+        from autogaudi.optimizations.loader_workers.worker_iterator import give_up_all, in_process, set_attributes
 
         workers, threads = worker_budget()
         measured = state.windows[Phase.MEASURING]
@@ -371,13 +360,9 @@ class LoaderWorkers(Unit):
         state.scope = self.scope.child()
         state.sources = weakref.WeakSet()  # the worker iterators of its epochs
         state.scope.add(lambda: give_up_all(state.sources))
-        script_threads = self._threads.script_threads()
-        self._threads.hold(state, threads, state.scope)
-        if torch._C.get_num_threads() < script_threads:
-            self.report.note("threads_cut", threads=torch._C.get_num_threads(), script=script_threads)
-            self._measure_cut(state)
+        if threads < self._threads.script_threads():
+            self._cut_after_measuring(state, threads)
         self._tuned += 1
-        self._ever_tuned = True
         self.report.figures.update(loaders_tuned=self._tuned, workers=workers, main_threads=torch._C.get_num_threads())
         self.report.moment("workers", workers=workers)
         # timed on from the last measured batch, or from the next epoch's start: the workers' start-up
@@ -389,40 +374,67 @@ class LoaderWorkers(Unit):
                 self.report.figures["workers_from_batch"] = state.epoch_batches + 1
         else:  # the script's own workers: raised in place, from the next epoch
             set_attributes(state.scope, loader, num_workers=workers, prefetch_factor=loader.prefetch_factor or 2)
+            self._ever_raised = True
             state.phase = Phase.NEXT_EPOCH
             self.report.because("workers_raised", workers=workers)
 
     def _found_model(self, profile) -> None:
         if profile.model is not None:
             self._model = weakref.ref(profile.model)
-        waiting, self._cut_waiting = self._cut_waiting, None
-        if waiting is not None and waiting.scope is not None:  # its cut still on
-            self._measure_cut(waiting)
+        if self._cut_waiting and self._measuring is None and self._cut_measured is None:
+            self._measure_cut()
 
-    def _measure_cut(self, state) -> None:
-        """The thread cut's rounding, once, where it first applies: on the training model's next
-        training call, its output with the cut thread count against the script's, both on a copy
-        from the same generator state (:func:`autogaudi.measure.numerics.forward_difference`)."""
-        if self._measuring is not None:  # measured once, where the cut first applies
+    def _cut_after_measuring(self, state, threads: int) -> None:
+        """Cut the main process's threads to ``threads`` for a tuned loader only once the cut is measured
+        to leave the training model's outputs bit for bit as the script's threads give them: whether the
+        workers stay is a timing, and no timing may choose the numbers. Measured once a run; until then,
+        and where it changes an output or cannot be measured, the script's threads stay."""
+        if self._cut_measured:
+            self._cut(state, threads)
+        elif self._cut_measured is None:
+            self._cut_waiting.append((state, threads))
+            if self._measuring is None:
+                self._measure_cut()
+
+    def _cut(self, state, threads: int) -> None:
+        if state.scope is None:  # put back in-process meanwhile
             return
+        script = self._threads.script_threads()
+        self._threads.hold(state, threads, state.scope)
+        self._ever_cut = True
+        self.report.note("threads_cut", threads=torch._C.get_num_threads(), script=script)
+        self.report.figures["main_threads"] = torch._C.get_num_threads()
+
+    def _cut_not_taken(self, code: str, **values) -> None:
+        self._cut_measured = False
+        self._cut_waiting = []
+        self.report.note(code, script=self._threads.script_threads(), **values)
+
+    def _measure_cut(self) -> None:
+        """The thread cut's rounding, once: on the training model's next training call, its output with
+        the cut thread count against the script's, both on a copy from the same generator state
+        (:func:`autogaudi.measure.numerics.forward_difference`)."""
         model = self._model() if self._model is not None else None
         if model is None and self._model is None and self.run.profiler is not None:
-            self._cut_waiting = state  # the step profiler has not named the model yet
-            return
+            return  # the step profiler has not named the model yet: measured once it does
         if model is None:
-            self.report.note("threads_cut_no_model")
+            self._cut_not_taken("threads_kept_no_model")
             return
         if compiled_by_the_script(model):
-            self.report.note("threads_cut_script_compiles")
+            self._cut_not_taken("threads_kept_script_compiles")
             return
-        self._measuring = state.scope.child()
+        self._measuring = self.scope.child()
         self._measuring.hold(model, Layer.MEASURE, functools.partial(self._measured_call, model))
 
     def _measured_call(self, model, call, args, kwargs):
         if not (model.training and torch.is_grad_enabled()):
             return call(*args, **kwargs)
         self._measuring.close()
-        cut, script = torch._C.get_num_threads(), self._threads.script_threads()
+        cut = min(threads for _state, threads in self._cut_waiting) if self._cut_waiting else None
+        script = self._threads.script_threads()
+        if cut is None or cut >= script:  # every waiting loader was put back meanwhile
+            self._measuring = None
+            return call(*args, **kwargs)
         self.report.measure_numerics(
             model,
             args,
@@ -432,6 +444,17 @@ class LoaderWorkers(Unit):
             around=with_threads(cut),
             reference=with_threads(script),
         )
+        measured = self.report.figures.pop("numerics_measured", None)
+        if measured is not None and measured["max_rel_diff"] == 0:
+            self._cut_measured = True
+            self.report.figures["numerics_measured"] = measured
+            waiting, self._cut_waiting = self._cut_waiting, []
+            for state, threads in waiting:
+                self._cut(state, threads)
+        elif measured is not None:
+            self._cut_not_taken("threads_kept_rounding", threads=cut)
+        else:  # not measured: measure_numerics' note says why
+            self._cut_not_taken("threads_kept_not_measured", threads=cut)
         return call(*args, **kwargs)
 
     def _start_workers(self, state, iterator, loader) -> bool:

@@ -270,3 +270,19 @@ def give_up_all(sources) -> None:
 def in_process(iterator) -> bool:
     """Whether ``iterator`` is a loader's in-process one (``num_workers=0``)."""
     return type(iterator) is dataloader._SingleProcessDataLoaderIter
+
+
+def set_attributes(scope, owner, **values) -> None:
+    """Set attributes on a user's object; ``scope`` puts back each one that still holds what was set."""
+    before = {name: getattr(owner, name) for name in values}
+    for name, value in values.items():
+        setattr(owner, name, value)
+    owner = weakref.ref(owner)
+
+    def undo():
+        target = owner()
+        for name, value in before.items():
+            if target is not None and getattr(target, name) == values[name]:
+                setattr(target, name, value)
+
+    scope.add(undo)
