@@ -17,8 +17,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler
 
 import autogaudi
+from autogaudi.core.candidate import State
 from autogaudi.entry.frames import is_own
-from autogaudi.optimizations.loader_workers.loader_state import Phase, Timing
+from autogaudi.optimizations.loader_workers.loader_state import Timing
 from autogaudi.optimizations.loader_workers.unit import (
     CLEARLY_INPUT_BOUND,
     EARLY_BATCHES,
@@ -153,10 +154,10 @@ def test_a_clearly_starved_loader_is_decided_early_and_a_borderline_one_measured
     timing = Timing()
     for batches in range(1, MEASURED_BATCHES + 1):  # noqa: B007 (read after the loop)
         timing.add(waiting_ms / 1000, (100 - waiting_ms) / 1000)
-        if measured_enough(timing, Phase.MEASURING):
+        if measured_enough(timing, State.WAITING):
             break
     assert batches == batches_to_decide
-    assert not measured_enough(timing, Phase.CHECKING) or batches == MEASURED_BATCHES  # re-timing is never cut short
+    assert not measured_enough(timing, State.TRIAL) or batches == MEASURED_BATCHES  # re-timing is never cut short
 
 
 def test_compute_bound_run_is_left_alone(step_clock):

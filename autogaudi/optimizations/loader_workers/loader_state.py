@@ -1,16 +1,11 @@
-"""What the unit knows of one loader it may tune: its phase, and the batches timed in each window."""
+"""What the unit knows of one loader it may tune: where it stands in the lifecycle every measured
+choice shares (:class:`autogaudi.core.candidate.State`), and the batches timed in each window."""
 
 from __future__ import annotations
 
-import enum
 import weakref
 
-
-class Phase(enum.Enum):
-    MEASURING = "measuring"  # in-process, timed
-    NEXT_EPOCH = "next epoch"  # raised in place; the running epoch keeps the script's workers
-    CHECKING = "checking"  # tuned, timed again
-    DONE = "done"
+from autogaudi.core.candidate import State
 
 
 class Timing:
@@ -52,9 +47,11 @@ class LoaderState:
 
     def __init__(self, loader):
         self.loader = weakref.ref(loader)  # the script owns the loader; this must not keep it alive
-        # MEASURING -> [NEXT_EPOCH (raised in place, from its next epoch)] -> CHECKING -> DONE
-        self.phase = Phase.MEASURING
-        self.windows = {Phase.MEASURING: Timing(), Phase.CHECKING: Timing()}
+        # WAITING (in-process, timed) -> TRIAL (workers, timed again; a script's own workers raised in
+        # place from its next epoch) -> ON (kept) or RELEASED (put back); REFUSED: kept in-process
+        self.lifecycle = State.WAITING
+        self.from_next_epoch = False  # in its trial, raised in place: timed from the next epoch
+        self.in_process, self.with_workers = Timing(), Timing()
         self.epoch_batches = 0
         self.last_end = None
         self.before = None  # (random state, dataset state) before a measured batch
@@ -63,17 +60,24 @@ class LoaderState:
         self.workers = 0
 
     @property
+    def window(self):
+        """The window its batches are timed into now, or None."""
+        if self.lifecycle is State.WAITING:
+            return self.in_process
+        return self.with_workers if self.lifecycle is State.TRIAL and not self.from_next_epoch else None
+
+    @property
     def timed(self) -> bool:
         """Whether a window of its batches is being timed: begun, and not yet decided."""
-        measuring = self.phase is Phase.MEASURING and self.windows[Phase.MEASURING].batches > 0
-        return measuring or self.phase is Phase.CHECKING
+        window = self.window
+        return window is not None and (window is self.with_workers or window.batches > 0)
 
     @property
     def deciding(self) -> bool:
         """Timed, or raised in place and waiting for the epoch that times it."""
-        return self.timed or self.phase is Phase.NEXT_EPOCH
+        return self.timed or self.lifecycle is State.TRIAL
 
     @property
     def done(self) -> bool:
-        """Decided: kept in-process, tuned and checked, or put back."""
-        return self.phase is Phase.DONE
+        """Decided: kept in-process, tuned and kept, or put back."""
+        return self.lifecycle in (State.ON, State.RELEASED, State.REFUSED)

@@ -20,10 +20,11 @@ import weakref
 import torch
 from torch.utils.data import IterableDataset
 
+from autogaudi.core.candidate import State
 from autogaudi.core.events import Event
 from autogaudi.core.unit import RANDOM, ROUNDING, Unit, UnitSpec
 from autogaudi.measure import machine_load, trials
-from autogaudi.optimizations.loader_workers.loader_state import LoaderState, Phase, Timing
+from autogaudi.optimizations.loader_workers.loader_state import LoaderState, Timing
 from autogaudi.optimizations.loader_workers.thread_cut import ThreadCut, with_threads, worker_budget
 from autogaudi.watch import steps
 from autogaudi.watch.model_call import Layer, compiled_by_the_script
@@ -41,10 +42,10 @@ EARLY_BATCHES, CLEARLY_INPUT_BOUND = 6, 0.8
 BATCH_BOUND_S, BATCH_BOUND_FACTOR = 10.0, 100
 
 
-def measured_enough(timing: Timing, phase: Phase) -> bool:
+def measured_enough(timing: Timing, lifecycle: State) -> bool:
     """Whether a window has timed enough batches to decide on: all of them, except before tuning
     when waiting for data already dominates."""
-    if phase is Phase.MEASURING and timing.batches >= EARLY_BATCHES and timing.input_bound >= CLEARLY_INPUT_BOUND:
+    if lifecycle is State.WAITING and timing.batches >= EARLY_BATCHES and timing.input_bound >= CLEARLY_INPUT_BOUND:
         return True
     return timing.batches >= MEASURED_BATCHES
 
@@ -159,7 +160,7 @@ class LoaderWorkers(Unit):
     def _keep(self, state, code: str, **values) -> None:
         """Keep a measured loader in-process (or put it back) for ``code``; the unit says so while no
         loader has workers."""
-        state.phase = Phase.DONE
+        state.lifecycle = State.REFUSED if state.lifecycle is State.WAITING else State.RELEASED
         self._kept(code, **values)
         kept = self.report.figures.setdefault("kept_because", {})
         kept[code] = kept.get(code, 0) + 1
@@ -245,9 +246,8 @@ class LoaderWorkers(Unit):
             # Checking a tuned loader counts from the moment its workers are started, so their
             # start-up (a fresh interpreter each under spawn) weighs against them.
             state.epoch_batches = 0
-            if state.phase is Phase.NEXT_EPOCH:
-                state.phase = Phase.CHECKING
-            state.last_end = steps.clock() if state.phase is Phase.CHECKING else None
+            state.from_next_epoch = False
+            state.last_end = steps.clock() if state.lifecycle is State.TRIAL else None
         self._starting = state
 
     def _state(self, iterator):
@@ -262,7 +262,7 @@ class LoaderWorkers(Unit):
         from autogaudi.optimizations.loader_workers.safety import instance_state, random_state
 
         state = self._state(iterator)
-        if state is not None and state.phase is Phase.MEASURING and state.epoch_batches >= WARMUP_BATCHES:
+        if state is not None and state.lifecycle is State.WAITING and state.epoch_batches >= WARMUP_BATCHES:
             state.before = (random_state(), instance_state(iterator._dataset))
 
     def _after_batch(self, iterator, _batch, waited: float) -> None:
@@ -272,12 +272,12 @@ class LoaderWorkers(Unit):
         if state is None:
             return
         now = steps.clock()
-        timed = state.phase in (Phase.MEASURING, Phase.CHECKING)
+        window = state.window
+        timed = window is not None
         if timed:
-            window = state.windows[state.phase]
             # Before tuning, the first batches of an epoch are not measured: the sampler draws its seed
             # there and the time since the previous epoch's last batch is not a training step.
-            counted = state.phase is Phase.CHECKING or state.epoch_batches >= WARMUP_BATCHES
+            counted = state.lifecycle is State.TRIAL or state.epoch_batches >= WARMUP_BATCHES
             if counted and not self.run.windows.take(self, yields=True):
                 # Another measurement holds the steps (a census, a timed update): its work would
                 # read as the step's. The window goes on from the batch after it lets go; the others
@@ -286,11 +286,11 @@ class LoaderWorkers(Unit):
             else:
                 if state.last_end is not None and counted:
                     window.add(waited, now - waited - state.last_end)
-                    if state.phase is Phase.MEASURING:
+                    if state.lifecycle is State.WAITING:
                         self._check_getitem(state, iterator._dataset)
                 state.last_end = now
         state.epoch_batches += 1
-        if timed and measured_enough(window, state.phase):
+        if timed and measured_enough(window, state.lifecycle):
             self._decide(state, iterator)
             if not any(other.timed for other in self._loaders.values()):
                 self.run.windows.release(self)
@@ -321,19 +321,18 @@ class LoaderWorkers(Unit):
         from autogaudi.optimizations.loader_workers.safety import why_not_workers
 
         loader = state.loader()
-        before, after = state.windows[Phase.MEASURING], state.windows[Phase.CHECKING]
+        before, after = state.in_process, state.with_workers
         self._decided = True
         self.run.trials.measured(self)  # decided, whether or not the loader outlives its windows
-        if state.phase is Phase.MEASURING:
-            state.phase = Phase.DONE
+        if state.lifecycle is State.WAITING:
             self.report.figures["input_bound_fraction"] = round(before.input_bound, 3)
             self.report.figures["ms_per_batch_before"] = round(before.ms_per_batch, 3)
             if state.getitem_changes is not None:
                 self._keep(state, state.getitem_changes[0], **state.getitem_changes[1])
             elif before.input_bound < INPUT_BOUND:
                 self._keep(state, "not_starved", share=f"{before.input_bound:.0%}", threshold=f"{INPUT_BOUND:.0%}")
-            elif loader is None:
-                return
+            elif loader is None:  # gone meanwhile
+                state.lifecycle = State.REFUSED
             else:
                 checked_from = steps.clock()
                 why = why_not_workers(loader, self._threads.script_threads())  # before any worker starts
@@ -344,7 +343,7 @@ class LoaderWorkers(Unit):
                 else:
                     self._tune(loader, state, iterator)
         else:
-            state.phase = Phase.DONE
+            state.lifecycle = State.ON  # unless no faster: put back
             self.report.figures["ms_per_batch_after"] = round(after.ms_per_batch, 3)
             if not workers_faster(before, after, trials.materiality_of(self), worker_budget()[0]):
                 self._untune(state)
@@ -354,7 +353,7 @@ class LoaderWorkers(Unit):
         from autogaudi.optimizations.loader_workers.worker_iterator import give_up_all, in_process, set_attributes
 
         workers, threads = worker_budget()
-        measured = state.windows[Phase.MEASURING]
+        measured = state.in_process
         state.workers = workers
         state.bound_s = max(BATCH_BOUND_S, BATCH_BOUND_FACTOR * measured.waited / max(measured.batches, 1))
         state.scope = self.scope.child()
@@ -368,14 +367,14 @@ class LoaderWorkers(Unit):
         # timed on from the last measured batch, or from the next epoch's start: the workers' start-up
         # counts against them
         if in_process(iterator):
-            state.phase = Phase.CHECKING
+            state.lifecycle = State.TRIAL
             self.report.because("workers", workers=workers)
             if self._start_workers(state, iterator, loader):
                 self.report.figures["workers_from_batch"] = state.epoch_batches + 1
         else:  # the script's own workers: raised in place, from the next epoch
             set_attributes(state.scope, loader, num_workers=workers, prefetch_factor=loader.prefetch_factor or 2)
             self._ever_raised = True
-            state.phase = Phase.NEXT_EPOCH
+            state.lifecycle, state.from_next_epoch = State.TRIAL, True
             self.report.because("workers_raised", workers=workers)
 
     def _found_model(self, profile) -> None:
