@@ -38,9 +38,9 @@ def untried_reason(unit):
 
 
 class State(enum.Enum):
-    WAITING = "waiting"  # for the step profile: nothing set up
+    WAITING = "waiting"  # for what it acts on (the step profile; a loader's in-process window): nothing set up
     CHECKING = "checking"  # set up, checked by the unit before it may switch on (a guard)
-    TRIAL = "trial"  # set up, switched between steps by a trial
+    TRIAL = "trial"  # set up, switched between steps by a trial (a loader's workers: timed against its window)
     FOLLOWING = "following"  # a remembered decision followed while this run's check of it runs
     ON = "on"  # kept: on for the rest of the run
     RELEASED = "released"  # not kept, or no longer: everything it set up undone
