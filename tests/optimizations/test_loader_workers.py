@@ -195,6 +195,21 @@ def test_a_dataset_whose_samples_round_otherwise_on_one_thread_stays_in_process(
     assert ("rounds_otherwise", {"threads": threads}) in said(row()) and row()["numerics"] == []
 
 
+def test_the_sample_check_judges_on_the_threads_it_is_given_and_leaves_the_cut_as_it_was():
+    from autogaudi.optimizations.loader_workers.safety import rounds_otherwise_in_a_worker
+
+    threads = torch.get_num_threads()
+    if threads < 2:
+        pytest.skip("one intra-op thread here")
+    torch._C.set_num_threads(1)  # as while another loader's workers hold the cut
+    try:
+        assert rounds_otherwise_in_a_worker(SumsInGetitem(), threads)
+        assert not rounds_otherwise_in_a_worker(Slow(), threads)
+        assert torch._C.get_num_threads() == 1
+    finally:
+        torch._C.set_num_threads(threads)
+
+
 def test_explicit_choices_subclasses_and_iterables_are_left_alone():
     class Stream(IterableDataset):
         def __iter__(self):

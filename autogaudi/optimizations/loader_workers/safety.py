@@ -187,15 +187,16 @@ def rounds_otherwise_in_a_worker(dataset, threads: int) -> bool:
         return False
     from autogaudi.measure.numerics import float_leaves
 
+    before = torch._C.get_num_threads()  # cut already, where another loader has workers
     try:
+        torch._C.set_num_threads(threads)
         with_threads = float_leaves(dataset[0])
         torch._C.set_num_threads(1)
-        try:
-            in_a_worker = float_leaves(dataset[0])
-        finally:
-            torch._C.set_num_threads(threads)
+        in_a_worker = float_leaves(dataset[0])
     except Exception:
         return False
+    finally:
+        torch._C.set_num_threads(before)
     return len(with_threads) != len(in_a_worker) or not all(map(torch.equal, with_threads, in_a_worker))
 
 
