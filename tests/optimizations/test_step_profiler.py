@@ -584,10 +584,11 @@ def test_ranks_that_measure_apart_follow_rank_zero_and_finish_the_trial_together
 
 @pytest.mark.slow
 def test_a_rank_that_waits_for_a_slower_ranks_all_reduce_is_communication_bound(tmp_path):
-    """Rank 1 spends 20 ms of Python before each step; rank 0, with the same tiny model, waits for it
+    """Rank 1 spends 60 ms of Python before each step; rank 0, with the same tiny model, waits for it
     in DDP's all-reduce. That wait is neither ops nor issuing them: counted as host time, it made
-    rank 0 read host-bound, and both ranks ran a compile trial that could not help."""
-    env = {"AUTOGAUDI": "1", "AUTOGAUDI_QUIET": "1", "STEPS": "40", "SLOW_HOST_RANK": "1"}
+    rank 0 read host-bound, and both ranks ran a compile trial that could not help. Its 60 ms
+    keep rank 0's wait well over half of its step whatever a loaded machine adds to rank 0's own."""
+    env = {"AUTOGAUDI": "1", "AUTOGAUDI_QUIET": "1", "STEPS": "40", "SLOW_HOST_RANK": "1", "SLOW_HOST_MS": "60"}
     result, workers = torchrun(tmp_path, *TORCHRUN, SCRIPTS / "ddp_train.py", env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     profiles = [worker["units"]["step_profiler"] for worker in workers]
