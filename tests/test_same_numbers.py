@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from tests.helpers import SCRIPTS, clean_env, run_python
+from tests.helpers import SCRIPTS, clean_env, plain_run, run_python
 
 SCRIPTS_RUN = [SCRIPTS / "seeded_train.py", SCRIPTS / "rl_loop.py"]
 
@@ -22,20 +22,27 @@ def numbers(result) -> dict:
     return json.loads(result.stdout.splitlines()[-1])
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("script", SCRIPTS_RUN, ids=lambda path: path.stem)
-def test_a_seeded_script_prints_the_same_numbers_on_an_empty_and_on_a_warm_cache(tmp_path, script):
-    plain = numbers(run_python(script, env=clean_env()))
-    env = clean_env(AUTOGAUDI_NO_CACHE="0", AUTOGAUDI_CACHE_DIR=tmp_path / "cache")
+@pytest.fixture(scope="module", params=SCRIPTS_RUN, ids=lambda path: path.stem)
+def first_runs(request, tmp_path_factory):
+    """A script's runs on an empty cache and then on the warm one it left, each with the units its
+    report names as changing the numbers: both tests below compare with the first."""
+    script, folder = request.param, tmp_path_factory.mktemp(request.param.stem)
+    env = clean_env(AUTOGAUDI_NO_CACHE="0", AUTOGAUDI_CACHE_DIR=folder / "cache")
     runs = {}
     for name in ("empty", "warm"):
-        report = tmp_path / f"{name}.json"
+        report = folder / f"{name}.json"
         result = run_python("-m", "autogaudi", "--quiet", "--report", report, script, env=env)
         named = {row["unit"] for row in json.loads(report.read_text())["numerics"]}
         runs[name] = numbers(result), named
+    return script, runs
+
+
+@pytest.mark.slow
+def test_a_seeded_script_prints_the_same_numbers_on_an_empty_and_on_a_warm_cache(first_runs):
+    script, runs = first_runs
     assert runs["warm"] == runs["empty"]
     measured, named = runs["empty"]
-    assert (measured == plain) == (not named), named
+    assert (measured == numbers(plain_run(script))) == (not named), named
 
 
 @contextlib.contextmanager
@@ -51,14 +58,13 @@ def two_busy_processes():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", SCRIPTS_RUN, ids=lambda path: path.stem)
-def test_a_seeded_script_prints_the_same_numbers_beside_two_busy_processes(tmp_path, script):
-    """Each run on an empty cache of its own, so each measures and decides: the load must not move
-    a decision that changes the numbers (a trial started from a step the profile's timings set; the
-    fused update's timing on the CPU, which kept it for 8.5% of the step quiet and put it back at 4.3%)."""
-    runs = {}
-    for name in ("as_is", "busy"):
-        env = clean_env(AUTOGAUDI_NO_CACHE="0", AUTOGAUDI_CACHE_DIR=tmp_path / name)
-        with two_busy_processes() if name == "busy" else contextlib.nullcontext():
-            runs[name] = numbers(run_python("-m", "autogaudi", "--quiet", script, env=env))
-    assert runs["busy"] == runs["as_is"]
+def test_a_seeded_script_prints_the_same_numbers_beside_two_busy_processes(tmp_path, first_runs):
+    """On an empty cache of its own, so that it measures and decides, as the first run on the empty
+    cache did: the load must not move a decision that changes the numbers (a trial started from a
+    step the profile's timings set; the fused update's timing on the CPU, which kept it for 8.5% of
+    the step quiet and put it back at 4.3%)."""
+    script, runs = first_runs
+    env = clean_env(AUTOGAUDI_NO_CACHE="0", AUTOGAUDI_CACHE_DIR=tmp_path / "busy")
+    with two_busy_processes():
+        busy = numbers(run_python("-m", "autogaudi", "--quiet", script, env=env))
+    assert busy == runs["empty"][0]

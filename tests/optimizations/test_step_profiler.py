@@ -556,15 +556,19 @@ def test_ranks_that_measure_apart_follow_rank_zero_and_finish_the_trial_together
     """Rank 1 waits for slow data (input-bound), rank 0 does not (host-bound): were each to act on
     its own profile, rank 0 would run a compile trial whose decision it broadcasts while rank 1 sits
     in DDP's all-reduce, and the job would hang (run_python's timeout fails the test then)."""
-    # Rank 0's Python outlasts rank 1's wait for data, so that rank 0 does not wait for rank 1 in the
-    # all-reduce (it would read communication-bound, and start no trial)
+    # Rank 0's Python (45 ms) outlasts rank 1's wait for data (30 ms) by a third of its step, more than
+    # a loaded machine's scheduling shifts either, so that rank 0 does not wait for rank 1 in the
+    # all-reduce (it would read communication-bound or unclear, and start no trial); rank 1's wait is
+    # still about two thirds of its step (input-bound from half).
     env = {
         "AUTOGAUDI": "1",
         "AUTOGAUDI_QUIET": "1",
         "AUTOGAUDI_TRIAL": "graph_capture",  # asked for: a trial that changes the numbers runs only so
         "STEPS": "70",  # the profile, then the trial's 30 steps (its blocks and warm-up) with room to spare
         "SLOW_DATA_RANK": "1",
+        "SLOW_DATA_MS": "30",
         "SLOW_HOST_RANK": "0",
+        "SLOW_HOST_MS": "45",
     }
     result, workers = torchrun(tmp_path, *TORCHRUN, SCRIPTS / "ddp_train.py", env=env)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -580,10 +584,11 @@ def test_ranks_that_measure_apart_follow_rank_zero_and_finish_the_trial_together
 
 @pytest.mark.slow
 def test_a_rank_that_waits_for_a_slower_ranks_all_reduce_is_communication_bound(tmp_path):
-    """Rank 1 spends 20 ms of Python before each step; rank 0, with the same tiny model, waits for it
+    """Rank 1 spends 60 ms of Python before each step; rank 0, with the same tiny model, waits for it
     in DDP's all-reduce. That wait is neither ops nor issuing them: counted as host time, it made
-    rank 0 read host-bound, and both ranks ran a compile trial that could not help."""
-    env = {"AUTOGAUDI": "1", "AUTOGAUDI_QUIET": "1", "STEPS": "40", "SLOW_HOST_RANK": "1"}
+    rank 0 read host-bound, and both ranks ran a compile trial that could not help. Its 60 ms
+    keep rank 0's wait well over half of its step whatever a loaded machine adds to rank 0's own."""
+    env = {"AUTOGAUDI": "1", "AUTOGAUDI_QUIET": "1", "STEPS": "40", "SLOW_HOST_RANK": "1", "SLOW_HOST_MS": "60"}
     result, workers = torchrun(tmp_path, *TORCHRUN, SCRIPTS / "ddp_train.py", env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     profiles = [worker["units"]["step_profiler"] for worker in workers]

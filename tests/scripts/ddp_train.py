@@ -8,9 +8,9 @@ micro-batches per step, all but the last inside ``no_sync()``. CLIP=1 clips the 
 the step (it must see averaged gradients). BRANCH=rank1 adds a layer only rank 1 uses;
 BRANCH=from_step5 one that every rank uses from step 5 on (both need find_unused_parameters).
 STEPS=N trains N steps (default 10). SLOW_DATA_RANK=N feeds rank N from a DataLoader that sleeps
-4.5 ms per sample (18 ms a step), so that rank measures itself input-bound. SLOW_HOST_RANK=N makes rank
-N spend 20 ms of Python before each forward, so that it measures itself host-bound and the other
-ranks wait for it in the all-reduce.
+SLOW_DATA_MS (default 18) a step, a quarter per sample, so that rank measures itself input-bound.
+SLOW_HOST_RANK=N makes rank N spend SLOW_HOST_MS (default 20) of Python before each forward, so that
+it measures itself host-bound and the other ranks wait for it in the all-reduce.
 """
 
 import hashlib
@@ -36,14 +36,15 @@ class Net(torch.nn.Module):
 
 
 class SlowData(torch.utils.data.Dataset):
-    def __init__(self, generator, samples):
+    def __init__(self, generator, samples, seconds_each):
         self.samples = torch.randn(samples, 6, generator=generator)
+        self.seconds_each = seconds_each
 
     def __len__(self):
         return len(self.samples)
 
     def __getitem__(self, index):
-        time.sleep(0.0045)
+        time.sleep(self.seconds_each)
         return self.samples[index]
 
 
@@ -61,10 +62,12 @@ def main():
     steps = int(os.environ.get("STEPS", "10"))
     batches = None
     if os.environ.get("SLOW_DATA_RANK") == str(rank):
-        batches = iter(torch.utils.data.DataLoader(SlowData(generator, 4 * steps * accumulate), batch_size=4))
+        data = SlowData(generator, 4 * steps * accumulate, float(os.environ.get("SLOW_DATA_MS", "18")) / 4000)
+        batches = iter(torch.utils.data.DataLoader(data, batch_size=4))
+    host_seconds = float(os.environ.get("SLOW_HOST_MS", "20")) / 1000
     for step in range(steps):
         if os.environ.get("SLOW_HOST_RANK") == str(rank):
-            busy_until = time.perf_counter() + 0.020
+            busy_until = time.perf_counter() + host_seconds
             while time.perf_counter() < busy_until:
                 pass
         for micro in range(accumulate):
