@@ -186,18 +186,14 @@ def rounds_otherwise_in_a_worker(dataset, threads: int) -> bool:
     if threads <= 1:
         return False
     from autogaudi.measure.numerics import float_leaves
+    from autogaudi.optimizations.loader_workers.thread_cut import with_threads
 
-    before = torch._C.get_num_threads()  # cut already, where another loader has workers
-    try:
-        torch._C.set_num_threads(threads)
-        with_threads = float_leaves(dataset[0])
-        torch._C.set_num_threads(1)
-        in_a_worker = float_leaves(dataset[0])
+    try:  # each build with its thread count, torch's count put back as it was (cut, beside other workers)
+        as_script = float_leaves(with_threads(threads)(dataset.__getitem__, (0,), {}))
+        in_a_worker = float_leaves(with_threads(1)(dataset.__getitem__, (0,), {}))
     except Exception:
         return False
-    finally:
-        torch._C.set_num_threads(before)
-    return len(with_threads) != len(in_a_worker) or not all(map(torch.equal, with_threads, in_a_worker))
+    return len(as_script) != len(in_a_worker) or not all(map(torch.equal, as_script, in_a_worker))
 
 
 def why_not_workers(loader, threads: int):

@@ -59,7 +59,8 @@ class ThreadCut:
 
 
 def with_threads(threads: int):
-    """A copy's forward with ``threads`` intra-op threads (torch's own setter: the script's is wrapped)."""
+    """A call (a copy's forward, a sample's build) with ``threads`` intra-op threads, torch's count put back
+    after it (torch's own setter: the script's is wrapped)."""
 
     def forward(shadow, args, kwargs):
         before = torch._C.get_num_threads()

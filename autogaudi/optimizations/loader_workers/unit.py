@@ -360,7 +360,7 @@ class LoaderWorkers(Unit):
         state.sources = weakref.WeakSet()  # the worker iterators of its epochs
         state.scope.add(lambda: give_up_all(state.sources))
         if threads < self._threads.script_threads():
-            self._cut_after_measuring(state, threads)
+            self._cut_after_measuring(state)
         self._tuned += 1
         self.report.figures.update(loaders_tuned=self._tuned, workers=workers, main_threads=torch._C.get_num_threads())
         self.report.moment("workers", workers=workers)
@@ -383,23 +383,23 @@ class LoaderWorkers(Unit):
         if self._cut_waiting and self._measuring is None and self._cut_measured is None:
             self._measure_cut()
 
-    def _cut_after_measuring(self, state, threads: int) -> None:
-        """Cut the main process's threads to ``threads`` for a tuned loader only once the cut is measured
+    def _cut_after_measuring(self, state) -> None:
+        """Cut the main process's threads to the worker budget's for a tuned loader only once the cut is measured
         to leave the training model's outputs bit for bit as the script's threads give them: whether the
         workers stay is a timing, and no timing may choose the numbers. Measured once a run; until then,
         and where it changes an output or cannot be measured, the script's threads stay."""
         if self._cut_measured:
-            self._cut(state, threads)
+            self._cut(state)
         elif self._cut_measured is None:
-            self._cut_waiting.append((state, threads))
+            self._cut_waiting.append(state)
             if self._measuring is None:
                 self._measure_cut()
 
-    def _cut(self, state, threads: int) -> None:
+    def _cut(self, state) -> None:
         if state.scope is None:  # put back in-process meanwhile
             return
         script = self._threads.script_threads()
-        self._threads.hold(state, threads, state.scope)
+        self._threads.hold(state, worker_budget()[1], state.scope)
         self._ever_cut = True
         self.report.note("threads_cut", threads=torch._C.get_num_threads(), script=script)
         self.report.figures["main_threads"] = torch._C.get_num_threads()
@@ -429,9 +429,8 @@ class LoaderWorkers(Unit):
         if not (model.training and torch.is_grad_enabled()):
             return call(*args, **kwargs)
         self._measuring.close()
-        cut = min(threads for _state, threads in self._cut_waiting) if self._cut_waiting else None
-        script = self._threads.script_threads()
-        if cut is None or cut >= script:  # every waiting loader was put back meanwhile
+        cut, script = worker_budget()[1], self._threads.script_threads()
+        if not self._cut_waiting or cut >= script:  # nothing waits for it, or the script set fewer threads
             self._measuring = None
             return call(*args, **kwargs)
         self.report.measure_numerics(
@@ -443,14 +442,14 @@ class LoaderWorkers(Unit):
             around=with_threads(cut),
             reference=with_threads(script),
         )
-        measured = self.report.figures.pop("numerics_measured", None)
+        measured = self.report.figures.get("numerics_measured")
         if measured is not None and measured["max_rel_diff"] == 0:
             self._cut_measured = True
-            self.report.figures["numerics_measured"] = measured
             waiting, self._cut_waiting = self._cut_waiting, []
-            for state, threads in waiting:
-                self._cut(state, threads)
-        elif measured is not None:
+            for state in waiting:
+                self._cut(state)
+        elif measured is not None:  # the figure is of a cut not taken: the run's numbers are the script's
+            del self.report.figures["numerics_measured"]
             self._cut_not_taken("threads_kept_rounding", threads=cut)
         else:  # not measured: measure_numerics' note says why
             self._cut_not_taken("threads_kept_not_measured", threads=cut)
