@@ -34,6 +34,7 @@ import contextlib
 import functools
 import inspect
 import sys
+import time
 import weakref
 
 import torch
@@ -112,6 +113,7 @@ class TrainingSteps:
         # accumulating).
         self._sentinel = None
         self._grad_left = None
+        self.own_s = 0.0  # its bookkeeping's time inside the user's backward passes (the report's per-call work)
 
     steps = property(lambda self: self.count.steps, doc="training steps: iterations of the user's loop")
     backwards = property(lambda self: self.count.backwards, doc="the user's backward passes, all of them")
@@ -134,6 +136,7 @@ class TrainingSteps:
 
     def install(self) -> None:
         self._scope.add(self._routes.clear)
+        self.timeline.count_own_work(lambda: self.own_s)
         self._scope.wrap(torch.autograd, "backward", self._backward)
         self._scope.wrap(torch.autograd, "grad", self._grad)
         self._scope.add(self.evaluation.uninstall)
@@ -200,11 +203,16 @@ class TrainingSteps:
             self.count.own_backward()
             return wrapped(*args, **kwargs)
         tensors = args[0] if args else kwargs.get("tensors")
-        cleared = self._gradients_cleared(tensors)
+        started = time.perf_counter()
+        # a pass inside an optimizer step (LBFGS's closure) is no step of the loop: whether it
+        # accumulates is not asked, and the loss's graph is not searched for a parameter
+        inside = bool(self._step_frames) and self._inside_an_optimizer_step()
+        cleared = inside or self._gradients_cleared(tensors)
+        self.own_s += time.perf_counter() - started
         self.events.emit(Event.BEFORE_BACKWARD, tensors)
         result = self._pass(wrapped, args, kwargs)
         self.events.emit(Event.AFTER_BACKWARD)
-        self._passed(cleared)
+        self._passed(cleared, inside)
         return result
 
     def _grad(self, wrapped, instance, args, kwargs):
@@ -215,8 +223,9 @@ class TrainingSteps:
         if self._unseen or self._passing:
             self.count.own_backward()
             return wrapped(*args, **kwargs)
+        inside = bool(self._step_frames) and self._inside_an_optimizer_step()
         result = self._pass(wrapped, args, kwargs)
-        self._passed(cleared=True)
+        self._passed(True, inside)
         return result
 
     def _pass(self, wrapped, args, kwargs):
@@ -240,12 +249,13 @@ class TrainingSteps:
         left = self._grad_left
         return grad is None or left is None or left[0]() is not grad or grad._version != left[1]
 
-    def _passed(self, cleared: bool) -> None:
-        inside = bool(self._step_frames) and self._inside_an_optimizer_step()
+    def _passed(self, cleared: bool, inside: bool) -> None:
+        started = time.perf_counter()
         ended = self.count.backward(cleared, in_optimizer_step=inside)
         if not inside and self.count.asks_clearing:
             grad = getattr(self.sentinel(), "grad", None)
             self._grad_left = (weakref.ref(grad), grad._version) if grad is not None else None
+        self.own_s += time.perf_counter() - started
         if ended:
             self._steps_ended(None, ended)
 
@@ -330,15 +340,17 @@ class TrainingSteps:
 
 def _a_parameter(tensors):
     """A tensor the pass accumulates a gradient into (a parameter), found from the loss's graph
-    within ``LEAF_SEARCH`` nodes; None where there is none near."""
+    within ``LEAF_SEARCH`` nodes; None where there is none near. Depth first: a parameter is a few
+    nodes below each layer's output, while a graph that joins many outputs (a ``cat`` of a thousand
+    time steps) would hold a breadth-first search in its first level."""
     tensors = (tensors,) if isinstance(tensors, torch.Tensor) else tensors or ()
     nodes = [t.grad_fn for t in tensors if isinstance(t, torch.Tensor) and t.grad_fn is not None]
     for _ in range(LEAF_SEARCH):
         if not nodes:
             return None
-        node = nodes.pop(0)
+        node = nodes.pop()
         variable = getattr(node, "variable", None)  # AccumulateGrad: a leaf's gradient goes there
         if variable is not None:
             return variable
-        nodes.extend(child for child, _ in node.next_functions if child is not None)
+        nodes.extend(child for child, _ in reversed(node.next_functions) if child is not None)
     return None

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import autogaudi
-from autogaudi.watch import evaluation
+from autogaudi.watch import evaluation, steps
 from autogaudi.watch.step_count import NO_OPTIMIZER_AFTER, REPACE_AFTER
 
 
@@ -96,6 +96,51 @@ def test_lbfgs_closure_backward_passes_are_inside_one_step():
     assert figures["steps_counted_by"] == "optimizer steps"
     assert figures["steps"] == figures["optimizer_steps"] == 3
     assert figures["backward_passes"] > NO_OPTIMIZER_AFTER
+
+
+def test_lbfgs_closure_passes_leave_the_losss_graph_unsearched(monkeypatch):
+    """Whether a pass accumulates is asked only of the loop's own passes: inside ``step(closure)``
+    the loss's graph (a thousand-step ``cat`` in pytorch/examples' time sequence) is not walked."""
+    searched = []
+    monkeypatch.setattr(steps, "_a_parameter", lambda tensors: searched.append(tensors))
+    autogaudi.enable(device="cpu", only="throughput_meter")
+    model = nn.Linear(4, 1)
+    optimizer = torch.optim.LBFGS(model.parameters(), max_iter=5, tolerance_grad=0.0, tolerance_change=0.0)
+    inputs, targets = next(data())
+
+    def closure():
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(model(inputs), targets)
+        loss.backward()
+        return loss
+
+    for _ in range(3):
+        optimizer.step(closure)
+    figures = steps_figures()
+    assert figures["backward_passes_in_optimizer_steps"] == figures["backward_passes"] >= 3
+    assert searched == []
+
+
+def test_the_watchs_work_inside_the_users_backward_passes_is_counted_as_autogaudis_own():
+    """A loop without regions or loaders: what the report calls per-call work is the watch's own."""
+    autogaudi.enable(device="cpu", only="throughput_meter")
+    model = nn.Linear(4, 1)  # its initialisation enters no_grad: the region watch's time, not the passes'
+    before = autogaudi.report().as_dict()["timeline"]["per_call_s"]
+    train_by_hand(model, 200)  # the report rounds to 0.1 ms
+    assert autogaudi.report().as_dict()["timeline"]["per_call_s"] > before
+
+
+def test_the_parameter_that_tells_accumulation_apart_is_found_behind_a_wide_join():
+    """A loss over the ``cat`` of many time steps' outputs: the parameters sit a few nodes below
+    each output, past the search's bound for a level-by-level walk of the join's inputs."""
+    cell, head = nn.RNNCell(1, 8), nn.Linear(8, 1)
+    hidden, outputs = torch.zeros(2, 8), []
+    for step in torch.randn(2, steps.LEAF_SEARCH * 2).split(1, dim=1):
+        hidden = cell(step, hidden)
+        outputs.append(head(hidden))
+    loss = torch.cat(outputs, dim=1).pow(2).mean()
+    found = steps._a_parameter(loss)
+    assert any(found is param for param in [*cell.parameters(), *head.parameters()])
 
 
 def test_an_optimizer_step_that_raised_does_not_hide_later_backward_passes():
