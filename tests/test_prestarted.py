@@ -1,0 +1,230 @@
+"""The pre-started interpreter against a real one: the same CompletedProcess for every way a script
+can start and end, and real interpreters wherever a fork could be told apart."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from tests import prestarted
+from tests.helpers import HPU_DOUBLE, REPO, clean_env
+
+SHOW = """
+import json, os, signal, sys, torch
+main = __import__("__main__")
+print(json.dumps({
+    "argv": sys.argv, "orig_argv": sys.orig_argv, "path": sys.path, "cwd": os.getcwd(), "name": __name__,
+    "main": sorted((k, type(v).__name__) for k, v in vars(main).items() if k != "json"),
+    "file": getattr(main, "__file__", None), "spec": getattr(main.__spec__, "name", None),
+    "env": dict(os.environ), "tmp": __import__("tempfile").gettempdir(),
+    "signals": {s.name: str(signal.getsignal(s)) for s in signal.valid_signals() if isinstance(s, signal.Signals)},
+    "stdio": [(f.name, f.encoding, f.errors, f.line_buffering, f.isatty()) for f in (sys.stdin, sys.stdout, sys.stderr)],
+}, sort_keys=True))
+"""
+
+# name -> (files written in the run's folder, python's arguments); every script names torch, as the
+# runs the server takes do
+CASES = {
+    "normal": ({"s.py": "import torch\nprint('trained', torch.ones(3).sum().item())\n"}, ["s.py"]),
+    "sys_exit_3": ({"s.py": "import sys, torch\nprint('out')\nsys.exit(3)\n"}, ["s.py"]),
+    "sys_exit_message": ({"s.py": "import sys, torch\nsys.exit('bad input')\n"}, ["s.py"]),
+    "uncaught": (
+        {"s.py": "import torch\n\ndef f(x):\n    return x / 0\n\nprint('before')\nf(torch.ones(1).item())\n"},
+        ["s.py"],
+    ),
+    "chained": ({"s.py": "import torch\ntry:\n    {}['k']\nexcept KeyError as e:\n    raise ValueError('v') from e\n"}, ["s.py"]),
+    "keyboard_interrupt": ({"s.py": "import atexit, torch\natexit.register(print, 'bye')\nraise KeyboardInterrupt\n"}, ["s.py"]),
+    "os_exit": ({"s.py": "import os, torch, atexit\natexit.register(print, 'never')\nprint('lost', end='')\nos._exit(7)\n"}, ["s.py"]),
+    "sigterm_self": ({"s.py": "import os, signal, torch\nos.kill(os.getpid(), signal.SIGTERM)\n"}, ["s.py"]),
+    "atexit": (
+        {"s.py": "import atexit, torch\natexit.register(lambda: print('at exit', '__file__' in globals()))\nprint('main')\n"},
+        ["s.py"],
+    ),
+    "thread_after_main": (
+        {"s.py": "import threading, time, torch\n"
+                 "threading.Thread(target=lambda: (time.sleep(0.3), print('thread'))).start()\nprint('main ends')\n"},
+        ["s.py"],
+    ),  # fmt: skip
+    "no_newline": ({"s.py": "import sys, torch\nprint('partial', end='')\nsys.stderr.write('err no newline')\n"}, ["s.py"]),
+    "unclosed_file": (
+        {"s.py": "import torch\nf = open('left.txt', 'w')\nf.write('kept at exit')\nprint(open(__file__).read()[:6])\n"},
+        ["s.py"],
+    ),
+    "stdin_eof": ({"s.py": "import sys, torch\nprint(repr(sys.stdin.read()))\n"}, ["s.py"]),
+    "module": (
+        {"pkg/__init__.py": "", "pkg/mod.py": "import torch\n" + SHOW + "raise RuntimeError('in a module')\n"},
+        ["-m", "pkg.mod", "a", "--b"],
+    ),
+    "package_main": ({"pkg/__init__.py": "", "pkg/__main__.py": "import torch\n" + SHOW}, ["-m", "pkg", "x"]),
+    "command": ({}, ["-c", SHOW + "import torch\nprint(1 / 0)\n", "arg"]),
+    "script_as_given": ({"sub/s.py": SHOW}, ["./sub/../sub/s.py", "--lr", "3"]),
+    "symlinked_script": ({"sub/s.py": SHOW, "link.py": "->sub/s.py"}, ["link.py"]),
+    "pythonpath_and_env": ({"lib/helper.py": "VALUE = 5\n", "s.py": "import helper\n" + SHOW}, ["s.py"]),
+    "spawn_and_fork_children": (
+        {"s.py": "import multiprocessing as mp, torch\n\ndef square(x):\n    return x * x\n\n"
+                 "if __name__ == '__main__':\n    for method in ('spawn', 'fork'):\n"
+                 "        with mp.get_context(method).Pool(1) as pool:\n            print(method, pool.map(square, [2, 3]))\n"},
+        ["s.py"],
+    ),  # fmt: skip
+    "pickled_main_class": (
+        {"s.py": "import pickle, torch\n\nclass Point:\n    def __init__(self, x):\n        self.x = x\n\n"
+                 "data = pickle.dumps(Point(torch.tensor([2.0])))\nprint(b'__main__' in data, pickle.loads(data).x)\n"},
+        ["s.py"],
+    ),  # fmt: skip
+}
+
+
+def _write(folder, files):
+    for name, text in files.items():
+        path = folder / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if text.startswith("->"):
+            path.symlink_to(text[2:])
+        else:
+            path.write_text(text)
+
+
+@pytest.fixture
+def stdin_at_eof():
+    """What both ways read from an inherited stdin: nothing (the tests' own may be a terminal)."""
+    saved = os.dup(0)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    yield
+    os.dup2(saved, 0)
+    os.close(saved)
+
+
+def _both_ways(tmp_path, args, env, timeout=120):
+    """(real, forked) CompletedProcess of ``python *args``, each in a copy of the folder of its own
+    name-alike: the runs see the same paths."""
+    results = []
+    for forked in (False, True):
+        if forked:
+            assert prestarted.route(args, env, tmp_path) is None
+            result = prestarted.run(args, env, tmp_path, timeout)
+        else:
+            result = subprocess.run(
+                [sys.executable, *args], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=timeout
+            )
+        results.append((result, _files(tmp_path)))
+    return results
+
+
+def _files(folder):
+    left = folder / "left.txt"
+    return left.read_text() if left.exists() else None
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_run_forked_from_the_server_ends_as_a_real_interpreters(case, tmp_path, stdin_at_eof):
+    files, args = CASES[case]
+    _write(tmp_path, files)
+    env = clean_env(CASE=case)
+    if case == "pythonpath_and_env":
+        env["PYTHONPATH"] = "lib"
+    (real, real_file), (forked, forked_file) = _both_ways(tmp_path, args, env)
+    assert forked.args == real.args
+    assert (forked.returncode, forked.stdout, forked.stderr) == (real.returncode, real.stdout, real.stderr)
+    assert forked_file == real_file
+
+
+def test_the_cases_cover_every_ending():
+    """The ends a test must tell apart: not all the same code, output and traceback."""
+    assert {"uncaught", "keyboard_interrupt", "sigterm_self", "os_exit", "sys_exit_3"} <= set(CASES)
+
+
+def test_a_timeout_kills_the_run_and_its_group_and_raises_as_subprocess_does(tmp_path):
+    script = tmp_path / "s.py"
+    script.write_text(
+        "import subprocess, sys, time, torch\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        "open('child.pid', 'w').write(str(child.pid))\nprint('started', flush=True)\ntime.sleep(60)\n"
+    )
+    started = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired) as raised:
+        prestarted.run(["s.py"], clean_env(), tmp_path, 8)
+    assert raised.value.cmd == [sys.executable, "s.py"] and raised.value.timeout == 8
+    assert raised.value.output == b"started\n"
+    grandchild = int((tmp_path / "child.pid").read_text())
+    for _ in range(100):  # the kill is SIGKILL: gone at once, reaped by whoever its parent was
+        if not _alive(grandchild):
+            break
+        time.sleep(0.1)
+    assert not _alive(grandchild)
+    assert time.monotonic() - started < 60
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "why"),
+    [
+        (["s.py"], {"AUTOGAUDI": "1"}, "autogaudi_set"),
+        (["-X", "importtime", "s.py"], {}, "interpreter_flags"),
+        (["-u", "s.py"], {}, "interpreter_flags"),
+        (["s.py"], {"PYTHONPATH": str(HPU_DOUBLE)}, "pythonpath_acts_at_start"),
+        (["s.py"], {"PYTHONPATH": str(REPO / "sitecustomize")}, "pythonpath_acts_at_start"),
+        (["uses_autogaudi.py"], {}, "names_autogaudi_or_modules"),
+        (["imports_a_helper.py"], {}, "names_autogaudi_or_modules"),
+        (["no_torch.py"], {}, "no_torch"),
+        (["collects.py"], {}, "names_gc"),
+        (["-m", "pip"], {}, "module_not_local"),
+        (["missing.py"], {}, "not_a_script_file"),
+        (["-c", "import autogaudi, torch"], {}, "names_autogaudi_or_modules"),
+    ],
+)
+def test_a_run_a_fork_could_be_told_from_goes_to_a_real_interpreter(tmp_path, args, env, why):
+    _write(
+        tmp_path,
+        {
+            "s.py": "import torch\n",
+            "uses_autogaudi.py": "import autogaudi, torch\nautogaudi.enable()\n",
+            "imports_a_helper.py": "import torch\nimport setup_helper\n",
+            "setup_helper.py": "import autogaudi\n",
+            "no_torch.py": "print('hi')\n",
+            "collects.py": "import gc, torch\n",
+        },
+    )
+    assert prestarted.route(args, clean_env(**env), tmp_path) == why
+    assert prestarted.route(["s.py"], clean_env(), tmp_path) is None
+
+
+def test_fresh_runs_a_real_interpreter(tmp_path, monkeypatch):
+    from tests import helpers
+
+    monkeypatch.setattr(prestarted, "run", lambda *a: pytest.fail("fresh=True went to the server"))
+    (tmp_path / "s.py").write_text("import torch\n")
+    assert helpers.run_python("s.py", cwd=tmp_path, fresh=True).returncode == 0
+
+
+def test_the_server_exits_when_its_test_process_is_gone(tmp_path):
+    starter = textwrap.dedent(
+        f"""
+        import os, sys
+        sys.path.insert(0, {str(REPO)!r})
+        from tests import prestarted
+        server = prestarted._Server(dict(os.environ))
+        print(server.process.pid, server.ready, flush=True)
+        os._exit(0)
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", starter], env=clean_env(), capture_output=True, text=True, timeout=300)
+    pid, ready = done.stdout.split()
+    assert ready == "True"
+    for _ in range(100):
+        if not _alive(int(pid)):
+            break
+        time.sleep(0.1)
+    assert not _alive(int(pid))
