@@ -44,9 +44,7 @@ MESSAGE = 1 << 20
 
 
 def fingerprint(env: dict) -> tuple:
-    return tuple(
-        sorted((k, v) for k, v in env.items() if k != "PYTHONPATH" and k.startswith(IMPORT_TIME_PREFIXES))
-    )
+    return tuple(sorted((k, v) for k, v in env.items() if k != "PYTHONPATH" and k.startswith(IMPORT_TIME_PREFIXES)))
 
 
 def _source_refuses(text: str) -> str | None:
@@ -174,7 +172,8 @@ class _Server:
                 if left is not None and left <= 0:
                     _kill(pid)
                     self._finish(request, selector, outputs, pid)
-                    raise subprocess.TimeoutExpired(command, timeout, b"".join(outputs[out_r]), b"".join(outputs[err_r]))
+                    out, err = (b"".join(outputs[fd]) for fd in (out_r, err_r))
+                    raise subprocess.TimeoutExpired(command, timeout, out, err)
                 for key, _ in selector.select(left):
                     if key.fileobj is request:
                         reply = request.recv(MESSAGE)

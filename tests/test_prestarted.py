@@ -2,7 +2,6 @@
 can start and end, and real interpreters wherever a fork could be told apart."""
 
 import os
-import signal
 import subprocess
 import sys
 import textwrap
@@ -11,7 +10,7 @@ import time
 import pytest
 
 from tests import prestarted
-from tests.helpers import HPU_DOUBLE, REPO, clean_env
+from tests.helpers import HPU_DOUBLE, REPO, clean_env, run_python
 
 SHOW = """
 import json, os, signal, sys, torch
@@ -22,59 +21,94 @@ print(json.dumps({
     "file": getattr(main, "__file__", None), "spec": getattr(main.__spec__, "name", None),
     "env": dict(os.environ), "tmp": __import__("tempfile").gettempdir(),
     "signals": {s.name: str(signal.getsignal(s)) for s in signal.valid_signals() if isinstance(s, signal.Signals)},
-    "stdio": [(f.name, f.encoding, f.errors, f.line_buffering, f.isatty()) for f in (sys.stdin, sys.stdout, sys.stderr)],
+    "stdio": [(f.name, f.encoding, f.errors, f.line_buffering, f.isatty())
+              for f in (sys.stdin, sys.stdout, sys.stderr)],
 }, sort_keys=True))
 """
 
+
+def py(*lines):
+    return "\n".join(lines) + "\n"
+
+
+SPAWN_AND_FORK = py(
+    "import multiprocessing as mp, torch",
+    "def square(x):",
+    "    return x * x",
+    "if __name__ == '__main__':",
+    "    for method in ('spawn', 'fork'):",
+    "        with mp.get_context(method).Pool(1) as pool:",
+    "            print(method, pool.map(square, [2, 3]))",
+)
+PICKLED = py(
+    "import pickle, torch",
+    "class Point:",
+    "    def __init__(self, x):",
+    "        self.x = x",
+    "data = pickle.dumps(Point(torch.tensor([2.0])))",
+    "print(b'__main__' in data, pickle.loads(data).x)",
+)
 # name -> (files written in the run's folder, python's arguments); every script names torch, as the
 # runs the server takes do
 CASES = {
-    "normal": ({"s.py": "import torch\nprint('trained', torch.ones(3).sum().item())\n"}, ["s.py"]),
-    "sys_exit_3": ({"s.py": "import sys, torch\nprint('out')\nsys.exit(3)\n"}, ["s.py"]),
-    "sys_exit_message": ({"s.py": "import sys, torch\nsys.exit('bad input')\n"}, ["s.py"]),
+    "normal": ({"s.py": py("import torch", "print('trained', torch.ones(3).sum().item())")}, ["s.py"]),
+    "sys_exit_3": ({"s.py": py("import sys, torch", "print('out')", "sys.exit(3)")}, ["s.py"]),
+    "sys_exit_message": ({"s.py": py("import sys, torch", "sys.exit('bad input')")}, ["s.py"]),
     "uncaught": (
-        {"s.py": "import torch\n\ndef f(x):\n    return x / 0\n\nprint('before')\nf(torch.ones(1).item())\n"},
+        {"s.py": py("import torch", "def f(x):", "    return x / 0", "print('before')", "f(torch.ones(1).item())")},
         ["s.py"],
     ),
-    "chained": ({"s.py": "import torch\ntry:\n    {}['k']\nexcept KeyError as e:\n    raise ValueError('v') from e\n"}, ["s.py"]),
-    "keyboard_interrupt": ({"s.py": "import atexit, torch\natexit.register(print, 'bye')\nraise KeyboardInterrupt\n"}, ["s.py"]),
-    "os_exit": ({"s.py": "import os, torch, atexit\natexit.register(print, 'never')\nprint('lost', end='')\nos._exit(7)\n"}, ["s.py"]),
-    "sigterm_self": ({"s.py": "import os, signal, torch\nos.kill(os.getpid(), signal.SIGTERM)\n"}, ["s.py"]),
+    "chained": (
+        {
+            "s.py": py(
+                "import torch", "try:", "    {}['k']", "except KeyError as e:", "    raise ValueError('v') from e"
+            )
+        },
+        ["s.py"],
+    ),
+    "keyboard_interrupt": (
+        {"s.py": py("import atexit, torch", "atexit.register(print, 'bye')", "raise KeyboardInterrupt")},
+        ["s.py"],
+    ),
+    "os_exit": (
+        {
+            "s.py": py(
+                "import os, torch, atexit", "atexit.register(print, 'never')", "print('lost', end='')", "os._exit(7)"
+            )
+        },
+        ["s.py"],
+    ),
+    "sigterm_self": ({"s.py": py("import os, signal, torch", "os.kill(os.getpid(), signal.SIGTERM)")}, ["s.py"]),
     "atexit": (
-        {"s.py": "import atexit, torch\natexit.register(lambda: print('at exit', '__file__' in globals()))\nprint('main')\n"},
+        {"s.py": py("import atexit, torch", "atexit.register(lambda: print('at exit', '__file__' in globals()))")},
         ["s.py"],
     ),
     "thread_after_main": (
-        {"s.py": "import threading, time, torch\n"
-                 "threading.Thread(target=lambda: (time.sleep(0.3), print('thread'))).start()\nprint('main ends')\n"},
-        ["s.py"],
-    ),  # fmt: skip
-    "no_newline": ({"s.py": "import sys, torch\nprint('partial', end='')\nsys.stderr.write('err no newline')\n"}, ["s.py"]),
-    "unclosed_file": (
-        {"s.py": "import torch\nf = open('left.txt', 'w')\nf.write('kept at exit')\nprint(open(__file__).read()[:6])\n"},
+        {
+            "s.py": py(
+                "import threading, time, torch",
+                "threading.Thread(target=lambda: (time.sleep(0.3), print('thread'))).start()",
+            )
+        },
         ["s.py"],
     ),
-    "stdin_eof": ({"s.py": "import sys, torch\nprint(repr(sys.stdin.read()))\n"}, ["s.py"]),
+    "no_newline": (
+        {"s.py": py("import sys, torch", "print('partial', end='')", "sys.stderr.write('err no newline')")},
+        ["s.py"],
+    ),
+    "unclosed_file": ({"s.py": py("import torch", "f = open('left.txt', 'w')", "f.write('kept at exit')")}, ["s.py"]),
+    "stdin_eof": ({"s.py": py("import sys, torch", "print(repr(sys.stdin.read()))")}, ["s.py"]),
     "module": (
-        {"pkg/__init__.py": "", "pkg/mod.py": "import torch\n" + SHOW + "raise RuntimeError('in a module')\n"},
+        {"pkg/__init__.py": "", "pkg/mod.py": py("import torch", SHOW, "raise RuntimeError('in a module')")},
         ["-m", "pkg.mod", "a", "--b"],
     ),
-    "package_main": ({"pkg/__init__.py": "", "pkg/__main__.py": "import torch\n" + SHOW}, ["-m", "pkg", "x"]),
-    "command": ({}, ["-c", SHOW + "import torch\nprint(1 / 0)\n", "arg"]),
+    "package_main": ({"pkg/__init__.py": "", "pkg/__main__.py": py("import torch", SHOW)}, ["-m", "pkg", "x"]),
+    "command": ({}, ["-c", py(SHOW, "import torch", "print(1 / 0)"), "arg"]),
     "script_as_given": ({"sub/s.py": SHOW}, ["./sub/../sub/s.py", "--lr", "3"]),
     "symlinked_script": ({"sub/s.py": SHOW, "link.py": "->sub/s.py"}, ["link.py"]),
-    "pythonpath_and_env": ({"lib/helper.py": "VALUE = 5\n", "s.py": "import helper\n" + SHOW}, ["s.py"]),
-    "spawn_and_fork_children": (
-        {"s.py": "import multiprocessing as mp, torch\n\ndef square(x):\n    return x * x\n\n"
-                 "if __name__ == '__main__':\n    for method in ('spawn', 'fork'):\n"
-                 "        with mp.get_context(method).Pool(1) as pool:\n            print(method, pool.map(square, [2, 3]))\n"},
-        ["s.py"],
-    ),  # fmt: skip
-    "pickled_main_class": (
-        {"s.py": "import pickle, torch\n\nclass Point:\n    def __init__(self, x):\n        self.x = x\n\n"
-                 "data = pickle.dumps(Point(torch.tensor([2.0])))\nprint(b'__main__' in data, pickle.loads(data).x)\n"},
-        ["s.py"],
-    ),  # fmt: skip
+    "pythonpath_and_env": ({"lib/helper.py": "VALUE = 5\n", "s.py": py("import helper", SHOW)}, ["s.py"]),
+    "spawn_and_fork_children": ({"s.py": SPAWN_AND_FORK}, ["s.py"]),
+    "pickled_main_class": ({"s.py": PICKLED}, ["s.py"]),
 }
 
 
@@ -202,11 +236,9 @@ def test_a_run_a_fork_could_be_told_from_goes_to_a_real_interpreter(tmp_path, ar
 
 
 def test_fresh_runs_a_real_interpreter(tmp_path, monkeypatch):
-    from tests import helpers
-
     monkeypatch.setattr(prestarted, "run", lambda *a: pytest.fail("fresh=True went to the server"))
     (tmp_path / "s.py").write_text("import torch\n")
-    assert helpers.run_python("s.py", cwd=tmp_path, fresh=True).returncode == 0
+    assert run_python("s.py", cwd=tmp_path, fresh=True).returncode == 0
 
 
 def test_the_server_exits_when_its_test_process_is_gone(tmp_path):
