@@ -18,7 +18,8 @@ Known differences a script could see: the server's frames below ``<module>`` (st
 ``warnings`` with a stacklevel past the script), ``os.getppid()``, a process group and session of
 its own, one hash seed per server, modules the server imported already being in ``sys.modules``, and its objects frozen
 out of the collector's view (``gc.freeze``).
-The server exits when the test process's end of its socket closes.
+The server exits when the test process's end of its socket closes. ``TESTS_PRESTARTED=0`` in the
+tests' environment turns it off (every run a real interpreter), to compare.
 """
 
 import gc
@@ -245,7 +246,7 @@ _LOCK = threading.Lock()
 def run(args: list, env: dict, cwd, timeout):
     """The run's CompletedProcess, or None where it needs a real interpreter (:func:`route`)."""
     args = [str(a) for a in args]
-    if route(args, env, cwd) is not None:
+    if os.environ.get("TESTS_PRESTARTED") == "0" or route(args, env, cwd) is not None:
         return None
     key = fingerprint(env)
     with _LOCK:
