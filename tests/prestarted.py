@@ -124,7 +124,7 @@ class _Server:
         self.owner = os.getpid()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         server_env = {k: v for k, v in env.items() if k != "PYTHONPATH"}
-        self.process = subprocess.Popen(
+        starter = subprocess.Popen(
             [sys.executable, __file__, str(theirs.fileno())],
             pass_fds=(theirs.fileno(),),
             env=server_env,
@@ -134,18 +134,15 @@ class _Server:
             start_new_session=True,  # a ^C to the test run is the tests', not the server's
         )
         theirs.close()
+        starter.wait()  # it forks the server and exits: no child of the test process left behind
         self.control = ours
         ours.settimeout(300)
-        self.ready = ours.recv(64) == b"ready"  # after its imports; an empty read: it died
+        ready = ours.recv(64).split()  # after its imports; an empty read: it died
         ours.settimeout(None)
+        self.pid = int(ready[1]) if ready[:1] == [b"ready"] else None
 
     def close(self):
         self.control.close()  # the server sees the end of its socket and exits
-        try:
-            self.process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
 
     def run(self, args: list, env: dict, cwd, timeout):
         """``subprocess.run([sys.executable, *args], capture_output=True, text=True, ...)``, forked."""
@@ -257,7 +254,7 @@ def run(args: list, env: dict, cwd, timeout):
             if len(_SERVERS) >= MAX_SERVERS:
                 return None
             server = _SERVERS[key] = _Server(env)
-    if not server.ready:
+    if server.pid is None:
         return None
     return server.run(args, env, cwd, timeout)
 
@@ -277,7 +274,10 @@ _SERVER_SIGNALS = (signal.SIGCHLD,)
 
 
 def _serve(control_fd: int):
-    """Import, then fork a child per request until the test process goes; returns in a child only."""
+    """Import, then fork a child per request until the test process goes; returns in a child only.
+    The server itself is a fork whose parent exits at once: a test that counts its own children sees none."""
+    if os.fork():
+        os._exit(0)
     import torch  # noqa: F401
     import torch._dynamo  # noqa: F401  (a plain script's first optimizer imports it)
 
@@ -287,7 +287,7 @@ def _serve(control_fd: int):
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
     gc.freeze()  # each child's exit then leaves the server's objects alone: no page copied to collect them
-    control.send(b"ready")
+    control.send(b"ready %d" % os.getpid())
     waiting = {}  # pid -> the request's socket, told the status at the end
     with selectors.DefaultSelector() as selector:
         selector.register(control, selectors.EVENT_READ)
