@@ -1,25 +1,25 @@
-"""A pre-started interpreter for the tests' plain script runs: ``python *args`` without paying ``import torch``.
+"""A pre-started interpreter for the tests' script runs: ``python *args`` without paying ``import torch``.
 
 Why: the slow lane starts hundreds of interpreters, most of whose CPU time is torch's import (and
 Dynamo's, at a script's first optimizer). A server per fingerprint of the import-time environment,
 started lazily once per test process, imports them once and forks a child per run, set up as a fresh
 ``python *args`` is: argv, sys.path, ``__main__``, environment, cwd, stdio, signal dispositions, and
 the exit (SystemExit, traceback and 1, KeyboardInterrupt as SIGINT, threads and atexit at the end).
+torch is out of ``sys.modules`` in the child until its script imports it (:class:`_Preloaded`), so
+autogaudi's launcher still sees the script's own ``import torch`` begin and end.
 multiprocessing's forkserver was not used: its children end in ``os._exit`` without atexit handlers.
 
 Only a run the fork cannot tell apart is routed here (:func:`route`): no interpreter flags, no
-``AUTOGAUDI`` (enabled at interpreter start, and autogaudi waits for the script's own ``import
-torch``, which a preloaded torch would skip), a script (or ``-c`` code, or a ``-m`` module found in
-the cwd or on PYTHONPATH) that names torch and names neither autogaudi nor ``sys.modules``, and
-nothing on PYTHONPATH that acts at start-up (sitecustomize, a dist-info's entry points: the HPU
-double's autoload). Everything else, and ``fresh=True``, gets a real interpreter.
+``AUTOGAUDI`` (read at interpreter start), ``-m autogaudi``, or a script (``-c`` code, a ``-m``
+module in the cwd or on PYTHONPATH) that names torch and not ``gc``, with nothing on PYTHONPATH that
+acts at start-up (sitecustomize, a dist-info's entry points: the HPU double's autoload).
+Everything else, and ``fresh=True``, gets a real interpreter.
 
-Known differences a script could see: the server's frames below ``<module>`` (stack inspection,
-``warnings`` with a stacklevel past the script), ``os.getppid()``, a process group and session of
-its own, one hash seed per server, modules the server imported already being in ``sys.modules``, and its objects frozen
-out of the collector's view (``gc.freeze``).
-The server exits when the test process's end of its socket closes. ``TESTS_PRESTARTED=0`` in the
-tests' environment turns it off (every run a real interpreter), to compare.
+Known differences a script could see: the server's frames below ``<module>``, ``os.getppid()``, a
+process group and session of its own, one hash seed per server, the modules torch imports that are
+not torch's (numpy, ...) already imported, torch's import taking no time, and the server's objects
+frozen out of the collector's view (``gc.freeze``). The server exits when the test process's end of
+its socket closes. ``TESTS_PRESTARTED=0`` in the tests' environment gives every run a real one.
 """
 
 import gc
@@ -51,19 +51,8 @@ def fingerprint(env: dict) -> tuple:
 def _source_refuses(text: str) -> str | None:
     if "torch" not in text:
         return "no_torch"
-    if "autogaudi" in text or "sys.modules" in text:
-        return "names_autogaudi_or_modules"
     if re.search(r"\bgc\b", text):  # the server's objects are frozen out of the collector's view
         return "names_gc"
-    return None
-
-
-def _local_imports_refuse(text: str, folder: Path) -> str | None:
-    """The script's own modules beside it, read as the script is: a helper that enables autogaudi."""
-    for name in set(re.findall(r"^\s*(?:from|import)\s+(\w+)", text, re.MULTILINE)):
-        for found in (folder / f"{name}.py", *sorted((folder / name).rglob("*.py"))):
-            if found.is_file() and ("autogaudi" in found.read_text(errors="replace")):
-                return "names_autogaudi_or_modules"
     return None
 
 
@@ -99,19 +88,19 @@ def route(args: list, env: dict, cwd) -> str | None:
         return "no_stdin"
     if args[0] == "-c" and len(args) > 1:
         return _source_refuses(args[1])
+    if args[0:2] == ["-m", "autogaudi"]:
+        return None  # its wait for the script's import of torch is kept: torch is hidden until then
     if args[0] == "-m" and len(args) > 1:
         found = _module_file(args[1], [where, *(where / e for e in entries)])
         if found is None:
             return "module_not_local"
-        text = found.read_text(errors="replace")
-        return _source_refuses(text) or _local_imports_refuse(text, found.parent)
+        return _source_refuses(found.read_text(errors="replace"))
     if args[0].startswith("-"):
         return "interpreter_flags"
     script = where / args[0]
     if not script.is_file() or not script.name.endswith(".py"):
         return "not_a_script_file"
-    text = script.read_text(errors="replace")
-    return _source_refuses(text) or _local_imports_refuse(text, script.resolve().parent)
+    return _source_refuses(script.read_text(errors="replace"))
 
 
 # ---------------------------------------------------------------- client side (the test process)
@@ -278,8 +267,8 @@ def _serve(control_fd: int):
     The server itself is a fork whose parent exits at once: a test that counts its own children sees none."""
     if os.fork():
         os._exit(0)
-    import torch  # noqa: F401
-    import torch._dynamo  # noqa: F401  (a plain script's first optimizer imports it)
+    _PRELOADED.append(_preload("torch"))
+    _PRELOADED.append(_preload("torch._dynamo"))  # a plain script's first optimizer imports it
 
     control = socket.socket(fileno=control_fd)
     wake_r, wake_w = os.pipe()
@@ -379,7 +368,101 @@ def _become(request: dict, stdio: list):
     linecache.clearcache()
     tempfile.tempdir = None  # read from TMPDIR at first use, as in a fresh interpreter
     _fresh_process_state()
+    _hide_preloaded()
     return run
+
+
+_PRELOADED = []  # what each preload added: (its torch modules, atexit registrations, warning filters)
+
+
+def _preload(name: str) -> tuple:
+    """Import ``name``, noting what its import added, so that a child can hide it until its script imports it."""
+    import atexit
+    import importlib
+    import warnings
+
+    modules, filters, registered = set(sys.modules), list(warnings.filters), []
+    register = atexit.register
+    atexit.register = lambda function, *args, **kwargs: registered.append((function, args, kwargs)) or function
+    try:
+        importlib.import_module(name)
+    finally:
+        atexit.register = register
+    added = {n: sys.modules[n] for n in set(sys.modules) - modules if n == "torch" or n.startswith("torch.")}
+    return added, registered, [f for f in warnings.filters if f not in filters]
+
+
+class _Preloaded:
+    """The path entry finder of a folder that holds preloaded modules (site-packages for torch, torch's
+    own for Dynamo's), in ``sys.path_importer_cache``: the path finder, which comes after every finder
+    autogaudi puts on ``sys.meta_path``, asks it last, as it would ask the folder's own. It gives a
+    preloaded group back as the script first imports one of its modules: that module's own spec,
+    whose loader creates the module already executed and executes nothing, once; the group's other
+    modules, atexit handlers and warning filters come back with it. Then the folder's own finder is
+    put back. autogaudi's import watchers see an import of torch begin and end as they would."""
+
+    def __init__(self, folder: str, finder, groups: list):
+        self.folder, self.finder, self.groups = folder, finder, groups
+
+    def __getattr__(self, name):
+        return getattr(self.finder, name)
+
+    def find_spec(self, fullname, target=None):
+        group = next((g for g in self.groups if fullname in g[0]), None)
+        if group is None:
+            return self.finder.find_spec(fullname, target)
+        modules, registered, filters = group
+        module = modules[fullname]
+        spec = module.__spec__
+        loader = spec.loader = module.__loader__  # the loader a wrapper of an earlier look may have replaced
+
+        def exec_module(_):  # the import itself (a look, importlib.util.find_spec, only finds)
+            del loader.create_module, loader.exec_module
+            self.groups.remove(group)
+            for name, each in modules.items():
+                sys.modules.setdefault(name, each)
+            _register_again(registered, filters)
+            for folder, entry in list(sys.path_importer_cache.items()):
+                if isinstance(entry, _Preloaded) and not entry.groups:
+                    sys.path_importer_cache[folder] = entry.finder
+
+        loader.create_module, loader.exec_module = (lambda _: module), exec_module
+        return spec
+
+
+def _register_again(registered: list, filters: list) -> None:
+    import atexit
+    import warnings
+
+    for function, args, kwargs in registered:
+        atexit.register(function, *args, **kwargs)
+    warnings.filters[:0] = filters
+    warnings._filters_mutated()
+
+
+def _hide_preloaded() -> None:
+    import warnings
+
+    for modules, _, filters in _PRELOADED:
+        for name in modules:
+            sys.modules.pop(name, None)
+        for entry in filters:
+            warnings.filters.remove(entry)
+    warnings._filters_mutated()
+    groups = list(_PRELOADED)
+    torch = _PRELOADED[0][0]["torch"]
+    for folder in (os.path.dirname(torch.__path__[0]), torch.__path__[0]):
+        sys.path_importer_cache[folder] = _Preloaded(folder, _entry_finder(folder), groups)
+
+
+def _entry_finder(folder: str):
+    """The finder the path finder would make for ``folder``: the first of ``sys.path_hooks`` that takes it."""
+    for hook in sys.path_hooks:
+        try:
+            return hook(folder)
+        except ImportError:
+            continue
+    return None
 
 
 def _fresh_process_state() -> None:
