@@ -23,6 +23,7 @@ its socket closes. ``TESTS_PRESTARTED=0`` in the tests' environment gives every 
 """
 
 import gc
+import io
 import json
 import os
 import re
@@ -32,6 +33,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 # Variables read while the interpreter starts or torch (with Dynamo, numpy) is imported: a run whose
@@ -73,7 +75,7 @@ def route(args: list, env: dict, cwd) -> str | None:
     where = Path(cwd) if cwd is not None else Path.cwd()
     if not where.is_dir():
         return "no_cwd"
-    entries = [e for e in env.get("PYTHONPATH", "").split(os.pathsep)] if env.get("PYTHONPATH") else []
+    entries = env["PYTHONPATH"].split(os.pathsep) if env.get("PYTHONPATH") else []
     for entry in entries:
         folder = where / entry
         if not entry or not folder.is_dir():
@@ -101,9 +103,6 @@ def route(args: list, env: dict, cwd) -> str | None:
     if not script.is_file() or not script.name.endswith(".py"):
         return "not_a_script_file"
     return _source_refuses(script.read_text(errors="replace"))
-
-
-# ---------------------------------------------------------------- client side (the test process)
 
 
 class _Server:
@@ -153,12 +152,12 @@ class _Server:
             for fd in outputs:
                 selector.register(fd, selectors.EVENT_READ)
             selector.register(request, selectors.EVENT_READ)
-            deadline = None if timeout is None else _monotonic() + timeout
+            deadline = None if timeout is None else time.monotonic() + timeout
             while selector.get_map():
-                left = None if deadline is None else deadline - _monotonic()
+                left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     _kill(pid)
-                    self._finish(request, selector, outputs, pid)
+                    self._finish(request, selector, outputs)
                     out, err = (b"".join(outputs[fd]) for fd in (out_r, err_r))
                     raise subprocess.TimeoutExpired(command, timeout, out, err)
                 for key, _ in selector.select(left):
@@ -185,7 +184,7 @@ class _Server:
         )
 
     @staticmethod
-    def _finish(request, selector, outputs, pid):
+    def _finish(request, selector, outputs):
         """After the kill: the status (the server reaps it) and the pipes closed, as subprocess.run waits."""
         for key in list(selector.get_map().values()):
             selector.unregister(key.fileobj)
@@ -200,17 +199,9 @@ class _Server:
             os.close(fd)
 
 
-def _monotonic() -> float:
-    import time
-
-    return time.monotonic()
-
-
 def _kill(pid) -> None:
     """The child and its process group, as a timeout of subprocess.run kills the child."""
-    if pid is None:
-        return
-    for kill in (os.killpg, os.kill):
+    for kill in (os.killpg, os.kill) if pid is not None else ():
         try:
             kill(pid, signal.SIGKILL)
         except OSError:
@@ -219,8 +210,6 @@ def _kill(pid) -> None:
 
 def _text(data: bytes) -> str:
     """As subprocess decodes a text-mode pipe: the locale's encoding, universal newlines."""
-    import io
-
     wrapper = io.TextIOWrapper(io.BytesIO())
     return data.decode(wrapper.encoding, wrapper.errors).replace("\r\n", "\n").replace("\r", "\n")
 
@@ -255,8 +244,6 @@ def close_all() -> None:
                 server.close()
         _SERVERS.clear()
 
-
-# ---------------------------------------------------------------- server side
 
 _BASE_PATH = sys.path[1:]  # the server's own start, less its folder: every run's sys.path after its own entries
 _SERVER_SIGNALS = (signal.SIGCHLD,)
