@@ -375,56 +375,69 @@ def _preload(name: str) -> tuple:
         importlib.import_module(name)
     finally:
         atexit.register = register
-    added = {n: sys.modules[n] for n in set(sys.modules) - modules if n == "torch" or n.startswith("torch.")}
+    added = {n: m for n, m in sys.modules.items() if n not in modules and (n == "torch" or n.startswith("torch."))}
     return added, registered, [f for f in warnings.filters if f not in filters]
 
 
 class _Preloaded:
-    """The path entry finder of a folder that holds preloaded modules (site-packages for torch, torch's
-    own for Dynamo's), in ``sys.path_importer_cache``: the path finder, which comes after every finder
-    autogaudi puts on ``sys.meta_path``, asks it last, as it would ask the folder's own. It gives a
-    preloaded group back as the script first imports one of its modules: that module's own spec,
-    whose loader creates the module already executed and executes nothing, once; the group's other
-    modules, atexit handlers and warning filters come back with it. Then the folder's own finder is
-    put back. autogaudi's import watchers see an import of torch begin and end as they would."""
+    """The path finder's lookup while a preloaded group is hidden (the path finder is asked after
+    every finder autogaudi puts on ``sys.meta_path``, as for any module on a path). A group comes
+    back as the script first imports one of its modules: each module's own spec, whose loader gives
+    the module already executed and executes nothing, every module of the group in its import order
+    (import watchers see theirs), then its atexit handlers and warning filters."""
 
-    def __init__(self, folder: str, finder, groups: list):
-        self.folder, self.finder, self.groups = folder, finder, groups
+    def __init__(self, groups: list):
+        from importlib.machinery import PathFinder
 
-    def __getattr__(self, name):
-        return getattr(self.finder, name)
+        self.groups, self.path_finder, self.own = list(groups), PathFinder, PathFinder.__dict__["find_spec"]
+        self.find, self.restoring = PathFinder.find_spec, False
+        PathFinder.find_spec = self.find_spec
 
-    def find_spec(self, fullname, target=None):
+    def find_spec(self, fullname, path=None, target=None):
         group = next((g for g in self.groups if fullname in g[0]), None)
-        if group is None:
-            return self.finder.find_spec(fullname, target)
-        modules, registered, filters = group
-        module = modules[fullname]
+        module = group and group[0][fullname]
+        if group is None or not _importable(fullname, module):
+            return self.find(fullname, path, target)
         spec = module.__spec__
         loader = spec.loader = module.__loader__  # the loader a wrapper of an earlier look may have replaced
 
         def exec_module(_):  # the import itself (a look, importlib.util.find_spec, only finds)
             del loader.create_module, loader.exec_module
-            self.groups.remove(group)
-            for name, each in modules.items():
-                sys.modules.setdefault(name, each)
-            _register_again(registered, filters)
-            for folder, entry in list(sys.path_importer_cache.items()):
-                if isinstance(entry, _Preloaded) and not entry.groups:
-                    sys.path_importer_cache[folder] = entry.finder
+            if group in self.groups and not self.restoring:
+                self._restore(group)
 
         loader.create_module, loader.exec_module = (lambda _: module), exec_module
         return spec
 
+    def _restore(self, group) -> None:
+        """Each module of the group imported again in the order it was (instantly: each is the one
+        executed), so that import watchers see theirs; then what its import registered."""
+        import atexit
+        import importlib
+        import warnings
 
-def _register_again(registered: list, filters: list) -> None:
-    import atexit
-    import warnings
+        modules, registered, filters = group
+        self.restoring = True
+        try:
+            for name, module in modules.items():
+                if name not in sys.modules and _importable(name, module):
+                    importlib.import_module(name)
+        finally:
+            self.restoring = False
+        self.groups.remove(group)
+        if not self.groups:
+            self.path_finder.find_spec = self.own  # the class's own again
+        for name, module in modules.items():
+            sys.modules.setdefault(name, module)
+        for function, args, kwargs in registered:
+            atexit.register(function, *args, **kwargs)
+        warnings.filters[:0] = filters
+        warnings._filters_mutated()
 
-    for function, args, kwargs in registered:
-        atexit.register(function, *args, **kwargs)
-    warnings.filters[:0] = filters
-    warnings._filters_mutated()
+
+def _importable(name: str, module) -> bool:
+    spec = getattr(module, "__spec__", None)
+    return spec is not None and spec.name == name and getattr(module, "__loader__", None) is not None
 
 
 def _hide_preloaded() -> None:
@@ -436,20 +449,7 @@ def _hide_preloaded() -> None:
         for entry in filters:
             warnings.filters.remove(entry)
     warnings._filters_mutated()
-    groups = list(_PRELOADED)
-    torch = _PRELOADED[0][0]["torch"]
-    for folder in (os.path.dirname(torch.__path__[0]), torch.__path__[0]):
-        sys.path_importer_cache[folder] = _Preloaded(folder, _entry_finder(folder), groups)
-
-
-def _entry_finder(folder: str):
-    """The finder the path finder would make for ``folder``: the first of ``sys.path_hooks`` that takes it."""
-    for hook in sys.path_hooks:
-        try:
-            return hook(folder)
-        except ImportError:
-            continue
-    return None
+    _Preloaded(_PRELOADED)
 
 
 def _fresh_process_state() -> None:
