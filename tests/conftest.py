@@ -13,6 +13,7 @@ from autogaudi.measure import clock as measure_clock
 from autogaudi.measure import machine_load
 from autogaudi.optimizations import step_profiler
 from autogaudi.watch import placement
+from tests import prestarted
 from tests.helpers import HPU_DOUBLE, REPO, SimulatedClock
 from tests.suite_order import mark_the_slow_lane
 
@@ -29,6 +30,10 @@ def pytest_configure(config):
         # them where none is written (PYTHONDONTWRITEBYTECODE with an editable install: 0.3 s each).
         for folder in (REPO / "autogaudi", HPU_DOUBLE):
             compileall.compile_dir(folder, quiet=1)
+
+
+def pytest_unconfigure(config):
+    prestarted.close_all()  # this process's pre-started interpreters (tests/prestarted.py), if it started any
 
 
 @pytest.hookimpl(tryfirst=True)

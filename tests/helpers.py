@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests import prestarted
+
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
 SCRIPTS = TESTS / "scripts"
@@ -117,11 +119,18 @@ def run_ranks(*args, **kwargs):
     return result
 
 
-def run_python(*args, env=None, cwd=None, timeout=180):
-    """Run ``python *args`` and return the CompletedProcess (text mode)."""
+def run_python(*args, env=None, cwd=None, timeout=180, fresh=False):
+    """Run ``python *args`` and return the CompletedProcess (text mode). A run the pre-started
+    interpreter cannot tell from a real one is forked from it (:mod:`tests.prestarted`); ``fresh=True``
+    (tests of the interpreter's start, its imports or its timing) always starts a real one."""
+    env = clean_env() if env is None else env
+    if not fresh:
+        forked = prestarted.run(args, env, cwd, timeout)
+        if forked is not None:
+            return forked
     return subprocess.run(
         [sys.executable, *map(str, args)],
-        env=clean_env() if env is None else env,
+        env=env,
         cwd=cwd,
         capture_output=True,
         text=True,

@@ -22,7 +22,7 @@ print(json.dumps({"modules": sorted(sys.modules), "rows": {row["name"]: row for 
 
 def started_on_cpu(tmp_path, disable=""):
     env = clean_env(AUTOGAUDI_NO_CACHE="0", AUTOGAUDI_CACHE_DIR=tmp_path / "cache")
-    result = run_python("-c", ENABLED_ON_CPU, disable, env=env)
+    result = run_python("-c", ENABLED_ON_CPU, disable, env=env, fresh=True)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout.splitlines()[-1])
 
@@ -93,6 +93,6 @@ def test_a_short_quiet_run_imports_neither_psutil_nor_the_report(tmp_path):
     script = tmp_path / "one_step.py"
     script.write_text(ONE_STEP)
     env = clean_env(AUTOGAUDI_NO_CACHE="0", AUTOGAUDI_CACHE_DIR=tmp_path / "cache")
-    result = run_python("-m", "autogaudi", "--quiet", script, env=env)
+    result = run_python("-m", "autogaudi", "--quiet", script, env=env, fresh=True)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"

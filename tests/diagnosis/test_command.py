@@ -13,6 +13,7 @@ from torch.nn.modules.module import register_module_forward_hook
 
 import autogaudi
 from autogaudi.diagnosis.findings import KINDS, SCHEMA
+from tests.helpers import run_python
 
 SCRIPTS = Path(__file__).parent / "scripts"
 
@@ -148,27 +149,21 @@ def test_tile_sizes_and_bf16_readiness(step_clock):
 @pytest.mark.slow
 def test_the_command_stops_the_script_after_n_steps_without_changing_its_numerics(tmp_path):
     script = SCRIPTS / "host_sync.py"
-    plain = subprocess.run(
-        [sys.executable, str(script), str(tmp_path / "plain")], capture_output=True, text=True, check=True
-    )
+    plain = run_python(script, tmp_path / "plain")
+    assert plain.returncode == 0, plain.stderr
     report = tmp_path / "doctor.json"
-    doctored = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "autogaudi",
-            "doctor",
-            "--steps",
-            "5",
-            "--json",
-            str(report),
-            "--fail-on",
-            "host_sync",
-            str(script),
-            str(tmp_path / "doctored"),
-        ],
-        capture_output=True,
-        text=True,
+    doctored = run_python(
+        "-m",
+        "autogaudi",
+        "doctor",
+        "--steps",
+        "5",
+        "--json",
+        report,
+        "--fail-on",
+        "host_sync",
+        script,
+        tmp_path / "doctored",
     )
     assert doctored.returncode == 1  # --fail-on host_sync, and there are some
     lines = doctored.stdout.splitlines()

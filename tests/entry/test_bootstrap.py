@@ -16,7 +16,7 @@ PROBE = (
 
 
 def probe(env):
-    result = run_python("-c", PROBE, env=env)
+    result = run_python("-c", PROBE, env=env, fresh=True)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
 
@@ -38,16 +38,16 @@ def test_bad_env_values_stop_a_process_at_its_torch_import_with_the_valid_choice
         result = run_python("-c", "print('before'); import torch; print('ran')", env=clean_env(**bad))
         assert (result.returncode, result.stdout) == (2, "before\n")
         assert name in result.stderr and repr(value) in result.stderr and "valid choices" in result.stderr
-        launched = run_python("-m", "autogaudi", SCRIPTS / "show_main.py", env=clean_env(**bad))
+        launched = run_python("-m", "autogaudi", SCRIPTS / "show_main.py", env=clean_env(**bad), fresh=True)
         assert (launched.returncode, launched.stdout) == (2, "")  # the launcher refuses before the script
 
 
 def test_bad_env_values_leave_processes_without_torch_alone():
     plain_pip = run_python("-m", "pip", "--version").stdout
     for bad in (dict(AUTOGAUDI="2"), dict(AUTOGAUDI="1", AUTOGAUDI_PRECISION="bf17")):
-        result = run_python("-c", "print('ran')", env=clean_env(**bad))
+        result = run_python("-c", "print('ran')", env=clean_env(**bad), fresh=True)
         assert (result.returncode, result.stdout, result.stderr) == (0, "ran\n", "")
-        pip = run_python("-m", "pip", "--version", env=clean_env(**bad))
+        pip = run_python("-m", "pip", "--version", env=clean_env(**bad), fresh=True)
         assert (pip.returncode, pip.stderr, pip.stdout) == (0, "", plain_pip)
 
 
@@ -66,17 +66,17 @@ def test_users_own_sitecustomize_still_runs_in_children(tmp_path):
     )
     script = tmp_path / "parent.py"
     script.write_text(f"import subprocess, sys\nsubprocess.run([sys.executable, '-c', {child!r}], check=True)\n")
-    result = run_python("-m", "autogaudi", "--quiet", script, env=clean_env(PYTHONPATH=user_site))
+    result = run_python("-m", "autogaudi", "--quiet", script, env=clean_env(PYTHONPATH=user_site), fresh=True)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout) == ["ran", str(user_site / "sitecustomize.py"), True]
 
 
 def test_env_only_process_reports_once_it_has_trained():
-    trained = run_python(SCRIPTS / "train_tiny.py", env=clean_env(AUTOGAUDI="1"))
+    trained = run_python(SCRIPTS / "train_tiny.py", env=clean_env(AUTOGAUDI="1"), fresh=True)
     assert trained.returncode == 0, trained.stderr
     assert "autogaudi 0.1.0 report" in trained.stderr and "10 training steps" in trained.stderr
     # A helper process (a DataLoader or compile worker, say) that never trains stays silent.
-    idle = run_python(SCRIPTS / "train_tiny.py", env=clean_env(AUTOGAUDI="1", TRAIN="0"))
+    idle = run_python(SCRIPTS / "train_tiny.py", env=clean_env(AUTOGAUDI="1", TRAIN="0"), fresh=True)
     assert (idle.returncode, idle.stderr) == (0, "")
 
 
@@ -98,7 +98,7 @@ def test_interpreter_without_autogaudi_below_the_launcher_stays_silent(tmp_path)
     child = f"import subprocess, sys; r = subprocess.run([{other!r}, '-c', 'print(7)'], capture_output=True, text=True)"
     script = tmp_path / "parent.py"
     script.write_text(child + "\nprint(repr(r.stderr), r.returncode, r.stdout.strip())\n")
-    quiet = run_python("-m", "autogaudi", "--quiet", script, env=clean_env(), cwd=tmp_path)
+    quiet = run_python("-m", "autogaudi", "--quiet", script, env=clean_env(), cwd=tmp_path, fresh=True)
     assert (quiet.returncode, quiet.stdout) == (0, "'' 0 7\n"), quiet.stderr
-    verbose = run_python("-m", "autogaudi", "--quiet", "--verbose", script, env=clean_env(), cwd=tmp_path)
+    verbose = run_python("-m", "autogaudi", "--quiet", "--verbose", script, env=clean_env(), cwd=tmp_path, fresh=True)
     assert verbose.stdout != quiet.stdout and verbose.stdout.endswith(" 0 7\n")
