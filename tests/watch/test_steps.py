@@ -76,7 +76,11 @@ def test_per_layer_optimizers_that_train_in_turn_hand_the_count_on():
     assert steps_figures()["steps"] == 20 + 20 - REPACE_AFTER
 
 
-def test_lbfgs_closure_backward_passes_are_inside_one_step():
+def test_lbfgs_closure_backward_passes_are_inside_one_step_and_leave_the_losss_graph_unsearched(monkeypatch):
+    """Whether a pass accumulates is asked only of the loop's own passes: inside ``step(closure)``
+    the loss's graph (a thousand-step ``cat`` in pytorch/examples' time sequence) is not walked."""
+    searched = []
+    monkeypatch.setattr(steps, "_a_parameter", lambda tensors: searched.append(tensors))
     autogaudi.enable(device="cpu", only="throughput_meter")
     model = nn.Linear(4, 1)
     optimizer = torch.optim.LBFGS(
@@ -95,29 +99,7 @@ def test_lbfgs_closure_backward_passes_are_inside_one_step():
     figures = steps_figures()
     assert figures["steps_counted_by"] == "optimizer steps"
     assert figures["steps"] == figures["optimizer_steps"] == 3
-    assert figures["backward_passes"] > NO_OPTIMIZER_AFTER
-
-
-def test_lbfgs_closure_passes_leave_the_losss_graph_unsearched(monkeypatch):
-    """Whether a pass accumulates is asked only of the loop's own passes: inside ``step(closure)``
-    the loss's graph (a thousand-step ``cat`` in pytorch/examples' time sequence) is not walked."""
-    searched = []
-    monkeypatch.setattr(steps, "_a_parameter", lambda tensors: searched.append(tensors))
-    autogaudi.enable(device="cpu", only="throughput_meter")
-    model = nn.Linear(4, 1)
-    optimizer = torch.optim.LBFGS(model.parameters(), max_iter=5, tolerance_grad=0.0, tolerance_change=0.0)
-    inputs, targets = next(data())
-
-    def closure():
-        optimizer.zero_grad()
-        loss = nn.functional.mse_loss(model(inputs), targets)
-        loss.backward()
-        return loss
-
-    for _ in range(3):
-        optimizer.step(closure)
-    figures = steps_figures()
-    assert figures["backward_passes_in_optimizer_steps"] == figures["backward_passes"] >= 3
+    assert figures["backward_passes_in_optimizer_steps"] == figures["backward_passes"] > NO_OPTIMIZER_AFTER
     assert searched == []
 
 
