@@ -206,7 +206,7 @@ class TrainingSteps:
         started = time.perf_counter()
         # a pass inside an optimizer step (LBFGS's closure) is no step of the loop: whether it
         # accumulates is not asked, and the loss's graph is not searched for a parameter
-        inside = bool(self._step_frames) and self._inside_an_optimizer_step()
+        inside = self._inside_an_optimizer_step()
         cleared = inside or self._gradients_cleared(tensors)
         self.own_s += time.perf_counter() - started
         self.events.emit(Event.BEFORE_BACKWARD, tensors)
@@ -223,7 +223,7 @@ class TrainingSteps:
         if self._unseen or self._passing:
             self.count.own_backward()
             return wrapped(*args, **kwargs)
-        inside = bool(self._step_frames) and self._inside_an_optimizer_step()
+        inside = self._inside_an_optimizer_step()
         result = self._pass(wrapped, args, kwargs)
         self._passed(True, inside)
         return result
@@ -279,7 +279,10 @@ class TrainingSteps:
     def _inside_an_optimizer_step(self) -> bool:
         """Whether an optimizer step is still running below this call. A step that raised never
         reached its post-hook: its frame is gone from the stack, and so is it from the list (a
-        counter would have stayed up and excluded every later backward pass)."""
+        counter would have stayed up and excluded every later backward pass). No step under way: the
+        stack is not walked (every backward pass asks)."""
+        if not self._step_frames:
+            return False
         running = set()
         frame = sys._getframe(1)
         while frame is not None:
