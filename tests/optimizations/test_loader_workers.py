@@ -591,6 +591,30 @@ def test_the_thread_cut_is_measured_on_a_copy_of_the_profiled_model_and_leaves_t
     assert torch.equal(measured[1], unmeasured[1]) and measured[2] == unmeasured[2]
 
 
+def test_workers_are_timed_beside_the_thread_cut_they_keep(starving, monkeypatch):
+    """The cut is measured on the model the census names, after the loader was tuned: the window with
+    workers gives the steps to the census meanwhile and is timed from the cut on, since workers beside
+    the script's threads (more threads than cores) are not the workers that stay."""
+    from autogaudi.optimizations.loader_workers import loader_state
+    from autogaudi.optimizations.loader_workers.thread_cut import worker_budget
+
+    if worker_budget()[1] >= torch.get_num_threads():
+        pytest.skip("no thread cut on this machine")
+    threads_timed = []  # (window, intra-op threads) of each batch timed
+    add = loader_state.Timing.add
+
+    def add_and_count_threads(window, waited, computed):
+        threads_timed.append((window, torch._C.get_num_threads()))
+        add(window, waited, computed)
+
+    monkeypatch.setattr(loader_state.Timing, "add", add_and_count_threads)
+    _cut_run(0.0)
+    assert row()["figures"]["main_threads"] == worker_budget()[1] and "threads_cut" in row()["note_codes"]
+    decided_on = threads_timed[-1][0]  # the with-workers window the decision read
+    assert {threads for window, threads in threads_timed if window is decided_on} == {worker_budget()[1]}
+    assert decided_on.batches >= EARLY_BATCHES  # the window the fixture sets, timed whole
+
+
 def test_a_thread_cut_that_changes_the_outputs_is_not_taken(starving, monkeypatch):
     """Whether workers stay is a timing: a cut that rounds the training forward otherwise would let
     the machine's load choose the numbers, so the script's threads stay beside the workers."""
@@ -681,6 +705,25 @@ def test_a_loaders_window_waits_while_another_measurement_holds_the_steps(step_c
     train(lambda: loader, epochs=1, clock=step_clock, compute_s=0.1)
     assert windows.holder is None and row()["status"] == "not needed"
     assert row()["figures"]["ms_per_batch_before"] > 0
+
+
+@pytest.mark.parametrize("several, others_wait", [(False, True), (True, False)])
+def test_a_loaders_window_holds_the_steps_on_one_process_and_gives_way_on_several_ranks(
+    step_clock, monkeypatch, several, others_wait
+):
+    """A starved loader's batches are a run's slowest: on one process it is decided first, and the
+    census and trials after it measure the step its workers feed; on several ranks those start at the
+    same step on each, so the loader's window gives way to them."""
+    from autogaudi.entry import runtime
+    from autogaudi.optimizations.loader_workers import unit as loader_unit
+
+    monkeypatch.setattr(loader_unit, "several_ranks", lambda: several)
+    only_loader_workers()
+    windows = runtime._STATE.session.windows
+    loader = DataLoader(Slow(clock=step_clock), batch_size=8)
+    train(lambda: loader, epochs=1, batches=WARMUP_BATCHES + 3, clock=step_clock, compute_s=0.1)
+    assert windows.holder is runtime._STATE.session.unit("loader_workers")
+    assert windows.take(SimpleNamespace(name="census")) is not others_wait
 
 
 def test_a_decided_loader_still_reads_decided_once_the_script_dropped_it(step_clock):

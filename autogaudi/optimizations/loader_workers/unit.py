@@ -23,6 +23,7 @@ from torch.utils.data import IterableDataset
 from autogaudi.core.candidate import State
 from autogaudi.core.events import Event
 from autogaudi.core.unit import RANDOM, ROUNDING, Unit, UnitSpec
+from autogaudi.entry.ranks import several_ranks
 from autogaudi.measure import machine_load, trials
 from autogaudi.optimizations.loader_workers.loader_state import LoaderState, Timing
 from autogaudi.optimizations.loader_workers.thread_cut import ThreadCut, with_threads, worker_budget
@@ -278,10 +279,14 @@ class LoaderWorkers(Unit):
             # Before tuning, the first batches of an epoch are not measured: the sampler draws its seed
             # there and the time since the previous epoch's last batch is not a training step.
             counted = state.lifecycle is State.TRIAL or state.epoch_batches >= WARMUP_BATCHES
-            if counted and not self.run.windows.take(self, yields=True):
-                # Another measurement holds the steps (a census, a timed update): its work would
-                # read as the step's. The window goes on from the batch after it lets go; the others
-                # never wait for it (on several ranks they start at the same step on each).
+            # On one process the window holds the steps: a starved loader is tuned first, and the
+            # census and trials after it measure the step its workers feed (each batch waited for
+            # in-process is the run's slowest). It yields on several ranks, so the census and the
+            # trials start at the same step on each, and while its thread cut waits for the census
+            # to name the model. Another measurement holding the steps (a census, a timed update)
+            # would read as the step's: the window goes on after it.
+            yields = several_ranks() or bool(self._cut_waiting)
+            if counted and not self.run.windows.take(self, yields=yields):
                 timed, state.last_end = False, None
             else:
                 if state.last_end is not None and counted:
@@ -400,6 +405,8 @@ class LoaderWorkers(Unit):
             return
         script = self._threads.script_threads()
         self._threads.hold(state, worker_budget()[1], state.scope)
+        if state.lifecycle is State.TRIAL:  # timed with workers from here: with the cores they are given
+            state.with_workers, state.last_end = Timing(), None
         self._ever_cut = True
         self.report.note("threads_cut", threads=torch._C.get_num_threads(), script=script)
         self.report.figures["main_threads"] = torch._C.get_num_threads()
