@@ -9,16 +9,40 @@ import sys
 
 import pytest
 
+from tests import prestarted
 from tests.helpers import REPO
 
 CORPUS = REPO.parent / "shared" / "corpus"
 
 
-def load_corpus():
+def load_corpus(forking=False):
+    """benchmarks/corpus.py, a module of its own; ``forking``: its runs go through :class:`ForkingRuns`."""
     spec = importlib.util.spec_from_file_location("benchmark_corpus", REPO / "benchmarks" / "corpus.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    if forking:
+        module.subprocess = ForkingRuns()
     return module
+
+
+class ForkingRuns:
+    """corpus.py's ``subprocess`` in the suite: a ``python ...`` run that the pre-started interpreter
+    cannot tell from a real one (tests/prestarted.py's rule: a plain case, plain torch loading the
+    checkpoints) is forked from it, saving torch's import; every other run (``-m autogaudi`` with this
+    checkout on PYTHONPATH, the double's sitecustomize) starts a real interpreter, as corpus.py does."""
+
+    def __getattr__(self, name):
+        return getattr(subprocess, name)
+
+    @staticmethod
+    def run(command, *, env, cwd, timeout, capture_output=False, text=False, **rest):
+        if command[0] == sys.executable and capture_output and text and not rest:
+            forked = prestarted.run(command[1:], env, cwd, timeout)
+            if forked is not None:
+                return forked
+        return subprocess.run(
+            command, env=env, cwd=cwd, timeout=timeout, capture_output=capture_output, text=text, **rest
+        )
 
 
 def run(exit_code=0, seconds=10.0, result="loss 1.000", files=("model.pt",), checkpoints=None):
@@ -226,7 +250,7 @@ def test_a_cpu_case_runs_plain_under_autogaudi_exact_and_capture_forced_alike(ca
     (seconds alone); the full corpus run keeps the machine's count."""
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)  # an earlier in-process compile's (helpers)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    corpus = load_corpus()
+    corpus = load_corpus(forking=True)
     exact = [] if case["name"] in NOT_EXACT else ["exact"]
     variants = ["plain", "autogaudi", *exact, *(["capture forced"] if case["name"] in FORCED else [])]
     row = corpus.run_case(case, variants, tmp_path, corpus.log, 600)
@@ -303,7 +327,7 @@ def short_adder_case() -> dict:
 @pytest.fixture(scope="module")
 def short_adder_plain(tmp_path_factory):
     """The shortened adder's plain run, once for the tests that run it on the double."""
-    corpus = load_corpus()
+    corpus = load_corpus(forking=True)
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("OMP_NUM_THREADS", "1")
         row = corpus.run_case(short_adder_case(), ["plain"], tmp_path_factory.mktemp("plain"), corpus.log, 600)
@@ -312,7 +336,7 @@ def short_adder_plain(tmp_path_factory):
 
 def short_adder_against_plain(plain_row, variants, scratch, timeout) -> dict:
     """The shortened adder's ``variants``, each with its verdict against the shared plain run."""
-    corpus, case = load_corpus(), short_adder_case()
+    corpus, case = load_corpus(forking=True), short_adder_case()
     plain = plain_row["runs"]["plain"]
     assert plain["result"] is not None, plain["output_tail"]
     runs = corpus.run_case(case, variants, scratch, corpus.log, timeout)["runs"]
