@@ -5,12 +5,10 @@ checkpoint written and loadable with plain torch."""
 import importlib.util
 import json
 import subprocess
-import sys
 
 import pytest
 
-from tests import prestarted
-from tests.helpers import REPO
+from tests.helpers import REPO, ForkingRuns
 
 CORPUS = REPO.parent / "shared" / "corpus"
 
@@ -23,26 +21,6 @@ def load_corpus(forking=False):
     if forking:
         module.subprocess = ForkingRuns()
     return module
-
-
-class ForkingRuns:
-    """corpus.py's ``subprocess`` in the suite: a ``python ...`` run that the pre-started interpreter
-    cannot tell from a real one (tests/prestarted.py's rule: a plain case, plain torch loading the
-    checkpoints) is forked from it, saving torch's import; every other run (``-m autogaudi`` with this
-    checkout on PYTHONPATH, the double's sitecustomize) starts a real interpreter, as corpus.py does."""
-
-    def __getattr__(self, name):
-        return getattr(subprocess, name)
-
-    @staticmethod
-    def run(command, *, env, cwd, timeout, capture_output=False, text=False, **rest):
-        if command[0] == sys.executable and capture_output and text and not rest:
-            forked = prestarted.run(command[1:], env, cwd, timeout)
-            if forked is not None:
-                return forked
-        return subprocess.run(
-            command, env=env, cwd=cwd, timeout=timeout, capture_output=capture_output, text=text, **rest
-        )
 
 
 def run(exit_code=0, seconds=10.0, result="loss 1.000", files=("model.pt",), checkpoints=None):
@@ -177,18 +155,12 @@ def test_the_eager_releases_second_run_must_compile_nothing():
     assert corpus.default_name(["plain", "hpu double 1.19"]) == f"corpus-hpu-double-1.19-{corpus.machine_name()}.json"
 
 
-def run_corpus(tmp_path, *args, timeout):
-    """benchmarks/corpus.py with ``args``, its scratch and results in ``tmp_path``: (the process, the results)."""
+def run_corpus(tmp_path, *args):
+    """benchmarks/corpus.py's main with ``args`` in this process, its runs through :class:`ForkingRuns`
+    and its scratch and results in ``tmp_path``: (its exit code, the results)."""
     out = tmp_path / "corpus.json"
-    command = [sys.executable, str(REPO / "benchmarks" / "corpus.py"), *args]
-    done = subprocess.run(
-        [*command, "--out", str(out), "--scratch", str(tmp_path / "runs")],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    assert out.exists(), done.stderr[-3000:]
-    return done, json.loads(out.read_text())
+    exit_code = load_corpus(forking=True).main([*args, "--out", str(out), "--scratch", str(tmp_path / "runs")])
+    return exit_code, json.loads(out.read_text())
 
 
 # The case forced capture runs on in the suite (a GPT, captured by region): a cold compile, about
@@ -273,12 +245,15 @@ def test_a_cpu_case_runs_plain_under_autogaudi_exact_and_capture_forced_alike(ca
 
 
 @pytest.mark.slow
-def test_the_fsdp2_example_runs_on_two_ranks_plain_and_under_autogaudi(tmp_path):
+def test_the_fsdp2_example_runs_on_two_ranks_plain_and_under_autogaudi(tmp_path, monkeypatch):
     """pytorch/examples' FSDP2 example, unmodified, under torchrun on two gloo ranks: it crashed in
     its first census backward under autogaudi's defaults. The other variants, the DCP resume and the
-    DDP case are left to the full corpus run (about 3 minutes more here)."""
+    DDP case are left to the full corpus run (about 3 minutes more here). One intra-op thread, as
+    torchrun gives each rank, and no inherited inductor folder: the CPU cases' fork server serves it."""
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     corpus = ("--corpus", str(load_corpus().DIST_CORPUS), "--cases", "fsdp2", "--variants", "plain,autogaudi")
-    done, results = run_corpus(tmp_path, *corpus, timeout=900)
+    exit_code, results = run_corpus(tmp_path, *corpus, "--timeout", "450")
     rows = {row["name"]: row for row in results["cases"]}
     assert sorted(rows) == ["fsdp2"]
     for row in rows.values():
@@ -292,7 +267,7 @@ def test_the_fsdp2_example_runs_on_two_ranks_plain_and_under_autogaudi(tmp_path)
             ranks = mine["report"]["ranks"]
             assert sorted(ranks) == ["0", "1"], where
             assert not [unit for rank in ranks.values() for unit in rank if unit["status"] == "failed"], where
-    assert done.returncode == 0
+    assert exit_code == 0
 
 
 def test_a_set_up_that_ends_in_gloos_teardown_abort_runs_again_and_other_failures_raise(monkeypatch, tmp_path):
@@ -329,6 +304,7 @@ def short_adder_plain(tmp_path_factory):
     """The shortened adder's plain run, once for the tests that run it on the double."""
     corpus = load_corpus(forking=True)
     with pytest.MonkeyPatch.context() as patch:
+        patch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)  # a plain run: the CPU cases' fork server
         patch.setenv("OMP_NUM_THREADS", "1")
         row = corpus.run_case(short_adder_case(), ["plain"], tmp_path_factory.mktemp("plain"), corpus.log, 600)
     return row
