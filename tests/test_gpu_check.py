@@ -3,6 +3,7 @@ makes a checkout importable without pip, and its dry run drives every harness on
 
 import importlib.util
 import json
+import signal
 import subprocess
 import sys
 
@@ -102,6 +103,21 @@ def test_install_leaves_an_interpreter_that_imports_autogaudi_as_it_is(tmp_path,
     assert list(tmp_path.iterdir()) == []
 
 
+def within_ten_minutes(call, *args):
+    """``call(*args)``, stopped by a TimeoutError after 10 minutes: the bound the battery had as a process."""
+
+    def over(*_):
+        raise TimeoutError(f"{call.__name__} ran over 10 minutes")
+
+    previous = signal.signal(signal.SIGALRM, over)
+    signal.alarm(600)
+    try:
+        return call(*args)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 @pytest.mark.slow
 def test_the_dry_run_drives_every_harness_on_the_cpu(tmp_path, monkeypatch, capsys):
     """The battery's main in this process, every harness's own code as it is; the harnesses' runs
@@ -113,7 +129,7 @@ def test_the_dry_run_drives_every_harness_on_the_cpu(tmp_path, monkeypatch, caps
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     arguments = ["--dry-run", "--out", str(tmp_path)] + (["--corpus", str(CORPUS)] if CORPUS.exists() else [])
-    exit_code = gpu_check.main(arguments)
+    exit_code = within_ten_minutes(gpu_check.main, arguments)
     said = capsys.readouterr()
     assert exit_code == 0, said.out[-4000:] + said.err[-4000:]
     assert said.out.count("DRY RUN on the CPU") == len(gpu_check.ORDER)
