@@ -138,6 +138,27 @@ def run_python(*args, env=None, cwd=None, timeout=180, fresh=False):
     )
 
 
+class ForkingRuns:
+    """A harness module's ``subprocess`` in the suite (``module.subprocess = ForkingRuns()``): its
+    ``python ...`` runs that the pre-started interpreter cannot tell from a real one (tests/prestarted.py's
+    rule: a plain script, plain torch loading checkpoints, ``-m autogaudi``) are forked from it, saving
+    torch's import; every other run (this checkout or the double on PYTHONPATH, no environment given,
+    other programs) starts as the harness starts it."""
+
+    def __getattr__(self, name):
+        return getattr(subprocess, name)
+
+    @staticmethod
+    def run(command, *, env=None, cwd=None, timeout=None, capture_output=False, text=False, **rest):
+        if command[0] == sys.executable and env is not None and capture_output and text and not rest:
+            forked = prestarted.run(command[1:], env, cwd, timeout)
+            if forked is not None:
+                return forked
+        return subprocess.run(
+            command, env=env, cwd=cwd, timeout=timeout, capture_output=capture_output, text=text, **rest
+        )
+
+
 @functools.cache
 def plain_run(script, **env) -> subprocess.CompletedProcess:
     """``python script`` in a plain run's environment (``clean_env(**env)``), run once per test process

@@ -5,19 +5,21 @@ checkpoint written and loadable with plain torch."""
 import importlib.util
 import json
 import subprocess
-import sys
 
 import pytest
 
-from tests.helpers import REPO
+from tests.helpers import REPO, ForkingRuns
 
 CORPUS = REPO.parent / "shared" / "corpus"
 
 
-def load_corpus():
+def load_corpus(forking=False):
+    """benchmarks/corpus.py, a module of its own; ``forking``: its runs go through :class:`ForkingRuns`."""
     spec = importlib.util.spec_from_file_location("benchmark_corpus", REPO / "benchmarks" / "corpus.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    if forking:
+        module.subprocess = ForkingRuns()
     return module
 
 
@@ -153,18 +155,12 @@ def test_the_eager_releases_second_run_must_compile_nothing():
     assert corpus.default_name(["plain", "hpu double 1.19"]) == f"corpus-hpu-double-1.19-{corpus.machine_name()}.json"
 
 
-def run_corpus(tmp_path, *args, timeout):
-    """benchmarks/corpus.py with ``args``, its scratch and results in ``tmp_path``: (the process, the results)."""
+def run_corpus(tmp_path, *args):
+    """benchmarks/corpus.py's main with ``args`` in this process, its runs through :class:`ForkingRuns`
+    and its scratch and results in ``tmp_path``: (its exit code, the results)."""
     out = tmp_path / "corpus.json"
-    command = [sys.executable, str(REPO / "benchmarks" / "corpus.py"), *args]
-    done = subprocess.run(
-        [*command, "--out", str(out), "--scratch", str(tmp_path / "runs")],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    assert out.exists(), done.stderr[-3000:]
-    return done, json.loads(out.read_text())
+    exit_code = load_corpus(forking=True).main([*args, "--out", str(out), "--scratch", str(tmp_path / "runs")])
+    return exit_code, json.loads(out.read_text())
 
 
 # The case forced capture runs on in the suite (a GPT, captured by region): a cold compile, about
@@ -226,7 +222,7 @@ def test_a_cpu_case_runs_plain_under_autogaudi_exact_and_capture_forced_alike(ca
     (seconds alone); the full corpus run keeps the machine's count."""
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)  # an earlier in-process compile's (helpers)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    corpus = load_corpus()
+    corpus = load_corpus(forking=True)
     exact = [] if case["name"] in NOT_EXACT else ["exact"]
     variants = ["plain", "autogaudi", *exact, *(["capture forced"] if case["name"] in FORCED else [])]
     row = corpus.run_case(case, variants, tmp_path, corpus.log, 600)
@@ -249,12 +245,15 @@ def test_a_cpu_case_runs_plain_under_autogaudi_exact_and_capture_forced_alike(ca
 
 
 @pytest.mark.slow
-def test_the_fsdp2_example_runs_on_two_ranks_plain_and_under_autogaudi(tmp_path):
+def test_the_fsdp2_example_runs_on_two_ranks_plain_and_under_autogaudi(tmp_path, monkeypatch):
     """pytorch/examples' FSDP2 example, unmodified, under torchrun on two gloo ranks: it crashed in
     its first census backward under autogaudi's defaults. The other variants, the DCP resume and the
-    DDP case are left to the full corpus run (about 3 minutes more here)."""
+    DDP case are left to the full corpus run (about 3 minutes more here). One intra-op thread, as
+    torchrun gives each rank, and no inherited inductor folder: the CPU cases' fork server serves it."""
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     corpus = ("--corpus", str(load_corpus().DIST_CORPUS), "--cases", "fsdp2", "--variants", "plain,autogaudi")
-    done, results = run_corpus(tmp_path, *corpus, timeout=900)
+    exit_code, results = run_corpus(tmp_path, *corpus, "--timeout", "450")
     rows = {row["name"]: row for row in results["cases"]}
     assert sorted(rows) == ["fsdp2"]
     for row in rows.values():
@@ -268,7 +267,7 @@ def test_the_fsdp2_example_runs_on_two_ranks_plain_and_under_autogaudi(tmp_path)
             ranks = mine["report"]["ranks"]
             assert sorted(ranks) == ["0", "1"], where
             assert not [unit for rank in ranks.values() for unit in rank if unit["status"] == "failed"], where
-    assert done.returncode == 0
+    assert exit_code == 0
 
 
 def test_a_set_up_that_ends_in_gloos_teardown_abort_runs_again_and_other_failures_raise(monkeypatch, tmp_path):
@@ -303,8 +302,9 @@ def short_adder_case() -> dict:
 @pytest.fixture(scope="module")
 def short_adder_plain(tmp_path_factory):
     """The shortened adder's plain run, once for the tests that run it on the double."""
-    corpus = load_corpus()
+    corpus = load_corpus(forking=True)
     with pytest.MonkeyPatch.context() as patch:
+        patch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)  # a plain run: the CPU cases' fork server
         patch.setenv("OMP_NUM_THREADS", "1")
         row = corpus.run_case(short_adder_case(), ["plain"], tmp_path_factory.mktemp("plain"), corpus.log, 600)
     return row
@@ -312,7 +312,7 @@ def short_adder_plain(tmp_path_factory):
 
 def short_adder_against_plain(plain_row, variants, scratch, timeout) -> dict:
     """The shortened adder's ``variants``, each with its verdict against the shared plain run."""
-    corpus, case = load_corpus(), short_adder_case()
+    corpus, case = load_corpus(forking=True), short_adder_case()
     plain = plain_row["runs"]["plain"]
     assert plain["result"] is not None, plain["output_tail"]
     runs = corpus.run_case(case, variants, scratch, corpus.log, timeout)["runs"]

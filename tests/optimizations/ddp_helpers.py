@@ -32,3 +32,7 @@ def torchrun(tmp_path, *args, env=None, **extra):
 
 
 TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2")
+# A plain job's launch as the ``torchrun`` console script runs it (its own code, as -c): the pre-started
+# interpreter forks that agent (tests/prestarted.py), where ``-m torch.distributed.run`` starts a real
+# one to import torch again; its ranks start as they would. For jobs whose launch form is not the test's.
+PLAIN_TORCHRUN = ("-c", "import sys; from torch.distributed.run import main; sys.exit(main())", *TORCHRUN[2:])

@@ -12,7 +12,7 @@ import autogaudi
 from autogaudi.core.registry import UNIT_NAMES
 from autogaudi.optimizations.ddp_tuning import hpu_bucket_megabytes
 from tests.helpers import SCRIPTS, said
-from tests.optimizations.ddp_helpers import TORCHRUN, mlp, torchrun, train
+from tests.optimizations.ddp_helpers import PLAIN_TORCHRUN, TORCHRUN, mlp, torchrun, train
 
 
 def syncs_buffers_every_forward(model) -> bool:
@@ -66,7 +66,7 @@ def test_hpu_bucket_size_follows_the_gaudi_guide():
 @pytest.mark.slow
 def test_every_launch_form_enables_each_worker_once_and_trains_like_plain_ddp(tmp_path):
     script = str(SCRIPTS / "ddp_train.py")
-    result, plain = torchrun(tmp_path, *TORCHRUN, script)
+    result, plain = torchrun(tmp_path, *PLAIN_TORCHRUN, script)
     assert result.returncode == 0, result.stderr[-3000:]
     assert plain[0]["checksum"] == plain[1]["checksum"] and not plain[0]["autogaudi"]
     forms = {
@@ -93,7 +93,7 @@ def test_every_launch_form_enables_each_worker_once_and_trains_like_plain_ddp(tm
 @pytest.mark.slow
 def test_a_failing_worker_is_reported_by_torchrun_as_without_autogaudi(tmp_path):
     script = str(SCRIPTS / "ddp_train.py")
-    plain, _ = torchrun(tmp_path, *TORCHRUN, script, env={"FAIL_RANK": "1"})
+    plain, _ = torchrun(tmp_path, *PLAIN_TORCHRUN, script, env={"FAIL_RANK": "1"})
     launched, _ = torchrun(tmp_path, "-m", "autogaudi", "--quiet", *TORCHRUN, script, env={"FAIL_RANK": "1"})
     assert plain.returncode == launched.returncode != 0
     for result in (plain, launched):

@@ -8,7 +8,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import autogaudi
 from tests.helpers import SCRIPTS, said
-from tests.optimizations.ddp_helpers import TORCHRUN, mlp, torchrun, train
+from tests.optimizations.ddp_helpers import PLAIN_TORCHRUN, TORCHRUN, mlp, torchrun, train
 
 ONLY_DDP_UNITS = {"AUTOGAUDI_ONLY": "ddp_tuning,fast_ddp", "AUTOGAUDI_FORCE": "fast_ddp", "AUTOGAUDI_QUIET": "1"}
 
@@ -28,7 +28,7 @@ def test_ranks_end_equal_to_each_other_and_to_plain_ddp(tmp_path):
     onto rank 0 too, as with DDP (else rank 0's copy of it never moves)."""
     knobs = {"ACCUMULATE": "3", "CLIP": "1", "BRANCH": "rank1"}
     script = str(SCRIPTS / "ddp_train.py")
-    result, plain = torchrun(tmp_path, *TORCHRUN, script, env=knobs)
+    result, plain = torchrun(tmp_path, *PLAIN_TORCHRUN, script, env=knobs)
     assert result.returncode == 0, result.stderr[-3000:]
     result, fast = torchrun(tmp_path, *TORCHRUN, script, env={**knobs, "AUTOGAUDI": "1", **ONLY_DDP_UNITS})
     assert result.returncode == 0, result.stderr[-3000:]
@@ -81,7 +81,7 @@ def test_three_ranks_measure_against_ddps_buckets_and_measuring_changes_nothing(
 @pytest.mark.slow
 def test_a_changing_parameter_set_hands_every_rank_back_to_ddp_at_the_same_step(tmp_path):
     script, knobs = str(SCRIPTS / "ddp_train.py"), {"BRANCH": "from_step5"}
-    _, plain = torchrun(tmp_path, *TORCHRUN, script, env=knobs)
+    _, plain = torchrun(tmp_path, *PLAIN_TORCHRUN, script, env=knobs)
     result, fast = torchrun(tmp_path, *TORCHRUN, script, env={**knobs, "AUTOGAUDI": "1", **ONLY_DDP_UNITS})
     assert result.returncode == 0, result.stderr[-3000:]
     for worker in fast:

@@ -30,7 +30,7 @@ from autogaudi.optimizations.step_profiler import (
     settled,
 )
 from tests.helpers import SCRIPTS, clean_env, run_python, said
-from tests.optimizations.ddp_helpers import TORCHRUN, torchrun
+from tests.optimizations.ddp_helpers import PLAIN_TORCHRUN, TORCHRUN, torchrun
 
 STEPS = 3 + 2 * PAIRS + 2  # warm-up, the clean and census steps, and a couple more
 
@@ -697,7 +697,7 @@ def test_fsdp2_with_a_dcp_checkpoint_trains_under_autogaudi_as_plain(tmp_path):
     trained on: the same losses and weights as plain, a full state dict plain torch loads alike, and
     a profile that counts the reduce-scatters whose Work has no future."""
     script = SCRIPTS / "fsdp2_train.py"
-    result, plain = torchrun(tmp_path, *TORCHRUN, script)
+    result, plain = torchrun(tmp_path, *PLAIN_TORCHRUN, script)
     assert result.returncode == 0, result.stderr[-3000:]
     result, mine = torchrun(tmp_path, *TORCHRUN, script, env={"AUTOGAUDI": "1", "AUTOGAUDI_QUIET": "1"})
     assert result.returncode == 0, result.stderr[-3000:]

@@ -15,7 +15,7 @@ from autogaudi.core.options import Options
 from autogaudi.store.cache import Cache
 from autogaudi.store.decisions import Memory
 from tests.helpers import CORRUPTIONS, SCRIPTS, clean_env, corrupt, run_python
-from tests.optimizations.ddp_helpers import TORCHRUN, torchrun
+from tests.optimizations.ddp_helpers import PLAIN_TORCHRUN, TORCHRUN, torchrun
 
 CONV = SCRIPTS / "train_conv.py"
 STEADY = SCRIPTS / "steady_trial_steps.py"
@@ -150,7 +150,7 @@ def test_on_two_ranks_rank_zero_remembers_and_every_rank_follows_it(tmp_path):
     # Rank 0 host-bound: graph_capture's trial waits for a step the run never reaches, so the run ends
     # with a decision open and its model gone (it lives in main()); what it decided is written anyway.
     env = {"AUTOGAUDI_NO_CACHE": "0", "STEPS": "30", "SLOW_HOST_RANK": "0"}
-    _, plain_ranks = torchrun(tmp_path, *TORCHRUN, script, env={"STEPS": "30", "SLOW_HOST_RANK": "0"})
+    _, plain_ranks = torchrun(tmp_path, *PLAIN_TORCHRUN, script, env={"STEPS": "30", "SLOW_HOST_RANK": "0"})
     for run_index in (1, 2):
         report = tmp_path / f"report{run_index}.json"
         launch = ("-m", "autogaudi", "--cache-dir", tmp_path / "cache", "--report", report, *TORCHRUN, script)
