@@ -450,6 +450,13 @@ def verdict(case: dict, variant: str, plain: dict, mine: dict) -> dict:
     same, why = compare_results(case, variant, plain["result"], mine["result"])
     if not same:
         problems["differs"].append(why)
+    # a unit that raised inside the run was switched off and the run went on (fail-open): the user saw
+    # plain's behaviour, but it is autogaudi's bug all the same
+    problems["crashed"] += [
+        f"{unit['name']} failed inside the run: {unit['reason']}"
+        for unit in (mine.get("report") or {}).get("units", [])
+        if unit.get("status") == "failed"
+    ]
     if variant in HPU_DOUBLE_RELEASE:
         problems["differs"] += off_the_double(mine.get("report") or {}, mine.get("double"))
     if variant in AGAIN:

@@ -38,6 +38,14 @@ def run(exit_code=0, seconds=10.0, result="loss 1.000", files=("model.pt",), che
 CASE = {"name": "a-case", "result": "loss [0-9.]+"}
 
 
+def test_a_unit_that_failed_inside_a_run_is_a_crash_though_the_run_went_on_as_plain():
+    failed = {"name": "fused_optimizer", "status": "failed", "reason": "raised TypeError(...)"}
+    mine = {**run(), "report": {"units": [failed, {"name": "step_profiler", "status": "watching", "reason": ""}]}}
+    found = load_corpus().verdict(CASE, "autogaudi", run(), mine)
+    assert found["verdict"] == "crashed" and "fused_optimizer" in found["why"][0]
+    assert load_corpus().verdict(CASE, "autogaudi", run(), {**mine, "report": {"units": []}})["verdict"] == "same"
+
+
 def test_timings_in_a_result_line_are_not_compared():
     corpus = load_corpus()
     assert corpus.result_numbers("iter_dt 12.69ms; iter 90: train loss 2.61085") == [90.0, 2.61085]

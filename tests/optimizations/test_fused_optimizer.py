@@ -188,6 +188,27 @@ def test_under_the_defaults_the_update_is_fused_only_where_no_timing_chooses_it(
         assert (row["reason_code"], row["figures"]["optimizers_fused"]) == ("hpex", 1)
 
 
+def test_a_loop_that_updates_its_parameters_by_hand_trains_as_plain_with_the_unit_still_on():
+    """No torch.optim (pytorch/examples' regression updates ``param.data`` itself): its steps are paced
+    on backward passes and reach the unit with no optimizer, which has nothing to fuse there."""
+
+    def train_by_hand():
+        torch.manual_seed(0)
+        net = model()
+        for _ in range(20):  # more than NO_OPTIMIZER_AFTER backward passes: steps are counted on them
+            net.zero_grad()
+            net(torch.randn(4, 10)).pow(2).mean().backward()
+            for parameter in net.parameters():
+                parameter.data.add_(-0.1 * parameter.grad)
+        return [parameter.detach().clone() for parameter in net.parameters()]
+
+    plain = train_by_hand()
+    enable("cpu")
+    assert all(map(torch.equal, train_by_hand(), plain))
+    row = autogaudi.report().unit("fused_optimizer")
+    assert row["status"] != "failed" and row["figures"]["optimizers_fused"] == 0
+
+
 def test_cpu_keeps_the_users_object_as_built_and_steps_it_with_torchs_fused_kernel(monkeypatch):
     plain = torch.optim.AdamW(model().parameters(), lr=2e-3, eps=1e-7)
     enable("cpu")

@@ -389,8 +389,9 @@ class FusedOptimizer(HpuDelegates, Unit):
         """A decision made in a step counts once the step is over: the run's steady state starts after
         it. While an update is timed, the step's own time is kept: the gain is weighed against it. An
         optimizer being decided whose step did not come through the unit's route (an LR scheduler
-        built after it wraps its step around the class's) is left as the script built it."""
-        times = self._trying.get(optimizer)
+        built after it wraps its step around the class's) is left as the script built it. A loop that
+        updates its parameters by hand paces its steps on backward passes: no optimizer then."""
+        times = self._trying.get(optimizer) if optimizer is not None else None
         if times is not None and times.steps == self._steps_seen.get(optimizer, 0):
             self._stop_fusing(optimizer)
             self._kept(type(optimizer), "its step does not reach the unit")
