@@ -93,14 +93,15 @@ def effect_of_part(update_ms, ms_per_step, steps: int):
 
 
 def effect_of_batches(figures: dict, ms_per_step, steps: int):
-    """A loader given workers, its batches (waiting and computing) timed in-process and then with
-    workers: the step without them is the step with them plus the difference per batch."""
+    """A loader given workers: its batch in-process (waiting and computing: the plain run's step),
+    timed before tuning, against the run's own steps. Not against the window timed with workers: a
+    run's steps also pay for each epoch's workers starting and stopping, which that window leaves out."""
     before, after = figures.get("ms_per_batch_before"), figures.get("ms_per_batch_after")
     if before is None or after is None or not ms_per_step or not figures.get("loaders_tuned"):
         return None
     steps = max(0, steps - (figures.get("workers_from_batch") or 0))
     timed = f"a batch in-process and with workers: {before:.1f} -> {after:.1f} ms"
-    return _part_effect(before - after, ms_per_step, steps, 0.0, timed)
+    return _part_effect(before - ms_per_step, ms_per_step, steps, 0.0, timed)
 
 
 def _part_effect(difference: float, ms_per_step: float, steps: int, measuring_s: float, timed: str) -> dict:

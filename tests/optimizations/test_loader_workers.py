@@ -733,6 +733,16 @@ def test_a_decided_loader_still_reads_decided_once_the_script_dropped_it(step_cl
     assert row()["status"] == "not needed" and row()["reason_code"] == "none_starved"
 
 
+def test_a_windows_period_is_its_typical_round_which_a_one_off_batch_does_not_move():
+    """The report's batch before and after (and what it says the workers saved) read the rule's rounds:
+    in a window of six, the checks before tuning would otherwise stand for every batch of the run."""
+    window = Timing()
+    for seconds in (0.010, 0.010, 0.010, 0.010, 0.010, 0.190):
+        window.add(seconds, 0.0)
+    assert window.ms_per_batch(2) == pytest.approx(10.0)
+    assert window.ms_per_batch(1) == pytest.approx(10.0)
+
+
 @pytest.mark.parametrize("with_workers_ms, kept", [(9.6, False), (9.4, True)])
 def test_workers_are_kept_only_for_a_gain_material_to_the_batch_as_every_change_to_the_numbers(with_workers_ms, kept):
     """Workers change the numbers (their random streams, the thread cut's rounding): 4% faster, beyond

@@ -352,6 +352,16 @@ def test_a_change_timed_on_its_own_part_counts_its_measuring_steps_as_autogaudis
     assert "measuring 0.004 s" in line(report, "run")
 
 
+def test_a_loader_given_workers_is_credited_against_the_runs_own_steps_not_its_window_with_workers():
+    """The window with workers read 20 ms a batch; the run's steps, which also start and stop each
+    epoch's workers, averaged 25 ms: the 90 steps after batch 10 saved 30 - 25 ms each, not 30 - 20."""
+    figures = {"ms_per_batch_before": 30.0, "ms_per_batch_after": 20.0, "loaders_tuned": 1, "workers_from_batch": 10}
+    row = {**kept_row("loader_workers"), "figures": figures}
+    effect = summary_of(bare_report(units=[row], steps={"steps": 100, "steps_per_s": 40.0}))["changed"][0]["effect"]
+    assert (effect["ms_per_step_without"], effect["ms_per_step_with"]) == (30.0, 25.0)
+    assert effect["saved_s"] == pytest.approx(0.005 * 90)
+
+
 def test_a_part_timed_and_put_back_still_counts_its_measuring_steps_as_autogaudis_cost():
     """The fused update timed slower and not used: its timed steps ran both updates all the same."""
     figures = {"update_ms": {"unfused": 3.0, "fused": 5.0, "steps": 4}, "optimizers_put_back": 1}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import weakref
 
 from autogaudi.core.candidate import State
+from autogaudi.measure.trials import median
 
 
 class Timing:
@@ -36,9 +37,11 @@ class Timing:
     def input_bound(self) -> float:
         return self.waited / max(self.waited + self.computed, 1e-12)
 
-    @property
-    def ms_per_batch(self) -> float:
-        return 1000 * (self.waited + self.computed) / max(self.batches, 1)
+    def ms_per_batch(self, workers: int) -> float:
+        """The loader's period, as the rule reads it: the median of rounds of one batch per worker. A
+        window is a few batches, and a one-off among them (a worker's start, the checks before
+        tuning) would stand for every batch of the run in a mean."""
+        return 1000 * median(self.rounds(workers)) if self.batches else 0.0
 
 
 class LoaderState:

@@ -331,7 +331,7 @@ class LoaderWorkers(Unit):
         self.run.trials.measured(self)  # decided, whether or not the loader outlives its windows
         if state.lifecycle is State.WAITING:
             self.report.figures["input_bound_fraction"] = round(before.input_bound, 3)
-            self.report.figures["ms_per_batch_before"] = round(before.ms_per_batch, 3)
+            self.report.figures["ms_per_batch_before"] = round(before.ms_per_batch(worker_budget()[0]), 3)
             if state.getitem_changes is not None:
                 self._keep(state, state.getitem_changes[0], **state.getitem_changes[1])
             elif before.input_bound < INPUT_BOUND:
@@ -349,10 +349,11 @@ class LoaderWorkers(Unit):
                     self._tune(loader, state, iterator)
         else:
             state.lifecycle = State.ON  # unless no faster: put back
-            self.report.figures["ms_per_batch_after"] = round(after.ms_per_batch, 3)
-            if not workers_faster(before, after, trials.materiality_of(self), worker_budget()[0]):
+            workers = worker_budget()[0]
+            self.report.figures["ms_per_batch_after"] = round(after.ms_per_batch(workers), 3)
+            if not workers_faster(before, after, trials.materiality_of(self), workers):
                 self._untune(state)
-                self._keep(state, "no_faster", after=after.ms_per_batch, before=before.ms_per_batch)
+                self._keep(state, "no_faster", after=after.ms_per_batch(workers), before=before.ms_per_batch(workers))
 
     def _tune(self, loader, state, iterator) -> None:
         from autogaudi.optimizations.loader_workers.worker_iterator import give_up_all, in_process, set_attributes
