@@ -279,12 +279,10 @@ class LoaderWorkers(Unit):
             # Before tuning, the first batches of an epoch are not measured: the sampler draws its seed
             # there and the time since the previous epoch's last batch is not a training step.
             counted = state.lifecycle is State.TRIAL or state.epoch_batches >= WARMUP_BATCHES
-            # On one process the window holds the steps: a starved loader is tuned first, and the
-            # census and trials after it measure the step its workers feed (each batch waited for
-            # in-process is the run's slowest). It yields on several ranks, so the census and the
-            # trials start at the same step on each, and while its thread cut waits for the census
-            # to name the model. Another measurement holding the steps (a census, a timed update)
-            # would read as the step's: the window goes on after it.
+            # One process: the window holds the steps, so a starved loader (the run's slowest batches)
+            # is tuned before the census and trials measure the step. It yields on several ranks (the
+            # census starts at one step on each) and while its thread cut waits for the census's model.
+            # Another's measurement would read as the step's: the window goes on after it.
             yields = several_ranks() or bool(self._cut_waiting)
             if counted and not self.run.windows.take(self, yields=yields):
                 timed, state.last_end = False, None
