@@ -69,6 +69,19 @@ class LoaderState:
             return self.in_process
         return self.with_workers if self.lifecycle is State.TRIAL and not self.from_next_epoch else None
 
+    def holds_steps(self, waited: float, now: float, starved: float) -> bool:
+        """Whether its window keeps the steps from other measurements (on one process): with workers on
+        trial, or in-process while waiting for data is at least ``starved`` of its time, the batch just
+        fetched (``waited``, ending ``now``) included. A clearly starved loader's batches are the run's
+        slowest, so it is tuned before the census and the trials measure the step; any other gives the
+        steps to them at once, since holding them would delay every other decision."""
+        if self.lifecycle is State.TRIAL:
+            return True
+        if self.lifecycle is not State.WAITING or self.last_end is None:
+            return False
+        timing, period = self.in_process, now - self.last_end
+        return (timing.waited + waited) / max(timing.waited + timing.computed + period, 1e-12) >= starved
+
     @property
     def timed(self) -> bool:
         """Whether a window of its batches is being timed: begun, and not yet decided."""

@@ -279,12 +279,11 @@ class LoaderWorkers(Unit):
             # Before tuning, the first batches of an epoch are not measured: the sampler draws its seed
             # there and the time since the previous epoch's last batch is not a training step.
             counted = state.lifecycle is State.TRIAL or state.epoch_batches >= WARMUP_BATCHES
-            # One process: the window holds the steps, so a starved loader (the run's slowest batches)
-            # is tuned before the census and trials measure the step. It yields on several ranks (the
-            # census starts at one step on each) and while its thread cut waits for the census's model.
-            # Another's measurement would read as the step's: the window goes on after it.
-            yields = several_ranks() or bool(self._cut_waiting)
-            if counted and not self.run.windows.take(self, yields=yields):
+            # It yields on several ranks (the census starts at one step on each) and while its thread
+            # cut waits for the census's model. Another's measurement would read as the step's: the
+            # window goes on after it.
+            holds = not (several_ranks() or self._cut_waiting) and state.holds_steps(waited, now, CLEARLY_INPUT_BOUND)
+            if counted and not self.run.windows.take(self, yields=not holds):
                 timed, state.last_end = False, None
             else:
                 if state.last_end is not None and counted:
