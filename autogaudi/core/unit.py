@@ -12,11 +12,12 @@ user's own exceptions propagate unchanged. What the unit declares is its :class:
 
 from __future__ import annotations
 
+import collections
 import contextlib
-import dataclasses
 import functools
 import re
 import sys
+import types
 
 import torch
 import wrapt
@@ -166,41 +167,48 @@ def _dotted(owner, attribute: str) -> str:
     return ".".join(part for part in (prefix, name, attribute) if part)
 
 
-@dataclasses.dataclass(frozen=True)
-class UnitSpec:
-    """What a unit declares about itself, read by the session, the report and the generated contract
-    tests before the unit acts: one value, so a subclass states what differs (``Base.spec.but(...)``)."""
-
+# The fields of a :class:`UnitSpec`, in order, with their defaults. A named tuple, not a frozen
+# dataclass: it is built at every start, and a dataclass's generated methods cost several times more.
+_SPEC_FIELDS = {
     # the dotted ``owner.attribute`` paths the unit itself patches: each is wrapped while the unit is
     # on where it applies and the very original object after revert (tests/test_contract.py)
-    targets: tuple = ()
+    "targets": (),
     # what it changes on the user's own objects or through the session's step watcher, in words
-    acts_on: tuple = ()
-    requires: tuple = ()  # units that must be in force for this one to apply; the session starts them first
+    "acts_on": (),
+    "requires": (),  # units that must be in force for this one to apply; the session starts them first
     # units that, where they are on, start (and so hear each event) before this one; not required
-    after: tuple = ()
-    min_torch: tuple = (2, 4)  # the oldest torch whose APIs the unit relies on
+    "after": (),
+    "min_torch": (2, 4),  # the oldest torch whose APIs the unit relies on
     # (figure, text): the figure that counts what the unit changed in the run, and how the report's
     # headline says it ("{}" is the count). Units that only measure leave it empty.
-    changed_figure: tuple = ()
-    # code -> text template of why the unit is where it is (autogaudi/core/reasons.py); the core's on top
-    reasons: dict = dataclasses.field(default_factory=dict)
+    "changed_figure": (),
+    # code -> text template of why the unit is where it is (autogaudi/core/reasons.py); the core's on top.
+    # Read-only: a subclass gives its own dict (``{**Base.spec.reasons, ...}``).
+    "reasons": types.MappingProxyType({}),
     # How the unit can change the run's numbers (keys of NUMERICS); () leaves them bitwise plain
     # PyTorch's, which the generated test tests/test_exact.py checks. Only () units run under --exact.
-    numerics: tuple = ()
-    exact_when: str = ""  # where numerics is not (): when they still come out identical, in words
+    "numerics": (),
+    "exact_when": "",  # where numerics is not (): when they still come out identical, in words
     # The states the unit can be in, for the generated contract test (tests/test_contract_matrix.py):
     # in force before it acts, in use once the run is profiled and decided, failed at run time, and
     # after disable(). Units that decide through trials or checks add theirs.
-    states: tuple = ("watching", "in_use", "failed", "disabled")
+    "states": ("watching", "in_use", "failed", "disabled"),
     # Whether the unit only makes sense where the training model is on the backend's device (step
     # marks, device kernels, pinning for a copy): it steps aside where the work is on the host
     # (:mod:`autogaudi.watch.placement`, reason ``model_not_on_device``).
-    acts_for_device: bool = False
+    "acts_for_device": False,
+}
+
+
+class UnitSpec(collections.namedtuple("UnitSpec", tuple(_SPEC_FIELDS), defaults=tuple(_SPEC_FIELDS.values()))):
+    """What a unit declares about itself, read by the session, the report and the generated contract
+    tests before the unit acts: one value, so a subclass states what differs (``Base.spec.but(...)``)."""
+
+    __slots__ = ()
 
     def but(self, **changes) -> UnitSpec:
         """This spec with ``changes``: a subclass's own declarations over its base's."""
-        return dataclasses.replace(self, **changes)
+        return self._replace(**changes)
 
 
 class Unit:
