@@ -361,10 +361,14 @@ class ActsOnProfile(Unit):
             return Status.DECIDING
         return Status.WATCHING if self.run.profiler.profile is None else Status.NOT_NEEDED
 
-    def trial_named(self) -> str:
-        """Which trial the ``speedup`` figure comes from, for the report's headline."""
+    def trial_speedup(self) -> str:
+        """The report headline's clause for the ``speedup`` figure and the trial it comes from (this
+        run's, or the run it was remembered from); empty where no trial measured one."""
+        if "speedup" not in self.report.figures:
+            return ""
         run = self.report.figures.get("remembered_from_run")
-        return f"run {run}'s trial" if run else "its trial"
+        trial = f"run {run}'s trial" if run else "its trial"
+        return f", {self.report.figures['speedup']}x per step in {trial}"
 
 
 def warn(message: str) -> None:

@@ -142,12 +142,7 @@ class ChannelsLast(DecidesCandidate):
     def changes(self) -> list:
         if not self.in_use():
             return []
-        measured = (
-            f", {self.report.figures['speedup']}x per step in {self.trial_named()}"
-            if "speedup" in self.report.figures
-            else ""
-        )
-        return [f"{type(self.candidate.model).__name__} and its 4-D inputs in channels_last{measured}"]
+        return [f"{type(self.candidate.model).__name__} and its 4-D inputs in channels_last{self.trial_speedup()}"]
 
     def _inputs(self, call, args, kwargs):
         if self.candidate.on:

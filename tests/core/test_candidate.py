@@ -45,6 +45,17 @@ def test_a_candidate_goes_from_waiting_through_its_trial_to_on(step_clock):
     assert model[0].weight.is_contiguous()
 
 
+def test_a_kept_candidates_headline_gives_its_trials_speedup_and_whose_trial_it_was(step_clock):
+    unit, _model, _states = run(step_clock, faster=True)
+    speedup = unit.report.figures["speedup"]
+    [headline] = unit.changes()
+    assert speedup > 1 and headline.endswith(f"{speedup}x per step in its trial")
+    unit.report.figures["remembered_from_run"] = 7  # as a run that followed run 7's decision has it
+    assert unit.changes()[0].endswith(f"{speedup}x per step in run 7's trial")
+    del unit.report.figures["speedup"]  # kept without a trial (--force): no speedup to give
+    assert "per step" not in unit.changes()[0]
+
+
 def test_a_rejected_candidate_is_released_with_nothing_held(step_clock):
     unit, _model, states = run(step_clock, faster=False)
     candidate = unit.candidate

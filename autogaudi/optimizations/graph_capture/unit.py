@@ -144,9 +144,7 @@ class GraphCapture(CapturedCall, DecidesCandidate):
     def changes(self) -> list:
         if not self.in_use():
             return []
-        text = f"{type(self.candidate.model).__name__} captured ({self.run.backend.graph_kind()})"
-        if "speedup" in self.report.figures:
-            text += f", {self.report.figures['speedup']}x per step in {self.trial_named()}"
+        text = f"{type(self.candidate.model).__name__} captured ({self.run.backend.graph_kind()}){self.trial_speedup()}"
         parts = {name: self.report.figures[name] for name in ONE_OFF_PARTS if name in self.report.figures}
         if parts:
             listed = ", ".join(

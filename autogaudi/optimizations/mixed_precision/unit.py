@@ -181,14 +181,10 @@ class MixedPrecision(DecidesCandidate):
     def changes(self) -> list:
         if not self.in_use():
             return []
-        measured = (
-            f", {self.report.figures['speedup']}x per step in {self.trial_named()}"
-            if "speedup" in self.report.figures
-            else ""
-        )
         checked = f"checked against float32 (one-off {self.report.figures['guard_s']} s)"
         scaled = " with loss scaling" if self._loss_scale is not None else ""
-        return [f"{type(self.candidate.model).__name__} in {self._precision}{scaled}, {checked}{measured}"]
+        model = type(self.candidate.model).__name__
+        return [f"{model} in {self._precision}{scaled}, {checked}{self.trial_speedup()}"]
 
     def _refusal(self, profile):
         if profile.model is None:
