@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tests import prestarted
+from tests import prestarted, prestarted_route
 from tests.helpers import HPU_DOUBLE, REPO, clean_env, run_python
 
 SHOW = """
@@ -119,7 +119,15 @@ CASES = {
     "command": ({}, ["-c", py("import torch", SHOW, "print(1 / 0)"), "arg"]),
     "script_as_given": ({"sub/s.py": py(NAMES_TORCH, SHOW)}, ["./sub/../sub/s.py", "--lr", "3"]),
     "symlinked_script": ({"sub/s.py": py(NAMES_TORCH, SHOW), "link.py": "->sub/s.py"}, ["link.py"]),
-    "pythonpath_and_env": ({"lib/helper.py": "VALUE = 5\n", "s.py": py("import helper", NAMES_TORCH, SHOW)}, ["s.py"]),
+    "pythonpath_and_env": (
+        # a .pth file acts in a site directory only, not on PYTHONPATH
+        {
+            "lib/helper.py": "VALUE = 5\n",
+            "lib/acts.pth": "import sys; print('pth')\n",
+            "s.py": py("import helper", NAMES_TORCH, SHOW),
+        },
+        ["s.py"],
+    ),
     "spawn_and_fork_children": ({"s.py": SPAWN_AND_FORK}, ["s.py"]),
     "pickled_main_class": ({"s.py": PICKLED}, ["s.py"]),
 }
@@ -153,7 +161,7 @@ def _both_ways(tmp_path, args, env, timeout=120):
     results = []
     for forked in (False, True):
         if forked:
-            assert prestarted.route(args, env, tmp_path) is None
+            assert prestarted_route.route(args, env, tmp_path) is None
             result = prestarted.run(args, env, tmp_path, timeout)
         else:
             result = subprocess.run(
@@ -238,8 +246,8 @@ def test_a_run_a_fork_could_be_told_from_goes_to_a_real_interpreter(tmp_path, ar
             "collects.py": "import gc, torch\n",
         },
     )
-    assert prestarted.route(args, clean_env(**env), tmp_path) == why
-    assert prestarted.route(["s.py"], clean_env(), tmp_path) is None
+    assert prestarted_route.route(args, clean_env(**env), tmp_path) == why
+    assert prestarted_route.route(["s.py"], clean_env(), tmp_path) is None
 
 
 def test_fresh_runs_a_real_interpreter(tmp_path, monkeypatch):
@@ -253,7 +261,7 @@ def test_the_server_exits_when_its_test_process_is_gone(tmp_path):
         f"""
         import os, sys
         sys.path.insert(0, {str(REPO)!r})
-        from tests import prestarted
+        from tests import prestarted, prestarted_route
         server = prestarted._Server(dict(os.environ))
         print(server.pid, flush=True)
         os._exit(0)
