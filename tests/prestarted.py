@@ -189,6 +189,7 @@ def _serve(control_fd: int):
     The server itself is a fork whose parent exits at once: a test that counts its own children sees none."""
     if os.fork():
         os._exit(0)
+    os.environ["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"  # each run's torch import loads its own device backend
     _PRELOADED.append(_preload("torch"))
     _PRELOADED.append(_preload("torch._dynamo"))  # a plain script's first optimizer imports it
 
@@ -368,6 +369,15 @@ class _Preloaded:
             atexit.register(function, *args, **kwargs)
         warnings.filters[:0] = filters
         warnings._filters_mutated()
+        if "torch" in modules:
+            _autoload_device_backends(modules["torch"])
+
+
+def _autoload_device_backends(torch) -> None:
+    """What torch's import ends with, from this run's path and environment (the server's own import
+    loaded no device backend: the HPU double's entry point comes with a run's PYTHONPATH)."""
+    if torch._is_device_backend_autoload_enabled():
+        torch._import_device_backends()
 
 
 def _importable(name: str, module) -> bool:

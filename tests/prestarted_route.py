@@ -1,9 +1,10 @@
 """Which ``python *args`` runs the pre-started interpreter (:mod:`tests.prestarted`) may fork: only
 those a fork cannot be told from a real interpreter by, and per which server (:func:`fingerprint`).
 
-A PYTHONPATH entry acts at start-up only through ``sitecustomize``/``usercustomize`` or a
-dist-info's entry points (torch's device-backend autoload: the HPU double's); ``.pth`` files are read
-in site directories only, never on PYTHONPATH, so a folder holding one (this checkout) is forked.
+A PYTHONPATH entry acts at start-up only through ``sitecustomize``/``usercustomize``; ``.pth`` files are
+read in site directories only, never on PYTHONPATH, so a folder holding one (this checkout) is forked.
+A dist-info's entry points act where they are looked up: torch's device backends (the HPU double's
+autoload) at the end of torch's import, which the child does from its own path as torch would.
 """
 
 import os
@@ -11,10 +12,11 @@ import re
 from pathlib import Path
 
 # Variables read while the interpreter starts or torch (with Dynamo, numpy) is imported: a run whose
-# values differ from a server's is forked by another server, started with them.
+# values differ from a server's is forked by another server, started with them. The bridge's (PT_HPU_*,
+# the double's release) are read by the bridge, which only a run's own torch import loads.
 IMPORT_TIME_PREFIXES = (
     "OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "TORCH", "PYTORCH", "PYTHON", "LD_", "CUDA", "NVIDIA",
-    "PT_", "HPU", "HABANA", "NUMPY", "TRITON", "LANG", "LC_", "MALLOC", "GLIBC",
+    "NUMPY", "TRITON", "LANG", "LC_", "MALLOC", "GLIBC",
 )  # fmt: skip
 
 
@@ -28,6 +30,18 @@ def _source_refuses(text: str) -> str | None:
     if re.search(r"\bgc\b", text):  # the server's objects are frozen out of the collector's view
         return "names_gc"
     return None
+
+
+# Entry-point groups read where they are used, from the run's own path: torch's device backends at the
+# end of its import (the pre-started interpreter's child loads them then) and Dynamo's backends.
+LOOKED_UP_AT_USE = {"torch.backends", "torch_dynamo_backends"}
+
+
+def _looked_up_at_use(dist_info: Path) -> bool:
+    """Whether the package's entry points (the HPU double's) are all of groups read only where used."""
+    points = dist_info / "entry_points.txt"
+    groups = re.findall(r"^\[([^\]]+)\]", points.read_text(), re.M) if points.is_file() else []
+    return set(groups) <= LOOKED_UP_AT_USE
 
 
 def _module_file(name: str, folders: list) -> Path | None:
@@ -52,7 +66,7 @@ def route(args: list, env: dict, cwd) -> str | None:
         folder = where / entry
         if not entry or not folder.is_dir():
             return "pythonpath"
-        if any(folder.glob("*customize.py")) or any(folder.glob("*.dist-info")):
+        if any(folder.glob("*customize.py")) or not all(map(_looked_up_at_use, folder.glob("*.dist-info"))):
             return "pythonpath_acts_at_start"
     if not args:
         return "interpreter_flags"

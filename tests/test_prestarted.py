@@ -57,6 +57,12 @@ PICKLED = py(
     "data = pickle.dumps(Point(2.0))",
     "print(b'__main__' in data, pickle.loads(data).x)",
 )
+DEVICE_BACKEND = py(
+    "import sys",
+    "print('bridge before torch', 'habana_frameworks' in sys.modules)",
+    "import torch",
+    "print(torch.ones(2, device='hpu').device, sorted(n for n in sys.modules if n.startswith('habana')))",
+)
 # name -> (files written in the run's folder, python's arguments)
 CASES = {
     "normal": ({"s.py": py("import torch", "print('trained', torch.ones(3).sum().item())")}, ["s.py"]),
@@ -129,6 +135,8 @@ CASES = {
         ["s.py"],
     ),
     "spawn_and_fork_children": ({"s.py": SPAWN_AND_FORK}, ["s.py"]),
+    # the double's entry point on PYTHONPATH: torch's import ends by loading the bridge
+    "device_backend_autoload": ({"s.py": DEVICE_BACKEND}, ["s.py"]),
     "pickled_main_class": ({"s.py": PICKLED}, ["s.py"]),
 }
 
@@ -183,6 +191,8 @@ def test_a_run_forked_from_the_server_ends_as_a_real_interpreters(case, tmp_path
     env = clean_env(CASE=case)
     if case == "pythonpath_and_env":
         env["PYTHONPATH"] = "lib"
+    if case == "device_backend_autoload":
+        env["PYTHONPATH"] = str(HPU_DOUBLE)
     (real, real_file), (forked, forked_file) = _both_ways(tmp_path, args, env)
     assert forked.args == real.args
     assert (forked.returncode, forked.stdout, forked.stderr) == (real.returncode, real.stdout, real.stderr)
@@ -229,7 +239,7 @@ def _alive(pid):
         (["s.py"], {"AUTOGAUDI": "1"}, "autogaudi_set"),
         (["-X", "importtime", "s.py"], {}, "interpreter_flags"),
         (["-u", "s.py"], {}, "interpreter_flags"),
-        (["s.py"], {"PYTHONPATH": str(HPU_DOUBLE)}, "pythonpath_acts_at_start"),
+        (["s.py"], {"PYTHONPATH": "plugin"}, "pythonpath_acts_at_start"),
         (["s.py"], {"PYTHONPATH": str(REPO / "sitecustomize")}, "pythonpath_acts_at_start"),
         (["no_torch.py"], {}, "no_torch"),
         (["collects.py"], {}, "names_gc"),
@@ -244,6 +254,8 @@ def test_a_run_a_fork_could_be_told_from_goes_to_a_real_interpreter(tmp_path, ar
             "s.py": "import torch\n",
             "no_torch.py": "print('hi')\n",
             "collects.py": "import gc, torch\n",
+            # entry points of a group the server's own start may have looked up
+            "plugin/plugin-1.0.dist-info/entry_points.txt": "[console_scripts]\nplugin = plugin:main\n",
         },
     )
     assert prestarted_route.route(args, clean_env(**env), tmp_path) == why
