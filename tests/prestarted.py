@@ -9,10 +9,11 @@ torch is out of ``sys.modules`` in the child until its script imports it (:class
 autogaudi's launcher still sees the script's own ``import torch`` begin and end.
 multiprocessing's forkserver was not used: its children end in ``os._exit`` without atexit handlers.
 
-Only a run the fork cannot tell apart is routed here (:func:`tests.prestarted_route.route`): no interpreter flags, no
-``AUTOGAUDI`` (read at interpreter start), ``-m autogaudi``, or a script (``-c`` code, a ``-m``
-module in the cwd or on PYTHONPATH) that names torch and not ``gc``, with nothing on PYTHONPATH that
-acts at start-up (sitecustomize, a dist-info's entry points: the HPU double's autoload).
+Only a run the fork cannot tell apart is routed here (:func:`tests.prestarted_route.route`): no
+interpreter flags, no ``AUTOGAUDI`` (read at interpreter start), ``-m autogaudi``, or a script (``-c``
+code, a ``-m`` module in the cwd or on PYTHONPATH) that names torch and not ``gc``, with no
+sitecustomize on PYTHONPATH. The server imports torch with no device backend; a run's own import of
+torch loads its backend (the HPU double's, from PYTHONPATH) as torch's import ends.
 Everything else, and ``fresh=True``, gets a real interpreter.
 
 Known differences a script could see: the server's frames below ``<module>``, ``os.getppid()``, a
