@@ -12,8 +12,9 @@ multiprocessing's forkserver was not used: its children end in ``os._exit`` with
 Only a run the fork cannot tell apart is routed here (:func:`tests.prestarted_route.route`): no
 interpreter flags, no ``AUTOGAUDI`` (read at interpreter start), ``-m autogaudi``, or a script (``-c``
 code, a ``-m`` module in the cwd or on PYTHONPATH) that names torch and not ``gc``, with no
-sitecustomize on PYTHONPATH. The server imports torch with no device backend; a run's own import of
-torch loads its backend (the HPU double's, from PYTHONPATH) as torch's import ends.
+usercustomize on PYTHONPATH (a sitecustomize there the child imports as ``site`` does). The server
+imports torch with no device backend; a run's own import of torch loads its backend (the HPU
+double's, from PYTHONPATH) as torch's import ends.
 Everything else, and ``fresh=True``, gets a real interpreter.
 
 Known differences a script could see: the server's frames below ``<module>``, ``os.getppid()``, a
@@ -293,7 +294,20 @@ def _become(request: dict, stdio: list):
     tempfile.tempdir = None  # read from TMPDIR at first use, as in a fresh interpreter
     _fresh_process_state()
     _hide_preloaded()
+    if entries:
+        _run_sitecustomize()
     return run
+
+
+def _run_sitecustomize() -> None:
+    """``site``'s import of sitecustomize, from the path it has then: the run's PYTHONPATH may hold one
+    (a harness's) that the server's start did not see. The script's folder comes first only after."""
+    import site
+
+    first = sys.path.pop(0)
+    sys.modules.pop("sitecustomize", None)
+    site.execsitecustomize()
+    sys.path.insert(0, first)
 
 
 _PRELOADED = []  # what each preload added: (its torch modules, atexit registrations, warning filters)

@@ -1,8 +1,9 @@
 """Which ``python *args`` runs the pre-started interpreter (:mod:`tests.prestarted`) may fork: only
 those a fork cannot be told from a real interpreter by, and per which server (:func:`fingerprint`).
 
-A PYTHONPATH entry acts at start-up only through ``sitecustomize``/``usercustomize``; ``.pth`` files are
-read in site directories only, never on PYTHONPATH, so a folder holding one (this checkout) is forked.
+A PYTHONPATH entry acts at start-up only through ``sitecustomize`` (the child imports it as ``site``
+does) or ``usercustomize`` (refused); ``.pth`` files are read in site directories only, never on
+PYTHONPATH, so a folder holding one (this checkout) is forked.
 A dist-info's entry points act where they are looked up: torch's device backends (the HPU double's
 autoload) at the end of torch's import, which the child does from its own path as torch would.
 """
@@ -66,7 +67,7 @@ def route(args: list, env: dict, cwd) -> str | None:
         folder = where / entry
         if not entry or not folder.is_dir():
             return "pythonpath"
-        if any(folder.glob("*customize.py")) or not all(map(_looked_up_at_use, folder.glob("*.dist-info"))):
+        if (folder / "usercustomize.py").exists() or not all(map(_looked_up_at_use, folder.glob("*.dist-info"))):
             return "pythonpath_acts_at_start"
     if not args:
         return "interpreter_flags"

@@ -57,6 +57,11 @@ PICKLED = py(
     "data = pickle.dumps(Point(2.0))",
     "print(b'__main__' in data, pickle.loads(data).x)",
 )
+SITECUSTOMIZE = py(
+    "import atexit, sys",
+    "print('site', [p for p in sys.path if 'site' in p][:1], '__main__' in sys.modules)",
+    "atexit.register(print, 'registered at start')",
+)
 DEVICE_BACKEND = py(
     "import sys",
     "print('bridge before torch', 'habana_frameworks' in sys.modules)",
@@ -135,6 +140,15 @@ CASES = {
         ["s.py"],
     ),
     "spawn_and_fork_children": ({"s.py": SPAWN_AND_FORK}, ["s.py"]),
+    # a harness's sitecustomize on PYTHONPATH, imported at start; the script's own folder holds another
+    "sitecustomize": (
+        {
+            "site/sitecustomize.py": SITECUSTOMIZE,
+            "sitecustomize.py": "print('not this one')\n",
+            "s.py": py(NAMES_TORCH, SHOW),
+        },
+        ["s.py"],
+    ),
     # the double's entry point on PYTHONPATH: torch's import ends by loading the bridge
     "device_backend_autoload": ({"s.py": DEVICE_BACKEND}, ["s.py"]),
     "pickled_main_class": ({"s.py": PICKLED}, ["s.py"]),
@@ -191,6 +205,8 @@ def test_a_run_forked_from_the_server_ends_as_a_real_interpreters(case, tmp_path
     env = clean_env(CASE=case)
     if case == "pythonpath_and_env":
         env["PYTHONPATH"] = "lib"
+    if case == "sitecustomize":
+        env["PYTHONPATH"] = "site"
     if case == "device_backend_autoload":
         env["PYTHONPATH"] = str(HPU_DOUBLE)
     (real, real_file), (forked, forked_file) = _both_ways(tmp_path, args, env)
@@ -240,7 +256,7 @@ def _alive(pid):
         (["-X", "importtime", "s.py"], {}, "interpreter_flags"),
         (["-u", "s.py"], {}, "interpreter_flags"),
         (["s.py"], {"PYTHONPATH": "plugin"}, "pythonpath_acts_at_start"),
-        (["s.py"], {"PYTHONPATH": str(REPO / "sitecustomize")}, "pythonpath_acts_at_start"),
+        (["s.py"], {"PYTHONPATH": "user"}, "pythonpath_acts_at_start"),
         (["no_torch.py"], {}, "no_torch"),
         (["collects.py"], {}, "names_gc"),
         (["-m", "pip"], {}, "module_not_local"),
@@ -256,6 +272,7 @@ def test_a_run_a_fork_could_be_told_from_goes_to_a_real_interpreter(tmp_path, ar
             "collects.py": "import gc, torch\n",
             # entry points of a group the server's own start may have looked up
             "plugin/plugin-1.0.dist-info/entry_points.txt": "[console_scripts]\nplugin = plugin:main\n",
+            "user/usercustomize.py": "",
         },
     )
     assert prestarted_route.route(args, clean_env(**env), tmp_path) == why
