@@ -140,10 +140,10 @@ def run_python(*args, env=None, cwd=None, timeout=180, fresh=False):
 
 class ForkingRuns:
     """A harness module's ``subprocess`` in the suite (``module.subprocess = ForkingRuns()``): its
-    ``python ...`` runs that the pre-started interpreter cannot tell from a real one (tests/prestarted.py's
-    rule: a plain script, plain torch loading checkpoints, ``-m autogaudi``) are forked from it, saving
-    torch's import; every other run (this checkout or the double on PYTHONPATH, no environment given,
-    other programs) starts as the harness starts it."""
+    ``python ...`` runs that the pre-started interpreter cannot tell from a real one (tests/prestarted_route.py's
+    rule: a plain script, plain torch loading checkpoints, ``-m autogaudi``, this checkout or the double on
+    PYTHONPATH) are forked from it, saving torch's import; every other run (a sitecustomize on PYTHONPATH,
+    no environment given, other programs) starts as the harness starts it."""
 
     def __getattr__(self, name):
         return getattr(subprocess, name)

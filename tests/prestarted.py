@@ -9,10 +9,12 @@ torch is out of ``sys.modules`` in the child until its script imports it (:class
 autogaudi's launcher still sees the script's own ``import torch`` begin and end.
 multiprocessing's forkserver was not used: its children end in ``os._exit`` without atexit handlers.
 
-Only a run the fork cannot tell apart is routed here (:func:`route`): no interpreter flags, no
-``AUTOGAUDI`` (read at interpreter start), ``-m autogaudi``, or a script (``-c`` code, a ``-m``
-module in the cwd or on PYTHONPATH) that names torch and not ``gc``, with nothing on PYTHONPATH that
-acts at start-up (sitecustomize, a dist-info's entry points: the HPU double's autoload).
+Only a run the fork cannot tell apart is routed here (:func:`tests.prestarted_route.route`): no
+interpreter flags, no ``AUTOGAUDI`` (read at interpreter start), ``-m autogaudi``, or a script (``-c``
+code, a ``-m`` module in the cwd or on PYTHONPATH) that names torch and not ``gc``, with no
+usercustomize on PYTHONPATH (a sitecustomize there the child imports as ``site`` does). The server
+imports torch with no device backend; a run's own import of torch loads its backend (the HPU
+double's, from PYTHONPATH) as torch's import ends.
 Everything else, and ``fresh=True``, gets a real interpreter.
 
 Known differences a script could see: the server's frames below ``<module>``, ``os.getppid()``, a
@@ -26,7 +28,6 @@ import gc
 import io
 import json
 import os
-import re
 import selectors
 import signal
 import socket
@@ -34,75 +35,9 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
-# Variables read while the interpreter starts or torch (with Dynamo, numpy) is imported: a run whose
-# values differ from a server's is forked by another server, started with them.
-IMPORT_TIME_PREFIXES = (
-    "OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "TORCH", "PYTORCH", "PYTHON", "LD_", "CUDA", "NVIDIA",
-    "PT_", "HPU", "HABANA", "NUMPY", "TRITON", "LANG", "LC_", "MALLOC", "GLIBC",
-)  # fmt: skip
 MAX_SERVERS = 3  # per test process; a fingerprint beyond them gets real interpreters
 MESSAGE = 1 << 20
-
-
-def fingerprint(env: dict) -> tuple:
-    return tuple(sorted((k, v) for k, v in env.items() if k != "PYTHONPATH" and k.startswith(IMPORT_TIME_PREFIXES)))
-
-
-def _source_refuses(text: str) -> str | None:
-    if "torch" not in text:
-        return "no_torch"
-    if re.search(r"\bgc\b", text):  # the server's objects are frozen out of the collector's view
-        return "names_gc"
-    return None
-
-
-def _module_file(name: str, folders: list) -> Path | None:
-    parts = name.split(".")
-    for folder in folders:
-        base = Path(folder).joinpath(*parts)
-        for candidate in (base / "__main__.py", base.with_suffix(".py")):
-            if candidate.is_file():
-                return candidate
-    return None
-
-
-def route(args: list, env: dict, cwd) -> str | None:
-    """None where the pre-started interpreter runs ``python *args`` as a real one would; otherwise why not."""
-    if env.get("AUTOGAUDI") is not None:
-        return "autogaudi_set"
-    where = Path(cwd) if cwd is not None else Path.cwd()
-    if not where.is_dir():
-        return "no_cwd"
-    entries = env["PYTHONPATH"].split(os.pathsep) if env.get("PYTHONPATH") else []
-    for entry in entries:
-        folder = where / entry
-        if not entry or not folder.is_dir():
-            return "pythonpath"
-        if any(folder.glob("*customize.py")) or any(folder.glob("*.dist-info")) or any(folder.glob("*.pth")):
-            return "pythonpath_acts_at_start"
-    if not args:
-        return "interpreter_flags"
-    try:
-        os.fstat(0)
-    except OSError:
-        return "no_stdin"
-    if args[0] == "-c" and len(args) > 1:
-        return _source_refuses(args[1])
-    if args[0:2] == ["-m", "autogaudi"]:
-        return None  # its wait for the script's import of torch is kept: torch is hidden until then
-    if args[0] == "-m" and len(args) > 1:
-        found = _module_file(args[1], [where, *(where / e for e in entries)])
-        if found is None:
-            return "module_not_local"
-        return _source_refuses(found.read_text(errors="replace"))
-    if args[0].startswith("-"):
-        return "interpreter_flags"
-    script = where / args[0]
-    if not script.is_file() or not script.name.endswith(".py"):
-        return "not_a_script_file"
-    return _source_refuses(script.read_text(errors="replace"))
 
 
 class _Server:
@@ -219,7 +154,9 @@ _LOCK = threading.Lock()
 
 
 def run(args: list, env: dict, cwd, timeout):
-    """The run's CompletedProcess, or None where it needs a real interpreter (:func:`route`)."""
+    """The run's CompletedProcess, or None where it needs a real interpreter (:func:`tests.prestarted_route.route`)."""
+    from tests.prestarted_route import fingerprint, route  # the server itself starts without the tests' package
+
     args = [str(a) for a in args]
     if os.environ.get("TESTS_PRESTARTED") == "0" or route(args, env, cwd) is not None:
         return None
@@ -254,6 +191,7 @@ def _serve(control_fd: int):
     The server itself is a fork whose parent exits at once: a test that counts its own children sees none."""
     if os.fork():
         os._exit(0)
+    os.environ["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"  # each run's torch import loads its own device backend
     _PRELOADED.append(_preload("torch"))
     _PRELOADED.append(_preload("torch._dynamo"))  # a plain script's first optimizer imports it
 
@@ -356,7 +294,20 @@ def _become(request: dict, stdio: list):
     tempfile.tempdir = None  # read from TMPDIR at first use, as in a fresh interpreter
     _fresh_process_state()
     _hide_preloaded()
+    if entries:
+        _run_sitecustomize()
     return run
+
+
+def _run_sitecustomize() -> None:
+    """``site``'s import of sitecustomize, from the path it has then: the run's PYTHONPATH may hold one
+    (a harness's) that the server's start did not see. The script's folder comes first only after."""
+    import site
+
+    first = sys.path.pop(0)
+    sys.modules.pop("sitecustomize", None)
+    site.execsitecustomize()
+    sys.path.insert(0, first)
 
 
 _PRELOADED = []  # what each preload added: (its torch modules, atexit registrations, warning filters)
@@ -433,6 +384,15 @@ class _Preloaded:
             atexit.register(function, *args, **kwargs)
         warnings.filters[:0] = filters
         warnings._filters_mutated()
+        if "torch" in modules:
+            _autoload_device_backends(modules["torch"])
+
+
+def _autoload_device_backends(torch) -> None:
+    """What torch's import ends with, from this run's path and environment (the server's own import
+    loaded no device backend: the HPU double's entry point comes with a run's PYTHONPATH)."""
+    if torch._is_device_backend_autoload_enabled():
+        torch._import_device_backends()
 
 
 def _importable(name: str, module) -> bool:

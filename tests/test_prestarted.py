@@ -10,11 +10,11 @@ import time
 
 import pytest
 
-from tests import prestarted
+from tests import prestarted, prestarted_route
 from tests.helpers import HPU_DOUBLE, REPO, clean_env, run_python
 
 SHOW = """
-import json, os, signal, sys, torch
+import json, os, signal, sys
 main = __import__("__main__")
 print(json.dumps({
     "argv": sys.argv, "orig_argv": sys.orig_argv, "path": sys.path, "cwd": os.getcwd(), "name": __name__,
@@ -32,8 +32,15 @@ def py(*lines):
     return "\n".join(lines) + "\n"
 
 
+# The server takes only a script that names torch. A case about how a run starts or ends names it
+# without importing it: the real interpreter's run then skips torch's import. The cases about the
+# script's own import of torch (the server's hidden, preloaded one) import it.
+NAMES_TORCH = "# runs as a torch script would"
+
+
 SPAWN_AND_FORK = py(
-    "import multiprocessing as mp, torch",
+    "import multiprocessing as mp",
+    NAMES_TORCH,
     "def square(x):",
     "    return x * x",
     "if __name__ == '__main__':",
@@ -42,73 +49,108 @@ SPAWN_AND_FORK = py(
     "            print(method, pool.map(square, [2, 3]))",
 )
 PICKLED = py(
-    "import pickle, torch",
+    "import pickle",
+    NAMES_TORCH,
     "class Point:",
     "    def __init__(self, x):",
     "        self.x = x",
-    "data = pickle.dumps(Point(torch.tensor([2.0])))",
+    "data = pickle.dumps(Point(2.0))",
     "print(b'__main__' in data, pickle.loads(data).x)",
 )
-# name -> (files written in the run's folder, python's arguments); every script names torch, as the
-# runs the server takes do
+SITECUSTOMIZE = py(
+    "import atexit, sys",
+    "print('site', [p for p in sys.path if 'site' in p][:1], '__main__' in sys.modules)",
+    "atexit.register(print, 'registered at start')",
+)
+DEVICE_BACKEND = py(
+    "import sys",
+    "print('bridge before torch', 'habana_frameworks' in sys.modules)",
+    "import torch",
+    "print(torch.ones(2, device='hpu').device, sorted(n for n in sys.modules if n.startswith('habana')))",
+)
+# name -> (files written in the run's folder, python's arguments)
 CASES = {
     "normal": ({"s.py": py("import torch", "print('trained', torch.ones(3).sum().item())")}, ["s.py"]),
-    "sys_exit_3": ({"s.py": py("import sys, torch", "print('out')", "sys.exit(3)")}, ["s.py"]),
-    "sys_exit_message": ({"s.py": py("import sys, torch", "sys.exit('bad input')")}, ["s.py"]),
+    "sys_exit_3": ({"s.py": py("import sys", NAMES_TORCH, "print('out')", "sys.exit(3)")}, ["s.py"]),
+    "sys_exit_message": ({"s.py": py("import sys", NAMES_TORCH, "sys.exit('bad input')")}, ["s.py"]),
     "uncaught": (
-        {"s.py": py("import torch", "def f(x):", "    return x / 0", "print('before')", "f(torch.ones(1).item())")},
+        {"s.py": py(NAMES_TORCH, "def f(x):", "    return x / 0", "print('before')", "f(1.0)")},
         ["s.py"],
     ),
     "chained": (
-        {
-            "s.py": py(
-                "import torch", "try:", "    {}['k']", "except KeyError as e:", "    raise ValueError('v') from e"
-            )
-        },
+        {"s.py": py(NAMES_TORCH, "try:", "    {}['k']", "except KeyError as e:", "    raise ValueError('v') from e")},
         ["s.py"],
     ),
     "keyboard_interrupt": (
-        {"s.py": py("import atexit, torch", "atexit.register(print, 'bye')", "raise KeyboardInterrupt")},
+        {"s.py": py("import atexit", NAMES_TORCH, "atexit.register(print, 'bye')", "raise KeyboardInterrupt")},
         ["s.py"],
     ),
     "os_exit": (
         {
             "s.py": py(
-                "import os, torch, atexit", "atexit.register(print, 'never')", "print('lost', end='')", "os._exit(7)"
+                "import os, atexit",
+                NAMES_TORCH,
+                "atexit.register(print, 'never')",
+                "print('lost', end='')",
+                "os._exit(7)",
             )
         },
         ["s.py"],
     ),
-    "sigterm_self": ({"s.py": py("import os, signal, torch", "os.kill(os.getpid(), signal.SIGTERM)")}, ["s.py"]),
+    "sigterm_self": ({"s.py": py("import os, signal", NAMES_TORCH, "os.kill(os.getpid(), signal.SIGTERM)")}, ["s.py"]),
     "atexit": (
-        {"s.py": py("import atexit, torch", "atexit.register(lambda: print('at exit', '__file__' in globals()))")},
+        {
+            "s.py": py(
+                "import atexit", NAMES_TORCH, "atexit.register(lambda: print('at exit', '__file__' in globals()))"
+            )
+        },
         ["s.py"],
     ),
     "thread_after_main": (
         {
             "s.py": py(
-                "import threading, time, torch",
+                "import threading, time",
+                NAMES_TORCH,
                 "threading.Thread(target=lambda: (time.sleep(0.3), print('thread'))).start()",
             )
         },
         ["s.py"],
     ),
     "no_newline": (
-        {"s.py": py("import sys, torch", "print('partial', end='')", "sys.stderr.write('err no newline')")},
+        {"s.py": py("import sys", NAMES_TORCH, "print('partial', end='')", "sys.stderr.write('err no newline')")},
         ["s.py"],
     ),
-    "unclosed_file": ({"s.py": py("import torch", "f = open('left.txt', 'w')", "f.write('kept at exit')")}, ["s.py"]),
-    "stdin_eof": ({"s.py": py("import sys, torch", "print(repr(sys.stdin.read()))")}, ["s.py"]),
+    "unclosed_file": ({"s.py": py(NAMES_TORCH, "f = open('left.txt', 'w')", "f.write('kept at exit')")}, ["s.py"]),
+    "stdin_eof": ({"s.py": py("import sys", NAMES_TORCH, "print(repr(sys.stdin.read()))")}, ["s.py"]),
     "module": (
         {"pkg/__init__.py": "", "pkg/mod.py": py("import torch", SHOW, "raise RuntimeError('in a module')")},
         ["-m", "pkg.mod", "a", "--b"],
     ),
     "package_main": ({"pkg/__init__.py": "", "pkg/__main__.py": py("import torch", SHOW)}, ["-m", "pkg", "x"]),
-    "command": ({}, ["-c", py(SHOW, "import torch", "print(1 / 0)"), "arg"]),
-    "script_as_given": ({"sub/s.py": SHOW}, ["./sub/../sub/s.py", "--lr", "3"]),
-    "symlinked_script": ({"sub/s.py": SHOW, "link.py": "->sub/s.py"}, ["link.py"]),
-    "pythonpath_and_env": ({"lib/helper.py": "VALUE = 5\n", "s.py": py("import helper", SHOW)}, ["s.py"]),
+    "command": ({}, ["-c", py("import torch", SHOW, "print(1 / 0)"), "arg"]),
+    "script_as_given": ({"sub/s.py": py(NAMES_TORCH, SHOW)}, ["./sub/../sub/s.py", "--lr", "3"]),
+    "symlinked_script": ({"sub/s.py": py(NAMES_TORCH, SHOW), "link.py": "->sub/s.py"}, ["link.py"]),
+    "pythonpath_and_env": (
+        # a .pth file acts in a site directory only, not on PYTHONPATH
+        {
+            "lib/helper.py": "VALUE = 5\n",
+            "lib/acts.pth": "import sys; print('pth')\n",
+            "s.py": py("import helper", NAMES_TORCH, SHOW),
+        },
+        ["s.py"],
+    ),
     "spawn_and_fork_children": ({"s.py": SPAWN_AND_FORK}, ["s.py"]),
+    # a harness's sitecustomize on PYTHONPATH, imported at start; the script's own folder holds another
+    "sitecustomize": (
+        {
+            "site/sitecustomize.py": SITECUSTOMIZE,
+            "sitecustomize.py": "print('not this one')\n",
+            "s.py": py(NAMES_TORCH, SHOW),
+        },
+        ["s.py"],
+    ),
+    # the double's entry point on PYTHONPATH: torch's import ends by loading the bridge
+    "device_backend_autoload": ({"s.py": DEVICE_BACKEND}, ["s.py"]),
     "pickled_main_class": ({"s.py": PICKLED}, ["s.py"]),
 }
 
@@ -141,7 +183,7 @@ def _both_ways(tmp_path, args, env, timeout=120):
     results = []
     for forked in (False, True):
         if forked:
-            assert prestarted.route(args, env, tmp_path) is None
+            assert prestarted_route.route(args, env, tmp_path) is None
             result = prestarted.run(args, env, tmp_path, timeout)
         else:
             result = subprocess.run(
@@ -163,6 +205,10 @@ def test_a_run_forked_from_the_server_ends_as_a_real_interpreters(case, tmp_path
     env = clean_env(CASE=case)
     if case == "pythonpath_and_env":
         env["PYTHONPATH"] = "lib"
+    if case == "sitecustomize":
+        env["PYTHONPATH"] = "site"
+    if case == "device_backend_autoload":
+        env["PYTHONPATH"] = str(HPU_DOUBLE)
     (real, real_file), (forked, forked_file) = _both_ways(tmp_path, args, env)
     assert forked.args == real.args
     assert (forked.returncode, forked.stdout, forked.stderr) == (real.returncode, real.stdout, real.stderr)
@@ -209,8 +255,8 @@ def _alive(pid):
         (["s.py"], {"AUTOGAUDI": "1"}, "autogaudi_set"),
         (["-X", "importtime", "s.py"], {}, "interpreter_flags"),
         (["-u", "s.py"], {}, "interpreter_flags"),
-        (["s.py"], {"PYTHONPATH": str(HPU_DOUBLE)}, "pythonpath_acts_at_start"),
-        (["s.py"], {"PYTHONPATH": str(REPO / "sitecustomize")}, "pythonpath_acts_at_start"),
+        (["s.py"], {"PYTHONPATH": "plugin"}, "pythonpath_acts_at_start"),
+        (["s.py"], {"PYTHONPATH": "user"}, "pythonpath_acts_at_start"),
         (["no_torch.py"], {}, "no_torch"),
         (["collects.py"], {}, "names_gc"),
         (["-m", "pip"], {}, "module_not_local"),
@@ -224,15 +270,18 @@ def test_a_run_a_fork_could_be_told_from_goes_to_a_real_interpreter(tmp_path, ar
             "s.py": "import torch\n",
             "no_torch.py": "print('hi')\n",
             "collects.py": "import gc, torch\n",
+            # entry points of a group the server's own start may have looked up
+            "plugin/plugin-1.0.dist-info/entry_points.txt": "[console_scripts]\nplugin = plugin:main\n",
+            "user/usercustomize.py": "",
         },
     )
-    assert prestarted.route(args, clean_env(**env), tmp_path) == why
-    assert prestarted.route(["s.py"], clean_env(), tmp_path) is None
+    assert prestarted_route.route(args, clean_env(**env), tmp_path) == why
+    assert prestarted_route.route(["s.py"], clean_env(), tmp_path) is None
 
 
 def test_fresh_runs_a_real_interpreter(tmp_path, monkeypatch):
     monkeypatch.setattr(prestarted, "run", lambda *a: pytest.fail("fresh=True went to the server"))
-    (tmp_path / "s.py").write_text("import torch\n")
+    (tmp_path / "s.py").write_text(NAMES_TORCH)
     assert run_python("s.py", cwd=tmp_path, fresh=True).returncode == 0
 
 
@@ -241,7 +290,7 @@ def test_the_server_exits_when_its_test_process_is_gone(tmp_path):
         f"""
         import os, sys
         sys.path.insert(0, {str(REPO)!r})
-        from tests import prestarted
+        from tests import prestarted, prestarted_route
         server = prestarted._Server(dict(os.environ))
         print(server.pid, flush=True)
         os._exit(0)

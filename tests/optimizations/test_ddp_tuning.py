@@ -73,7 +73,7 @@ def test_every_launch_form_enables_each_worker_once_and_trains_like_plain_ddp(tm
         "launcher around torchrun": torchrun(
             tmp_path, "-m", "autogaudi", "--report", tmp_path / "report.json", *TORCHRUN, script
         ),
-        "torchrun around the launcher": torchrun(tmp_path, *TORCHRUN, "-m", "autogaudi", script),
+        "torchrun around the launcher": torchrun(tmp_path, *PLAIN_TORCHRUN, "-m", "autogaudi", script),
         "AUTOGAUDI=1": torchrun(tmp_path, *TORCHRUN, script, env={"AUTOGAUDI": "1"}),
     }
     for form, (result, workers) in forms.items():

@@ -1,4 +1,4 @@
-"""Trains the test GPT (tests/gpt_model.py) for STEPS steps (5 by default); its call number OOM_AT
+"""Trains the test GPT (tests/gpt_model.py, a torch model) for STEPS steps (5 by default); its call number OOM_AT
 runs out of memory once, in OOM_WHERE (forward or backward; no OOM_AT: never). Prints the losses."""
 
 import os

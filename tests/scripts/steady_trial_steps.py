@@ -2,7 +2,7 @@
 training step's number, so that every training step lasts ``STEP_S`` and nothing inside one takes any
 time: tests of remembered decisions know what a check finds (it matches the step time its trial
 measured) and what a trial decides (rejected: no arm is faster), whatever the machine's load. The
-script and the report are real."""
+script (a torch training script) and the report are real."""
 
 import runpy
 import sys
