@@ -347,10 +347,11 @@ class LoaderWorkers(Unit):
         else:
             state.lifecycle = State.ON  # unless no faster: put back
             workers = worker_budget()[0]
-            self.report.figures["ms_per_batch_after"] = round(after.ms_per_batch(workers), 3)
+            after_ms = after.ms_per_batch(workers)
+            self.report.figures["ms_per_batch_after"] = round(after_ms, 3)
             if not workers_faster(before, after, trials.materiality_of(self), workers):
                 self._untune(state)
-                self._keep(state, "no_faster", after=after.ms_per_batch(workers), before=before.ms_per_batch(workers))
+                self._keep(state, "no_faster", after=after_ms, before=before.ms_per_batch(workers))
 
     def _tune(self, loader, state, iterator) -> None:
         from autogaudi.optimizations.loader_workers.worker_iterator import give_up_all, in_process, set_attributes
