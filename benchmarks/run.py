@@ -17,9 +17,12 @@ hand-tuned script's, which applies the same math as autogaudi and should match i
 """
 
 import argparse
+import atexit
+import functools
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -109,7 +112,14 @@ def machine_name() -> str:
     return f"{platform.machine()}-{cores}core-cpu"
 
 
-CACHES = tempfile.TemporaryDirectory(prefix="autogaudi-bench-caches-")
+@functools.cache
+def caches_folder() -> str:
+    """One folder for every run's cache, made on first use and removed at exit. Not a module-level
+    TemporaryDirectory: the tests load this file as a module more than once, and each such object
+    collected later warns ("Implicitly cleaning up") inside whatever test is running then."""
+    folder = tempfile.mkdtemp(prefix="autogaudi-bench-caches-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
 
 
 def provenance() -> dict:
@@ -123,7 +133,7 @@ def clean_env(**extra) -> dict:
     """The environment less autogaudi's variables, with a fresh cache folder: each run is a first run
     (nothing remembered, nothing compiled); second_run.py measures what the cache saves."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("AUTOGAUDI")}
-    env["AUTOGAUDI_CACHE_DIR"] = tempfile.mkdtemp(dir=CACHES.name)
+    env["AUTOGAUDI_CACHE_DIR"] = tempfile.mkdtemp(dir=caches_folder())
     env.update(extra)
     return env
 

@@ -2,6 +2,7 @@
 one stalled step that must not flip them, the HPU path through the double's timing hook, and which
 module it names as the training model."""
 
+import gc
 import importlib
 import json
 import threading
@@ -518,6 +519,7 @@ def test_a_model_the_script_compiled_is_profiled_and_torch_warns_nothing():
     autogaudi.enable(device="cpu", only="step_profiler")
     model = torch.compile(Net(), backend="eager")
     try:
+        gc.collect()  # earlier tests' garbage warns as it is collected ("Implicitly cleaning up"): not here
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             train(model, small_batches())
