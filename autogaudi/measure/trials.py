@@ -116,13 +116,19 @@ class StepWindows:
         self.holder = None
         self._used_at = 0
         self._yields = False
+        self._last_taker = None
+        # at the latest take: whether another holder took the steps since the taker's previous take
+        self.interrupted = False
 
     def take(self, owner, yields: bool = False) -> bool:
         """Hold the steps for ``owner`` from this step (True), or False while another holds them.
-        Taking again refreshes the hold; ``yields``: any other asker may take it at once."""
+        Taking again refreshes the hold; ``yields``: any other asker may take it at once. A holder that
+        times a period from its previous take (a loader's batch) reads :attr:`interrupted`: where
+        another measured in between, the period holds that one's work."""
         if self.holder is not None and self.holder is not owner and not (self._yields or self._stale()):
             return False
-        self.holder, self._used_at, self._yields = owner, self._steps.steps, yields
+        self.interrupted = self._last_taker is not None and self._last_taker is not owner
+        self.holder, self._used_at, self._yields, self._last_taker = owner, self._steps.steps, yields, owner
         return True
 
     def release(self, owner) -> None:

@@ -290,6 +290,20 @@ def test_a_yielding_hold_is_taken_by_any_asker_at_once_and_then_waits():
     assert windows.take(loader, yields=True)
 
 
+def test_a_take_says_whether_another_measured_since_the_takers_previous_one():
+    """A loader times each batch from its previous take: where a census step came in between, the
+    period holds that step's work."""
+    steps = FakeSteps()
+    windows, loader, census = trials.StepWindows(steps), FakeUnit(), FakeUnit()
+    assert windows.take(loader, yields=True) and not windows.interrupted  # the first take of all
+    assert windows.take(loader, yields=True) and not windows.interrupted
+    assert windows.take(census) and windows.interrupted  # census: the loader took last
+    windows.release(census)
+    assert windows.take(loader, yields=True) and windows.interrupted
+    assert windows.take(loader, yields=True) and not windows.interrupted
+    assert windows.take(census) and windows.interrupted and windows.take(census) and not windows.interrupted
+
+
 def test_a_unit_switched_off_gives_the_steps_back_whatever_it_was_measuring():
     """The session's revert releases the windows, as it cancels the unit's trials: a fused update
     still timed when its unit fails holds nothing after."""

@@ -286,7 +286,7 @@ class LoaderWorkers(Unit):
             if counted and not self.run.windows.take(self, yields=not holds):
                 timed, state.last_end = False, None
             else:
-                if state.last_end is not None and counted:
+                if state.last_end is not None and counted and not self.run.windows.interrupted:
                     window.add(waited, now - waited - state.last_end)
                     if state.lifecycle is State.WAITING:
                         self._check_getitem(state, iterator._dataset)
