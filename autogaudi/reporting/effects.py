@@ -101,11 +101,17 @@ def effect_of_batches(figures: dict, ms_per_step, steps: int):
         return None
     steps = max(0, steps - (figures.get("workers_from_batch") or 0))
     timed = f"a batch in-process and with workers: {before:.1f} -> {after:.1f} ms"
-    return _part_effect(before - ms_per_step, ms_per_step, steps, 0.0, timed)
+    return _part_effect(before - ms_per_step, ms_per_step, steps, 0.0, timed, figures.get("ms_per_batch_noise"))
 
 
-def _part_effect(difference: float, ms_per_step: float, steps: int, measuring_s: float, timed: str) -> dict:
+def _part_effect(
+    difference: float, ms_per_step: float, steps: int, measuring_s: float, timed: str, noise_ms=None
+) -> dict:
+    """``noise_ms``: the per-step difference's noise where its windows have one (a saving within it
+    is not claimed, as a trial's)."""
     without = round(ms_per_step + difference, 3)
+    saved = round(difference / 1000 * steps, 3)
+    noise_s = round(noise_ms / 1000 * steps, 3) if noise_ms is not None else None
     return {
         "ms_per_step_without": without,
         "ms_per_step_with": ms_per_step,
@@ -113,9 +119,9 @@ def _part_effect(difference: float, ms_per_step: float, steps: int, measuring_s:
         "spread": None,
         "one_off_s": 0.0,
         "steps_with": steps,
-        "saved_s": round(difference / 1000 * steps, 3),
-        "noise_s": None,
-        "claimed": True,
+        "saved_s": saved,
+        "noise_s": noise_s,
+        "claimed": noise_s is None or abs(saved) > noise_s,
         "measuring_s": measuring_s,  # autogaudi's cost, not the change's
         "timed": timed,
     }

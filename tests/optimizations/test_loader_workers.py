@@ -105,6 +105,7 @@ def test_loader_bound_run_gets_workers_with_the_same_batches_and_losses(step_clo
     assert figures["workers_from_batch"] == 2 + EARLY_BATCHES + 1
     assert figures["loaders_tuned"] == 1 and figures["input_bound_fraction"] == round(16 / 17, 3)
     assert (figures["ms_per_batch_before"], figures["ms_per_batch_after"]) == (17.0, 1.0)
+    assert figures["ms_per_batch_noise"] == 0.0  # every round alike on the test's clock
     # each later epoch: its first batch in-process, the rest from workers
     later = children[BATCHES_PER_EPOCH:]
     assert min(later[1:BATCHES_PER_EPOCH]) >= 2 and min(later[BATCHES_PER_EPOCH + 1 :]) >= 2

@@ -362,6 +362,25 @@ def test_a_loader_given_workers_is_credited_against_the_runs_own_steps_not_its_w
     assert effect["saved_s"] == pytest.approx(0.005 * 90)
 
 
+@pytest.mark.parametrize("noise_ms, claimed", [(2.0, True), (6.0, False)])
+def test_a_loaders_saving_within_its_windows_noise_is_not_claimed(noise_ms, claimed):
+    """5 ms a step over 90 steps, its windows' rounds scattering by ``noise_ms`` together: the saving is
+    stated with its noise (0.18 s), or, where the noise (0.54 s) is larger, within noise and unclaimed."""
+    figures = {
+        "ms_per_batch_before": 30.0,
+        "ms_per_batch_after": 20.0,
+        "ms_per_batch_noise": noise_ms,
+        "loaders_tuned": 1,
+        "workers_from_batch": 10,
+    }
+    report = bare_report(
+        units=[{**kept_row("loader_workers"), "figures": figures}], steps={"steps": 100, "steps_per_s": 40.0}
+    )
+    effect = summary_of(report)["changed"][0]["effect"]
+    assert (effect["noise_s"], effect["claimed"]) == (pytest.approx(noise_ms / 1000 * 90), claimed)
+    assert ("within noise" in line(report, "changed")) is not claimed
+
+
 def test_a_part_timed_and_put_back_still_counts_its_measuring_steps_as_autogaudis_cost():
     """The fused update timed slower and not used: its timed steps ran both updates all the same."""
     figures = {"update_ms": {"unfused": 3.0, "fused": 5.0, "steps": 4}, "optimizers_put_back": 1}

@@ -3,10 +3,11 @@ choice shares (:class:`autogaudi.core.candidate.State`), and the batches timed i
 
 from __future__ import annotations
 
+import math
 import weakref
 
 from autogaudi.core.candidate import State
-from autogaudi.measure.trials import median
+from autogaudi.measure.trials import median, spread
 
 
 class Timing:
@@ -42,6 +43,13 @@ class Timing:
         window is a few batches, and a one-off among them (a worker's start, the checks before
         tuning) would stand for every batch of the run in a mean."""
         return 1000 * median(self.rounds(workers)) if self.batches else 0.0
+
+
+def period_noise_ms(before: Timing, after: Timing, workers: int) -> float:
+    """The noise of the two windows' periods together (ms): each one's rounds' spread, as a trial's
+    arms have theirs. A few batches timed early in a run stand for every batch after them; on a busy
+    machine they scatter by half their period, and so would the saving that reads them."""
+    return math.hypot(*(1000 * spread(window.rounds(workers)) if window.batches else 0.0 for window in (before, after)))
 
 
 class LoaderState:

@@ -25,7 +25,7 @@ from autogaudi.core.events import Event
 from autogaudi.core.unit import RANDOM, ROUNDING, Unit, UnitSpec
 from autogaudi.entry.ranks import several_ranks
 from autogaudi.measure import machine_load, trials
-from autogaudi.optimizations.loader_workers.loader_state import LoaderState, Timing
+from autogaudi.optimizations.loader_workers.loader_state import LoaderState, Timing, period_noise_ms
 from autogaudi.optimizations.loader_workers.thread_cut import ThreadCut, with_threads, worker_budget
 from autogaudi.watch import steps
 from autogaudi.watch.model_call import Layer, compiled_by_the_script
@@ -349,6 +349,7 @@ class LoaderWorkers(Unit):
             workers = worker_budget()[0]
             after_ms = after.ms_per_batch(workers)
             self.report.figures["ms_per_batch_after"] = round(after_ms, 3)
+            self.report.figures["ms_per_batch_noise"] = round(period_noise_ms(before, after, workers), 3)
             if not workers_faster(before, after, trials.materiality_of(self), workers):
                 self._untune(state)
                 self._keep(state, "no_faster", after=after_ms, before=before.ms_per_batch(workers))
