@@ -67,8 +67,30 @@ def run(variant: str, scripts: dict, scratch: Path, round_: int) -> dict:
             ms_per_batch=[loader["figures"].get("ms_per_batch_before"), loader["figures"].get("ms_per_batch_after")],
             speedup=effect.get("speedup"),
             claimed_against_plain_s=data["summary"]["whole_run"]["net_s"],
+            claim_noise_s=data["summary"]["whole_run"]["noise_s"],
+            claim_stated=data["summary"]["whole_run"]["claimed"],
         )
     return record
+
+
+def claims_against_pairs(runs: dict) -> dict:
+    """Each round's "against plain" (what autogaudi's report claimed, with its noise) beside what the
+    round's pair measured (plain's seconds less autogaudi's), and whether it lies within the pairs'
+    spread: a claim within noise states no figure and is within; else its range (claim ± noise) must
+    meet the range of the pairs' differences."""
+    pairs = [round(plain["seconds"] - ours["seconds"], 2) for plain, ours in zip(runs["plain"], runs["autogaudi"])]
+    low, high = min(pairs), max(pairs)
+    within = []
+    for ours in runs["autogaudi"]:
+        claim, noise = ours.get("claimed_against_plain_s"), ours.get("claim_noise_s") or 0.0
+        within.append(
+            not ours.get("claim_stated", True) or (claim is not None and claim - noise <= high and claim + noise >= low)
+        )
+    return {
+        "pairs_s": pairs,
+        "claims_s": [ours.get("claimed_against_plain_s") for ours in runs["autogaudi"]],
+        "within": within,
+    }
 
 
 def setting(spinners: int, rounds: int, scripts: dict, scratch: Path) -> dict:
@@ -91,6 +113,7 @@ def setting(spinners: int, rounds: int, scripts: dict, scratch: Path) -> dict:
             variant: round(plain_s / statistics.median(r["seconds"] for r in runs[variant]), 3) for variant in variants
         },
         "autogaudi_kept_workers": sum(r.get("kept") == "workers" for r in runs["autogaudi"]),
+        "claims_against_pairs": claims_against_pairs(runs),
         "results_same_as_plain": all(r["result"] == runs["plain"][0]["result"] for r in runs["autogaudi"]),
     }
 

@@ -177,3 +177,19 @@ def test_a_reports_claim_agrees_only_within_what_the_pairs_measured():
     assert against_plain.judge([0.4, 0.5], [None])["agrees"] is None
     report = {"summary": {"whole_run": {"net_s": -0.3}}}
     assert against_plain.claimed_slower_s(report) == 0.3
+
+
+def test_the_quick_starts_claims_are_judged_against_the_spread_of_their_rounds_pairs():
+    """A claim meets the pairs' range with its noise, or states no figure (within noise): either is within."""
+    quickstart = load_benchmark("quickstart")
+    runs = {
+        "plain": [{"seconds": 10.0}, {"seconds": 12.0}, {"seconds": 11.0}],
+        "autogaudi": [
+            {"seconds": 8.0, "claimed_against_plain_s": 2.5, "claim_noise_s": None, "claim_stated": True},
+            {"seconds": 9.0, "claimed_against_plain_s": 6.0, "claim_noise_s": 1.0, "claim_stated": True},
+            {"seconds": 9.0, "claimed_against_plain_s": 6.0, "claim_noise_s": 4.0, "claim_stated": False},
+        ],
+    }
+    judged = quickstart.claims_against_pairs(runs)
+    assert judged["pairs_s"] == [2.0, 3.0, 2.0]
+    assert judged["within"] == [True, False, True]
