@@ -7,6 +7,8 @@ Each check runs in a fresh process and reads its ``sys.modules``.
 
 import json
 
+import pytest
+
 from autogaudi.core.registry import UNITS
 from tests.helpers import clean_env, run_python
 
@@ -75,24 +77,30 @@ def test_the_launcher_and_the_doctor_do_not_import_each_other():
     assert "autogaudi.entry.launcher" not in doctor.stdout
 
 
-ONE_STEP = """
+STEPS = """
 import sys
 import torch
 
 model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-model(torch.randn(4, 8)).pow(2).mean().backward()
-optimizer.step()
+for _ in range(int(sys.argv[1])):
+    model(torch.randn(4, 8)).pow(2).mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
 print(sorted(name for name in ("psutil", "autogaudi.reporting.record") if name in sys.modules))
 """
 
 
-def test_a_short_quiet_run_imports_neither_psutil_nor_the_report(tmp_path):
+@pytest.mark.parametrize("steps, runs", [(1, 1), (12, 2)], ids=["one-step", "reading-the-cache"])
+def test_a_quiet_run_imports_neither_psutil_nor_the_report(tmp_path, steps, runs):
     """psutil costs a start 7-20 ms: a quiet run reads the machine's memory without it (the fused
-    optimizer's check on copies at the first step); and it builds no report, so loads none."""
-    script = tmp_path / "one_step.py"
-    script.write_text(ONE_STEP)
+    optimizer's check on copies at the first step), names the machine in the cache's keys by its
+    logical CPUs (a second run reads the first one's decisions after warm-up), and builds no report,
+    so loads none."""
+    script = tmp_path / "steps.py"
+    script.write_text(STEPS)
     env = clean_env(AUTOGAUDI_NO_CACHE="0", AUTOGAUDI_CACHE_DIR=tmp_path / "cache")
-    result = run_python("-m", "autogaudi", "--quiet", script, env=env, fresh=True)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "[]"
+    for _ in range(runs):
+        result = run_python("-m", "autogaudi", "--quiet", script, str(steps), env=env, fresh=True)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.strip() == "[]"

@@ -84,6 +84,11 @@ class Backend:
     def device_name(self) -> str:
         raise NotImplementedError
 
+    def device_key(self) -> str:
+        """What names the device in the cache's keys (remembered decisions, compile times): its name,
+        unless naming it costs a run what the key does not need."""
+        return self.device_name()
+
     def watch_signals(self, session):
         """Start reading the device's own run-time counts for the report (the Gaudi bridge's metrics);
         the undo, or None where the backend has none."""

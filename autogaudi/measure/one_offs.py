@@ -95,7 +95,7 @@ def size(traits: dict, tier: str = "whole") -> float:
 
 
 def records_path(cache, backend) -> str:
-    machine = {"backend": backend.name, "device": backend.device_name(), "torch": torch.__version__}
+    machine = {"backend": backend.name, "device": backend.device_key(), "torch": torch.__version__}
     return os.path.join(cache.root, ONE_OFFS, digest(machine) + ".json")
 
 

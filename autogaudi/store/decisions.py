@@ -78,12 +78,12 @@ class Memory:
     @functools.cached_property
     def setup(self) -> dict:
         """What a decision depends on besides the model: the script, backend, device, versions and
-        options. Built at first use, not at start (the device's name costs a library's import)."""
+        options. Built at first use, not at start."""
         setup = {
             "format": FORMAT,
             "script": self.script,
             "backend": self._backend.name,
-            "device": self._backend.device_name(),
+            "device": self._backend.device_key(),
             "torch": torch.__version__,
             "autogaudi": __version__,
             "options": self._options,
