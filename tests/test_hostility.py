@@ -255,7 +255,7 @@ def test_an_untrusted_folder_gets_nothing_written_not_even_the_tag(tmp_path):
 def test_a_cache_swapped_for_another_users_folder_during_a_run_is_neither_read_nor_written(tmp_path):
     root = tmp_path / "cache"
     cache = Cache(str(root), 10**6)
-    backend = types.SimpleNamespace(name="cpu", device_name=lambda: "a CPU")
+    backend = types.SimpleNamespace(name="cpu", device_key=lambda: "a CPU")
     memory = Memory(cache, backend, Options())
     memory.script = {"path": str(tmp_path / "train.py"), "sha256": "0" * 64}  # pytest's __main__ may be no file
     cache.write_json(os.path.join(memory.folder, "mine.json"), {"runs": 1})
