@@ -12,6 +12,7 @@ import importlib
 import json
 import os
 import sys
+import time
 import traceback
 
 import torch
@@ -88,6 +89,7 @@ class Session:
         self.placement = Placement(self)  # where the training model is (autogaudi.watch.placement)
         self.migration = None  # what gpu_migration decided before the bridge loaded (its module)
         self.step_memory = None  # the step memory watcher (autogaudi.measure.step_memory), where a budget is possible
+        self._exit_began = None  # when finish() began: the exit's work up to the report is autogaudi's cost too
 
     def start(self) -> None:
         # before the backend's probe loads the Gaudi bridge, if torch's import has not loaded it already
@@ -346,6 +348,8 @@ class Session:
 
             watcher = StepMemory(self)  # never installed: it reports what a watcher with no budget does
         memory = {**(stats.as_dict() if stats else {}), **watcher.report()}
+        # the exit so far (the units' run ending, decisions remembered, the report's modules and figures)
+        exit_s = time.perf_counter() - self._exit_began if self._exit_began is not None else 0.0
         return Report(
             torch_version=torch.__version__,
             enabled_by=self.sources,
@@ -359,7 +363,7 @@ class Session:
             ranks=self.rank_rows,
             children=gathered_children(),
             cache=self._cache_facts(),
-            timeline={**self.steps.timeline.as_dict(), "ranks": self.rank_step_s},
+            timeline={**self.steps.timeline.as_dict(), "ranks": self.rank_step_s, "exit_s": round(exit_s, 4)},
         )
 
     def _migration_facts(self) -> dict:
@@ -391,6 +395,7 @@ class Session:
 
     def finish(self, explicit: bool) -> None:
         """At exit: print and write the report, on rank 0, if autogaudi was asked for or trained."""
+        self._exit_began = time.perf_counter()
         self.share_with_ranks()
         ended_by = getattr(sys, "last_value", None)  # python's (and the launcher's) uncaught exception
         for unit in list(self.applied):

@@ -140,16 +140,18 @@ def whole_run(
     memory_s: float = 0.0,
     start_up_s: float = 0.0,
     per_call_s: float = 0.0,
+    exit_s: float = 0.0,
 ) -> dict:
     """The run against plain PyTorch, autogaudi's own cost included: ``cost_s`` what autogaudi paid
     that plain would not (the trials' one-offs, the "with" arms of trials not kept beyond their
     "without", later one-offs, a change's measuring steps whether kept or put back, the step
     profile's census steps, ``memory_s``: the step's memory forecast and tracked step, ``start_up_s``:
-    its imports and start, ``per_call_s``: its wrappers' and hooks' time in the user's calls), ``saved_s``
+    its imports and start, ``per_call_s``: its wrappers' and hooks' time in the user's calls, ``exit_s``:
+    its work at exit up to the report), ``saved_s``
     what the kept changes saved net of their one-offs, ``net_s`` the two together (None where a
     change was not timed against the step without it: plain's time is not known then), ``noise_s``
     its noise (None where unknown), and ``plain_s``, the steps' time plain would have taken (the
-    start is outside the steps), where ``net_s`` is known."""
+    start and exit are outside the steps), where ``net_s`` is known."""
     decided = [record for record in trials if "check" not in record]
     one_offs = sum(record["one_off_s"] for record in decided)
     arms = sum(trial_cost_s(record) - record["one_off_s"] for record in decided if record["decision"] != "kept")
@@ -167,7 +169,8 @@ def whole_run(
         + figures_sum(units, MEASURING_STEPS)
         + sum(effect.get("measuring_s", 0.0) for effect in effects if effect is not None)
     )
-    cost = one_offs + arms + later + measuring + start_up_s + per_call_s
+    outside_steps = start_up_s + exit_s
+    cost = one_offs + arms + later + measuring + outside_steps + per_call_s
     timed = all(effect is not None for effect in effects)
     # the kept changes' savings before their one-offs, which cost_s holds
     gross = sum(effect["saved_s"] + effect["one_off_s"] for effect in effects if effect is not None)
@@ -180,13 +183,14 @@ def whole_run(
         "trial_arms_s": round(arms, 3),
         "measuring_s": round(measuring, 3),
         "start_up_s": round(start_up_s, 3),
+        "exit_s": round(exit_s, 3),
         "per_call_s": round(per_call_s, 3),
         "saved_s": round(gross, 3),
         "net_s": round(net, 3) if net is not None else None,
         "noise_s": noise,
         "claimed": net is not None and (noise is None or abs(net) > noise),
-        # the steps' time plain would have taken: autogaudi's start is no part of the steps' seconds
-        "plain_s": round(seconds + net + start_up_s, 3) if net is not None and seconds is not None else None,
+        # the steps' time plain would have taken: autogaudi's start and exit are no part of the steps' seconds
+        "plain_s": round(seconds + net + outside_steps, 3) if net is not None and seconds is not None else None,
     }
 
 

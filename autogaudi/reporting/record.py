@@ -165,6 +165,7 @@ class Report:
                 seconds,
                 (self.memory or {}).get("measuring_s", 0.0),
                 start_up_s=(self.timeline or {}).get("start_up_s", 0.0),
+                exit_s=(self.timeline or {}).get("exit_s", 0.0),
                 per_call_s=(self.timeline or {}).get("per_call_s", 0.0),
             ),
             "changed": changed,

@@ -71,6 +71,7 @@ def format_whole_run(whole: dict, changed: list) -> str:
     if whole["cost_s"]:
         parts = (
             ("start", "start_up_s"),
+            ("exit", "exit_s"),
             ("per-call work", "per_call_s"),
             ("one-offs", "one_offs_s"),
             ("trials' arms", "trial_arms_s"),

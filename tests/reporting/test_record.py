@@ -261,16 +261,17 @@ def test_the_run_line_sets_autogaudis_own_cost_against_what_the_kept_changes_sav
     assert "autogaudi's own cost" in line(report, "run") and "against plain: " in line(report, "run")
 
 
-def test_autogaudis_start_and_per_call_work_are_its_own_cost_against_plain():
-    """Nothing changed, but autogaudi started and its wrappers ran in the user's calls: a run slower
-    than plain by that much, and the run line says so with the parts."""
-    timeline = {"every": 1, "step_s": [0.01] * 100, "start_up_s": 0.05, "per_call_s": 0.02}
+def test_autogaudis_start_exit_and_per_call_work_are_its_own_cost_against_plain():
+    """Nothing changed, but autogaudi started, its wrappers ran in the user's calls and its exit built
+    the report: a run slower than plain by that much, and the run line says so with the parts."""
+    timeline = {"every": 1, "step_s": [0.01] * 100, "start_up_s": 0.05, "per_call_s": 0.02, "exit_s": 0.01}
     report = bare_report(steps={"steps": 100}, timeline=timeline)
     whole = summary_of(report)["whole_run"]
-    assert (whole["start_up_s"], whole["per_call_s"]) == (0.05, 0.02)
-    assert whole["cost_s"] == pytest.approx(0.07) and whole["net_s"] == pytest.approx(-0.07)
-    assert whole["plain_s"] == pytest.approx(1.0 - 0.02)  # the per-call work ran inside the steps, the start did not
-    assert "start 0.05 s, per-call work 0.02 s" in line(report, "run")
+    assert (whole["start_up_s"], whole["per_call_s"], whole["exit_s"]) == (0.05, 0.02, 0.01)
+    assert whole["cost_s"] == pytest.approx(0.08) and whole["net_s"] == pytest.approx(-0.08)
+    # the per-call work ran inside the steps; the start and the exit did not
+    assert whole["plain_s"] == pytest.approx(1.0 - 0.02)
+    assert "start 0.05 s, exit 0.01 s, per-call work 0.02 s" in line(report, "run")
 
 
 ROLLOUT = """
@@ -296,8 +297,8 @@ def test_a_launched_run_reports_its_start_and_the_evaluation_watchs_time_as_its_
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
     timeline, whole = report["timeline"], report["summary"]["whole_run"]
-    assert timeline["start_up_s"] > 0 and timeline["per_call_s"] > 0
-    assert whole["cost_s"] >= whole["start_up_s"] + whole["per_call_s"] - 0.002
+    assert timeline["start_up_s"] > 0 and timeline["per_call_s"] > 0 and timeline["exit_s"] > 0
+    assert whole["cost_s"] >= whole["start_up_s"] + whole["per_call_s"] + whole["exit_s"] - 0.002
 
 
 def test_where_a_change_was_not_timed_the_run_line_gives_the_cost_and_no_ratio():
