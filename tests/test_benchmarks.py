@@ -193,3 +193,33 @@ def test_the_quick_starts_claims_are_judged_against_the_spread_of_their_rounds_p
     judged = quickstart.claims_against_pairs(runs)
     assert judged["pairs_s"] == [2.0, 3.0, 2.0]
     assert judged["within"] == [True, False, True]
+
+
+@pytest.mark.slow
+def test_the_phases_probe_splits_plain_and_autogaudi_runs_and_reads_the_reports_cost(tmp_path):
+    script = tmp_path / "steps.py"
+    script.write_text(
+        "import torch\n"
+        "model = torch.nn.Linear(4, 1)\n"
+        "optimizer = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "for _ in range(3):\n"
+        "    model(torch.randn(2, 4)).sum().backward()\n"
+        "    optimizer.step()\n"
+    )
+    done = subprocess.run(
+        [sys.executable, REPO / "benchmarks" / "phases.py", "--pairs", "1", "--cwd", tmp_path, script],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    names = [line.split()[0] for line in done.stdout.splitlines()]
+    assert names == [
+        "start_cpu_s",
+        "loop_wall_s",
+        "loop_cpu_s",
+        "exit_cpu_s",
+        "teardown_cpu_s",
+        "total_cpu_s",
+        "wall_s",
+        "reported",
+    ]
