@@ -51,8 +51,6 @@ def effect(record, steps: int):
     without_steps = sum(count for arm, count in record.get("arms", ()) if arm == "without")
     steps_with = max(0, steps - record["started_at_step"] - without_steps)
     saved = (record["ms_per_step_without"] - record["ms_per_step_with"]) / 1000 * steps_with - record["one_off_s"]
-    noise_ms = _noise_ms(record)
-    noise_s = round(noise_ms / 1000 * steps_with, 3) if noise_ms is not None else None
     return {
         "ms_per_step_without": record["ms_per_step_without"],
         "ms_per_step_with": record["ms_per_step_with"],
@@ -60,10 +58,15 @@ def effect(record, steps: int):
         "spread": _rounded(spread(record)),
         "one_off_s": record["one_off_s"],
         "steps_with": steps_with,
-        "saved_s": round(saved, 3),
-        "noise_s": noise_s,
-        "claimed": noise_s is None or abs(saved) > noise_s,
+        **_saving(saved, _noise_ms(record), steps_with),
     }
+
+
+def _saving(saved_s: float, noise_ms, steps: int) -> dict:
+    """A saving over ``steps`` with its noise over the same steps (``noise_ms`` a step's, None where
+    unknown): claimed only where it is beyond the noise, always where the noise is unknown."""
+    noise_s = round(noise_ms / 1000 * steps, 3) if noise_ms is not None else None
+    return {"saved_s": round(saved_s, 3), "noise_s": noise_s, "claimed": noise_s is None or abs(saved_s) > noise_s}
 
 
 def trial_cost_s(record) -> float:
@@ -110,8 +113,6 @@ def _part_effect(
     """``noise_ms``: the per-step difference's noise where its windows have one (a saving within it
     is not claimed, as a trial's)."""
     without = round(ms_per_step + difference, 3)
-    saved = round(difference / 1000 * steps, 3)
-    noise_s = round(noise_ms / 1000 * steps, 3) if noise_ms is not None else None
     return {
         "ms_per_step_without": without,
         "ms_per_step_with": ms_per_step,
@@ -119,9 +120,7 @@ def _part_effect(
         "spread": None,
         "one_off_s": 0.0,
         "steps_with": steps,
-        "saved_s": saved,
-        "noise_s": noise_s,
-        "claimed": noise_s is None or abs(saved) > noise_s,
+        **_saving(round(difference / 1000 * steps, 3), noise_ms, steps),
         "measuring_s": measuring_s,  # autogaudi's cost, not the change's
         "timed": timed,
     }
