@@ -89,7 +89,6 @@ class Session:
         self.placement = Placement(self)  # where the training model is (autogaudi.watch.placement)
         self.migration = None  # what gpu_migration decided before the bridge loaded (its module)
         self.step_memory = None  # the step memory watcher (autogaudi.measure.step_memory), where a budget is possible
-        self._exit_began = None  # when finish() began: the exit's work up to the report is autogaudi's cost too
 
     def start(self) -> None:
         # before the backend's probe loads the Gaudi bridge, if torch's import has not loaded it already
@@ -337,8 +336,9 @@ class Session:
             self.rank_rows = {rank: None if got is None else got["units"] for rank, got in posted.items()}
             self.rank_step_s = {str(rank): None if got is None else got["steps"] for rank, got in posted.items()}
 
-    def report(self):
-        """The run's :class:`~autogaudi.reporting.record.Report`, its module loaded here: a quiet run builds none."""
+    def report(self, exit_began=None):
+        """The run's :class:`~autogaudi.reporting.record.Report`, its module loaded here: a quiet run builds none.
+        ``exit_began``: at exit, when :meth:`finish` began (the exit's work up to the report is autogaudi's cost)."""
         from autogaudi.reporting.record import Report
 
         stats = self.backend.memory_stats()
@@ -349,7 +349,7 @@ class Session:
             watcher = StepMemory(self)  # never installed: it reports what a watcher with no budget does
         memory = {**(stats.as_dict() if stats else {}), **watcher.report()}
         # the exit so far (the units' run ending, decisions remembered, the report's modules and figures)
-        exit_s = time.perf_counter() - self._exit_began if self._exit_began is not None else 0.0
+        exit_s = time.perf_counter() - exit_began if exit_began is not None else 0.0
         return Report(
             torch_version=torch.__version__,
             enabled_by=self.sources,
@@ -395,7 +395,7 @@ class Session:
 
     def finish(self, explicit: bool) -> None:
         """At exit: print and write the report, on rank 0, if autogaudi was asked for or trained."""
-        self._exit_began = time.perf_counter()
+        began = time.perf_counter()
         self.share_with_ranks()
         ended_by = getattr(sys, "last_value", None)  # python's (and the launcher's) uncaught exception
         for unit in list(self.applied):
@@ -410,7 +410,7 @@ class Session:
             return
         if self.options.quiet and not self.options.report:  # nobody reads it: not built
             return
-        report = self.report()
+        report = self.report(exit_began=began)
         not_written = None
         if self.options.report:
             try:
