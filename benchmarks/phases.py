@@ -8,7 +8,7 @@ measure; where it does not, this says in which phase the rest is. Plain and ``py
 the later runs follow remembered decisions, as a user's second run does), each under a probe that
 marks wall and CPU time at torch's import, the first and last optimizer step and its own ``atexit``
 (registered first, so it runs after autogaudi's report); the parent reads the process's CPU, its
-children's included, from ``wait4``. Per phase, the medians and autogaudi's less plain's, beside the
+children's included, as ``against_plain.py`` reads it. Per phase, the medians and autogaudi's less plain's, beside the
 reports' own cost. Output folders the script writes are the script's business: pass a fresh ``--cwd``.
 """
 
@@ -18,11 +18,15 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import against_plain  # noqa: E402  (benchmarks/ is not a package: its timed run)
+
+TIMEOUT_S = 900.0  # one run
 
 PROBE = """\
 import atexit, json, os, runpy, sys, time
@@ -50,20 +54,9 @@ def one_run(mode: str, command: list, cwd: Path, scratch: Path) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("AUTOGAUDI")}
     env.update(PHASES_OUT=str(scratch / "phases.json"), AUTOGAUDI_CACHE_DIR=str(scratch / "cache"))
     report = scratch / "report.json"
-    began = time.perf_counter()
-    process = subprocess.Popen(
-        [sys.executable, "-c", PROBE, mode, str(report), *command],
-        cwd=cwd,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    _, status, usage = os.wait4(process.pid, 0)
-    wall = time.perf_counter() - began
-    if os.waitstatus_to_exitcode(status) != 0:
-        sys.exit(f"{mode} run of {' '.join(command)} failed")
+    probe = [sys.executable, "-c", PROBE, mode, str(report), *command]
+    wall, cpu, _ = against_plain.timed_run(probe, env, cwd, TIMEOUT_S, result=r"(?!)")  # CPU: children's too
     marks = json.loads((scratch / "phases.json").read_text())
-    cpu = usage.ru_utime + usage.ru_stime
     figures = {
         "start_cpu_s": marks["first"][1] - marks["torch"][1],  # the script's set-up and autogaudi's start
         "loop_wall_s": marks["last"][0] - marks["first"][0],
