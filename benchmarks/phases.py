@@ -8,8 +8,9 @@ measure; where it does not, this says in which phase the rest is. Plain and ``py
 the later runs follow remembered decisions, as a user's second run does), each under a probe that
 marks wall and CPU time at torch's import, the first and last optimizer step and its own ``atexit``
 (registered first, so it runs after autogaudi's report); the parent reads the process's CPU, its
-children's included, as ``against_plain.py`` reads it. Per phase, the medians and autogaudi's less plain's, beside the
-reports' own cost. Output folders the script writes are the script's business: pass a fresh ``--cwd``.
+children's included, as ``against_plain.py`` reads it. Per phase, the medians and autogaudi's less
+plain's, beside the reports' own cost. Output folders the script writes are the script's business:
+pass a fresh ``--cwd``.
 """
 
 from __future__ import annotations
