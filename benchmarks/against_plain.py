@@ -1,15 +1,22 @@
 """Whether the report's "against plain" is what a user measures: plain beside autogaudi, whole processes.
 
-    python benchmarks/against_plain.py [--cases regression,...] [--pairs 5] [--short] [--out FILE.json]
+    python benchmarks/against_plain.py [--cases regression,...] [--pairs 5] [--control] [--short] [--out FILE.json]
 
 For each corpus case (benchmarks/corpus.py's manifests: the shared corpus and this folder's), plain
 and ``python -m autogaudi --quiet --report`` run in interleaved pairs (the order alternating each
 pair, one warm-up pair first, so the cache is warm and a machine growing slower weighs on both
 alike) in one copy of the case's folder. Each pair gives what the user pays: autogaudi's wall time
 less plain's. Each autogaudi run's report says what it thinks it paid (``-net_s`` of its
-``whole_run``: start, per-call work, measuring and trials, less what its changes saved). The case
-agrees where the reports' median claim lies within the pairs' differences (their minimum to
-maximum): a claim outside what the pairs measured is a report that misses (or invents) a cost.
+``whole_run``: start, per-call work, measuring and trials, less what its changes saved) and that
+figure's noise. A claim is within the pairs where the claim, give or take its noise, meets their
+range of differences (minimum to maximum), or where the report stated no figure (within its noise);
+the case agrees where every run's claim is within: a claim outside what the pairs measured is a report
+that misses (or invents) a cost. ``benchmarks/quickstart.py`` judges its reports by the same rule.
+
+``--control`` runs plain once more in every round (the three runs in a rotating order): the
+differences between plain's two runs are what the machine alone moves a pair by in the same minutes,
+the floor under which autogaudi's difference says nothing (a difference within the control's range
+is "unresolved").
 
 Two checks on the pairs themselves: each pair's CPU seconds (user and system, the process and its
 children), which a loaded machine inflates far less than wall time (a process that waits for a core
@@ -39,20 +46,52 @@ sys.path.insert(0, str(HERE))
 import corpus  # noqa: E402  (benchmarks/ is not a package)
 
 
-def claimed_slower_s(report: dict):
-    """What the report says autogaudi cost the run against plain, in seconds (negative: it saved), or None."""
-    net = report["summary"]["whole_run"]["net_s"]
-    return None if net is None else -net
+def claim_of(report: dict) -> dict:
+    """What the report says autogaudi cost the run against plain: ``slower_s`` (negative: it saved; None
+    where not known), its ``noise_s`` (None: not known) and whether a figure was ``stated`` (a saving
+    within its noise is not)."""
+    whole_run = report["summary"]["whole_run"]
+    net = whole_run["net_s"]
+    return {
+        "slower_s": None if net is None else -net,
+        "noise_s": whole_run.get("noise_s"),
+        "stated": whole_run.get("claimed", True),
+    }
+
+
+def claim_within(claim: dict, differences: list):
+    """Whether one report's claim lies within the pairs' differences (autogaudi less plain, seconds):
+    not stated (within its noise), or the claim give or take its noise meets their range; None where
+    the report knew no figure."""
+    if not claim["stated"]:
+        return True
+    if claim["slower_s"] is None:
+        return None
+    noise = claim["noise_s"] or 0.0
+    return claim["slower_s"] - noise <= max(differences) and claim["slower_s"] + noise >= min(differences)
+
+
+def spread_of(values: list) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def judge(differences: list, claims: list) -> dict:
     """The pairs' measured differences (autogaudi less plain, seconds) against the reports' claims."""
-    known = [claim for claim in claims if claim is not None]
-    measured = {"median": statistics.median(differences), "min": min(differences), "max": max(differences)}
-    if not known:
-        return {"measured_s": measured, "claimed_s": None, "agrees": None}
-    claimed = statistics.median(known)
-    return {"measured_s": measured, "claimed_s": claimed, "agrees": measured["min"] <= claimed <= measured["max"]}
+    within = [claim_within(claim, differences) for claim in claims]
+    known = [claim["slower_s"] for claim in claims if claim["slower_s"] is not None]
+    return {
+        "measured_s": spread_of(differences),
+        "claimed_s": statistics.median(known) if known else None,
+        "claims_within": within,
+        "agrees": None if all(value is None for value in within) else all(value is not False for value in within),
+    }
+
+
+def resolved(differences: list, control: list) -> bool:
+    """Whether autogaudi's median difference lies outside what plain against plain moved in the same
+    rounds (the control's minimum to maximum)."""
+    median = statistics.median(differences)
+    return not min(control) <= median <= max(control)
 
 
 def children_cpu_s() -> float:
@@ -72,7 +111,7 @@ def timed_run(command: list, env: dict, folder: Path, timeout: float, result: st
     return seconds, cpu_s, lines[-1] if lines else None
 
 
-def measure_case(case: dict, pairs: int, scratch: Path, timeout: float) -> dict:
+def measure_case(case: dict, pairs: int, scratch: Path, timeout: float, control: bool = False) -> dict:
     copy = scratch / case["name"]
     shutil.rmtree(copy, ignore_errors=True)
     shutil.copytree(case["corpus"], copy, ignore=shutil.ignore_patterns("__pycache__"))
@@ -87,20 +126,26 @@ def measure_case(case: dict, pairs: int, scratch: Path, timeout: float) -> dict:
             {**corpus.clean_env(case, "autogaudi"), "AUTOGAUDI_NO_CACHE": "0", "AUTOGAUDI_CACHE_DIR": str(cache)},
         ),
     }
-    differences, cpu_differences, claims, walls = [], [], [], {"plain": [], "autogaudi": []}
+    if control:
+        commands["plain again"] = commands["plain"]
+    differences, cpu_differences, control_differences, claims = [], [], [], []
+    walls = {name: [] for name in commands}
     unlike = 0  # pairs whose two runs printed different results
     for pair in range(pairs + 1):
-        order = ("plain", "autogaudi") if pair % 2 else ("autogaudi", "plain")
+        names = list(commands)
+        order = names[pair % len(names) :] + names[: pair % len(names)] if control else names[:: 1 if pair % 2 else -1]
         runs = {name: timed_run(*commands[name], folder, timeout, case["result"]) for name in order}
         if pair:  # the first pair warms the disk cache and fills autogaudi's cache folder
             differences.append(runs["autogaudi"][0] - runs["plain"][0])
             cpu_differences.append(runs["autogaudi"][1] - runs["plain"][1])
+            if control:
+                control_differences.append(runs["plain again"][0] - runs["plain"][0])
             unlike += runs["autogaudi"][2] != runs["plain"][2]
-            claims.append(claimed_slower_s(json.loads(report.read_text())))
+            claims.append(claim_of(json.loads(report.read_text())))
             for name, (seconds, _cpu_s, _result) in runs.items():
                 walls[name].append(seconds)
     medians = {name: statistics.median(values) for name, values in walls.items()}
-    return {
+    result = {
         "case": case["name"],
         "pairs": pairs,
         "wall_s": medians,
@@ -108,9 +153,13 @@ def measure_case(case: dict, pairs: int, scratch: Path, timeout: float) -> dict:
         "differences_s": [round(value, 3) for value in differences],
         "cpu_differences_s": [round(value, 3) for value in cpu_differences],
         "pairs_with_other_results": unlike,
-        "claims_s": claims,
+        "claims": claims,
         **judge(differences, claims),
     }
+    if control:
+        result["control_differences_s"] = [round(value, 3) for value in control_differences]
+        result["resolved"] = resolved(differences, control_differences)
+    return result
 
 
 def main() -> None:
@@ -119,6 +168,7 @@ def main() -> None:
     parser.add_argument("--corpus", type=Path, default=corpus.DEFAULT_CORPUS, help="the shared corpus folder")
     parser.add_argument("--pairs", type=int, default=5, help="interleaved pairs counted per case (default 5)")
     parser.add_argument("--short", action="store_true", help="the corpus's shortened commands (benchmarks/corpus.py)")
+    parser.add_argument("--control", action="store_true", help="also run plain a second time in every round (A/A)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds one run may take")
     parser.add_argument("--out", type=Path, help="also write the results as JSON here")
     args = parser.parse_args()
@@ -134,7 +184,7 @@ def main() -> None:
             if missing:
                 print(f"{case['name']}: skipped, needs {', '.join(missing)}")
                 continue
-            result = measure_case(case, args.pairs, Path(folder), args.timeout)
+            result = measure_case(case, args.pairs, Path(folder), args.timeout, args.control)
             result["load_1min_after"] = os.getloadavg()[0]
             results.append(result)
             measured, claimed = result["measured_s"], result["claimed_s"]
@@ -145,13 +195,22 @@ def main() -> None:
                 + {True: "within", False: "OUTSIDE", None: "not checked"}[result["agrees"]]
                 + f"; CPU autogaudi less plain {statistics.median(result['cpu_differences_s']):+.3f} s"
                 + (
+                    f"; plain less plain {min(result['control_differences_s']):+.3f} to "
+                    f"{max(result['control_differences_s']):+.3f} s: "
+                    + ("resolved" if result["resolved"] else "unresolved")
+                    if args.control
+                    else ""
+                )
+                + (
                     f"; {result['pairs_with_other_results']} pairs printed other results"
                     if result["pairs_with_other_results"]
                     else ""
                 )
             )
     if args.out:
-        args.out.write_text(json.dumps({**facts, "pairs": args.pairs, "results": results}, indent=2) + "\n")
+        args.out.write_text(
+            json.dumps({**facts, "pairs": args.pairs, "control": args.control, "results": results}, indent=2) + "\n"
+        )
 
 
 def _commit() -> str:

@@ -76,16 +76,18 @@ def run(variant: str, scripts: dict, scratch: Path, round_: int) -> dict:
 def claims_against_pairs(runs: dict) -> dict:
     """Each round's "against plain" (what autogaudi's report claimed, with its noise) beside what the
     round's pair measured (plain's seconds less autogaudi's), and whether it lies within the pairs'
-    spread: a claim within noise states no figure and is within; else its range (claim ± noise) must
-    meet the range of the pairs' differences."""
+    spread, by ``against_plain``'s rule (:func:`against_plain.claim_within`)."""
     pairs = [round(plain["seconds"] - ours["seconds"], 2) for plain, ours in zip(runs["plain"], runs["autogaudi"])]
-    low, high = min(pairs), max(pairs)
+    slower = [-saved for saved in pairs]  # against_plain's sign: autogaudi less plain
     within = []
     for ours in runs["autogaudi"]:
-        claim, noise = ours.get("claimed_against_plain_s"), ours.get("claim_noise_s") or 0.0
-        within.append(
-            not ours.get("claim_stated", True) or (claim is not None and claim - noise <= high and claim + noise >= low)
-        )
+        saved = ours.get("claimed_against_plain_s")
+        claim = {
+            "slower_s": None if saved is None else -saved,
+            "noise_s": ours.get("claim_noise_s"),
+            "stated": ours.get("claim_stated", True),
+        }
+        within.append(against_plain.claim_within(claim, slower) is True)
     return {
         "pairs_s": pairs,
         "claims_s": [ours.get("claimed_against_plain_s") for ours in runs["autogaudi"]],

@@ -172,11 +172,53 @@ def test_the_start_up_budget_is_judged_on_the_pairs_median_unless_their_spread_h
 
 def test_a_reports_claim_agrees_only_within_what_the_pairs_measured():
     against_plain = load_benchmark("against_plain")
-    assert against_plain.judge([0.4, 0.5, 0.6], [0.45, 0.5, None])["agrees"] is True
-    assert against_plain.judge([0.4, 0.5, 0.6], [0.01, 0.02])["agrees"] is False  # the cost nothing counted
-    assert against_plain.judge([0.4, 0.5], [None])["agrees"] is None
-    report = {"summary": {"whole_run": {"net_s": -0.3}}}
-    assert against_plain.claimed_slower_s(report) == 0.3
+
+    def claim(slower_s, noise_s=None, stated=True):
+        return {"slower_s": slower_s, "noise_s": noise_s, "stated": stated}
+
+    measured = [0.4, 0.5, 0.6]
+    assert against_plain.judge(measured, [claim(0.45), claim(0.5), claim(None)])["agrees"] is True
+    judged = against_plain.judge(measured, [claim(0.45), claim(0.01)])  # the cost nothing counted
+    assert judged["agrees"] is False and judged["claims_within"] == [True, False]
+    assert against_plain.judge(measured, [claim(0.01, noise_s=0.5)])["agrees"] is True  # within its noise
+    assert against_plain.judge(measured, [claim(-3.0, noise_s=4.0, stated=False)])["agrees"] is True
+    assert against_plain.judge([0.4, 0.5], [claim(None)])["agrees"] is None
+    report = {"summary": {"whole_run": {"net_s": -0.3, "noise_s": 0.1, "claimed": True}}}
+    assert against_plain.claim_of(report) == claim(0.3, noise_s=0.1)
+
+
+def test_a_difference_is_resolved_only_outside_what_plain_against_plain_moved():
+    against_plain = load_benchmark("against_plain")
+    assert against_plain.resolved([0.3, 0.4, 0.5], [-0.2, 0.1, 0.2]) is True
+    assert against_plain.resolved([0.1, 0.15, 0.5], [-0.2, 0.1, 0.2]) is False
+
+
+def test_the_control_runs_plains_command_again_in_a_rotating_order(monkeypatch, tmp_path):
+    """--control's A/A pairs are a noise floor only if the third run is exactly plain, each arm in
+    each position in turn."""
+    against_plain = load_benchmark("against_plain")
+    ran = []
+
+    def fake_run(command, env, folder, timeout, result):
+        ran.append("autogaudi" if "autogaudi" in command else "plain")
+        if "--report" in command:
+            report = {"summary": {"whole_run": {"net_s": -0.1, "noise_s": None, "claimed": True}}}
+            Path(command[command.index("--report") + 1]).write_text(json.dumps(report))
+        return (2.0 if ran[-1] == "autogaudi" else 1.0), 1.0, "loss 1"
+
+    monkeypatch.setattr(against_plain, "timed_run", fake_run)
+    monkeypatch.setattr(against_plain.corpus, "run_setup", lambda case, folder: None)
+    (tmp_path / "case").mkdir()
+    case = {"name": "c", "corpus": tmp_path / "case", "dir": ".", "command": ["train.py"], "result": "loss"}
+    result = against_plain.measure_case(case, pairs=3, scratch=tmp_path / "scratch", timeout=9.0, control=True)
+    assert [ran[i : i + 3] for i in range(0, 12, 3)] == [
+        ["plain", "autogaudi", "plain"],
+        ["autogaudi", "plain", "plain"],
+        ["plain", "plain", "autogaudi"],
+        ["plain", "autogaudi", "plain"],
+    ]
+    assert result["control_differences_s"] == [0.0, 0.0, 0.0] and result["differences_s"] == [1.0, 1.0, 1.0]
+    assert result["resolved"] is True and result["agrees"] is False  # it claimed 0.1 s where the pairs read 1 s
 
 
 def test_the_quick_starts_claims_are_judged_against_the_spread_of_their_rounds_pairs():
