@@ -158,6 +158,8 @@ def measure_case(case: dict, pairs: int, scratch: Path, timeout: float, control:
     }
     if control:
         result["control_differences_s"] = [round(value, 3) for value in control_differences]
+        # the ratio plain's two arms read of each other: how far from 1.0 the machine alone moves one
+        result["ratio_plain_over_plain_again"] = round(medians["plain"] / medians["plain again"], 3)
         result["resolved"] = resolved(differences, control_differences)
     return result
 
@@ -196,7 +198,8 @@ def main() -> None:
                 + f"; CPU autogaudi less plain {statistics.median(result['cpu_differences_s']):+.3f} s"
                 + (
                     f"; plain less plain {min(result['control_differences_s']):+.3f} to "
-                    f"{max(result['control_differences_s']):+.3f} s: "
+                    f"{max(result['control_differences_s']):+.3f} s "
+                    f"(plain/plain {result['ratio_plain_over_plain_again']}x): "
                     + ("resolved" if result["resolved"] else "unresolved")
                     if args.control
                     else ""

@@ -219,6 +219,7 @@ def test_the_control_runs_plains_command_again_in_a_rotating_order(monkeypatch, 
     ]
     assert result["control_differences_s"] == [0.0, 0.0, 0.0] and result["differences_s"] == [1.0, 1.0, 1.0]
     assert result["resolved"] is True and result["agrees"] is False  # it claimed 0.1 s where the pairs read 1 s
+    assert result["ratio_plain_over_autogaudi"] == 0.5 and result["ratio_plain_over_plain_again"] == 1.0
 
 
 def test_the_quick_starts_claims_are_judged_against_the_spread_of_their_rounds_pairs():
