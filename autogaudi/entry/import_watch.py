@@ -56,6 +56,21 @@ class _NotifyingLoader:
         _timed(self._on_loaded, module)
 
 
+def _found_by_the_others(leaving, fullname, path, target):
+    """``fullname``'s spec from the finders after ``leaving`` takes itself off the path, or None. A
+    finder that took itself off while Python's import walks the path would make the walk skip the
+    next finder (a user's own, maybe the only one that finds the module), so the one leaving asks the
+    rest itself, on a copy: one of them may leave too."""
+    if leaving in sys.meta_path:
+        sys.meta_path.remove(leaving)
+    for finder in list(sys.meta_path):
+        find_spec = getattr(finder, "find_spec", None)
+        spec = find_spec(fullname, path, target) if find_spec else None
+        if spec is not None:
+            return spec
+    return None
+
+
 class _ImportWatcher:
     """A meta-path finder that only ever answers for one module name, and only once."""
 
@@ -66,16 +81,8 @@ class _ImportWatcher:
     def find_spec(self, fullname, path=None, target=None):
         if fullname != self.name:
             return None
-        if self in sys.meta_path:
-            sys.meta_path.remove(self)
-        for finder in sys.meta_path:
-            find_spec = getattr(finder, "find_spec", None)
-            spec = find_spec(fullname, path, target) if find_spec else None
-            if spec is not None:
-                break
-        else:
-            return None
-        if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+        spec = _found_by_the_others(self, fullname, path, target)
+        if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
             spec.loader = _NotifyingLoader(spec.loader, self.on_loaded)
         return spec
 
@@ -97,17 +104,18 @@ def forget_after_import(name: str, on_loaded) -> None:
 
 class _BeforeImport:
     """A meta-path finder that calls back once, at the start of the first import of one of ``names``,
-    and finds nothing itself."""
+    then leaves the finding to the others."""
 
     def __init__(self, names: tuple, callback):
         self.names = names
         self.callback = callback
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname in self.names and self in sys.meta_path:
-            sys.meta_path.remove(self)
-            _timed(self.callback)
-        return None
+        if fullname not in self.names or self not in sys.meta_path:
+            return None
+        sys.meta_path.remove(self)
+        _timed(self.callback)
+        return _found_by_the_others(self, fullname, path, target)
 
 
 def call_before_import(names: tuple, callback) -> bool:
