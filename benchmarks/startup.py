@@ -8,7 +8,11 @@ Two measures, each over ``--rounds`` fresh processes after one warm-up:
   interleaved pairs (the order alternating each round, so a machine getting slower or faster
   weighs on both alike): each one's median wall and CPU (user + system) milliseconds, and the
   median, minimum and maximum of the pairs' differences. On a busy machine the runs' own spread
-  (importing torch and its compiler: seconds) hides a difference of tens of milliseconds.
+  (importing torch and its compiler: seconds) hides a difference of tens of milliseconds. So the
+  pairs are also split by phase, from CPU times the script marks: before ``import torch`` (under
+  autogaudi its launcher), torch's import (and autogaudi's session, which starts inside it), the
+  step, and the exit with the interpreter's teardown; a phase where autogaudi works reads more in
+  pair after pair even where the totals cannot tell.
 - *parts*: in one process that imported torch first (so what torch imports itself is not counted),
   the wall and CPU milliseconds of importing the launcher's modules, of starting the session, and of
   the exit report: autogaudi's own work, short enough to read on a busy machine (its CPU time best).
@@ -43,15 +47,21 @@ HERE = Path(__file__).resolve().parent
 BUDGET_MS = 25.0  # what autogaudi may add to a one-step script's whole run, median of the pairs
 
 ONE_STEP = """\
+import os, time
+began = time.process_time()  # the interpreter's start, and under autogaudi its launcher's
 import torch
-
+imported = time.process_time()  # under autogaudi, its session's start too
 model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 loss = model(torch.randn(4, 8)).pow(2).mean()
 loss.backward()
 optimizer.step()
 optimizer.zero_grad()
+if os.environ.get("STARTUP_MARKS"):
+    with open(os.environ["STARTUP_MARKS"], "w") as marks:
+        marks.write(f"{began} {imported} {time.process_time()}")
 """
+PHASES = ("before_torch", "torch_import", "step", "exit_and_teardown")
 
 PARTS = """\
 import json, sys, time
@@ -77,7 +87,9 @@ print(json.dumps({f"{name}_{kind}_ms": 1000 * (parts[name][index] - before[name]
 
 
 def timed(command: list, env: dict) -> tuple:
-    """(wall ms, CPU ms) of one run of ``command``, which must exit 0."""
+    """(wall ms, CPU ms, CPU ms by phase) of one run of ``command``, which must exit 0. The phases
+    (:data:`PHASES`) come from the CPU times the one-step script marks (``STARTUP_MARKS``) and the
+    process's own at its end."""
     start = time.perf_counter()
     process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     _, status, usage = os.wait4(process.pid, 0)
@@ -87,7 +99,10 @@ def timed(command: list, env: dict) -> tuple:
     process.stderr.close()
     if process.returncode != 0:
         sys.exit(f"{' '.join(command)} failed ({process.returncode}):\n{stderr[-4000:]}")
-    return wall * 1000, (usage.ru_utime + usage.ru_stime) * 1000
+    cpu = usage.ru_utime + usage.ru_stime
+    began, imported, stepped = (float(mark) for mark in Path(env["STARTUP_MARKS"]).read_text().split())
+    phases = dict(zip(PHASES, (began, imported - began, stepped - imported, cpu - stepped)))
+    return wall * 1000, cpu * 1000, {name: seconds * 1000 for name, seconds in phases.items()}
 
 
 def spread(values: list) -> dict:
@@ -100,6 +115,7 @@ def measure(rounds: int, python: str) -> dict:
         script.write_text(ONE_STEP)
         env = {k: v for k, v in os.environ.items() if not k.startswith("AUTOGAUDI")}
         env["AUTOGAUDI_CACHE_DIR"] = str(Path(folder) / "cache")
+        env["STARTUP_MARKS"] = str(Path(folder) / "marks")
         commands = {
             "autogaudi": [python, "-m", "autogaudi", "--quiet", str(script)],
             "plain": [python, str(script)],
@@ -113,7 +129,12 @@ def measure(rounds: int, python: str) -> dict:
                     runs[name].append(figures)
         parts = []
         for round_ in range(rounds + 1):
-            result = subprocess.run([python, "-c", PARTS, str(script)], env=env, capture_output=True, text=True)
+            result = subprocess.run(
+                [python, "-c", PARTS, str(script)],
+                env={k: v for k, v in env.items() if k != "STARTUP_MARKS"},
+                capture_output=True,
+                text=True,
+            )
             if result.returncode != 0:
                 sys.exit(f"the parts probe failed ({result.returncode}):\n{result.stderr[-4000:]}")
             if round_:
@@ -122,6 +143,7 @@ def measure(rounds: int, python: str) -> dict:
     for kind in ("wall", "cpu"):
         total = [sum(value for name, value in run.items() if f"_{kind}_" in name) for run in parts]
         figures["parts"][f"total_{kind}_ms"] = {**spread(total), "by_round": total}
+    figures["phases_cpu_ms"] = phases_added(runs["autogaudi"], runs["plain"])
     for index, figure in enumerate(("wall_ms", "cpu_ms")):
         added = [ours[index] - plain[index] for ours, plain in zip(runs["autogaudi"], runs["plain"])]
         figures[figure] = {
@@ -130,6 +152,17 @@ def measure(rounds: int, python: str) -> dict:
             "added": spread(added),
             "added_by_round": added,
         }
+    return figures
+
+
+def phases_added(ours: list, plain: list) -> dict:
+    """Per phase, the pairs' CPU milliseconds autogaudi's run took over plain's (median, minimum,
+    maximum) and in how many pairs more: a phase where autogaudi works reads the same way pair after
+    pair, while the pairs' totals carry torch's own import spread (hundreds of milliseconds)."""
+    figures = {}
+    for phase in PHASES:
+        added = [run[2][phase] - other[2][phase] for run, other in zip(ours, plain)]
+        figures[phase] = {**spread(added), "more_in": sum(value > 0 for value in added), "pairs": len(added)}
     return figures
 
 
@@ -167,6 +200,13 @@ def main() -> None:
             for name in ("autogaudi", "plain", "added")
         )
         print(f"{figure}: median (min-max) over {args.rounds} pairs: {line}")
+    print(
+        "CPU ms over plain by phase, median (min-max; pairs where more): "
+        + ", ".join(
+            f"{name} {v['median']:+.1f} ({v['min']:+.1f}-{v['max']:+.1f}; {v['more_in']}/{v['pairs']})"
+            for name, v in figures["phases_cpu_ms"].items()
+        )
+    )
     said = verdict(figures)
     load = figures["load_1min"]
     print(f"load average (1 min) {load['before']:.2f} before, {load['after']:.2f} after")

@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -168,6 +169,25 @@ def test_the_start_up_budget_is_judged_on_the_pairs_median_unless_their_spread_h
     assert startup.verdict(figures(20.0, 10.0, 30.0)) == "within"
     assert startup.verdict(figures(40.0, 30.0, 50.0)) == "over"
     assert startup.verdict(figures(40.0, -900.0, 900.0)) == "unresolved"  # a busy machine's pairs
+
+
+def test_the_start_up_pairs_are_split_by_phase_from_the_cpu_times_the_script_marks(tmp_path):
+    """The phases come from the script's own marks and the process's CPU at its end: they add up to
+    the run's CPU, and the added figures count the pairs where autogaudi's phase took more."""
+    startup = load_benchmark("startup")
+    marks = tmp_path / "marks"
+    script = f"open({str(marks)!r}, 'w').write('0.010 0.030 0.045')"
+    _wall, cpu, phases = startup.timed([sys.executable, "-c", script], {**os.environ, "STARTUP_MARKS": str(marks)})
+    assert tuple(phases) == startup.PHASES
+    assert [round(phases[name], 6) for name in startup.PHASES[:3]] == [10.0, 20.0, 15.0]
+    assert sum(phases.values()) == pytest.approx(cpu)
+
+    def run(before_torch):
+        return (0.0, 0.0, dict.fromkeys(startup.PHASES, 5.0) | {"before_torch": before_torch})
+
+    added = startup.phases_added([run(30.0), run(26.0), run(19.0)], [run(20.0), run(20.0), run(20.0)])
+    assert added["before_torch"] == {"median": 6.0, "min": -1.0, "max": 10.0, "more_in": 2, "pairs": 3}
+    assert added["step"]["more_in"] == 0
 
 
 def test_a_reports_claim_agrees_only_within_what_the_pairs_measured():
