@@ -90,6 +90,8 @@ def timed(command: list, env: dict) -> tuple:
     """(wall ms, CPU ms, CPU ms by phase) of one run of ``command``, which must exit 0. The phases
     (:data:`PHASES`) come from the CPU times the one-step script marks (``STARTUP_MARKS``) and the
     process's own at its end."""
+    marks = Path(env["STARTUP_MARKS"])
+    marks.unlink(missing_ok=True)  # a run that wrote none must not read the run before's
     start = time.perf_counter()
     process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     _, status, usage = os.wait4(process.pid, 0)
@@ -100,7 +102,7 @@ def timed(command: list, env: dict) -> tuple:
     if process.returncode != 0:
         sys.exit(f"{' '.join(command)} failed ({process.returncode}):\n{stderr[-4000:]}")
     cpu = usage.ru_utime + usage.ru_stime
-    began, imported, stepped = (float(mark) for mark in Path(env["STARTUP_MARKS"]).read_text().split())
+    began, imported, stepped = (float(mark) for mark in marks.read_text().split())
     phases = dict(zip(PHASES, (began, imported - began, stepped - imported, cpu - stepped)))
     return wall * 1000, cpu * 1000, {name: seconds * 1000 for name, seconds in phases.items()}
 
@@ -129,12 +131,7 @@ def measure(rounds: int, python: str) -> dict:
                     runs[name].append(figures)
         parts = []
         for round_ in range(rounds + 1):
-            result = subprocess.run(
-                [python, "-c", PARTS, str(script)],
-                env={k: v for k, v in env.items() if k != "STARTUP_MARKS"},
-                capture_output=True,
-                text=True,
-            )
+            result = subprocess.run([python, "-c", PARTS, str(script)], env=env, capture_output=True, text=True)
             if result.returncode != 0:
                 sys.exit(f"the parts probe failed ({result.returncode}):\n{result.stderr[-4000:]}")
             if round_:

@@ -120,7 +120,7 @@ def _part_effect(
         "spread": None,
         "one_off_s": 0.0,
         "steps_with": steps,
-        **_saving(round(difference / 1000 * steps, 3), noise_ms, steps),
+        **_saving(difference / 1000 * steps, noise_ms, steps),
         "measuring_s": measuring_s,  # autogaudi's cost, not the change's
         "timed": timed,
     }
