@@ -11,7 +11,7 @@ import torch
 import autogaudi
 from autogaudi.measure import clock as measure_clock
 from autogaudi.measure import machine_load
-from autogaudi.optimizations import step_profiler
+from autogaudi.optimizations.step_profiler import census
 from autogaudi.watch import placement
 from tests import prestarted
 from tests.helpers import HPU_DOUBLE, REPO, SimulatedClock
@@ -133,5 +133,5 @@ def step_clock(monkeypatch):
     moves with it: the thread is never off the CPU."""
     clock = SimulatedClock()
     monkeypatch.setattr(measure_clock, "now", clock)
-    monkeypatch.setattr(step_profiler.census, "thread_clock", clock)
+    monkeypatch.setattr(census, "thread_clock", clock)
     return clock

@@ -59,6 +59,28 @@ def test_a_cpu_start_loads_no_unit_that_cannot_act_there_and_no_page_doctor_or_c
     assert {unit_module(info) for info in loaded} <= modules
 
 
+# What the units run only once they act: a census after warm-up, a loader's timing, an update timed
+# against torch's, graph capture's compile records. A run that has not got there imports none of it,
+# not even where a step's torch.optim constructor reads every imported module (inspect.getmodule).
+RUN_ON_FIRST_USE = (
+    "autogaudi.optimizations.step_profiler.census",
+    "autogaudi.optimizations.step_profiler.classification",
+    "autogaudi.optimizations.loader_workers.loader_state",
+    "autogaudi.optimizations.fused_optimizer.update_times",
+    "autogaudi.optimizations.graph_capture.compile_counts",
+    "autogaudi.optimizations.shape_buckets.check",
+)
+
+
+def test_a_first_step_imports_no_mechanism_before_its_unit_acts(tmp_path):
+    script = tmp_path / "steps.py"
+    script.write_text(STEPS)
+    env = clean_env(AUTOGAUDI_NO_CACHE="0", AUTOGAUDI_CACHE_DIR=tmp_path / "cache")
+    result = run_python("-m", "autogaudi", "--quiet", script, "1", *RUN_ON_FIRST_USE, env=env, fresh=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+
+
 def test_a_disabled_unit_is_not_imported(tmp_path):
     seen = started_on_cpu(tmp_path, disable="loader_workers")
     assert "autogaudi.optimizations.loader_workers" not in seen["modules"]
@@ -87,7 +109,7 @@ for _ in range(int(sys.argv[1])):
     model(torch.randn(4, 8)).pow(2).mean().backward()
     optimizer.step()
     optimizer.zero_grad()
-print(sorted(name for name in ("psutil", "autogaudi.reporting.record") if name in sys.modules))
+print(sorted(name for name in sys.argv[2:] if name in sys.modules))  # those of the names given imported
 """
 
 
@@ -101,6 +123,16 @@ def test_a_quiet_run_imports_neither_psutil_nor_the_report(tmp_path, steps, runs
     script.write_text(STEPS)
     env = clean_env(AUTOGAUDI_NO_CACHE="0", AUTOGAUDI_CACHE_DIR=tmp_path / "cache")
     for _ in range(runs):
-        result = run_python("-m", "autogaudi", "--quiet", script, str(steps), env=env, fresh=True)
+        result = run_python(
+            "-m",
+            "autogaudi",
+            "--quiet",
+            script,
+            str(steps),
+            "psutil",
+            "autogaudi.reporting.record",
+            env=env,
+            fresh=True,
+        )
         assert result.returncode == 0, result.stderr
         assert result.stdout.strip() == "[]"

@@ -180,6 +180,10 @@ def _on_torch_imported(module) -> None:
         finally:
             _STATE.starting = False
         _STATE.session = session
+        from autogaudi.entry import before_bridge  # loaded by the session already
+
+        if not before_bridge.bridge_installed():  # its watch would only cost every later import a call
+            forget_after_import(BRIDGE, _on_torch_imported)
 
 
 def _stop_session() -> None:

@@ -40,6 +40,7 @@ from torch.utils.checkpoint import checkpoint
 
 from autogaudi.core.events import Event
 from autogaudi.core.unit import Unit, UnitSpec
+from autogaudi.optimizations.step_profiler import training_model
 from autogaudi.watch import forward_state, module_hooks, out_of_memory
 from autogaudi.watch.model_call import Layer, compiled_by_the_script, route_of, trains
 from autogaudi.watch.steps import clock
@@ -188,11 +189,9 @@ class ActivationCheckpointing(Unit):
         through the rescue layer."""
         if not trains(module):
             return
-        from autogaudi.optimizations.step_profiler import input_shapes
-
         self._first.close()
         self._model = weakref.ref(module)
-        self._inputs = input_shapes(args, {})
+        self._inputs = training_model.input_shapes(args, {})
         memory = self.run.step_memory
         if memory is None or memory.budget is None:  # no memory that could run out: nothing remembered, no layer
             return

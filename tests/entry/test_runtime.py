@@ -112,3 +112,22 @@ def test_starting_a_session_runs_no_garbage_collection_and_leaves_the_collector_
     assert autogaudi.report().as_dict()["active"] is True  # the session did start
     assert len(collections) < 10
     assert enabled_after is collector_on
+
+
+WATCHES_AFTER_START = r"""
+import json, sys
+import autogaudi
+from autogaudi.entry import import_watch
+autogaudi.enable(quiet=True)
+import torch
+print(json.dumps(sorted(f.name for f in sys.meta_path if isinstance(f, import_watch._ImportWatcher))))
+"""
+
+
+def test_without_the_gaudi_bridge_installed_no_wait_for_it_outlives_the_start():
+    """Every import after the start asks autogaudi's finders first: a wait for a bridge that cannot
+    be imported would cost each of them a call, for nothing (torch.optim's constructor alone imports
+    some 800 modules)."""
+    result = run_python("-c", WATCHES_AFTER_START, env=clean_env())
+    assert result.returncode == 0, result.stderr
+    assert "habana_frameworks.torch" not in json.loads(result.stdout.splitlines()[-1])

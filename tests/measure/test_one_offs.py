@@ -127,14 +127,14 @@ class Unit:
 
 
 def test_a_plain_loop_of_unknown_length_is_not_refused_as_too_short(monkeypatch):
-    monkeypatch.setattr(graph_capture, "remaining_steps", lambda: None)
+    monkeypatch.setattr(graph_capture.run_length, "remaining_steps", lambda: None)
     for ops in (100, 2500):
         assert Unit()._too_short(Profile(nn.Linear(2, 2), ops)) is None
 
 
 def test_a_regional_capture_is_judged_on_the_share_of_the_saving_it_keeps(monkeypatch):
     blocks = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8))  # every parameter in a block
-    monkeypatch.setattr(graph_capture, "remaining_steps", lambda: (1000, "a framework"))
+    monkeypatch.setattr(graph_capture.run_length, "remaining_steps", lambda: (1000, "a framework"))
     unit = Unit()
     too_short = unit._too_short(Profile(blocks, 2500))
     assert unit.report.figures["capture_tier"] == "regional"
@@ -145,7 +145,7 @@ def test_a_regional_capture_is_judged_on_the_share_of_the_saving_it_keeps(monkey
 
 
 def test_known_remaining_steps_that_cannot_pay_the_estimate_start_no_trial(monkeypatch):
-    monkeypatch.setattr(graph_capture, "remaining_steps", lambda: (1000, "a framework"))
+    monkeypatch.setattr(graph_capture.run_length, "remaining_steps", lambda: (1000, "a framework"))
     # 1000 steps saving 5 ms each: 5 s. A 100-op model is estimated at 8 s, a 16-op one at the 2 s floor.
     too_short = Unit()._too_short(Profile(nn.Linear(2, 2), 100))
     assert too_short["estimate"] == pytest.approx(8.0) and too_short["most"] == pytest.approx(5.0)
@@ -154,7 +154,7 @@ def test_known_remaining_steps_that_cannot_pay_the_estimate_start_no_trial(monke
 
 
 def test_the_rule_learns_from_the_machines_records(monkeypatch, tmp_path):
-    monkeypatch.setattr(graph_capture, "remaining_steps", lambda: (1000, "a framework"))
+    monkeypatch.setattr(graph_capture.run_length, "remaining_steps", lambda: (1000, "a framework"))
     cache = Cache(str(tmp_path), 1 << 30)
     fast = {"size": 10.0, "actual_s": 1.0, "warm": False, "tier": "whole"}  # 0.1 s per unit, measured here
     for _ in range(20):
@@ -238,7 +238,7 @@ def test_no_cache_no_script_or_nothing_compiled_saves_nothing(tmp_path):
 
 
 def test_saved_artifacts_make_the_estimate_a_warm_compiles(tmp_path, monkeypatch):
-    monkeypatch.setattr(graph_capture, "remaining_steps", lambda: None)
+    monkeypatch.setattr(graph_capture.run_length, "remaining_steps", lambda: None)
     monkeypatch.setattr(one_offs, "artifacts_key", lambda *args: key())
     cache = Cache(str(tmp_path), 1 << 30)
     profile = Profile(nn.Linear(2, 2), 2500)
@@ -306,7 +306,7 @@ def test_replay_is_chosen_for_a_short_or_open_run_and_a_compile_where_its_fusion
 def test_the_unit_offers_the_replay_tier_only_where_the_backend_has_it_and_it_can_replay(
     monkeypatch, backend, calls, exact_random, offered
 ):
-    monkeypatch.setattr(graph_capture, "remaining_steps", lambda: None)
+    monkeypatch.setattr(graph_capture.run_length, "remaining_steps", lambda: None)
     unit = Unit(backend=backend("test"))
     unit.run.options.exact_random = exact_random
     profile = Profile(nn.Linear(2, 2), 2500)

@@ -20,13 +20,13 @@ from torch.utils.data import DataLoader, Dataset
 import autogaudi
 from autogaudi.entry import runtime
 from autogaudi.measure import clock as measure_clock
-from autogaudi.optimizations.step_profiler import (
+from autogaudi.optimizations.step_profiler import classification
+from autogaudi.optimizations.step_profiler.census import new_census
+from autogaudi.optimizations.step_profiler.classification import (
     DECIDING_PAIRS,
     PAIRS,
     census_figures,
-    classification,
     classify,
-    new_census,
     pair_shares,
     settled,
 )
@@ -238,7 +238,7 @@ def test_a_census_with_a_one_off_waits_until_the_run_can_carry_it(step_clock, mo
     from autogaudi.optimizations import step_profiler
 
     monkeypatch.setattr(CpuBackend, "census_one_off_s", 1.0)
-    monkeypatch.setattr(step_profiler.unit, "remaining_steps", lambda: steps_left and (steps_left, "test"))
+    monkeypatch.setattr(step_profiler.unit.run_length, "remaining_steps", lambda: steps_left and (steps_left, "test"))
     autogaudi.enable(device="cpu", only="step_profiler")
     model = Timed(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3)), host=0.5)
     batches = small_batches()
@@ -611,13 +611,13 @@ CENSUS_WITHOUT_DYNAMO = """
 import sys
 import torch
 import autogaudi
-from autogaudi.optimizations import step_profiler
+from autogaudi.optimizations.step_profiler import census
 autogaudi.enable(device="cpu", only="step_profiler", quiet=True)
 if sys.argv[1] == "compiled":
     import torch._dynamo  # what any torch.compile of the script's does
 kinds = []
-real = step_profiler.new_census
-step_profiler.census.new_census = lambda: kinds.append(type(real()).__name__) or real()
+real = census.new_census
+census.new_census = lambda: kinds.append(type(real()).__name__) or real()
 model = torch.nn.Linear(8, 2)
 for _ in range(40):  # parameters updated by hand: torch.optim's constructor would import dynamo itself
     model(torch.randn(4, 8)).sum().backward()

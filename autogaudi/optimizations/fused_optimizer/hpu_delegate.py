@@ -7,16 +7,9 @@ from __future__ import annotations
 import functools
 
 import torch
+import wrapt
 
-from autogaudi.optimizations.fused_optimizer.hpu_format import (
-    group_steps,
-    int_steps,
-    mirror_groups,
-    raw_step,
-    torch_format_checkpoint,
-    torch_format_state,
-    torch_format_steps,
-)
+hpu_format = wrapt.lazy_import("autogaudi.optimizations.fused_optimizer.hpu_format")  # used on HPU only
 
 
 class HpuDelegates:
@@ -37,11 +30,11 @@ class HpuDelegates:
         handles = (
             self.scope.hook(
                 instance.register_state_dict_post_hook,
-                functools.partial(torch_format_checkpoint, steps=self._group_steps),
+                functools.partial(hpu_format.torch_format_checkpoint, steps=self._group_steps),
             ),
-            self.scope.hook(instance.register_load_state_dict_post_hook, int_steps),
+            self.scope.hook(instance.register_load_state_dict_post_hook, hpu_format.int_steps),
         )
-        int_steps(instance)
+        hpu_format.int_steps(instance)
         self._delegates[instance] = (delegate, handles)
         self._route_steps(owner)
         if not self._getstate_wrapped:
@@ -59,19 +52,21 @@ class HpuDelegates:
         delegate.state = instance.state
         known = self._mirrors.setdefault(instance, {})
         extra = self._extra_settings[type(instance)]
-        mirrors = self._mirrors[instance] = mirror_groups(instance.param_groups, instance.state, extra, known)
+        mirrors = self._mirrors[instance] = hpu_format.mirror_groups(
+            instance.param_groups, instance.state, extra, known
+        )
         delegate.param_groups = [mirror for _, mirror in mirrors.values()]
 
     def _group_steps(self, optimizer) -> dict:
         """The step count of each parameter, from its group's counter (the bridge keeps no other)."""
-        return group_steps(self._mirrors.get(optimizer, {}))
+        return hpu_format.group_steps(self._mirrors.get(optimizer, {}))
 
     def _delegate_step(self, optimizer) -> None:
         done = False
         with self.fail_open():
             delegate = self._delegates[optimizer][0]
             self._share_groups(optimizer, delegate)  # add_param_group / load_state_dict may have run
-            raw_step(delegate)(delegate)
+            hpu_format.raw_step(delegate)(delegate)
             done = True
         if not done:  # the unit was reverted and the state handed back: take torch's own step
             self._raw_steps[type(optimizer)](optimizer)
@@ -80,7 +75,7 @@ class HpuDelegates:
         state = wrapped(*args, **kwargs)
         if instance not in self._delegates:
             return state
-        return torch_format_state(state, self._group_steps(instance))
+        return hpu_format.torch_format_state(state, self._group_steps(instance))
 
     def _hand_back(self, optimizer) -> bool:
         """Give an hpex-stepped optimizer back to torch: its state in torch's format, no hook of ours
@@ -88,7 +83,7 @@ class HpuDelegates:
         delegate = self._delegates.pop(optimizer, None)
         if delegate is None:
             return False
-        torch_format_steps(optimizer, self._group_steps(optimizer))
+        hpu_format.torch_format_steps(optimizer, self._group_steps(optimizer))
         for handle in delegate[1]:
             handle.remove()
         self._mirrors.pop(optimizer, None)

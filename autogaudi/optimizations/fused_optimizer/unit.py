@@ -24,6 +24,7 @@ import functools
 import weakref
 
 import torch
+import wrapt
 
 from autogaudi.core.candidate import untried_reason
 from autogaudi.core.events import Event
@@ -39,9 +40,10 @@ from autogaudi.optimizations.fused_optimizer.kernels import (
     user_hyperparameters,
 )
 from autogaudi.optimizations.fused_optimizer.reasons import REASONS
-from autogaudi.optimizations.fused_optimizer.update_times import UpdateTimes, update_ms, why_not_fused
 from autogaudi.store.decisions import origin
 from autogaudi.watch import steps
+
+update_times = wrapt.lazy_import("autogaudi.optimizations.fused_optimizer.update_times")  # where an update is timed
 
 FUSABLE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 # The classes whose torch kernel DTensor (FSDP2's parameters) has a sharding rule for (_fused_adam_,
@@ -132,7 +134,7 @@ class FusedOptimizer(HpuDelegates, Unit):
                 self.report.figures["optimizers_kept"] += 1
                 self.report.reason = untried
                 return result
-            times = self._trying[instance] = UpdateTimes(optimizer=instance)
+            times = self._trying[instance] = update_times.UpdateTimes(optimizer=instance)
             self._timed.append(times)
             self.run.trials.measuring(self, times)
             self._route_steps(owner)
@@ -352,7 +354,7 @@ class FusedOptimizer(HpuDelegates, Unit):
             "ms_per_step_without": round(1000 * unfused, 3),
             "load": machine_load.slowdown(),
         }
-        why = why_not_fused(times, self._step_s())
+        why = update_times.why_not_fused(times, self._step_s())
         if why is not None:
             self._put_back(optimizer, why[0], steps=len(times.fused), **why[1])
         else:
@@ -407,7 +409,7 @@ class FusedOptimizer(HpuDelegates, Unit):
         one on the same steps (the report's effect of the unit where one is fused)."""
         timed = [times for times in self._timed if times.fused]
         if timed:
-            self.report.figures["update_ms"] = update_ms(timed)
+            self.report.figures["update_ms"] = update_times.update_ms(timed)
 
     # How far the fused update is from torch's own -------------------------------------------------
 

@@ -14,7 +14,7 @@ from autogaudi.core.events import Event
 from autogaudi.core.guard import PASSING_THROUGH
 from autogaudi.entry.ranks import is_rank_zero
 from autogaudi.measure import numerics, one_offs
-from autogaudi.optimizations.step_profiler import input_shapes
+from autogaudi.optimizations.step_profiler import training_model
 from autogaudi.watch.model_call import Layer
 
 MAX_SHAPES = 8
@@ -79,7 +79,7 @@ class CapturedCall:
             # Evaluation: not what the trial measured, and each mode would be one more compilation.
             self.report.note("eager_outside_training")
             return call(*args, **kwargs)
-        shapes = input_shapes(args, kwargs)
+        shapes = training_model.input_shapes(args, kwargs)
         if shapes not in self._shapes:
             self._shapes.append(shapes)
             if len(self._shapes) > MAX_SHAPES:

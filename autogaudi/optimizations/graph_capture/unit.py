@@ -23,6 +23,7 @@ import time
 
 import torch
 import torch.utils.checkpoint
+import wrapt
 
 from autogaudi.core.candidate import Candidate, DecidesCandidate
 from autogaudi.core.events import Event
@@ -30,12 +31,14 @@ from autogaudi.core.unit import RANDOM, ROUNDING
 from autogaudi.entry.paths import short_location
 from autogaudi.entry.ranks import rank_zero_choice
 from autogaudi.measure import numerics, one_offs
-from autogaudi.optimizations.graph_capture import compile_counts
 from autogaudi.optimizations.graph_capture.captured_call import CapturedCall, own_gradient_tensors
-from autogaudi.optimizations.graph_capture.host_reads import forward_reading, read_sites
-from autogaudi.watch.engines import fsdp2_managed
 from autogaudi.watch.model_call import Layer, compiled_by_the_script, holder
-from autogaudi.watch.run_length import remaining_steps
+
+# What the unit reads once the step is profiled: loaded then, so a run that is never profiled skips them.
+compile_counts = wrapt.lazy_import("autogaudi.optimizations.graph_capture.compile_counts")
+host_reads = wrapt.lazy_import("autogaudi.optimizations.graph_capture.host_reads")
+engines = wrapt.lazy_import("autogaudi.watch.engines")
+run_length = wrapt.lazy_import("autogaudi.watch.run_length")
 
 # What capture costs once, each measured where it happens: setting it up (importing the compiler
 # included), the trial's warm-up beyond its steady steps, compiles for input shapes met later,
@@ -171,7 +174,7 @@ class GraphCapture(CapturedCall, DecidesCandidate):
             return self.report.reason_for("no_training_model")
         if compiled_by_the_script(profile.model):
             return self.report.reason_for("compiled_by_script")
-        if fsdp2_managed(profile.model):
+        if engines.fsdp2_managed(profile.model):
             return self.report.reason_for("fsdp2")
         precision = holder(profile.model, Layer.PRECISION)
         if precision is not None:
@@ -197,7 +200,7 @@ class GraphCapture(CapturedCall, DecidesCandidate):
         does not lift it: a replay of the other branch changes what the model computes."""
         if not self.run.backend.graphs_replay_recorded_branches:
             return None
-        found = forward_reading(model, read_sites(self.run.profiler))
+        found = host_reads.forward_reading(model, host_reads.read_sites(self.run.profiler))
         if found is None:
             return None
         module, site = found
@@ -302,7 +305,7 @@ class GraphCapture(CapturedCall, DecidesCandidate):
         """None, or the figures of why no trial could pay for itself: where a framework says how many
         steps are left, a trial is worth running only if they could win back the one-off this model's
         capture is estimated to cost (:mod:`autogaudi.measure.one_offs`)."""
-        remaining = remaining_steps()
+        remaining = run_length.remaining_steps()
         if profile.model is None or remaining is None:  # no training model: refused; a plain loop: unknown
             return None
         params = self._estimate_params(profile)
@@ -331,7 +334,7 @@ class GraphCapture(CapturedCall, DecidesCandidate):
                 self.report.figures.update(
                     {f"one_off_predicted_{tier}_s": e["seconds"] for tier, e in estimates.items()}
                 )
-            remaining = remaining_steps()
+            remaining = run_length.remaining_steps()
             self._estimate = one_offs.choose(
                 estimates.values(), _saved_per_step_s(profile), None if remaining is None else remaining[0]
             )

@@ -44,7 +44,7 @@ from autogaudi.optimizations.mixed_precision.guard import (
     within_bounds,
 )
 from autogaudi.optimizations.mixed_precision.loss_scale import SKIPS_IN_A_ROW, LossScale
-from autogaudi.optimizations.step_profiler import FP32_MATRIX_SHARE
+from autogaudi.optimizations.step_profiler.unit import FP32_MATRIX_SHARE
 from autogaudi.watch.engines import fsdp2_managed
 from autogaudi.watch.model_call import Layer, compiled_by_the_script
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections import Counter
 
 import torch
+import wrapt
 
 from autogaudi.core.events import Event
 from autogaudi.core.unit import ROUNDING, Unit, UnitSpec
@@ -26,13 +27,15 @@ from autogaudi.entry.paths import short_location
 from autogaudi.entry.ranks import rank_zero_choice, several_ranks
 from autogaudi.measure import machine_load
 from autogaudi.measure.trials import median
-from autogaudi.optimizations.step_profiler import classification
-from autogaudi.optimizations.step_profiler.census import CensusStep
-from autogaudi.optimizations.step_profiler.profile import StepFigures, StepProfile
-from autogaudi.optimizations.step_profiler.training_model import RootModules, model_name, training_root
+from autogaudi.optimizations.step_profiler import training_model
 from autogaudi.store.decisions import origin
 from autogaudi.watch import steps
-from autogaudi.watch.run_length import remaining_steps
+
+# What the census steps run and what they publish: loaded once warm-up is over, as the census starts.
+census = wrapt.lazy_import("autogaudi.optimizations.step_profiler.census")
+classification = wrapt.lazy_import("autogaudi.optimizations.step_profiler.classification")
+step_profile = wrapt.lazy_import("autogaudi.optimizations.step_profiler.profile")
+run_length = wrapt.lazy_import("autogaudi.watch.run_length")
 
 # The most of a run the census's one-off (the backend's ``census_one_off_s``) may cost: it starts once
 # the run so far, with the steps a framework says are left, is long enough to carry it.
@@ -125,7 +128,7 @@ class StepProfiler(Unit):
         if done % 2:
             self._clean.append((steps.clock() - self._step_began, self._waited))
             self._step_began, self._census_began = None, steps.clock()
-            self._census_step = CensusStep(self.run.backend, self._roots, self)
+            self._census_step = census.CensusStep(self.run.backend, self._roots, self)
             return
         if done:
             census_step, self._census_step = self._census_step, None  # a failing stop is not undone twice
@@ -153,7 +156,7 @@ class StepProfiler(Unit):
             return False
         watcher = self.run.steps
         if self._known_end is None:
-            remaining = remaining_steps()
+            remaining = run_length.remaining_steps()
             self._known_end = watcher.steps + remaining[0] if remaining is not None else 0
         run_s = steps.clock() - watcher.began
         if watcher.timed is not None and self._known_end > watcher.steps:
@@ -188,17 +191,19 @@ class StepProfiler(Unit):
         bound, why = rank_zero_choice(measured)
         if bound != measured[0]:
             self.report.note("follows_rank_zero", bound=measured[0], why=measured[1])
-        root = training_root(self._roots, optimizer)
+        root = training_model.training_root(self._roots, optimizer)
         # ``is not None``: a module's truth is its length where it has one (an empty Sequential is
         # false; torch.compile's OptimizedModule asks the module it compiled, and raises without one).
         calls = max((step_calls.get(id(root), 0) for step_calls in self._calls), default=0) if root is not None else 0
         inputs = self._inputs.get(id(root), ())
-        self.profile = StepProfile(bound, why, figures, root, optimizer, calls_per_step=calls, inputs=inputs)
+        self.profile = step_profile.StepProfile(
+            bound, why, figures, root, optimizer, calls_per_step=calls, inputs=inputs
+        )
         self.report.figures.update(bound=bound, profiled_at_step=self.run.steps.steps, **figures.as_dict())
         self.report.figures["census_extra_s"] = round(classification.census_extra_s(self._clean, self._census_s), 3)
         self.report.because(f"{bound}_bound", why=why)
         if root is not None:
-            self.report.figures["model"] = model_name(self.profile.model)
+            self.report.figures["model"] = training_model.model_name(self.profile.model)
             self.report.figures["model_calls_per_step"] = calls
         if self.run.backend.name == "hpu" and self.run.backend.is_lazy:
             # The bridge's synchronize() marks a step and drains the host pipeline before it waits
@@ -226,12 +231,12 @@ class StepProfiler(Unit):
                 self._recall = False
                 return False
             self._recall = self.scope.child()
-            self._identify = RootModules(self._roots, self._recall)
+            self._identify = training_model.RootModules(self._roots, self._recall)
             return True
         self._recall.close()
         self._recall = False
         identify, self._identify = self._identify, None
-        root = training_root(self._roots, optimizer)
+        root = training_model.training_root(self._roots, optimizer)
         self._roots = []
         inputs = identify.inputs.get(id(root), ()) if root is not None else ()
         model = root.module if isinstance(root, torch.nn.parallel.DistributedDataParallel) else root
@@ -240,10 +245,10 @@ class StepProfiler(Unit):
             return False
         record = entry["profile"]
         calls = identify.calls.get(id(root), 0)
-        self.profile = StepProfile(
+        self.profile = step_profile.StepProfile(
             record["bound"],
             record["why"],
-            StepFigures.from_dict(record["figures"]),
+            step_profile.StepFigures.from_dict(record["figures"]),
             root,
             optimizer,
             calls,
@@ -256,7 +261,7 @@ class StepProfiler(Unit):
             **record["figures"],
             remembered_from_run=record["run"],
         )
-        self.report.figures.update(model=model_name(self.profile.model), model_calls_per_step=calls)
+        self.report.figures.update(model=training_model.model_name(self.profile.model), model_calls_per_step=calls)
         self.report.because("remembered_profile", bound=record["bound"], why=record["why"], **origin(record))
         self._publish()
         return True
