@@ -22,6 +22,15 @@ Two measures, each over ``--rounds`` fresh processes after one warm-up:
 The load average before and after is written beside the figures: on a shared machine it says how
 much the pairs' spread can be trusted.
 
+``--instructions``: where the pairs cannot resolve the budget (torch's import moves by hundreds of
+milliseconds on a 2-core machine, busy or not), each command also runs once under valgrind's
+callgrind, which counts the instructions each phase executes: the same count run after run (plain
+against itself differs by under 0.1% per phase), whatever the load. The script's marks call
+``os.getpgrp()``, a syscall nothing else here makes, and callgrind dumps its count before each; the
+added instructions of each phase are turned into milliseconds at plain's own rate in that phase (its
+median CPU milliseconds over its instructions), an estimate: autogaudi's code need not run at the
+rate of the code it is beside. ``--check`` reads this estimate where it was measured.
+
 The budget lives here, not in a test that pins which modules a start imports: ``--check`` exits 1
 where the pairs' median wall difference is over ``BUDGET_MS`` (read it on a quiet machine: on a busy
 one the pairs' spread is wider than the budget, and the verdict says so instead of failing).
@@ -49,14 +58,17 @@ BUDGET_MS = 25.0  # what autogaudi may add to a one-step script's whole run, med
 ONE_STEP = """\
 import os, time
 began = time.process_time()  # the interpreter's start, and under autogaudi its launcher's
+os.getpgrp()  # each mark: where callgrind counts up to (--instructions)
 import torch
 imported = time.process_time()  # under autogaudi, its session's start too
+os.getpgrp()
 model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 loss = model(torch.randn(4, 8)).pow(2).mean()
 loss.backward()
 optimizer.step()
 optimizer.zero_grad()
+os.getpgrp()
 if os.environ.get("STARTUP_MARKS"):
     with open(os.environ["STARTUP_MARKS"], "w") as marks:
         marks.write(f"{began} {imported} {time.process_time()}")
@@ -107,11 +119,54 @@ def timed(command: list, env: dict) -> tuple:
     return wall * 1000, cpu * 1000, {name: seconds * 1000 for name, seconds in phases.items()}
 
 
+def counted(command: list, env: dict, out: Path) -> subprocess.Popen:
+    """``command`` started under callgrind, counting instructions until each of the script's marks
+    (one file each, ``out.1`` to ``out.3``) and to the exit (``out``)."""
+    valgrind = ["valgrind", "--tool=callgrind", "--dump-before=os_getpgrp*", f"--callgrind-out-file={out}"]
+    env = {**env, "PYTHONHASHSEED": "0"}  # the same dict layouts, run after run
+    return subprocess.Popen(valgrind + command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def phase_instructions(out: Path) -> dict:
+    """The instructions of each phase (:data:`PHASES`) from :func:`counted`'s files."""
+    files = [Path(f"{out}.{index}") for index in (1, 2, 3)] + [out]
+    if Path(f"{out}.4").exists() or not all(path.exists() for path in files):
+        raise RuntimeError(f"callgrind did not dump once at each of the script's three marks: {out}")
+    counts = []
+    for path in files:
+        summary = next(line for line in path.read_text().splitlines() if line.startswith(("summary:", "totals:")))
+        counts.append(int(summary.split()[1]))
+    return dict(zip(PHASES, counts))
+
+
+def instructions(commands: dict, env: dict, folder: Path) -> dict:
+    """Each command's instructions by phase, both run at once (a count does not depend on the load)."""
+    runs = {name: counted(command, env, folder / f"{name}.callgrind") for name, command in commands.items()}
+    for name, process in runs.items():
+        _, stderr = process.communicate()
+        if process.returncode != 0:
+            sys.exit(f"callgrind's run of {name} failed ({process.returncode}):\n{stderr[-4000:]}")
+    return {name: phase_instructions(folder / f"{name}.callgrind") for name in commands}
+
+
+def instructions_added(counts: dict, plain_cpu_ms: dict) -> dict:
+    """autogaudi's instructions over plain's, by phase and in all, and each phase's in milliseconds at
+    plain's rate in that phase (``plain_cpu_ms``: plain's median CPU milliseconds by phase)."""
+    ours, plain = counts["autogaudi"], counts["plain"]
+    added = {phase: ours[phase] - plain[phase] for phase in PHASES}
+    added_ms = {phase: added[phase] * plain_cpu_ms[phase] / plain[phase] for phase in PHASES}
+    return {
+        **counts,
+        "added": {**added, "all": sum(added.values())},
+        "added_ms_at_plain_rate": {**added_ms, "all": sum(added_ms.values())},
+    }
+
+
 def spread(values: list) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def measure(rounds: int, python: str) -> dict:
+def measure(rounds: int, python: str, count_instructions: bool = False) -> dict:
     with tempfile.TemporaryDirectory(prefix="autogaudi-startup-") as folder:
         script = Path(folder) / "one_step.py"
         script.write_text(ONE_STEP)
@@ -129,6 +184,7 @@ def measure(rounds: int, python: str) -> dict:
             if round_:  # the first pair warms the disk cache and fills autogaudi's cache folder
                 for name, figures in results.items():
                     runs[name].append(figures)
+        counts = instructions(commands, env, Path(folder)) if count_instructions else None
         parts = []
         for round_ in range(rounds + 1):
             result = subprocess.run([python, "-c", PARTS, str(script)], env=env, capture_output=True, text=True)
@@ -141,6 +197,9 @@ def measure(rounds: int, python: str) -> dict:
         total = [sum(value for name, value in run.items() if f"_{kind}_" in name) for run in parts]
         figures["parts"][f"total_{kind}_ms"] = {**spread(total), "by_round": total}
     figures["phases_cpu_ms"] = phases_added(runs["autogaudi"], runs["plain"])
+    if counts is not None:
+        plain_cpu_ms = {phase: statistics.median(run[2][phase] for run in runs["plain"]) for phase in PHASES}
+        figures["instructions"] = instructions_added(counts, plain_cpu_ms)
     for index, figure in enumerate(("wall_ms", "cpu_ms")):
         added = [ours[index] - plain[index] for ours, plain in zip(runs["autogaudi"], runs["plain"])]
         figures[figure] = {
@@ -164,8 +223,11 @@ def phases_added(ours: list, plain: list) -> dict:
 
 
 def verdict(figures: dict, budget_ms: float = BUDGET_MS) -> str:
-    """ "within", "over", or "unresolved" where the pairs' differences spread wider than the budget
-    on both sides of it (a busy machine): the median added wall milliseconds against the budget."""
+    """ "within" or "over": the counted instructions' milliseconds against the budget, where counted;
+    else the pairs' median added wall milliseconds, or "unresolved" where their differences spread
+    wider than the budget on both sides of it (a busy machine)."""
+    if "instructions" in figures:
+        return "within" if figures["instructions"]["added_ms_at_plain_rate"]["all"] <= budget_ms else "over"
     added = figures["wall_ms"]["added"]
     if (
         added["median"] > budget_ms
@@ -182,9 +244,12 @@ def main() -> None:
     parser.add_argument("--python", default=sys.executable, help="the interpreter both commands run under")
     parser.add_argument("--out", type=Path, help="also write the figures as JSON here")
     parser.add_argument("--check", action="store_true", help=f"exit 1 where over the {BUDGET_MS:g} ms budget")
+    parser.add_argument(
+        "--instructions", action="store_true", help="also count each phase's instructions under valgrind (minutes)"
+    )
     args = parser.parse_args()
     load_before = os.getloadavg()[0]
-    figures = measure(args.rounds, args.python)
+    figures = measure(args.rounds, args.python, args.instructions)
     figures["load_1min"] = {"before": load_before, "after": os.getloadavg()[0]}  # the machine's, as uptime says
     print(
         f"parts, median (min-max) ms over {args.rounds} processes: "
@@ -204,6 +269,12 @@ def main() -> None:
             for name, v in figures["phases_cpu_ms"].items()
         )
     )
+    if "instructions" in figures:
+        added, added_ms = figures["instructions"]["added"], figures["instructions"]["added_ms_at_plain_rate"]
+        print(
+            "instructions over plain by phase (millions; ms at plain's rate): "
+            + ", ".join(f"{name} {added[name] / 1e6:+.1f} ({added_ms[name]:+.1f})" for name in (*PHASES, "all"))
+        )
     said = verdict(figures)
     load = figures["load_1min"]
     print(f"load average (1 min) {load['before']:.2f} before, {load['after']:.2f} after")

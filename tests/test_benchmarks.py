@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -169,6 +170,43 @@ def test_the_start_up_budget_is_judged_on_the_pairs_median_unless_their_spread_h
     assert startup.verdict(figures(20.0, 10.0, 30.0)) == "within"
     assert startup.verdict(figures(40.0, 30.0, 50.0)) == "over"
     assert startup.verdict(figures(40.0, -900.0, 900.0)) == "unresolved"  # a busy machine's pairs
+
+
+def test_counted_instructions_judge_the_start_up_budget_where_the_pairs_cannot(tmp_path):
+    """Counted, the verdict is the instructions' milliseconds at plain's rate in each phase, even
+    where the pairs' wall times read otherwise."""
+    startup = load_benchmark("startup")
+    plain = dict.fromkeys(startup.PHASES, 1_000_000)
+    ours = {**plain, "before_torch": 3_000_000, "step": 1_500_000}
+    plain_cpu_ms = dict.fromkeys(startup.PHASES, 10.0)  # 10 ms per million instructions in every phase
+    counted = startup.instructions_added({"autogaudi": ours, "plain": plain}, plain_cpu_ms)
+    assert counted["added"] == {
+        **dict.fromkeys(startup.PHASES, 0),
+        "before_torch": 2_000_000,
+        "step": 500_000,
+        "all": 2_500_000,
+    }
+    assert counted["added_ms_at_plain_rate"]["all"] == pytest.approx(25.0)
+    wall_within = {"added": {"median": 0.0, "min": -5.0, "max": 5.0}}
+    assert startup.verdict({"wall_ms": wall_within, "instructions": counted}) == "within"
+    counted["added_ms_at_plain_rate"]["all"] = 25.1
+    assert startup.verdict({"wall_ms": wall_within, "instructions": counted}) == "over"
+
+
+@pytest.mark.skipif(shutil.which("valgrind") is None, reason="valgrind is not installed")
+def test_callgrind_counts_each_marked_phase_and_refuses_a_mark_too_many(tmp_path):
+    startup = load_benchmark("startup")
+    marked = "import os; os.getpgrp(); sum(range({})); os.getpgrp(); os.getpgrp()"
+    out = tmp_path / "run.callgrind"
+    process = startup.counted([sys.executable, "-c", marked.format(10**6)], dict(os.environ), out)
+    assert process.wait() == 0, process.stderr.read()
+    phases = startup.phase_instructions(out)
+    assert tuple(phases) == startup.PHASES
+    assert phases["torch_import"] > 10 * phases["step"]  # the loop's million additions, between the first marks
+    process = startup.counted([sys.executable, "-c", marked.format(1) + "; os.getpgrp()"], dict(os.environ), out)
+    assert process.wait() == 0
+    with pytest.raises(RuntimeError):
+        startup.phase_instructions(out)
 
 
 def test_the_start_up_pairs_are_split_by_phase_from_the_cpu_times_the_script_marks(tmp_path):
