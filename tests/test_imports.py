@@ -60,8 +60,9 @@ def test_a_cpu_start_loads_no_unit_that_cannot_act_there_and_no_page_doctor_or_c
 
 
 # What the units run only once they act: a census after warm-up, a loader's timing, an update timed
-# against torch's, graph capture's compile records. A run that has not got there imports none of it,
-# not even where a step's torch.optim constructor reads every imported module (inspect.getmodule).
+# against torch's, graph capture's compile records and one-offs. A run that has not got there imports
+# none of it, not even where a step's torch.optim constructor reads every imported module
+# (inspect.getmodule).
 RUN_ON_FIRST_USE = (
     "autogaudi.optimizations.step_profiler.census",
     "autogaudi.optimizations.step_profiler.classification",
@@ -69,6 +70,7 @@ RUN_ON_FIRST_USE = (
     "autogaudi.optimizations.fused_optimizer.update_times",
     "autogaudi.optimizations.graph_capture.compile_counts",
     "autogaudi.optimizations.shape_buckets.check",
+    "autogaudi.measure.one_offs",
 )
 
 

@@ -9,13 +9,16 @@ import time
 import warnings
 
 import torch
+import wrapt
 
 from autogaudi.core.events import Event
 from autogaudi.core.guard import PASSING_THROUGH
 from autogaudi.entry.ranks import is_rank_zero
-from autogaudi.measure import numerics, one_offs
+from autogaudi.measure import numerics
 from autogaudi.optimizations.step_profiler import training_model
 from autogaudi.watch.model_call import Layer
+
+one_offs = wrapt.lazy_import("autogaudi.measure.one_offs")  # read once a capture is set up
 
 MAX_SHAPES = 8
 

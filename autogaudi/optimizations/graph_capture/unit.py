@@ -30,11 +30,12 @@ from autogaudi.core.events import Event
 from autogaudi.core.unit import RANDOM, ROUNDING
 from autogaudi.entry.paths import short_location
 from autogaudi.entry.ranks import rank_zero_choice
-from autogaudi.measure import numerics, one_offs
+from autogaudi.measure import numerics
 from autogaudi.optimizations.graph_capture.captured_call import CapturedCall, own_gradient_tensors
 from autogaudi.watch.model_call import Layer, compiled_by_the_script, holder
 
 # What the unit reads once the step is profiled: loaded then, so a run that is never profiled skips them.
+one_offs = wrapt.lazy_import("autogaudi.measure.one_offs")
 compile_counts = wrapt.lazy_import("autogaudi.optimizations.graph_capture.compile_counts")
 host_reads = wrapt.lazy_import("autogaudi.optimizations.graph_capture.host_reads")
 engines = wrapt.lazy_import("autogaudi.watch.engines")
