@@ -24,8 +24,10 @@ much the pairs' spread can be trusted.
 
 ``--instructions``: where the pairs cannot resolve the budget (torch's import moves by hundreds of
 milliseconds on a 2-core machine, busy or not), each command also runs once under valgrind's
-callgrind, which counts the instructions each phase executes: the same count run after run (plain
-against itself differs by under 0.1% per phase), whatever the load. The script's marks call
+callgrind, which counts the instructions each phase executes on the main thread: the same count run
+after run (plain against itself differs by under 0.1% per phase). The main thread's only, where
+autogaudi's work runs: torch's worker threads spin while they wait, longer on a busy machine (beside
+a test suite, a whole run counted 70 million more). The script's marks call
 ``os.getpgrp()``, a syscall nothing else here makes, and callgrind dumps its count before each; the
 added instructions of each phase are turned into milliseconds at plain's own rate in that phase (its
 median CPU milliseconds over its instructions), an estimate: autogaudi's code need not run at the
@@ -120,17 +122,18 @@ def timed(command: list, env: dict) -> tuple:
 
 
 def counted(command: list, env: dict, out: Path) -> subprocess.Popen:
-    """``command`` started under callgrind, counting instructions until each of the script's marks
-    (one file each, ``out.1`` to ``out.3``) and to the exit (``out``)."""
-    valgrind = ["valgrind", "--tool=callgrind", "--dump-before=os_getpgrp*", f"--callgrind-out-file={out}"]
+    """``command`` started under callgrind, counting each thread's instructions until each of the
+    script's marks (the main thread's in ``out.1-01`` to ``out.3-01``) and to the exit (``out-01``)."""
+    valgrind = ["valgrind", "--tool=callgrind", "--separate-threads=yes", "--dump-before=os_getpgrp*"]
+    valgrind.append(f"--callgrind-out-file={out}")
     env = {**env, "PYTHONHASHSEED": "0"}  # the same dict layouts, run after run
     return subprocess.Popen(valgrind + command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
 def phase_instructions(out: Path) -> dict:
-    """The instructions of each phase (:data:`PHASES`) from :func:`counted`'s files."""
-    files = [Path(f"{out}.{index}") for index in (1, 2, 3)] + [out]
-    if Path(f"{out}.4").exists() or not all(path.exists() for path in files):
+    """The main thread's instructions in each phase (:data:`PHASES`) from :func:`counted`'s files."""
+    files = [Path(f"{out}.{index}-01") for index in (1, 2, 3)] + [Path(f"{out}-01")]
+    if Path(f"{out}.4-01").exists() or not all(path.exists() for path in files):
         raise RuntimeError(f"callgrind did not dump once at each of the script's three marks: {out}")
     counts = []
     for path in files:
