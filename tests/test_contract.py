@@ -7,6 +7,7 @@ very object it held before. Orders of importing torch and enabling: tests/entry/
 import importlib
 
 import pytest
+import torch
 import wrapt
 
 import autogaudi
@@ -69,6 +70,8 @@ def test_the_unit_patches_its_targets_once_and_restores_them_exactly(hpu_double,
     options.update(SWITCHED_ON_BY.get(info.name, {}))
     for again in ({}, {}, {"log_every": 7}):  # enable, the same again (harmless), then reconfigure
         autogaudi.enable(**options, **again)
+        if "LOADER_BUILT" in info.waits_for:  # a unit loaded at the first DataLoader: its targets from then on
+            torch.utils.data.DataLoader(range(4))
         row = autogaudi.report().unit(info.name)
         # in force, nothing to act on yet (no step has run); the profile is the decision the others wait for
         assert row["status"] == ("deciding" if info.name == "step_profiler" else "watching"), row

@@ -55,8 +55,13 @@ def test_a_cpu_start_loads_no_unit_that_cannot_act_there_and_no_page_doctor_or_c
         )
     for info in opt_in:
         assert seen["rows"][info.name]["reason_code"] in ("opt_in", "off_by_default", "other_backend")
-    loaded = [info for info in UNITS if "cpu" in info.backends and info not in opt_in]
+    loaded = [info for info in UNITS if "cpu" in info.backends and info not in opt_in and not info.waits_for]
     assert {unit_module(info) for info in loaded} <= modules
+    # the units that wait for a loader or the step profile are loaded when one comes: their rows watch
+    waiting = [info for info in UNITS if "cpu" in info.backends and info not in opt_in and info.waits_for]
+    assert waiting and not {unit_module(info) for info in waiting} & modules
+    for info in waiting:
+        assert (seen["rows"][info.name]["status"], seen["rows"][info.name]["reason_code"]) == ("watching", info.waiting)
 
 
 # What the units run only once they act: a census after warm-up, a loader's timing, an update timed

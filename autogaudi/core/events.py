@@ -86,13 +86,28 @@ class Dispatcher:
     def adjust(self, event: Event, subject, args: tuple, kwargs: dict) -> tuple:
         """Hand a constructor's ``(args, kwargs)`` through the listeners in turn: each may return
         new ones (or None to leave them), and sees what the one before it returned."""
-        for listener in tuple(self._listeners[event]):
-            adjusted = run_guarded(listener.owner, listener.fn, subject, args, kwargs)
-            if adjusted is not None:
-                args, kwargs = adjusted
-        return args, kwargs
+        return _adjusted(tuple(self._listeners[event]), subject, args, kwargs)
+
+    def hand_to(self, owner, event: Event, *args):
+        """The event under way, to ``owner``'s listeners only: an owner that started inside its
+        emission (a unit loaded at its first event) hears it as if it had been listening. For
+        ``LOADER_BUILT``, what :meth:`adjust` takes; else None."""
+        listeners = [listener for listener in self._listeners[event] if listener.owner is owner]
+        if event is Event.LOADER_BUILT:
+            return _adjusted(listeners, *args)
+        for listener in listeners:
+            run_guarded(listener.owner, listener.fn, *args)
+        return None
 
     def forget(self, owner) -> None:
         """Remove every listener of ``owner`` (the session does this when it reverts a unit)."""
         for listeners in self._listeners.values():
             listeners[:] = [listener for listener in listeners if listener.owner is not owner]
+
+
+def _adjusted(listeners, subject, args: tuple, kwargs: dict) -> tuple:
+    for listener in listeners:
+        adjusted = run_guarded(listener.owner, listener.fn, subject, args, kwargs)
+        if adjusted is not None:
+            args, kwargs = adjusted
+    return args, kwargs

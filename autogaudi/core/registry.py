@@ -30,11 +30,36 @@ class UnitInfo:
     """A unit's name, one-line summary, ``"package.module:Class"``, whether it is opt-in (off
     unless named in ``--force``, for units with a cost the user must accept), and the backends it
     can act on (:data:`ACTS_ONLY_ON`). A plain class, not a NamedTuple: importing ``typing`` would
-    cost every ``AUTOGAUDI=1`` process ~8 ms."""
+    cost every ``AUTOGAUDI=1`` process ~8 ms.
 
-    __slots__ = ("name", "summary", "module", "opt_in", "switched_on_by", "backends", "why_not_elsewhere")
+    ``waits_for``: the events (:class:`~autogaudi.core.events.Event` names) before which the unit does
+    nothing; the session loads it at the first of them (:mod:`autogaudi.core.waiting`), its row saying
+    ``waiting`` (a core reason code) until then, except on the backends in ``starts_at_once_on``."""
 
-    def __init__(self, name: str, summary: str, module: str, opt_in: bool = False, switched_on_by=None):
+    __slots__ = (
+        "name",
+        "summary",
+        "module",
+        "opt_in",
+        "switched_on_by",
+        "backends",
+        "why_not_elsewhere",
+        "waits_for",
+        "waiting",
+        "starts_at_once_on",
+    )
+
+    def __init__(
+        self,
+        name: str,
+        summary: str,
+        module: str,
+        opt_in: bool = False,
+        switched_on_by=None,
+        waits_for: tuple = (),
+        waiting: str = "",
+        starts_at_once_on: tuple = (),
+    ):
         self.name = name
         self.summary = summary
         self.module = module
@@ -43,6 +68,7 @@ class UnitInfo:
         # even imported
         self.switched_on_by = switched_on_by
         self.backends, self.why_not_elsewhere = ACTS_ONLY_ON.get(name, (ALL_BACKENDS, ""))
+        self.waits_for, self.waiting, self.starts_at_once_on = waits_for, waiting, starts_at_once_on
 
 
 UNITS: tuple[UnitInfo, ...] = (
@@ -108,22 +134,31 @@ UNITS: tuple[UnitInfo, ...] = (
         "host-bound runs: the training model replays captured graphs (HPU graphs, CUDA graphs, torch.compile), "
         "if a trial finds it faster",
         "autogaudi.optimizations.graph_capture.unit:GraphCapture",
+        waits_for=("STEP_PROFILED",),
+        waiting="waiting_for_profile",
+        starts_at_once_on=("hpu",),  # HPU lazy graphs refuse checkpointing: its calls are counted from the start
     ),
     UnitInfo(
         "shape_buckets",
         "where shapes matter (HPU, graph capture, torch.compile): variable sequence lengths padded up to a few "
         "buckets, only where the batch's mask makes the padding provably harmless (checked on a copy)",
         "autogaudi.optimizations.shape_buckets.unit:ShapeBuckets",
+        waits_for=("BATCH_FETCHED", "STEP_PROFILED"),
+        waiting="waiting_for_profile",
     ),
     UnitInfo(
         "channels_last",
         "convolutional models and their 4-D inputs in channels_last memory format, if a trial finds it faster",
         "autogaudi.optimizations.channels_last:ChannelsLast",
+        waits_for=("STEP_PROFILED",),
+        waiting="waiting_for_profile",
     ),
     UnitInfo(
         "loader_workers",
         "DataLoader worker processes for loaders measured to starve the step, from the batch after the measured ones",
         "autogaudi.optimizations.loader_workers.unit:LoaderWorkers",
+        waits_for=("LOADER_BUILT", "EPOCH_START", "BEFORE_BATCH", "BATCH_FETCHED"),
+        waiting="no_loader",
     ),
     UnitInfo(
         "pin_memory",
@@ -135,6 +170,8 @@ UNITS: tuple[UnitInfo, ...] = (
         "where shapes matter (HPU lazy, graph capture, torch.compile): pad each epoch to whole batches so no "
         "short last batch triggers a recompile",
         "autogaudi.optimizations.static_last_batch:StaticLastBatch",
+        waits_for=("LOADER_BUILT",),
+        waiting="no_loader",
     ),
     UnitInfo(
         "ddp_tuning",

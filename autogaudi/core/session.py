@@ -1,8 +1,9 @@
 """One activation of autogaudi in a process, from torch's import until ``disable()`` or exit.
 
 The session picks the backend, starts watching training steps, and walks the registry: each unit
-is skipped (switched off by an option, or it does not apply here, with the reason), applied, or
-failed (its ``apply()`` raised: it is reverted at once). A unit that breaks later, at run time,
+is skipped (switched off by an option, or it does not apply here, with the reason), applied,
+failed (its ``apply()`` raised: it is reverted at once), or left waiting for the first event it acts
+on (:mod:`autogaudi.core.waiting`), then loaded as at the start. A unit that breaks later, at run time,
 is reverted then and the user's run continues. ``stop()`` reverts every applied unit in reverse.
 """
 
@@ -25,6 +26,7 @@ from autogaudi.core.reasons import Reason
 from autogaudi.core.registry import PROFILER, UNITS
 from autogaudi.core.status import Status
 from autogaudi.core.unit import Scope, warn
+from autogaudi.core.waiting import WaitingUnit
 from autogaudi.entry import before_bridge
 from autogaudi.entry.children import gathered as gathered_children
 from autogaudi.entry.ranks import gather_from_ranks, is_rank_zero, several_ranks
@@ -119,12 +121,49 @@ class Session:
         if torch.distributed.is_available():
             self._scope.wrap(torch.distributed, "destroy_process_group", self._before_destroy)
         self.active = True
-        units = {info.name: self._load(info) for info in UNITS}
+        waiting = {info.name: info for info in UNITS if self._waits(info)}
+        units = {info.name: None if info.name in waiting else self._load(info) for info in UNITS}
         for place, name in enumerate(start_order({name: unit and unit.spec for name, unit in units.items()})):
-            if units[name] is not None:
+            if name in waiting:
+                self.rows[name].set(Status.WATCHING, Reason(waiting[name].waiting))
+                self._scope.add(WaitingUnit(self, waiting[name], place).cancel)
+            elif units[name] is not None:
                 self.events.rank(units[name], place)  # its listeners, however late added, run in this order
                 self._start_unit(units[name])
         self.check_settled()
+
+    def _waits(self, info) -> bool:
+        """Whether ``info``'s unit is loaded at its first event (:mod:`autogaudi.core.waiting`) rather
+        than now. Now where its row must say at once where it stands: under ``--exact`` (whether it may
+        act there), named in ``--force`` or ``--trial`` (asked for), or waiting only for a step profile
+        that no profiler will make (it needs one)."""
+        options = self.options
+        return (
+            bool(info.waits_for)
+            and not options.exact
+            and info.name not in (*options.force, *options.trial)
+            and self.backend.name in info.backends
+            and self.backend.name not in info.starts_at_once_on
+            and not options.unit_switched_off(info.name)
+            and not (set(info.waits_for) == {Event.STEP_PROFILED.name} and options.unit_switched_off(PROFILER))
+        )
+
+    def start_waiting(self, info, place: int):
+        """Load and start the unit that waited for the event now under way; the unit (None where it
+        could not load). Its row says where it stands, as a unit loaded at the start would."""
+        if not self.active:
+            return None
+        unit = self._load(info)
+        if unit is not None:
+            self.events.rank(unit, place)
+            self._start_unit(unit)
+        return unit
+
+    def unit_not_started(self, info, error: Exception) -> None:
+        """The wait for ``info``'s unit failed on its own (not the unit's load or start): its row says so."""
+        row = self.rows[info.name]
+        if row.unit not in self.applied:
+            row.set(Status.FAILED, Reason("could_not_load", error=error))
 
     def _load(self, info):
         """The unit's object, or None (switched off, or it failed to load: its row says so)."""

@@ -15,7 +15,6 @@ from tests.optimizations.test_step_profiler import STEPS
 
 def run(step_clock, faster: bool, **options):
     autogaudi.enable(device="cpu", only="step_profiler,channels_last", **{"trial": "channels_last", **options})
-    unit = runtime._STATE.session.unit("channels_last")
     model = cnn()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     nhwc, states = [], []
@@ -27,7 +26,8 @@ def run(step_clock, faster: bool, **options):
         step_clock.advance(0.001 if nhwc[-1] == faster else 0.002)
         optimizer.step()
         optimizer.zero_grad()
-        states.append(unit.candidate.state)
+        unit = runtime._STATE.session.unit("channels_last")  # not asked for by name: loaded at the profile
+        states.append(unit.candidate.state if unit is not None else State.WAITING)
     return unit, model, states
 
 

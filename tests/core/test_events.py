@@ -61,3 +61,17 @@ def test_a_listener_added_late_runs_before_those_of_owners_that_started_later():
     events.on(Event.AFTER_BACKWARD, early, lambda: heard.append("watch"))
     events.emit(Event.AFTER_BACKWARD)
     assert heard == ["unscale", "watch", "all-reduce", "unranked"]
+
+
+def test_an_event_handed_to_one_owner_reaches_its_listeners_only_and_adjusts_in_turn():
+    """What a unit loaded inside an event's emission hears of that event: only its own listeners,
+    and for a loader's construction the arguments its listeners return."""
+    events, started_late, others, heard = Dispatcher(), GuardOwner(), GuardOwner(), []
+    events.on(Event.BATCH_FETCHED, others, lambda *args: heard.append(("others", args)))
+    events.on(Event.BATCH_FETCHED, started_late, lambda *args: heard.append(("late", args)))
+    assert events.hand_to(started_late, Event.BATCH_FETCHED, "iterator", "batch", 0.5) is None
+    assert heard == [("late", ("iterator", "batch", 0.5))]
+    events.on(Event.LOADER_BUILT, others, lambda loader, args, kwargs: (args, {**kwargs, "others": True}))
+    events.on(Event.LOADER_BUILT, started_late, lambda loader, args, kwargs: (args, {**kwargs, "workers": 2}))
+    events.on(Event.LOADER_BUILT, started_late, lambda loader, args, kwargs: (args + ("seen",), kwargs))
+    assert events.hand_to(started_late, Event.LOADER_BUILT, "loader", (), {}) == (("seen",), {"workers": 2})

@@ -576,9 +576,10 @@ def test_ranks_that_measure_apart_follow_rank_zero_and_finish_the_trial_together
     assert result.returncode == 0, result.stderr[-3000:]
     profiles = [worker["units"]["step_profiler"] for worker in workers]
     assert profiles[0]["figures"]["bound"] == profiles[1]["figures"]["bound"] == "host"
-    assert ("follows_rank_zero", "input") in [(code, params["bound"]) for code, params in said(profiles[1])], profiles[
-        1
-    ]
+    # Rank 1 measured apart (input-bound on a quiet machine; beside other work its waits can read
+    # unclear) and followed rank 0: what keeps the ranks in step is that it followed, not what it read.
+    followed = [params["bound"] for code, params in said(profiles[1]) if code == "follows_rank_zero"]
+    assert followed and followed[0] in ("input", "unclear"), profiles[1]
     captures = [worker["units"]["graph_capture"]["reason_code"] for worker in workers]
     assert captures[0] == captures[1] and captures[0] != "trial_running"  # decided alike, no trial left running
     assert workers[0]["checksum"] == workers[1]["checksum"]

@@ -71,7 +71,6 @@ class LoaderWorkers(Unit):
         numerics=(ROUNDING, RANDOM),
         exact_when="the dataset draws no random numbers and the steps run no multi-threaded CPU reduction",
         reasons={
-            "no_loader": "no DataLoader it may tune built yet",
             "measuring": "measuring each loader's first epoch",
             "none_starved": "measured: no loader starves the step, all kept in-process",
             "workers_no_faster": "measured: workers were tried and were no faster, all kept in-process",
