@@ -23,14 +23,12 @@ crashed compiled backward passes on CUDA (docs/units/channels_last.md).
 from __future__ import annotations
 
 import torch
-import wrapt
 
 from autogaudi.core.candidate import Candidate, DecidesCandidate
 from autogaudi.core.events import Event
 from autogaudi.core.unit import ROUNDING
+from autogaudi.watch.engines import fsdp2_managed
 from autogaudi.watch.model_call import Layer, holder
-
-engines = wrapt.lazy_import("autogaudi.watch.engines")  # read once the step is profiled
 
 
 def _in_layout(layout, args, kwargs) -> tuple:
@@ -103,7 +101,7 @@ class ChannelsLast(DecidesCandidate):
             return self.report.reason_for("no_conv2d")
         if in_channels_last(model):
             return self.report.reason_for("already_channels_last")
-        if engines.fsdp2_managed(model):
+        if fsdp2_managed(model):
             return self.report.reason_for("fsdp2")
         if profile.bound == "input" and self.name not in (*self.run.options.force, *self.run.options.trial):
             # Both arms would mostly time the wait for data: a trial measured 0.42x for channels_last

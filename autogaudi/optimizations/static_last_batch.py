@@ -21,14 +21,12 @@ epochs that already divide evenly. Where the training model turns out to be on t
 
 from __future__ import annotations
 
-import wrapt
 from torch.utils.data import IterableDataset, RandomSampler, Sampler, SequentialSampler
 
 from autogaudi.core.events import Event
 from autogaudi.core.unit import DATA, Unit, UnitSpec
+from autogaudi.optimizations.shape_buckets.matter import compiled_for_shapes
 from autogaudi.watch.steps import loader_arguments
-
-matter = wrapt.lazy_import("autogaudi.optimizations.shape_buckets.matter")  # read once a loader is built
 
 
 class PaddedSampler(Sampler):
@@ -97,14 +95,14 @@ class StaticLastBatch(Unit):
 
     def _profiled(self, profile) -> None:
         self._model = profile.model
-        if matter.compiled_for_shapes(self._model, self.run.options) is None:
+        if compiled_for_shapes(self._model, self.run.options) is None:
             code = "hpu_eager" if self.run.backend.name == "hpu" else "eager"
             self.report.because(code, backend=self.run.backend.name)
 
     def _shapes_matter(self) -> bool:
         if self._aside:
             return False
-        return self.run.backend.is_lazy or matter.compiled_for_shapes(self._model, self.run.options) is not None
+        return self.run.backend.is_lazy or compiled_for_shapes(self._model, self.run.options) is not None
 
     def _adjust(self, loader, args, kwargs):
         call = loader_arguments(loader, args, kwargs, defaults=True)

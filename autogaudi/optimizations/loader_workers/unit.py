@@ -18,7 +18,6 @@ import os
 import weakref
 
 import torch
-import wrapt
 from torch.utils.data import IterableDataset
 
 from autogaudi.core.candidate import State
@@ -26,11 +25,12 @@ from autogaudi.core.events import Event
 from autogaudi.core.unit import RANDOM, ROUNDING, Unit, UnitSpec
 from autogaudi.entry.ranks import several_ranks
 from autogaudi.measure import machine_load, trials
+from autogaudi.optimizations.loader_workers.loader_state import LoaderState, Timing, period_noise_ms
 from autogaudi.optimizations.loader_workers.thread_cut import ThreadCut, with_threads, worker_budget
 from autogaudi.watch import steps
 from autogaudi.watch.model_call import Layer, compiled_by_the_script
+from autogaudi.watch.steps import loader_arguments
 
-loader_state = wrapt.lazy_import("autogaudi.optimizations.loader_workers.loader_state")  # at the first loader
 WARMUP_BATCHES = 2
 MEASURED_BATCHES = 16
 INPUT_BOUND = 0.5  # the share of each step spent waiting for data above which workers are tried
@@ -43,7 +43,7 @@ EARLY_BATCHES, CLEARLY_INPUT_BOUND = 6, 0.8
 BATCH_BOUND_S, BATCH_BOUND_FACTOR = 10.0, 100
 
 
-def measured_enough(timing: loader_state.Timing, lifecycle: State) -> bool:
+def measured_enough(timing: Timing, lifecycle: State) -> bool:
     """Whether a window has timed enough batches to decide on: all of them, except before tuning
     when waiting for data already dominates."""
     if lifecycle is State.WAITING and timing.batches >= EARLY_BATCHES and timing.input_bound >= CLEARLY_INPUT_BOUND:
@@ -51,12 +51,12 @@ def measured_enough(timing: loader_state.Timing, lifecycle: State) -> bool:
     return timing.batches >= MEASURED_BATCHES
 
 
-def workers_faster(before, after, materiality: float, workers: int = 1) -> bool:
-    """Whether the batches came faster (``after``, a :class:`~.loader_state.Timing`) with ``workers``
-    workers (their start-up included) than in-process (``before``), by the runner's one rule
-    (:func:`autogaudi.measure.trials.decide`) on rounds of one batch per worker: its margin on the
-    medians, beyond the two windows' spread, and, since workers change the numbers (their random
-    streams, the thread cut's rounding), by ``materiality`` of the in-process batch's period."""
+def workers_faster(before: Timing, after: Timing, materiality: float, workers: int = 1) -> bool:
+    """Whether the batches came faster with ``workers`` workers (their start-up included) than
+    in-process, by the runner's one rule (:func:`autogaudi.measure.trials.decide`) on rounds of one batch per
+    worker: its margin on the medians, beyond the two windows' spread, and, since workers change the
+    numbers (their random streams, the thread cut's rounding), by ``materiality`` of the in-process
+    batch's period."""
     return trials.decide(after.rounds(workers), before.rounds(workers), materiality=materiality).keep
 
 
@@ -171,7 +171,7 @@ class LoaderWorkers(Unit):
                 self.report.because(code, **values)
 
     def _consider(self, loader, args, kwargs):
-        given = steps.loader_arguments(loader, args, kwargs)
+        given = loader_arguments(loader, args, kwargs)
         if given is None:
             return None
         dataset, chosen = given.get("dataset"), given.get("num_workers")
@@ -190,7 +190,7 @@ class LoaderWorkers(Unit):
             self._kept_as_built("iterable_dataset")
             self._iterable_loaders += 1
         else:
-            state = self._loaders[loader] = loader_state.LoaderState(loader)
+            state = self._loaders[loader] = LoaderState(loader)
             self.run.trials.measuring(self, state)
             if not self._tuned:
                 self.report.because("measuring")
@@ -348,7 +348,7 @@ class LoaderWorkers(Unit):
             workers = worker_budget()[0]
             after_ms = after.ms_per_batch(workers)
             self.report.figures["ms_per_batch_after"] = round(after_ms, 3)
-            self.report.figures["ms_per_batch_noise"] = round(loader_state.period_noise_ms(before, after, workers), 3)
+            self.report.figures["ms_per_batch_noise"] = round(period_noise_ms(before, after, workers), 3)
             if not workers_faster(before, after, trials.materiality_of(self), workers):
                 self._untune(state)
                 self._keep(state, "no_faster", after=after_ms, before=before.ms_per_batch(workers))
@@ -405,7 +405,7 @@ class LoaderWorkers(Unit):
         script = self._threads.script_threads()
         self._threads.hold(state, worker_budget()[1], state.scope)
         if state.lifecycle is State.TRIAL:  # timed with workers from here: with the cores they are given
-            state.with_workers, state.last_end = loader_state.Timing(), None
+            state.with_workers, state.last_end = Timing(), None
         self._ever_cut = True
         self.report.note("threads_cut", threads=torch._C.get_num_threads(), script=script)
         self.report.figures["main_threads"] = torch._C.get_num_threads()

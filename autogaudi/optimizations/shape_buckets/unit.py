@@ -25,17 +25,12 @@ from __future__ import annotations
 import sys
 
 import torch
-import wrapt
 
 from autogaudi.core.events import Event
 from autogaudi.core.registry import PROFILER
 from autogaudi.core.unit import RANDOM, ROUNDING, Unit, UnitSpec
-from autogaudi.optimizations.shape_buckets import buckets, padding, signature  # on every batch and call
+from autogaudi.optimizations.shape_buckets import buckets, check, matter, padding, signature
 from autogaudi.watch.model_call import Layer, holder, trains
-
-# The shadow check and where shapes matter: read at the step profile, loaded then.
-check = wrapt.lazy_import("autogaudi.optimizations.shape_buckets.check")
-matter = wrapt.lazy_import("autogaudi.optimizations.shape_buckets.matter")
 
 MAX_GRAPHS = 8  # the most graphs the buckets may cost, one more batch size (a short last batch) included
 LENGTHS_KEPT = 256  # batches whose lengths are kept to choose buckets from
