@@ -55,7 +55,16 @@ def test_a_cpu_start_loads_no_unit_that_cannot_act_there_and_no_page_doctor_or_c
         )
     for info in opt_in:
         assert seen["rows"][info.name]["reason_code"] in ("opt_in", "off_by_default", "other_backend")
-    loaded = [info for info in UNITS if "cpu" in info.backends and info not in opt_in and not info.waits_for]
+    # no --memory-limit: a unit that needs a budget is not loaded on the CPU, and is not needed
+    budgeted = [info for info in UNITS if info.needs_budget]
+    assert budgeted and not {unit_module(info) for info in budgeted} & modules
+    for row in (seen["rows"][info.name] for info in budgeted):
+        assert (row["status"], row["reason_code"]) == ("not needed", "no_budget")
+    loaded = [
+        info
+        for info in UNITS
+        if "cpu" in info.backends and info not in opt_in and not info.waits_for and not info.needs_budget
+    ]
     assert {unit_module(info) for info in loaded} <= modules
     # the units that wait for a loader or the step profile are loaded when one comes: their rows watch
     waiting = [info for info in UNITS if "cpu" in info.backends and info not in opt_in and info.waits_for]

@@ -28,6 +28,7 @@ CORE = {
     "not_exact": "off under {flag}: it would change {how}{when}",
     "waiting_for_profile": "waiting for the step profile",
     "no_loader": "no DataLoader built yet",
+    "no_budget": "no memory budget known: give --memory-limit GB (on the CPU), or run on an accelerator",
     "no_training_model": "no module owning the optimizer's parameters was called in the profiled step",
     "remembered": "{decision}, as its trial decided in run {run} on {date} ({speedup}x) with the same script, model "
     "and inputs; this run's step time is checked against that trial's",

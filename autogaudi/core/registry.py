@@ -34,7 +34,10 @@ class UnitInfo:
 
     ``waits_for``: the events (:class:`~autogaudi.core.events.Event` names) before which the unit does
     nothing; the session loads it at the first of them (:mod:`autogaudi.core.waiting`), its row saying
-    ``waiting`` (a core reason code) until then, except on the backends in ``starts_at_once_on``."""
+    ``waiting`` (a core reason code) until then, except on the backends in ``starts_at_once_on``.
+
+    ``needs_budget``: the unit acts only on a step with a memory budget; where none can exist (the
+    CPU without ``--memory-limit``) it is not imported, and its row reads ``not needed``."""
 
     __slots__ = (
         "name",
@@ -47,6 +50,7 @@ class UnitInfo:
         "waits_for",
         "waiting",
         "starts_at_once_on",
+        "needs_budget",
     )
 
     def __init__(
@@ -59,6 +63,7 @@ class UnitInfo:
         waits_for: tuple = (),
         waiting: str = "",
         starts_at_once_on: tuple = (),
+        needs_budget: bool = False,
     ):
         self.name = name
         self.summary = summary
@@ -69,6 +74,7 @@ class UnitInfo:
         self.switched_on_by = switched_on_by
         self.backends, self.why_not_elsewhere = ACTS_ONLY_ON.get(name, (ALL_BACKENDS, ""))
         self.waits_for, self.waiting, self.starts_at_once_on = waits_for, waiting, starts_at_once_on
+        self.needs_budget = needs_budget
 
 
 UNITS: tuple[UnitInfo, ...] = (
@@ -128,6 +134,7 @@ UNITS: tuple[UnitInfo, ...] = (
         "where a step's peak, forecast on fake tensors before the first forward, exceeds --memory-limit or the "
         "device: activation checkpointing of the fewest repeated blocks that bring it under",
         "autogaudi.optimizations.activation_checkpointing:ActivationCheckpointing",
+        needs_budget=True,
     ),
     UnitInfo(
         "graph_capture",

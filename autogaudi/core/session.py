@@ -177,6 +177,9 @@ class Session:
             backends = "/".join(info.backends)
             row.set(Status.SKIPPED, Reason("other_backend", backends=backends, backend=self.backend.name, why=why))
             return None
+        if info.needs_budget and self.step_memory is None:  # not imported: no budget its code could act on
+            row.set(Status.NOT_NEEDED, Reason("no_budget"))
+            return None
         try:
             module_name, class_name = info.module.split(":")
             row.unit = getattr(importlib.import_module(module_name), class_name)(self, info)

@@ -124,7 +124,6 @@ def _mb(size: int) -> str:
 class ActivationCheckpointing(Unit):
     spec = UnitSpec(
         reasons={
-            "no_budget": "no memory budget known: give --memory-limit GB (on the CPU), or run on an accelerator",
             "waiting_for_forecast": "waiting for the measurement of the training model's first step",
             "not_forecast": "the step could not be measured ({why}); nothing changed",
             "fits": "the step's peak {peak} fits the budget {budget}",
