@@ -44,6 +44,7 @@ def test_a_cpu_start_loads_no_unit_that_cannot_act_there_and_no_page_doctor_or_c
         name for name in modules if name == "autogaudi.reporting.page" or name.startswith("autogaudi.diagnosis")
     }
     assert "torch._dynamo" not in modules and "torch._inductor" not in modules
+    assert "autogaudi.backends.cuda" not in modules  # probed without its module: torch sees no CUDA device
     # every unit still has its row, those not loaded for their backend with the code a loaded one gives
     assert set(seen["rows"]) == {info.name for info in UNITS}
     for info in set(elsewhere) - set(opt_in):

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import importlib.util
 
-from autogaudi.backends import cpu, cuda
+import torch
+
+from autogaudi.backends import cpu
 from autogaudi.backends.base import NO_BRIDGE, Backend, MemoryStats
 
 __all__ = ["Backend", "MemoryStats", "select"]
@@ -20,7 +22,17 @@ def _hpu_probe():
     return hpu.probe()
 
 
-PROBES = {"hpu": _hpu_probe, "cuda": cuda.probe, "cpu": cpu.probe}
+def _cuda_probe():
+    """:func:`autogaudi.backends.cuda.probe`, its module imported only where torch sees a CUDA device:
+    a start on a CPU-only machine need not load it."""
+    if not torch.cuda.is_available():
+        return "torch.cuda.is_available() is False"
+    from autogaudi.backends import cuda
+
+    return cuda.probe()
+
+
+PROBES = {"hpu": _hpu_probe, "cuda": _cuda_probe, "cpu": cpu.probe}
 
 
 def select(device: str) -> Backend:

@@ -91,7 +91,5 @@ class CudaBackend(Backend):
 
 
 def probe():
-    """A CudaBackend if a CUDA device is usable, else the reason it is not."""
-    if not torch.cuda.is_available():
-        return "torch.cuda.is_available() is False"
+    """The CudaBackend, where torch sees a CUDA device (asked by :func:`autogaudi.backends.select`)."""
     return CudaBackend(f"{torch.cuda.device_count()} CUDA device(s), torch CUDA {torch.version.cuda}")
