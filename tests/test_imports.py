@@ -86,6 +86,9 @@ RUN_ON_FIRST_USE = (
     "autogaudi.optimizations.graph_capture.compile_counts",
     "autogaudi.optimizations.shape_buckets.check",
     "autogaudi.measure.one_offs",
+    "autogaudi.optimizations.step_profiler.training_model",
+    "autogaudi.watch.model_call",
+    "autogaudi.reporting.output_file",  # no --report
 )
 
 

@@ -31,7 +31,6 @@ from autogaudi.entry import before_bridge
 from autogaudi.entry.children import gathered as gathered_children
 from autogaudi.entry.ranks import gather_from_ranks, is_rank_zero, several_ranks
 from autogaudi.measure.trials import StepWindows, TrialRunner
-from autogaudi.reporting import output_file as report_file
 from autogaudi.reporting.rows import UnitRow
 from autogaudi.store.cache import inductor_cache_distrust, note
 from autogaudi.store.decisions import Memory
@@ -455,6 +454,8 @@ class Session:
         report = self.report(exit_began=began)
         not_written = None
         if self.options.report:
+            from autogaudi.reporting import output_file as report_file  # here: loaded only for a report
+
             try:
                 if self.options.report.lower().endswith(".html"):
                     from autogaudi.reporting.page import render  # here: the page's module is loaded only for a page

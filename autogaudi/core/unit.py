@@ -30,7 +30,9 @@ from autogaudi.core.registry import PROFILER
 from autogaudi.core.run_view import RunView
 from autogaudi.core.status import Status
 from autogaudi.core.unit_report import UnitReport
-from autogaudi.watch import model_call
+
+# The call-route layers (a module held by a unit): loaded at a unit's first hold, not at every start
+model_call = wrapt.lazy_import("autogaudi.watch.model_call")
 
 # How a unit can make a run's numbers differ from plain PyTorch's on the same machine (losses,
 # parameters, gradients, random draws; docs/numerics.md), as the report and --exact's reason say it.

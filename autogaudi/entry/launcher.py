@@ -25,7 +25,6 @@ from autogaudi.entry import runtime
 from autogaudi.entry.main_script import run_as_main, split_command_line
 from autogaudi.entry.paths import bootstrap_dir
 from autogaudi.measure import timeline
-from autogaudi.reporting import output_file as report_file
 from autogaudi.store.cache import refusal as cache_refusal
 
 PROG = "python -m autogaudi"
@@ -79,15 +78,17 @@ def main(argv=None):
         parser.error("give a script to run, or -m module")
     try:
         options = Options.from_env().replace(**given)
-        report_file.check(options.report)
+        if options.report is not None:  # children (torchrun workers) write where this folder says, too
+            from autogaudi.reporting import output_file  # here: loaded only for a report, as runtime does
+
+            output_file.check(options.report)
+            given["report"] = output_file.resolved(options.report)
+            options = options.replace(report=given["report"])
     except OptionsError as error:
         parser.error(str(error))
     refused = cache_refusal(options)  # evicting there would delete the user's files: before the script starts
     if refused:
         parser.error(refused)
-    if options.report is not None:  # children (torchrun workers) write where this folder says, too
-        given["report"] = report_file.resolved(options.report)
-        options = options.replace(report=given["report"])
     _export_to_children(options, given)
     if not (is_module and target in PROCESS_LAUNCHERS):
         runtime.enable_with_source(given, "launcher")

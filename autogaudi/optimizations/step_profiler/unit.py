@@ -27,7 +27,6 @@ from autogaudi.entry.paths import short_location
 from autogaudi.entry.ranks import rank_zero_choice, several_ranks
 from autogaudi.measure import machine_load
 from autogaudi.measure.trials import median
-from autogaudi.optimizations.step_profiler import training_model
 from autogaudi.store.decisions import origin
 from autogaudi.watch import steps
 
@@ -36,6 +35,7 @@ census = wrapt.lazy_import("autogaudi.optimizations.step_profiler.census")
 classification = wrapt.lazy_import("autogaudi.optimizations.step_profiler.classification")
 step_profile = wrapt.lazy_import("autogaudi.optimizations.step_profiler.profile")
 run_length = wrapt.lazy_import("autogaudi.watch.run_length")
+training_model = wrapt.lazy_import("autogaudi.optimizations.step_profiler.training_model")
 
 # The most of a run the census's one-off (the backend's ``census_one_off_s``) may cost: it starts once
 # the run so far, with the steps a framework says are left, is long enough to carry it.
