@@ -479,9 +479,8 @@ def compile_caches_written() -> bool:
 
 
 def budget_possible(options, backend) -> bool:
-    """Whether a step can have a memory budget (:func:`autogaudi.measure.step_memory.budget_bytes`):
-    ``--memory-limit``, or an accelerator's capacity. Where not (the CPU without a limit), the step
-    memory watcher could not act: it is neither made nor its module loaded."""
+    """Whether a step can have a memory budget (``--memory-limit``, or an accelerator's capacity): where
+    not (the CPU without a limit), neither the step memory watcher nor a unit that needs one is loaded."""
     return backend.name != "cpu" or bool(options.memory_limit)
 
 
