@@ -72,10 +72,12 @@ def main(argv=None):
 
         return cache_main(argv[1:])
     ours, target, target_args, is_module = split_command_line(argv, VALUE_FLAGS)
-    parser = build_parser()
-    given = {name: value for name, value in vars(parser.parse_args(ours)).items() if value is not None}
+    # The parser reads our options and says usage errors and --help: without options (the plain
+    # `python -m autogaudi train.py`) it is not built, a cost of the start (docs/benchmarks.md).
+    parsed = vars(build_parser().parse_args(ours)) if ours else {}
+    given = {name: value for name, value in parsed.items() if value is not None}
     if target is None:
-        parser.error("give a script to run, or -m module")
+        build_parser().error("give a script to run, or -m module")
     try:
         options = Options.from_env().replace(**given)
         if options.report is not None:  # children (torchrun workers) write where this folder says, too
@@ -85,10 +87,10 @@ def main(argv=None):
             given["report"] = output_file.resolved(options.report)
             options = options.replace(report=given["report"])
     except OptionsError as error:
-        parser.error(str(error))
+        build_parser().error(str(error))
     refused = cache_refusal(options)  # evicting there would delete the user's files: before the script starts
     if refused:
-        parser.error(refused)
+        build_parser().error(refused)
     _export_to_children(options, given)
     if not (is_module and target in PROCESS_LAUNCHERS):
         runtime.enable_with_source(given, "launcher")

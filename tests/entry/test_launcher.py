@@ -131,6 +131,25 @@ def test_bad_options_fail_before_the_script_starts(args, message):
     assert result.stdout == ""  # the script never ran
 
 
+def test_a_launch_without_options_builds_no_parser_and_still_reads_the_environment():
+    """The parser's construction is a cost of every start: built only for options to read or an error to say."""
+    code = (
+        "import runpy, sys\n"
+        "import autogaudi.entry.launcher as launcher\n"
+        "def refused():\n"
+        "    raise AssertionError('the parser was built')\n"
+        "launcher.build_parser = refused\n"
+        f"sys.argv = ['autogaudi', {str(SCRIPTS / 'show_main.py')!r}]\n"
+        "runpy.run_module('autogaudi', run_name='__main__', alter_sys=True)\n"
+    )
+    result = run_python("-c", code)
+    assert result.returncode == 0, result.stderr
+    assert observed(result)["autogaudi_env"] == "1"
+    bad = run_python("-m", "autogaudi", SCRIPTS / "show_main.py", env={**clean_env(), "AUTOGAUDI_DEVICE": "tpu"})
+    assert (bad.returncode, bad.stdout) == (2, "")
+    assert "valid choices for AUTOGAUDI_DEVICE: auto, hpu, cuda, cpu" in bad.stderr
+
+
 @pytest.mark.parametrize(
     "command, abbreviation",
     [
