@@ -31,7 +31,10 @@ a test suite, a whole run counted 70 million more). The script's marks call
 ``os.getpgrp()``, a syscall nothing else here makes, and callgrind dumps its count before each; the
 added instructions of each phase are turned into milliseconds at plain's own rate in that phase (its
 median CPU milliseconds over its instructions), an estimate: autogaudi's code need not run at the
-rate of the code it is beside. ``--check`` reads this estimate where it was measured.
+rate of the code it is beside. ``--check`` reads this estimate where it was measured. Beside it, the
+added instructions outside Python's garbage collector: the collector runs where allocations cross its
+thresholds, so a start allocating a little more or less moves a full collection to another moment of
+the run, and the total with it, by millions either way; outside it the count follows the work alone.
 
 The budget lives here, not in a test that pins which modules a start imports: ``--check`` exits 1
 where the pairs' median wall difference is over ``BUDGET_MS`` (read it on a quiet machine: on a busy
@@ -142,27 +145,58 @@ def phase_instructions(out: Path) -> dict:
     return dict(zip(PHASES, counts))
 
 
+def phase_collector_instructions(out: Path) -> dict:
+    """Of :func:`phase_instructions`, those inside Python's garbage collector (``gc_collect_main`` and
+    what it calls), by phase, from ``callgrind_annotate``'s inclusive counts."""
+    files = [Path(f"{out}.{index}-01") for index in (1, 2, 3)] + [Path(f"{out}-01")]
+    counts = []
+    for path in files:
+        annotated = subprocess.run(
+            ["callgrind_annotate", "--inclusive=yes", "--threshold=100", str(path)],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        lines = [line.split()[0] for line in annotated.splitlines() if ":gc_collect_main [" in line]
+        counts.append(int(lines[0].replace(",", "")) if lines else 0)
+    return dict(zip(PHASES, counts))
+
+
 def instructions(commands: dict, env: dict, folder: Path) -> dict:
-    """Each command's instructions by phase, both run at once (a count does not depend on the load)."""
+    """Each command's instructions by phase, both run at once (a count does not depend on the load),
+    and under ``"collector"`` those of them inside the garbage collector."""
     runs = {name: counted(command, env, folder / f"{name}.callgrind") for name, command in commands.items()}
     for name, process in runs.items():
         _, stderr = process.communicate()
         if process.returncode != 0:
             sys.exit(f"callgrind's run of {name} failed ({process.returncode}):\n{stderr[-4000:]}")
-    return {name: phase_instructions(folder / f"{name}.callgrind") for name in commands}
+    counts = {name: phase_instructions(folder / f"{name}.callgrind") for name in commands}
+    counts["collector"] = {name: phase_collector_instructions(folder / f"{name}.callgrind") for name in commands}
+    return counts
 
 
 def instructions_added(counts: dict, plain_cpu_ms: dict) -> dict:
     """autogaudi's instructions over plain's, by phase and in all, and each phase's in milliseconds at
-    plain's rate in that phase (``plain_cpu_ms``: plain's median CPU milliseconds by phase)."""
+    plain's rate in that phase (``plain_cpu_ms``: plain's median CPU milliseconds by phase). Also, where
+    counted, the added instructions outside the garbage collector: the collector runs when allocations
+    cross its thresholds, so a start that allocates a little more or less can move a full collection to
+    a costlier or cheaper moment of the run, and the total with it, by millions either way; outside it
+    the count moves only with the work done (the figure to read a small change by)."""
     ours, plain = counts["autogaudi"], counts["plain"]
     added = {phase: ours[phase] - plain[phase] for phase in PHASES}
     added_ms = {phase: added[phase] * plain_cpu_ms[phase] / plain[phase] for phase in PHASES}
-    return {
+    figures = {
         **counts,
         "added": {**added, "all": sum(added.values())},
         "added_ms_at_plain_rate": {**added_ms, "all": sum(added_ms.values())},
     }
+    if "collector" in counts:
+        collected = counts["collector"]
+        outside = {
+            phase: added[phase] - (collected["autogaudi"][phase] - collected["plain"][phase]) for phase in PHASES
+        }
+        figures["added_outside_collector"] = {**outside, "all": sum(outside.values())}
+    return figures
 
 
 def spread(values: list) -> dict:
@@ -277,6 +311,11 @@ def main() -> None:
         print(
             "instructions over plain by phase (millions; ms at plain's rate): "
             + ", ".join(f"{name} {added[name] / 1e6:+.1f} ({added_ms[name]:+.1f})" for name in (*PHASES, "all"))
+        )
+        outside = figures["instructions"]["added_outside_collector"]
+        print(
+            "of them outside the garbage collector (millions): "
+            + ", ".join(f"{name} {outside[name] / 1e6:+.1f}" for name in (*PHASES, "all"))
         )
     said = verdict(figures)
     load = figures["load_1min"]

@@ -191,18 +191,27 @@ def test_counted_instructions_judge_the_start_up_budget_where_the_pairs_cannot(t
     assert startup.verdict({"wall_ms": wall_within, "instructions": counted}) == "within"
     counted["added_ms_at_plain_rate"]["all"] = 25.1
     assert startup.verdict({"wall_ms": wall_within, "instructions": counted}) == "over"
+    # the collector's own instructions taken out: a collection moved into the step is not the start's work
+    collector = {
+        "autogaudi": {**dict.fromkeys(startup.PHASES, 0), "step": 400_000},
+        "plain": dict.fromkeys(startup.PHASES, 0),
+    }
+    counted = startup.instructions_added({"autogaudi": ours, "plain": plain, "collector": collector}, plain_cpu_ms)
+    assert counted["added_outside_collector"] == {**counted["added"], "step": 100_000, "all": 2_100_000}
 
 
 @pytest.mark.skipif(shutil.which("valgrind") is None, reason="valgrind is not installed")
 def test_callgrind_counts_each_marked_phase_and_refuses_a_mark_too_many(tmp_path):
     startup = load_benchmark("startup")
-    marked = "import os; os.getpgrp(); sum(range({})); os.getpgrp(); os.getpgrp()"
+    marked = "import gc, os; gc.disable(); os.getpgrp(); sum(range({})); os.getpgrp(); gc.collect(); os.getpgrp()"
     out = tmp_path / "run.callgrind"
     process = startup.counted([sys.executable, "-c", marked.format(10**6)], dict(os.environ), out)
     assert process.wait() == 0, process.stderr.read()
     phases = startup.phase_instructions(out)
     assert tuple(phases) == startup.PHASES
     assert phases["torch_import"] > 10 * phases["step"]  # the loop's million additions, between the first marks
+    collected = startup.phase_collector_instructions(out)
+    assert collected["step"] > 0 and collected["torch_import"] == 0  # the collection runs in the third phase only
     process = startup.counted([sys.executable, "-c", marked.format(1) + "; os.getpgrp()"], dict(os.environ), out)
     assert process.wait() == 0
     with pytest.raises(RuntimeError):
