@@ -134,13 +134,18 @@ def counted(command: list, env: dict, out: Path) -> subprocess.Popen:
     return subprocess.Popen(valgrind + command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
-def phase_instructions(out: Path) -> dict:
-    """The main thread's instructions in each phase (:data:`PHASES`) from :func:`counted`'s files."""
+def phase_files(out: Path) -> list:
+    """:func:`counted`'s files of the main thread, one per phase (:data:`PHASES`), in order."""
     files = [Path(f"{out}.{index}-01") for index in (1, 2, 3)] + [Path(f"{out}-01")]
     if Path(f"{out}.4-01").exists() or not all(path.exists() for path in files):
         raise RuntimeError(f"callgrind did not dump once at each of the script's three marks: {out}")
+    return files
+
+
+def phase_instructions(out: Path) -> dict:
+    """The main thread's instructions in each phase (:data:`PHASES`) from :func:`counted`'s files."""
     counts = []
-    for path in files:
+    for path in phase_files(out):
         summary = next(line for line in path.read_text().splitlines() if line.startswith(("summary:", "totals:")))
         counts.append(int(summary.split()[1]))
     return dict(zip(PHASES, counts))
@@ -149,9 +154,8 @@ def phase_instructions(out: Path) -> dict:
 def phase_collector_instructions(out: Path) -> dict:
     """Of :func:`phase_instructions`, those inside Python's garbage collector (``gc_collect_main`` and
     what it calls), by phase, from ``callgrind_annotate``'s inclusive counts."""
-    files = [Path(f"{out}.{index}-01") for index in (1, 2, 3)] + [Path(f"{out}-01")]
     counts = []
-    for path in files:
+    for path in phase_files(out):
         annotated = subprocess.run(
             ["callgrind_annotate", "--inclusive=yes", "--threshold=100", str(path)],
             capture_output=True,
@@ -178,11 +182,8 @@ def instructions(commands: dict, env: dict, folder: Path) -> dict:
 
 def instructions_added(counts: dict, plain_cpu_ms: dict) -> dict:
     """autogaudi's instructions over plain's, by phase and in all, and each phase's in milliseconds at
-    plain's rate in that phase (``plain_cpu_ms``: plain's median CPU milliseconds by phase). Also, where
-    counted, the added instructions outside the garbage collector: the collector runs when allocations
-    cross its thresholds, so a start that allocates a little more or less can move a full collection to
-    a costlier or cheaper moment of the run, and the total with it, by millions either way; outside it
-    the count follows the work far more closely (a cut of a few million reads there, not in the total)."""
+    plain's rate in that phase (``plain_cpu_ms``: plain's median CPU milliseconds by phase); where the
+    collector's were counted, the added instructions outside it (why: the module's docstring)."""
     ours, plain = counts["autogaudi"], counts["plain"]
     added = {phase: ours[phase] - plain[phase] for phase in PHASES}
     added_ms = {phase: added[phase] * plain_cpu_ms[phase] / plain[phase] for phase in PHASES}
